@@ -1,0 +1,476 @@
+/*
+ * libfusedce — fused kernels for the losses at the end of a language model.
+ *
+ * This header is the whole public contract. It is valid C99 and C++, includes no CUDA header, and is
+ * stable within an ABI version (FCE_ABI_VERSION): functions are only added, structs only grow at the end
+ * (each starts with `struct_size`), enum values are only appended.
+ *
+ * Conventions used by every entry point
+ * -------------------------------------
+ * Tensors are borrowed DLPack descriptors (`const DLTensor*`, dlpack/dlpack.h, DLPack >= 0.6). The library
+ * never keeps a pointer past the call (on CUDA: past the work enqueued on `stream`).
+ *   - `device.device_type` is kDLCPU for a CPU handle and kDLCUDA (or kDLCUDAManaged) for a CUDA handle;
+ *     every tensor of one call lives on the handle's device (FCE_STATUS_DEVICE_MISMATCH otherwise).
+ *   - `strides` are in elements, NULL meaning row-major. Matrices [N,V] need unit stride on the last axis
+ *     and any row stride >= V (padded rows are fine); vectors need unit stride. A stride of an axis of
+ *     extent 1 is ignored. `byte_offset` is honoured. Anything else: FCE_STATUS_UNSUPPORTED_LAYOUT.
+ *   - Floating dtypes: fp32 (kDLFloat,32), bf16 (kDLBfloat,16), fp16 (kDLFloat,16); `lanes` must be 1.
+ *     Index dtypes: int32 or int64. Every statistic is computed in fp32 or wider, whatever the input.
+ *   - A scalar is a tensor of ndim 0, or ndim 1 with shape [1].
+ *   - Optional tensors are NULL when absent.
+ * Handles: one per device, made by fce_handle_create. A handle may be used by one thread at a time;
+ * different handles may be used concurrently from different threads.
+ * Streams: every call takes the CUDA stream to enqueue on (ignored by CPU handles). CUDA calls are
+ * asynchronous, never synchronize the host, never allocate when given a large enough workspace, and may
+ * be captured in a CUDA graph.
+ * Workspace: each op has a `_workspace_size` query taking the same arguments. Pass a buffer of at least
+ * that many bytes on the handle's device, aligned to 256 bytes, or NULL to let the handle allocate and
+ * cache one (allocation happens on the first call that needs more; never during graph capture is safe
+ * only with a caller workspace).
+ * Errors: every function returns an fce_status_t. On failure a per-thread message is available from
+ * fce_last_error_message(), and no output tensor has been written (validation precedes all writes).
+ * Determinism: results are bitwise identical run to run on the same device and library build (fixed-order
+ * reductions, no floating-point atomics).
+ */
+#ifndef FUSEDCE_FUSEDCE_H_
+#define FUSEDCE_FUSEDCE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <dlpack/dlpack.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Version and export                                                                               */
+/* ------------------------------------------------------------------------------------------------ */
+
+#define FCE_VERSION_MAJOR 0
+#define FCE_VERSION_MINOR 1
+#define FCE_VERSION_PATCH 0
+/** MAJOR*10000 + MINOR*100 + PATCH. */
+#define FCE_VERSION_NUMBER (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
+/** Changes only when the binary interface breaks; the shared object is libfusedce.so.<FCE_ABI_VERSION>. */
+#define FCE_ABI_VERSION 0
+
+#if defined(_WIN32)
+#define FCE_API
+#else
+#define FCE_API __attribute__((visibility("default")))
+#endif
+
+/** FCE_VERSION_NUMBER of the loaded library (compare with the header's to detect a mismatch). */
+FCE_API unsigned fce_version_number(void);
+/** "MAJOR.MINOR.PATCH" of the loaded library; static storage, never NULL. */
+FCE_API const char* fce_version_string(void);
+/** FCE_ABI_VERSION of the loaded library. */
+FCE_API unsigned fce_abi_version(void);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Status                                                                                           */
+/* ------------------------------------------------------------------------------------------------ */
+
+/** Result of every call. Values are pinned; new codes are only appended. */
+typedef enum fce_status {
+  FCE_STATUS_SUCCESS = 0,
+  /** A required pointer is NULL, or an option value is out of its documented domain. */
+  FCE_STATUS_INVALID_ARGUMENT = 1,
+  /** Tensor ranks or extents disagree with each other or with the op (including zero extents). */
+  FCE_STATUS_SHAPE_MISMATCH = 2,
+  /** A tensor's dtype is not one the op accepts for that argument. */
+  FCE_STATUS_UNSUPPORTED_DTYPE = 3,
+  /** Strides the op cannot address (see the conventions above). */
+  FCE_STATUS_UNSUPPORTED_LAYOUT = 4,
+  /** A tensor lives on another device than the handle. */
+  FCE_STATUS_DEVICE_MISMATCH = 5,
+  /** Two tensors overlap in memory where the op does not allow aliasing. */
+  FCE_STATUS_ALIASING = 6,
+  /** A size or byte count overflows 64-bit arithmetic. */
+  FCE_STATUS_OVERFLOW = 7,
+  /** The caller's workspace is smaller than the op's `_workspace_size`. */
+  FCE_STATUS_WORKSPACE_TOO_SMALL = 8,
+  /** No usable CUDA device (no driver, stub driver, or no GPU); the message has the CUDA error text. */
+  FCE_STATUS_NO_DEVICE = 9,
+  /** The op exists in the contract but this backend does not implement it yet. */
+  FCE_STATUS_NOT_IMPLEMENTED = 10,
+  /** Host or device memory could not be allocated. */
+  FCE_STATUS_OUT_OF_MEMORY = 11,
+  /** A CUDA runtime call failed; the message has the CUDA error text. */
+  FCE_STATUS_CUDA_ERROR = 12,
+  /** A cuBLAS or BLAS call failed. */
+  FCE_STATUS_BLAS_ERROR = 13,
+  /** A bug in the library; please report it with the message. */
+  FCE_STATUS_INTERNAL_ERROR = 14
+} fce_status_t;
+
+/** Short static description of a status; never NULL ("unknown status" for values this build lacks). */
+FCE_API const char* fce_status_string(fce_status_t status);
+/** Detail of the last failure on the calling thread, "" when the last call succeeded. Valid until the
+ *  next libfusedce call on the same thread. Never NULL. */
+FCE_API const char* fce_last_error_message(void);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Handles and streams                                                                              */
+/* ------------------------------------------------------------------------------------------------ */
+
+/** ABI-identical to cudaStream_t and CUstream; NULL is the legacy default stream. */
+typedef struct CUstream_st* fce_stream_t;
+/** Owns what is costly to make for one device: device properties, BLAS handles, a cached workspace. */
+typedef struct fce_handle* fce_handle_t;
+
+/**
+ * Creates a handle for one device.
+ * @param device_type kDLCPU (device_id ignored, rows run in parallel on all cores) or kDLCUDA.
+ * @param device_id   CUDA ordinal for kDLCUDA.
+ * @param out         receives the handle; written only on success.
+ * @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT (out NULL, other device types, negative
+ *         ordinal); FCE_STATUS_NO_DEVICE (no driver, no GPU, ordinal out of range; the message carries the
+ *         CUDA error text; also from builds without CUDA); FCE_STATUS_OUT_OF_MEMORY.
+ */
+FCE_API fce_status_t fce_handle_create(int32_t device_type, int32_t device_id, fce_handle_t* out);
+/** Frees the handle and its cached workspace. NULL is accepted. Work still enqueued on CUDA streams
+ *  that uses the handle's cached workspace must be complete (the call synchronizes the device). */
+FCE_API fce_status_t fce_handle_destroy(fce_handle_t handle);
+/** Device type (kDLCPU or kDLCUDA) and ordinal of a handle. Either output pointer may be NULL. */
+FCE_API fce_status_t fce_handle_get_device(fce_handle_t handle, int32_t* device_type, int32_t* device_id);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Shared option values                                                                             */
+/* ------------------------------------------------------------------------------------------------ */
+
+/** Reductions of per-row losses (the `reduction` fields). */
+typedef enum fce_reduction {
+  FCE_REDUCTION_NONE = 0, /**< loss is [N] fp32, one value per row (0 for ignored rows) */
+  FCE_REDUCTION_SUM = 1,  /**< loss is a scalar fp32: the sum over rows */
+  /** Scalar fp32: the sum divided by the number of non-ignored rows (by the sum of their class weights
+   *  when class weights are given, as PyTorch). 0 when every row is ignored (PyTorch gives NaN). For KD
+   *  this is "batchmean": divided by the number of unmasked rows. */
+  FCE_REDUCTION_MEAN = 2
+} fce_reduction_t;
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Cross-entropy                                                                                    */
+/* ------------------------------------------------------------------------------------------------ */
+
+/**
+ * Options of cross-entropy (also used by linear cross-entropy). Initialize with FCE_CE_OPTIONS_INIT.
+ *
+ * Math, for a row x of logits [V] with target t (all in fp32, the max of the raw row taken first):
+ *   z_j   = c * tanh(s * x_j / c)       if softcap c > 0 (Gemma 2), else z_j = s * x_j  (s = logit_scale)
+ *   lse   = log(sum_j exp(z_j))
+ *   nll   = lse - z_t
+ *   with class weights w [V] and label smoothing e (PyTorch's definition, torch.nn.functional.cross_entropy):
+ *   loss  = (1 - e) * w_t * (lse - z_t) + (e / V) * sum_j w_j * (lse - z_j)   (w = 1 without weights)
+ *         + q * lse^2                                                       (z-loss, PaLM; q = z_loss_scale,
+ *                                                                              not weighted)
+ * Rows whose target equals ignore_index have loss 0, z-loss 0 and zero gradient. A target outside [0, V)
+ * that is not ignore_index is not an error status (detecting it on the GPU would need a host sync): that
+ * row's loss and z-loss are NaN (so a sum or mean is NaN) and its dlogits row is NaN, loudly.
+ * lse, argmax and entropy are reported for every row, ignored or not.
+ */
+typedef struct fce_ce_options {
+  uint32_t struct_size;   /**< sizeof(fce_ce_options_t) */
+  int32_t reduction;      /**< fce_reduction_t; default FCE_REDUCTION_MEAN */
+  int64_t ignore_index;   /**< targets equal to this are ignored; default -100 */
+  float label_smoothing;  /**< e in [0, 1]; default 0 */
+  float z_loss_scale;     /**< q >= 0 (PaLM uses 1e-4); default 0 */
+  float softcap;          /**< c >= 0, 0 = off (Gemma 2 uses 30); default 0 */
+  float logit_scale;      /**< s > 0, finite; multiplies logits (1/temperature); default 1 */
+  /** Optional class weights [V], fp32, finite and >= 0 (PyTorch `weight`). NULL = all ones. */
+  const DLTensor* class_weights;
+} fce_ce_options_t;
+
+#define FCE_CE_OPTIONS_INIT \
+  { (uint32_t)sizeof(fce_ce_options_t), FCE_REDUCTION_MEAN, -100, 0.0f, 0.0f, 0.0f, 1.0f, NULL }
+
+/**
+ * Outputs of fce_cross_entropy_fwd. Initialize with FCE_CE_OUTPUTS_INIT; every field but `loss` optional.
+ */
+typedef struct fce_ce_outputs {
+  uint32_t struct_size; /**< sizeof(fce_ce_outputs_t) */
+  /** Required. fp32: [N] for FCE_REDUCTION_NONE, a scalar otherwise. Nats. */
+  DLTensor* loss;
+  /** [N] fp32: logsumexp of the transformed logits z (save it for fce_cross_entropy_bwd). */
+  DLTensor* lse;
+  /** The z-loss part of `loss` (q * lse^2 per non-ignored row), shaped and reduced like `loss`. */
+  DLTensor* z_loss;
+  /** [N] int32 or int64: index of the largest raw logit, lowest index on ties (NaN counts as largest). */
+  DLTensor* argmax;
+  /** [N] fp32: entropy of softmax(z) in nats, -sum_j p_j log p_j. Not differentiated. */
+  DLTensor* entropy;
+  /** [N,V] in the logits' dtype: d(loss)/d(logits) times grad_loss, formed in fp32 and rounded once.
+   *  May be the very same memory as the logits (in-place); any other overlap is FCE_STATUS_ALIASING. */
+  DLTensor* dlogits;
+  /** Upstream gradient for dlogits, fp32: a scalar for SUM/MEAN, [N] (or a scalar, broadcast) for NONE.
+   *  NULL = 1. Read on the device, so it may be produced by earlier work on the same stream. */
+  const DLTensor* grad_loss;
+} fce_ce_outputs_t;
+
+#define FCE_CE_OUTPUTS_INIT { (uint32_t)sizeof(fce_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL }
+
+/**
+ * Cross-entropy forward over a large vocabulary by online softmax (Milakov & Gimelshein 2018), never
+ * materializing the softmax; the gradient is fused into the same pass when outputs->dlogits is set.
+ * @param logits  [N,V] fp32, bf16 or fp16.
+ * @param targets [N] int32 or int64.
+ * @param options NULL for the defaults (FCE_CE_OPTIONS_INIT).
+ * @return FCE_STATUS_SUCCESS, or the validation statuses (INVALID_ARGUMENT for NULL handle/logits/targets/
+ *         outputs/loss or options out of domain; SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
+ *         DEVICE_MISMATCH; ALIASING; OVERFLOW; WORKSPACE_TOO_SMALL), NOT_IMPLEMENTED, CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
+                                           const DLTensor* targets, const fce_ce_options_t* options,
+                                           const fce_ce_outputs_t* outputs, void* workspace,
+                                           size_t workspace_bytes);
+/** Workspace bytes fce_cross_entropy_fwd needs for these arguments (same validation). */
+FCE_API fce_status_t fce_cross_entropy_fwd_workspace_size(fce_handle_t handle, const DLTensor* logits,
+                                                          const DLTensor* targets,
+                                                          const fce_ce_options_t* options,
+                                                          const fce_ce_outputs_t* outputs, size_t* bytes);
+
+/**
+ * Cross-entropy backward from a saved logsumexp: dlogits = d(loss)/d(logits) * grad_loss.
+ * @param logits    [N,V] fp32, bf16 or fp16 (as given to the forward).
+ * @param targets   [N] int32 or int64.
+ * @param lse       [N] fp32 from fce_cross_entropy_fwd with the same options.
+ * @param grad_loss fp32 scalar (SUM/MEAN) or [N] or scalar (NONE); NULL = 1.
+ * @param options   the forward's options (NULL = defaults).
+ * @param dlogits   [N,V] in the logits' dtype; may be the logits' memory (in-place).
+ * @return as fce_cross_entropy_fwd.
+ */
+FCE_API fce_status_t fce_cross_entropy_bwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
+                                           const DLTensor* targets, const DLTensor* lse,
+                                           const DLTensor* grad_loss, const fce_ce_options_t* options,
+                                           DLTensor* dlogits, void* workspace, size_t workspace_bytes);
+/** Workspace bytes fce_cross_entropy_bwd needs for these arguments. */
+FCE_API fce_status_t fce_cross_entropy_bwd_workspace_size(fce_handle_t handle, const DLTensor* logits,
+                                                          const DLTensor* targets, const DLTensor* lse,
+                                                          const DLTensor* grad_loss,
+                                                          const fce_ce_options_t* options,
+                                                          const DLTensor* dlogits, size_t* bytes);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Logsumexp                                                                                        */
+/* ------------------------------------------------------------------------------------------------ */
+
+/** Options of fce_logsumexp. Initialize with FCE_LSE_OPTIONS_INIT. */
+typedef struct fce_lse_options {
+  uint32_t struct_size; /**< sizeof(fce_lse_options_t) */
+  float scale;          /**< s > 0, finite: lse_i = log sum_j exp(s * x_ij); default 1 */
+} fce_lse_options_t;
+
+#define FCE_LSE_OPTIONS_INIT { (uint32_t)sizeof(fce_lse_options_t), 1.0f }
+
+/**
+ * Per-row logsumexp: lse_i = log(sum_j exp(s * x_ij)), max of the raw row first. Rows of few rows are split
+ * across blocks on the GPU and merged in a fixed order. A row of all -inf gives -inf; NaN propagates.
+ * @param x   [N,V] fp32, bf16 or fp16, N >= 1, V >= 1.
+ * @param lse [N] fp32.
+ * @return FCE_STATUS_SUCCESS or the validation statuses.
+ */
+FCE_API fce_status_t fce_logsumexp(fce_handle_t handle, fce_stream_t stream, const DLTensor* x,
+                                   const fce_lse_options_t* options, DLTensor* lse, void* workspace,
+                                   size_t workspace_bytes);
+/** Workspace bytes fce_logsumexp needs for these arguments. */
+FCE_API fce_status_t fce_logsumexp_workspace_size(fce_handle_t handle, const DLTensor* x,
+                                                  const fce_lse_options_t* options, const DLTensor* lse,
+                                                  size_t* bytes);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Temperature softmax                                                                              */
+/* ------------------------------------------------------------------------------------------------ */
+
+/** Options of fce_temp_softmax. Initialize with FCE_SOFTMAX_OPTIONS_INIT. */
+typedef struct fce_softmax_options {
+  uint32_t struct_size; /**< sizeof(fce_softmax_options_t) */
+  /** Temperature of every row when `temperatures` is NULL. Must be >= 0 and not NaN
+   *  (FCE_STATUS_INVALID_ARGUMENT otherwise); +inf gives the uniform distribution over finite logits. */
+  float temperature;
+  /** Optional per-row temperatures [N] fp32, read on the device. A row whose temperature is negative or
+   *  NaN gets NaN in every output element of that row (it cannot be reported without a host sync). */
+  const DLTensor* temperatures;
+} fce_softmax_options_t;
+
+#define FCE_SOFTMAX_OPTIONS_INIT { (uint32_t)sizeof(fce_softmax_options_t), 1.0f, NULL }
+
+/**
+ * Temperature softmax for sampling: p_j = exp((x_j - max x) / T) / sum_k exp((x_k - max x) / T), with the
+ * max of the raw logits taken first and the difference scaled in fp32, so no finite input gives NaN at any
+ * T > 0. T = 0 is greedy: one-hot at the argmax (lowest index on ties); log-probabilities are then 0 there
+ * and -inf elsewhere. -inf logits get probability 0. A row of all -inf, or with a NaN, gives NaN.
+ * @param logits   [N,V] fp32, bf16 or fp16.
+ * @param probs    optional [N,V], fp32 or the logits' dtype; may be the logits' memory when the dtypes match.
+ * @param logprobs optional [N,V], fp32 or the logits' dtype: log p_j = (x_j - max)/T - log(sum). May not
+ *                 overlap probs; may be the logits' memory when probs is NULL and the dtypes match.
+ * At least one of probs and logprobs is required.
+ * @return FCE_STATUS_SUCCESS or the validation statuses.
+ */
+FCE_API fce_status_t fce_temp_softmax(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
+                                      const fce_softmax_options_t* options, DLTensor* probs,
+                                      DLTensor* logprobs, void* workspace, size_t workspace_bytes);
+/** Workspace bytes fce_temp_softmax needs for these arguments. */
+FCE_API fce_status_t fce_temp_softmax_workspace_size(fce_handle_t handle, const DLTensor* logits,
+                                                     const fce_softmax_options_t* options,
+                                                     const DLTensor* probs, const DLTensor* logprobs,
+                                                     size_t* bytes);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Knowledge distillation                                                                           */
+/* ------------------------------------------------------------------------------------------------ */
+
+/** Divergence of fce_kd_options_t. */
+typedef enum fce_kd_divergence {
+  FCE_KD_FORWARD_KL = 0, /**< KL(P_teacher || P_student) (Hinton et al. 2015) */
+  FCE_KD_REVERSE_KL = 1, /**< KL(P_student || P_teacher) */
+  /** Generalized JSD (GKD, Agarwal et al. 2024; Liger's convention): with M = b*P_t + (1-b)*P_s,
+   *  b*KL(P_t||M) + (1-b)*KL(P_s||M); b = 0 is exactly forward KL and b = 1 exactly reverse KL. */
+  FCE_KD_JSD = 2
+} fce_kd_divergence_t;
+
+/** How a top-K teacher's student side is normalized. */
+typedef enum fce_kd_topk_norm {
+  /** Student log-probs over the full vocabulary (its lse over all V), gradient over the full row. */
+  FCE_KD_TOPK_FULL_VOCAB = 0,
+  /** Student log-probs renormalized over the K ids only; gradient zero outside the K. */
+  FCE_KD_TOPK_RENORMALIZE = 1
+} fce_kd_topk_norm_t;
+
+/**
+ * Options of fce_kd_loss. Initialize with FCE_KD_OPTIONS_INIT.
+ * With temperature T both distributions are softmax(logits / T); with a top-K teacher the teacher's
+ * distribution over its K ids is softmax_K(logprobs / T) (always renormalized over the K).
+ * Terms of zero probability contribute exactly 0, so -inf logits never produce NaN.
+ */
+typedef struct fce_kd_options {
+  uint32_t struct_size;     /**< sizeof(fce_kd_options_t) */
+  int32_t divergence;       /**< fce_kd_divergence_t; default FCE_KD_FORWARD_KL */
+  float beta;               /**< b in [0, 1] for FCE_KD_JSD; default 0.5 */
+  float temperature;        /**< T > 0, finite; default 1 */
+  int32_t scale_by_t2;      /**< non-zero: multiply loss and gradient by T^2 (Hinton); default 0 */
+  int32_t topk_norm;        /**< fce_kd_topk_norm_t; default FCE_KD_TOPK_FULL_VOCAB */
+  int32_t reduction;        /**< fce_reduction_t; MEAN = batchmean over unmasked rows; default MEAN */
+  int64_t ignore_index;     /**< rows whose target equals this are masked (when targets given); -100 */
+} fce_kd_options_t;
+
+#define FCE_KD_OPTIONS_INIT \
+  { (uint32_t)sizeof(fce_kd_options_t), FCE_KD_FORWARD_KL, 0.5f, 1.0f, 0, FCE_KD_TOPK_FULL_VOCAB, \
+    FCE_REDUCTION_MEAN, -100 }
+
+/**
+ * The teacher: either full logits, or top-K ids and log-probabilities (the axolotl format). Exactly one
+ * of `logits` and the (`topk_ids`, `topk_logprobs`) pair is set. Initialize with FCE_KD_TEACHER_INIT.
+ */
+typedef struct fce_kd_teacher {
+  uint32_t struct_size;           /**< sizeof(fce_kd_teacher_t) */
+  const DLTensor* logits;         /**< [N,V] fp32, bf16 or fp16 (may differ from the student's dtype) */
+  /** [N,K] int32 or int64, K >= 1. A negative id marks an unused slot (contributes nothing; a row with no
+   *  used slot is masked). An id >= V makes that row's loss NaN. Ids of a row must be distinct. */
+  const DLTensor* topk_ids;
+  const DLTensor* topk_logprobs;  /**< [N,K] fp32 teacher log-probabilities at temperature 1 */
+} fce_kd_teacher_t;
+
+#define FCE_KD_TEACHER_INIT { (uint32_t)sizeof(fce_kd_teacher_t), NULL, NULL, NULL }
+
+/** Outputs of fce_kd_loss. Initialize with FCE_KD_OUTPUTS_INIT. */
+typedef struct fce_kd_outputs {
+  uint32_t struct_size; /**< sizeof(fce_kd_outputs_t) */
+  DLTensor* loss;       /**< required: fp32 [N] (NONE, 0 for masked rows) or scalar; nats */
+  /** Optional [N,V] in the student's dtype: d(loss)/d(student logits) * grad_loss, fp32 then rounded once;
+   *  may be the student's memory (in-place). */
+  DLTensor* dstudent;
+  const DLTensor* grad_loss; /**< upstream gradient as in fce_ce_outputs_t; NULL = 1 */
+} fce_kd_outputs_t;
+
+#define FCE_KD_OUTPUTS_INIT { (uint32_t)sizeof(fce_kd_outputs_t), NULL, NULL, NULL }
+
+/**
+ * Knowledge-distillation divergence between student and teacher distributions, per row, reduced.
+ * @param student [N,V] fp32, bf16 or fp16.
+ * @param teacher full logits [N,V] or top-K data, see fce_kd_teacher_t.
+ * @param targets optional [N] int32/int64; rows with targets == ignore_index are masked (loss 0, gradient 0).
+ * @return FCE_STATUS_SUCCESS or the validation statuses.
+ */
+FCE_API fce_status_t fce_kd_loss(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
+                                 const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                 const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
+                                 void* workspace, size_t workspace_bytes);
+/** Workspace bytes fce_kd_loss needs for these arguments. */
+FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTensor* student,
+                                                const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                                const fce_kd_options_t* options,
+                                                const fce_kd_outputs_t* outputs, size_t* bytes);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Linear cross-entropy                                                                             */
+/* ------------------------------------------------------------------------------------------------ */
+
+/**
+ * Outputs of linear cross-entropy. Initialize with FCE_LINEAR_CE_OUTPUTS_INIT. Gradients are written
+ * (not accumulated into), each formed with fp32 accumulation and rounded once to its tensor's dtype.
+ */
+typedef struct fce_linear_ce_outputs {
+  uint32_t struct_size; /**< sizeof(fce_linear_ce_outputs_t) */
+  DLTensor* loss;       /**< required; as fce_ce_outputs_t.loss */
+  DLTensor* lse;        /**< optional [N] fp32 (save it for fce_linear_cross_entropy_bwd) */
+  DLTensor* z_loss;     /**< optional; as fce_ce_outputs_t.z_loss */
+  DLTensor* argmax;     /**< optional [N] int32/int64 */
+  DLTensor* entropy;    /**< optional [N] fp32 */
+  DLTensor* dhidden;    /**< optional [N,H], fp32/bf16/fp16 */
+  DLTensor* dweight;    /**< optional [V,H], fp32/bf16/fp16 */
+  DLTensor* dbias;      /**< optional [V], fp32/bf16/fp16; only with a bias */
+  const DLTensor* grad_loss; /**< upstream gradient as in fce_ce_outputs_t; NULL = 1 */
+} fce_linear_ce_outputs_t;
+
+#define FCE_LINEAR_CE_OUTPUTS_INIT \
+  { (uint32_t)sizeof(fce_linear_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL }
+
+/**
+ * Linear cross-entropy: logits = hidden @ weight^T (+ bias), then cross-entropy with every option of
+ * fce_ce_options_t, in token chunks whose size follows from the workspace, never holding [N,V] logits.
+ * Gradients requested in `outputs` are computed in the same call (6*N*H*V flops); forward only is
+ * 2*N*H*V. GEMMs go through cuBLAS on the GPU and BLAS (OpenBLAS) on the CPU.
+ * @param hidden  [N,H] fp32, bf16 or fp16.
+ * @param weight  [V,H], same dtype as hidden.
+ * @param bias    optional [V], same dtype as hidden.
+ * @param targets [N] int32 or int64.
+ * @return FCE_STATUS_SUCCESS, the validation statuses, BLAS_ERROR, CUDA_ERROR, NOT_IMPLEMENTED.
+ */
+FCE_API fce_status_t fce_linear_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream,
+                                                  const DLTensor* hidden, const DLTensor* weight,
+                                                  const DLTensor* bias, const DLTensor* targets,
+                                                  const fce_ce_options_t* options,
+                                                  const fce_linear_ce_outputs_t* outputs, void* workspace,
+                                                  size_t workspace_bytes);
+/** Workspace bytes fce_linear_cross_entropy_fwd needs for a chunk of the default size (the minimum it
+ *  accepts is that of one token; a larger workspace means larger chunks). */
+FCE_API fce_status_t fce_linear_cross_entropy_fwd_workspace_size(
+    fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
+    const DLTensor* targets, const fce_ce_options_t* options, const fce_linear_ce_outputs_t* outputs,
+    size_t* bytes);
+
+/**
+ * Linear cross-entropy backward from a saved lse: recomputes each chunk's logits and writes the gradients
+ * requested in `outputs` (dhidden, dweight, dbias; loss/lse/z_loss/argmax/entropy must be NULL here).
+ * @param lse       [N] fp32 from the forward with the same options.
+ * `outputs->grad_loss` is the upstream gradient (NULL = 1).
+ */
+FCE_API fce_status_t fce_linear_cross_entropy_bwd(fce_handle_t handle, fce_stream_t stream,
+                                                  const DLTensor* hidden, const DLTensor* weight,
+                                                  const DLTensor* bias, const DLTensor* targets,
+                                                  const DLTensor* lse, const fce_ce_options_t* options,
+                                                  const fce_linear_ce_outputs_t* outputs, void* workspace,
+                                                  size_t workspace_bytes);
+/** Workspace bytes fce_linear_cross_entropy_bwd needs (as the forward's query). */
+FCE_API fce_status_t fce_linear_cross_entropy_bwd_workspace_size(
+    fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
+    const DLTensor* targets, const DLTensor* lse, const fce_ce_options_t* options,
+    const fce_linear_ce_outputs_t* outputs, size_t* bytes);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FUSEDCE_FUSEDCE_H_ */

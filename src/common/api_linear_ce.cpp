@@ -1,0 +1,133 @@
+#include "common/api_util.hpp"
+
+using namespace fce;
+
+namespace {
+
+Mat grad_output(Validator& val, DLTensor* t, const char* name, int64_t rows, int64_t cols) {
+  Mat m = val.matrix(t, name, kFloats);
+  expect_shape(m, name, rows, cols);
+  val.output(name, m.data, Validator::span(m));
+  return m;
+}
+
+LinearCeProblem linear_ce_problem(fce_handle* h, const DLTensor* hidden, const DLTensor* weight,
+                                  const DLTensor* bias, const DLTensor* targets, const DLTensor* lse,
+                                  const fce_ce_options_t* options, const fce_linear_ce_outputs_t* outputs) {
+  Validator val(h->backend, h->device_id);
+  LinearCeProblem p;
+  p.hidden = val.matrix(hidden, "hidden", kFloats);
+  p.weight = val.matrix(weight, "weight", kFloats);
+  const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows;
+  FCE_CHECK(p.weight.cols == H, FCE_STATUS_SHAPE_MISMATCH, "weight has %lld columns; hidden has H = %lld",
+            (long long)p.weight.cols, (long long)H);
+  FCE_CHECK(p.weight.dtype == p.hidden.dtype, FCE_STATUS_UNSUPPORTED_DTYPE, "weight is %s but hidden is %s",
+            dtype_name(p.weight.dtype), dtype_name(p.hidden.dtype));
+  val.input("hidden", p.hidden.data, Validator::span(p.hidden));
+  val.input("weight", p.weight.data, Validator::span(p.weight));
+  if (bias) {
+    p.bias = val.vector(bias, "bias", kFloats);
+    FCE_CHECK(p.bias.n == V, FCE_STATUS_SHAPE_MISMATCH, "bias has length %lld; V is %lld", (long long)p.bias.n,
+              (long long)V);
+    FCE_CHECK(p.bias.dtype == p.hidden.dtype, FCE_STATUS_UNSUPPORTED_DTYPE, "bias is %s but hidden is %s",
+              dtype_name(p.bias.dtype), dtype_name(p.hidden.dtype));
+    val.input("bias", p.bias.data, Validator::span(p.bias));
+  }
+  p.targets = read_targets(val, targets, "targets", N);
+  p.o = read_ce_options(options, val, V);
+  const fce_linear_ce_outputs_t& out = checked_struct(outputs, "outputs");
+  const bool bwd = lse != nullptr;
+  if (bwd) {
+    p.saved_lse = val.vector(lse, "lse", kF32);
+    FCE_CHECK(p.saved_lse.n == N, FCE_STATUS_SHAPE_MISMATCH, "lse has length %lld; expected N = %lld",
+              (long long)p.saved_lse.n, (long long)N);
+    val.input("lse", p.saved_lse.data, Validator::span(p.saved_lse));
+    FCE_CHECK(!out.loss && !out.lse && !out.z_loss && !out.argmax && !out.entropy, FCE_STATUS_INVALID_ARGUMENT,
+              "the backward writes gradients only: outputs->loss, lse, z_loss, argmax and entropy must be NULL");
+    FCE_CHECK(out.dhidden || out.dweight || out.dbias, FCE_STATUS_INVALID_ARGUMENT,
+              "the backward needs at least one of outputs->dhidden, dweight, dbias");
+  }
+  CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
+                                         out.entropy, !bwd);
+  p.loss = s.loss;
+  p.lse = s.lse;
+  p.z_loss = s.z_loss;
+  p.argmax = s.argmax;
+  p.entropy = s.entropy;
+  if (out.dhidden) p.dhidden = grad_output(val, out.dhidden, "outputs->dhidden", N, H);
+  if (out.dweight) p.dweight = grad_output(val, out.dweight, "outputs->dweight", V, H);
+  if (out.dbias) {
+    FCE_CHECK(bias != nullptr, FCE_STATUS_INVALID_ARGUMENT, "outputs->dbias is set but there is no bias");
+    p.dbias = val.vector(out.dbias, "outputs->dbias", kFloats);
+    FCE_CHECK(p.dbias.n == V, FCE_STATUS_SHAPE_MISMATCH, "outputs->dbias has length %lld; V is %lld",
+              (long long)p.dbias.n, (long long)V);
+    val.output("outputs->dbias", p.dbias.data, Validator::span(p.dbias));
+  }
+  if (p.wants_grad()) p.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, N);
+  return p;
+}
+
+size_t lce_need(fce_handle* h, const LinearCeProblem& p, bool minimum) {
+  return h->backend == Backend::CPU ? cpu::linear_ce_workspace(p, minimum) : cuda::linear_ce_workspace(h, p, minimum);
+}
+
+void lce_run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, void* ws, size_t ws_bytes) {
+  // A caller's workspace may be anything from the one-token minimum up; NULL gets the default size.
+  Workspace w = resolve_workspace(h, ws, ws_bytes, lce_need(h, p, ws != nullptr));
+  if (h->backend == Backend::CPU) cpu::linear_ce(p, w);
+  else cuda::linear_ce(h, stream, p, w);
+}
+
+}  // namespace
+
+extern "C" {
+
+FCE_API fce_status_t fce_linear_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream,
+                                                  const DLTensor* hidden, const DLTensor* weight,
+                                                  const DLTensor* bias, const DLTensor* targets,
+                                                  const fce_ce_options_t* options,
+                                                  const fce_linear_ce_outputs_t* outputs, void* workspace,
+                                                  size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    lce_run(h, stream, linear_ce_problem(h, hidden, weight, bias, targets, nullptr, options, outputs), workspace,
+            workspace_bytes);
+  });
+}
+
+FCE_API fce_status_t fce_linear_cross_entropy_fwd_workspace_size(
+    fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
+    const DLTensor* targets, const fce_ce_options_t* options, const fce_linear_ce_outputs_t* outputs,
+    size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    write_size(bytes, lce_need(h, linear_ce_problem(h, hidden, weight, bias, targets, nullptr, options, outputs), false));
+  });
+}
+
+FCE_API fce_status_t fce_linear_cross_entropy_bwd(fce_handle_t handle, fce_stream_t stream,
+                                                  const DLTensor* hidden, const DLTensor* weight,
+                                                  const DLTensor* bias, const DLTensor* targets,
+                                                  const DLTensor* lse, const fce_ce_options_t* options,
+                                                  const fce_linear_ce_outputs_t* outputs, void* workspace,
+                                                  size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    FCE_CHECK(lse != nullptr, FCE_STATUS_INVALID_ARGUMENT, "lse is NULL");
+    lce_run(h, stream, linear_ce_problem(h, hidden, weight, bias, targets, lse, options, outputs), workspace,
+            workspace_bytes);
+  });
+}
+
+FCE_API fce_status_t fce_linear_cross_entropy_bwd_workspace_size(
+    fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
+    const DLTensor* targets, const DLTensor* lse, const fce_ce_options_t* options,
+    const fce_linear_ce_outputs_t* outputs, size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    FCE_CHECK(lse != nullptr, FCE_STATUS_INVALID_ARGUMENT, "lse is NULL");
+    write_size(bytes, lce_need(h, linear_ce_problem(h, hidden, weight, bias, targets, lse, options, outputs), false));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,89 @@
+// Scalar math shared by the CPU and CUDA backends, so each formula exists once.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FCE_HD __host__ __device__ __forceinline__
+#else
+#define FCE_HD inline
+#endif
+
+namespace fce {
+
+// Online softmax state (Milakov & Gimelshein 2018): running max m and sum d of exp(x - m).
+// update: m' = max(m, x); d' = d*e^(m-m') + e^(x-m'). Merging two states is the same rule.
+struct OnlineSoftmax {
+  float m;
+  float d;
+  FCE_HD OnlineSoftmax() : m(-INFINITY), d(0.f) {}
+  FCE_HD OnlineSoftmax(float m_, float d_) : m(m_), d(d_) {}
+  FCE_HD void merge(OnlineSoftmax o) {
+    const float mn = fmaxf(m, o.m);
+    if (mn == -INFINITY) return;  // both empty: keep (-inf, 0), avoid -inf - -inf
+    d = d * expf(m - mn) + o.d * expf(o.m - mn);
+    m = mn;
+  }
+  // log(sum exp) of what was seen; -inf when nothing finite was seen.
+  FCE_HD float lse() const { return m == -INFINITY ? -INFINITY : m + logf(d); }
+};
+
+// Cross-entropy's transform of a raw logit: z = c*tanh(s*x/c) (soft-cap, Gemma 2) or s*x.
+struct LogitTransform {
+  float scale;
+  float softcap;  // 0 = off
+  float inv_cap;
+  FCE_HD LogitTransform(float s, float c) : scale(s), softcap(c), inv_cap(c > 0.f ? 1.f / c : 0.f) {}
+  FCE_HD float operator()(float x) const {
+    const float y = scale * x;
+    return softcap > 0.f ? softcap * tanhf(y * inv_cap) : y;
+  }
+  // dz/dx given z: s*(1 - tanh^2) = s*(1 - (z/c)^2), or s.
+  FCE_HD float derivative(float z) const {
+    if (softcap > 0.f) {
+      const float t = z * inv_cap;
+      return scale * (1.f - t * t);
+    }
+    return scale;
+  }
+};
+
+// x*log(x/y)-style term that is 0 when the weight p is 0, whatever the logs hold (-inf logits give no NaN).
+FCE_HD float xlogratio(float p, float logp, float logq) { return p > 0.f ? p * (logp - logq) : 0.f; }
+
+// log(exp(a) + exp(b)) without overflow; -inf when both are -inf.
+FCE_HD float logaddexp(float a, float b) {
+  const float m = fmaxf(a, b);
+  if (m == -INFINITY) return -INFINITY;
+  return m + log1pf(expf(-fabsf(a - b)));
+}
+
+// Knowledge distillation per-element terms, given the teacher's and the student's log-probabilities.
+// Returns the loss term and, in *a, the gradient contribution a_j = q_j * dL/dq_j, from which
+// dL/dz_j = a_j - q_j * sum_k a_k (z = student logits / T).
+struct KdTerm {
+  int divergence;  // fce_kd_divergence_t
+  float beta, log_beta, log_1mbeta;
+  FCE_HD KdTerm(int div, float b) : divergence(div), beta(b), log_beta(logf(b)), log_1mbeta(logf(1.f - b)) {
+    // GKD convention: b = 0 is forward KL, b = 1 reverse KL, exactly.
+    if (divergence == 2 && b == 0.f) divergence = 0;
+    if (divergence == 2 && b == 1.f) divergence = 1;
+  }
+  FCE_HD float operator()(float logp, float logq, float* a) const {
+    const float p = expf(logp), q = expf(logq);
+    if (divergence == 0) {  // forward KL(P_t || P_s)
+      *a = -p;
+      return xlogratio(p, logp, logq);
+    }
+    if (divergence == 1) {  // reverse KL(P_s || P_t)
+      *a = q > 0.f ? q * (logq - logp + 1.f) : 0.f;
+      return xlogratio(q, logq, logp);
+    }
+    // generalized JSD: b*KL(P||M) + (1-b)*KL(Q||M), M = b*P + (1-b)*Q; dL/dq = (1-b)*log(q/M)
+    const float logm = logaddexp(log_beta + logp, log_1mbeta + logq);
+    *a = q > 0.f ? q * (1.f - beta) * (logq - logm) : 0.f;
+    return beta * xlogratio(p, logp, logm) + (1.f - beta) * xlogratio(q, logq, logm);
+  }
+};
+
+}  // namespace fce

@@ -1,0 +1,122 @@
+// Validated problem descriptions handed from the API layer to a backend (CPU or CUDA).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "common/tensor.hpp"
+#include "fusedce/fusedce.h"
+
+struct fce_handle;
+
+namespace fce {
+
+struct Workspace {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+
+// Cross-entropy options after validation.
+struct CeOpts {
+  int reduction = FCE_REDUCTION_MEAN;
+  int64_t ignore_index = -100;
+  float label_smoothing = 0.f;
+  float z_loss_scale = 0.f;
+  float softcap = 0.f;
+  float logit_scale = 1.f;
+  Vec class_weights;  // [V] fp32 or empty
+};
+
+// Cross-entropy forward (saved_lse empty) or backward (saved_lse set, only dlogits written).
+struct CeProblem {
+  Mat logits;
+  Vec targets;
+  CeOpts o;
+  Vec loss, lse, z_loss, argmax, entropy;  // outputs (forward); empty when not requested
+  Mat dlogits;                             // optional
+  Vec grad_loss;                           // optional upstream gradient (scalar or [N])
+  Vec saved_lse;                           // backward only
+  bool backward() const { return static_cast<bool>(saved_lse); }
+};
+
+struct LseProblem {
+  Mat x;
+  float scale = 1.f;
+  Vec lse;
+};
+
+struct SoftmaxProblem {
+  Mat logits;
+  float temperature = 1.f;
+  Vec temperatures;  // optional [N] fp32
+  Mat probs, logprobs;
+};
+
+struct KdOpts {
+  int divergence = FCE_KD_FORWARD_KL;
+  float beta = 0.5f;
+  float temperature = 1.f;
+  bool scale_by_t2 = false;
+  int topk_norm = FCE_KD_TOPK_FULL_VOCAB;
+  int reduction = FCE_REDUCTION_MEAN;
+  int64_t ignore_index = -100;
+};
+
+struct KdProblem {
+  Mat student;
+  Mat teacher;                // full teacher logits, or empty
+  Mat topk_ids, topk_lp;      // top-K teacher, or empty
+  Vec targets;                // optional
+  KdOpts o;
+  Vec loss;
+  Mat dstudent;               // optional
+  Vec grad_loss;              // optional
+  bool topk() const { return static_cast<bool>(topk_ids); }
+};
+
+struct LinearCeProblem {
+  Mat hidden, weight;
+  Vec bias;  // optional
+  Vec targets;
+  CeOpts o;
+  Vec loss, lse, z_loss, argmax, entropy;
+  Mat dhidden, dweight;
+  Vec dbias;
+  Vec grad_loss;
+  Vec saved_lse;  // backward only
+  bool wants_grad() const { return dhidden || dweight || dbias; }
+};
+
+// Every backend implements these; `*_workspace` gives the bytes the op needs (for linear CE: the default).
+namespace cpu {
+size_t ce_workspace(const CeProblem&);
+void ce(const CeProblem&, Workspace);
+size_t lse_workspace(const LseProblem&);
+void lse(const LseProblem&, Workspace);
+size_t softmax_workspace(const SoftmaxProblem&);
+void softmax(const SoftmaxProblem&, Workspace);
+size_t kd_workspace(const KdProblem&);
+void kd(const KdProblem&, Workspace);
+size_t linear_ce_workspace(const LinearCeProblem&, bool minimum);
+void linear_ce(const LinearCeProblem&, Workspace);
+}  // namespace cpu
+
+namespace cuda {
+size_t ce_workspace(fce_handle*, const CeProblem&);
+void ce(fce_handle*, fce_stream_t, const CeProblem&, Workspace);
+size_t lse_workspace(fce_handle*, const LseProblem&);
+void lse(fce_handle*, fce_stream_t, const LseProblem&, Workspace);
+size_t softmax_workspace(fce_handle*, const SoftmaxProblem&);
+void softmax(fce_handle*, fce_stream_t, const SoftmaxProblem&, Workspace);
+size_t kd_workspace(fce_handle*, const KdProblem&);
+void kd(fce_handle*, fce_stream_t, const KdProblem&, Workspace);
+size_t linear_ce_workspace(fce_handle*, const LinearCeProblem&, bool minimum);
+void linear_ce(fce_handle*, fce_stream_t, const LinearCeProblem&, Workspace);
+
+// Device management (src/cuda/device.cpp, or stubs without CUDA).
+void create_device(fce_handle*, int device_id);  // fills the handle's CUDA fields; throws NO_DEVICE
+void destroy_device(fce_handle*);
+void* device_alloc(fce_handle*, size_t bytes);
+void device_free(fce_handle*, void*);
+}  // namespace cuda
+
+}  // namespace fce

@@ -1,0 +1,143 @@
+// Cross-entropy on one fp32 row, shared by the cross-entropy and linear cross-entropy CPU backends.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common/math.hpp"
+#include "common/ops.hpp"
+#include "cpu/cpu_util.hpp"
+
+namespace fce::cpu {
+
+// What the rows of one call share: options, class weights and their sum, the mean's denominator.
+struct CeContext {
+  const CeOpts& o;
+  int64_t V;
+  LogitTransform tf;
+  std::vector<float> w;  // class weights, empty = all ones
+  double W;              // sum of class weights (V without)
+  CeContext(const CeOpts& opts, int64_t vocab)
+      : o(opts), V(vocab), tf(opts.logit_scale, opts.softcap), W(double(vocab)) {
+    if (o.class_weights) {
+      w.resize(size_t(V));
+      W = 0;
+      for (int64_t j = 0; j < V; ++j) {
+        w[size_t(j)] = load_f32(o.class_weights, j);
+        W += w[size_t(j)];
+      }
+    }
+  }
+  float weight(int64_t j) const { return w.empty() ? 1.f : w[size_t(j)]; }
+  bool ignored(int64_t t) const { return t == o.ignore_index; }
+  bool in_range(int64_t t) const { return t >= 0 && t < V; }
+
+  // Denominator of the mean: sum of w[t] over non-ignored rows; an out-of-range target counts 1.
+  double mean_denominator(const Vec& targets) const {
+    double d = 0;
+    for (int64_t i = 0; i < targets.n; ++i) {
+      const int64_t t = load_index(targets.data, targets.dtype, i);
+      if (!ignored(t)) d += in_range(t) ? weight(t) : 1.0;
+    }
+    return d;
+  }
+
+  // Scale of row i's gradient: upstream gradient, divided by the mean's denominator for MEAN.
+  float grad_scale(const Vec& grad_loss, int64_t i, double denom) const {
+    const float g = grad_loss ? load_f32(grad_loss, i) : 1.f;
+    if (o.reduction == FCE_REDUCTION_MEAN) return denom > 0 ? float(double(g) / denom) : 0.f;
+    return g;
+  }
+};
+
+struct CeRow {
+  float lse = 0, loss = 0, z_loss = 0, entropy = 0;
+  int64_t argmax = 0;
+};
+
+// x: raw logits (fp32, V); z: scratch receiving the transformed logits.
+inline CeRow ce_row_forward(const CeContext& c, const float* x, float* z, int64_t target) {
+  const int64_t V = c.V;
+  CeRow r;
+  // Max and argmax of the raw row first (NaN counts as the largest, lowest index wins).
+  float xmax = x[0];
+  int64_t amax = 0;
+  bool nan_seen = std::isnan(xmax);
+  for (int64_t j = 1; j < V && !nan_seen; ++j) {
+    if (std::isnan(x[j])) { amax = j; xmax = x[j]; nan_seen = true; }
+    else if (x[j] > xmax) { xmax = x[j]; amax = j; }
+  }
+  r.argmax = amax;
+  const float m = c.tf(xmax);
+  double s = 0, sz = 0, swz = 0;
+  const bool smooth = c.o.label_smoothing > 0.f;
+  for (int64_t j = 0; j < V; ++j) {
+    const float zj = c.tf(x[j]);
+    z[j] = zj;
+    const float e = std::exp(zj - m);
+    s += e;
+    if (e > 0.f) sz += double(e) * zj;
+    if (smooth) swz += double(c.weight(j)) * zj;
+  }
+  if (m == -INFINITY) {  // every logit -inf: no distribution
+    r.lse = -INFINITY;
+    r.entropy = NAN;
+  } else {
+    r.lse = float(double(m) + std::log(s));
+    r.entropy = float(double(r.lse) - sz / s);
+  }
+  if (c.ignored(target)) return r;
+  if (!c.in_range(target)) {
+    r.loss = r.z_loss = NAN;
+    return r;
+  }
+  const double lse = r.lse, eps = c.o.label_smoothing;
+  double loss = (1.0 - eps) * c.weight(target) * (lse - z[target]);
+  if (smooth) loss += eps / double(V) * (lse * c.W - swz);
+  const double zl = double(c.o.z_loss_scale) * lse * lse;
+  r.loss = float(loss + zl);
+  r.z_loss = float(zl);
+  return r;
+}
+
+// Gradient of row loss w.r.t. the raw logits, times g, from the transformed logits z and the lse.
+inline void ce_row_grad(const CeContext& c, const float* z, float lse, int64_t target, float g, float* dx) {
+  const int64_t V = c.V;
+  if (c.ignored(target) || g == 0.f) {
+    for (int64_t j = 0; j < V; ++j) dx[j] = 0.f;
+    return;
+  }
+  if (!c.in_range(target)) {
+    for (int64_t j = 0; j < V; ++j) dx[j] = NAN;
+    return;
+  }
+  const float eps = c.o.label_smoothing;
+  const float a = (1.f - eps) * c.weight(target);           // coefficient of p_j - delta_jt
+  const float b = eps / float(V);                           // coefficient of W p_j - w_j
+  const float pz = a + b * float(c.W) + 2.f * c.o.z_loss_scale * lse;  // total coefficient of p_j
+  for (int64_t j = 0; j < V; ++j) {
+    const float p = std::exp(z[j] - lse);
+    float dz = pz * p - b * c.weight(j);
+    if (j == target) dz -= a;
+    dx[j] = g * dz * c.tf.derivative(z[j]);
+  }
+}
+
+// Writes the SUM or MEAN of per-row losses (fixed order: deterministic whatever the thread count).
+inline void reduce_losses(int reduction, const std::vector<double>& row_loss, const std::vector<double>& row_zl,
+                          double denom, const Vec& loss, const Vec& z_loss) {
+  if (reduction == FCE_REDUCTION_NONE) return;
+  double sum = 0, zsum = 0;
+  for (size_t i = 0; i < row_loss.size(); ++i) {
+    sum += row_loss[i];
+    zsum += row_zl[i];
+  }
+  if (reduction == FCE_REDUCTION_MEAN) {
+    sum = denom > 0 ? sum / denom : 0.0;
+    zsum = denom > 0 ? zsum / denom : 0.0;
+  }
+  store_f32(loss, 0, float(sum));
+  if (z_loss) store_f32(z_loss, 0, float(zsum));
+}
+
+}  // namespace fce::cpu

@@ -1,0 +1,49 @@
+#include <vector>
+
+#include "cpu/ce_row.hpp"
+
+namespace fce::cpu {
+
+size_t ce_workspace(const CeProblem&) { return 0; }
+
+void ce(const CeProblem& p, Workspace) {
+  const int64_t N = p.logits.rows, V = p.logits.cols;
+  const CeContext c(p.o, V);
+  const bool want_grad = static_cast<bool>(p.dlogits);
+  const double denom = (want_grad || p.o.reduction == FCE_REDUCTION_MEAN) ? c.mean_denominator(p.targets) : 0.0;
+  std::vector<double> row_loss(p.backward() ? 0 : size_t(N)), row_zl(p.backward() ? 0 : size_t(N));
+
+#pragma omp parallel
+  {
+    std::vector<float> x(static_cast<size_t>(V)), z(static_cast<size_t>(V));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
+      load_row(p.logits, i, x.data());
+      float lse;
+      if (p.backward()) {
+        lse = load_f32(p.saved_lse, i);
+        for (int64_t j = 0; j < V; ++j) z[size_t(j)] = c.tf(x[size_t(j)]);
+      } else {
+        const CeRow r = ce_row_forward(c, x.data(), z.data(), t);
+        lse = r.lse;
+        row_loss[size_t(i)] = r.loss;
+        row_zl[size_t(i)] = r.z_loss;
+        if (p.lse) store_f32(p.lse, i, r.lse);
+        if (p.entropy) store_f32(p.entropy, i, r.entropy);
+        if (p.argmax) store_index(p.argmax.data, p.argmax.dtype, i, r.argmax);
+        if (p.o.reduction == FCE_REDUCTION_NONE) {
+          store_f32(p.loss, i, r.loss);
+          if (p.z_loss) store_f32(p.z_loss, i, r.z_loss);
+        }
+      }
+      if (want_grad) {
+        ce_row_grad(c, z.data(), lse, t, c.grad_scale(p.grad_loss, i, denom), x.data());
+        store_row(p.dlogits, i, x.data());
+      }
+    }
+  }
+  if (!p.backward()) reduce_losses(p.o.reduction, row_loss, row_zl, denom, p.loss, p.z_loss);
+}
+
+}  // namespace fce::cpu

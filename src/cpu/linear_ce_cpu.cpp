@@ -1,0 +1,145 @@
+// Linear cross-entropy on the CPU: token chunks through OpenBLAS, cross-entropy rows in between.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "common/error.hpp"
+#include "cpu/ce_row.hpp"
+
+namespace fce::cpu {
+
+namespace {
+
+constexpr int64_t kDefaultChunk = 256;
+
+// Byte layout of the workspace for a chunk of C rows; fp32 staging only where an operand is not fp32.
+struct LceLayout {
+  size_t logits = 0, hidden = 0, dhidden = 0, weight = 0, dweight = 0, dbias = 0, total = 0;
+  LceLayout(const LinearCeProblem& p, int64_t C) {
+    const int64_t H = p.hidden.cols, V = p.weight.rows;
+    auto take = [&](size_t bytes) {
+      const size_t at = total;
+      total += (bytes + 255) / 256 * 256;
+      return at;
+    };
+    const bool f32 = p.hidden.dtype == DType::F32;
+    logits = take(checked_bytes(checked_mul(C, V, "chunk logits"), 4, "chunk logits"));
+    hidden = f32 ? SIZE_MAX : take(checked_bytes(checked_mul(C, H, "chunk hidden"), 4, "chunk hidden"));
+    dhidden = (!p.dhidden || p.dhidden.dtype == DType::F32) ? SIZE_MAX : take(size_t(C * H) * 4);
+    weight = f32 ? SIZE_MAX : take(checked_bytes(checked_mul(V, H, "weight"), 4, "weight"));
+    dweight = (!p.dweight || p.dweight.dtype == DType::F32) ? SIZE_MAX : take(size_t(V * H) * 4);
+    dbias = p.dbias ? take(size_t(V) * 4) : SIZE_MAX;
+  }
+};
+
+float* at(Workspace w, size_t off) { return reinterpret_cast<float*>(static_cast<char*>(w.ptr) + off); }
+
+}  // namespace
+
+size_t linear_ce_workspace(const LinearCeProblem& p, bool minimum) {
+  return LceLayout(p, minimum ? 1 : std::min<int64_t>(p.hidden.rows, kDefaultChunk)).total;
+}
+
+void linear_ce(const LinearCeProblem& p, Workspace ws) {
+  const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows;
+  // The largest chunk the workspace holds (results do not depend on it beyond fp32 rounding).
+  int64_t C = std::min<int64_t>(N, kDefaultChunk * 64);
+  while (C > 1 && LceLayout(p, C).total > ws.bytes) C = C > 64 ? C / 2 : C - 1;
+  const LceLayout lay(p, C);
+  FCE_CHECK(lay.total <= ws.bytes, FCE_STATUS_WORKSPACE_TOO_SMALL, "workspace of %zu bytes is below the %zu needed",
+            ws.bytes, lay.total);
+
+  const CeContext c(p.o, V);
+  const bool bwd = static_cast<bool>(p.saved_lse), grad = p.wants_grad();
+  const double denom = (grad || p.o.reduction == FCE_REDUCTION_MEAN) ? c.mean_denominator(p.targets) : 0.0;
+
+  // fp32 views of the weight and of the weight-gradient accumulator.
+  const float* W = reinterpret_cast<const float*>(p.weight.data);
+  int64_t ldw = p.weight.ld;
+  if (lay.weight != SIZE_MAX) {
+    float* w32 = at(ws, lay.weight);
+#pragma omp parallel for schedule(static)
+    for (int64_t v = 0; v < V; ++v) load_row(p.weight, v, w32 + size_t(v * H));
+    W = w32;
+    ldw = H;
+  }
+  float* dW = nullptr;
+  int64_t lddw = H;
+  if (p.dweight) {
+    dW = lay.dweight != SIZE_MAX ? at(ws, lay.dweight) : reinterpret_cast<float*>(p.dweight.data);
+    lddw = lay.dweight != SIZE_MAX ? H : p.dweight.ld;
+  }
+  float* db = p.dbias ? at(ws, lay.dbias) : nullptr;
+  if (db) std::fill(db, db + V, 0.f);
+  std::vector<float> bias(p.bias ? size_t(V) : 0);
+  for (int64_t v = 0; v < int64_t(bias.size()); ++v) bias[size_t(v)] = load(p.bias.data + dtype_size(p.bias.dtype) * size_t(v), p.bias.dtype);
+
+  std::vector<double> row_loss(static_cast<size_t>(N)), row_zl(static_cast<size_t>(N));
+  float* L = at(ws, lay.logits);
+  for (int64_t r0 = 0; r0 < N; r0 += C) {
+    const int64_t rows = std::min(C, N - r0);
+    const float* Hc = reinterpret_cast<const float*>(row_ptr(p.hidden, r0));
+    int64_t ldh = p.hidden.ld;
+    if (lay.hidden != SIZE_MAX) {
+      float* h32 = at(ws, lay.hidden);
+      for (int64_t r = 0; r < rows; ++r) load_row(p.hidden, r0 + r, h32 + size_t(r * H));
+      Hc = h32;
+      ldh = H;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(V), int(H), 1.f, Hc, int(ldh), W, int(ldw),
+                0.f, L, int(V));
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r0 + r;
+      float* x = L + size_t(r * V);
+      for (int64_t v = 0; v < int64_t(bias.size()); ++v) x[v] += bias[size_t(v)];
+      const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
+      float lse;
+      if (bwd) {
+        lse = load_f32(p.saved_lse, i);
+        for (int64_t j = 0; j < V; ++j) x[j] = c.tf(x[j]);
+      } else {
+        const CeRow cr = ce_row_forward(c, x, x, t);  // z overwrites x in place
+        lse = cr.lse;
+        row_loss[size_t(i)] = cr.loss;
+        row_zl[size_t(i)] = cr.z_loss;
+        if (p.lse) store_f32(p.lse, i, cr.lse);
+        if (p.entropy) store_f32(p.entropy, i, cr.entropy);
+        if (p.argmax) store_index(p.argmax.data, p.argmax.dtype, i, cr.argmax);
+        if (p.o.reduction == FCE_REDUCTION_NONE) {
+          store_f32(p.loss, i, cr.loss);
+          if (p.z_loss) store_f32(p.z_loss, i, cr.z_loss);
+        }
+      }
+      if (grad) ce_row_grad(c, x, lse, t, c.grad_scale(p.grad_loss, i, denom), x);  // dlogits in place
+    }
+    if (!grad) continue;
+    if (p.dhidden) {
+      const bool direct = lay.dhidden == SIZE_MAX;
+      float* dH = direct ? reinterpret_cast<float*>(row_ptr_mut(p.dhidden, r0)) : at(ws, lay.dhidden);
+      const int64_t lddh = direct ? p.dhidden.ld : H;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(H), int(V), 1.f, L, int(V), W, int(ldw),
+                  0.f, dH, int(lddh));
+      if (!direct)
+        for (int64_t r = 0; r < rows; ++r) store_row(p.dhidden, r0 + r, dH + size_t(r * H));
+    }
+    if (dW)
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(V), int(H), int(rows), 1.f, L, int(V), Hc, int(ldh),
+                  r0 == 0 ? 0.f : 1.f, dW, int(lddw));
+    if (db) {
+#pragma omp parallel for schedule(static)
+      for (int64_t v = 0; v < V; ++v)
+        for (int64_t r = 0; r < rows; ++r) db[v] += L[size_t(r * V + v)];
+    }
+  }
+  if (dW && lay.dweight != SIZE_MAX)
+    for (int64_t v = 0; v < V; ++v) store_row(p.dweight, v, dW + size_t(v * H));
+  if (db)
+    for (int64_t v = 0; v < V; ++v) store(p.dbias.data + dtype_size(p.dbias.dtype) * size_t(v), p.dbias.dtype, db[v]);
+
+  if (!bwd) reduce_losses(p.o.reduction, row_loss, row_zl, denom, p.loss, p.z_loss);
+}
+
+}  // namespace fce::cpu

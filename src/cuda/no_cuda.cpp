@@ -1,0 +1,28 @@
+// Built when the CUDA backend is disabled: CUDA handles cannot be created.
+#include "common/error.hpp"
+#include "common/handle.hpp"
+
+namespace fce::cuda {
+
+void create_device(fce_handle*, int) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
+void destroy_device(fce_handle*) {}
+void* device_alloc(fce_handle*, size_t) { raise(FCE_STATUS_NO_DEVICE, "built without CUDA"); }
+void device_free(fce_handle*, void*) {}
+
+#define FCE_NO_CUDA_OP(name, Problem)                                                        \
+  size_t name##_workspace(fce_handle*, const Problem&) { return 0; }                        \
+  void name(fce_handle*, fce_stream_t, const Problem&, Workspace) {                         \
+    raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");      \
+  }
+FCE_NO_CUDA_OP(ce, CeProblem)
+FCE_NO_CUDA_OP(lse, LseProblem)
+FCE_NO_CUDA_OP(softmax, SoftmaxProblem)
+FCE_NO_CUDA_OP(kd, KdProblem)
+size_t linear_ce_workspace(fce_handle*, const LinearCeProblem&, bool) { return 0; }
+void linear_ce(fce_handle*, fce_stream_t, const LinearCeProblem&, Workspace) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
+
+}  // namespace fce::cuda
