@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Installs what a fresh Debian 12 machine with the CUDA 13 toolkit needs to build and test libfusedce.
-# Idempotent: packages already present are skipped quickly.
+# Installs what a fresh Debian 12 machine with the CUDA 13 toolkit needs to build and test libfusedce:
+# the core packages here, then each tools/deps.d/*.sh (bindings, sample data). Idempotent and quick when
+# everything is present.
 set -euo pipefail
-APT_PKGS=(meson ninja-build pkg-config g++ libdlpack-dev libopenblas-dev libgtest-dev
-          libcjson-dev python3 python3-pip)
-missing=()
-for p in "${APT_PKGS[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+cd "$(dirname "$0")/.."
+APT_PKGS=(meson ninja-build pkg-config g++ libdlpack-dev libopenblas-dev libgtest-dev libcjson-dev
+          python3 python3-pip)
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+apt_install() {  # installs the named Debian packages that are missing
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -q
   $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
-fi
+}
+apt_install "${APT_PKGS[@]}"
+for f in tools/deps.d/*.sh; do
+  [ -e "$f" ] || continue
+  # shellcheck source=/dev/null
+  source "$f"
+done

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs every test suite, then prints one line: N passed, N failed, N skipped.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash tools/install-deps.sh || { echo "0 passed, 1 failed, 0 skipped"; exit 1; }
+BUILD=${BUILD:-build}
+if [ ! -f "$BUILD/build.ninja" ]; then
+  meson setup "$BUILD" || { echo "0 passed, 1 failed, 0 skipped"; exit 1; }
+fi
+ninja -C "$BUILD" || { echo "0 passed, 1 failed, 0 skipped"; exit 1; }
+meson test -C "$BUILD" --print-errorlogs --num-processes "$(nproc)" "$@"
+python3 tools/test_summary.py "$BUILD/meson-logs/testlog.json"
