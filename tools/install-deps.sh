@@ -9,7 +9,10 @@ APT_PKGS=(meson ninja-build pkg-config g++ libdlpack-dev libopenblas-dev libgtes
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 apt_install() {  # installs the named Debian packages that are missing
   local missing=()
-  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  for p in "$@"; do
+    # "install ok installed" only: a removed package with its config left still answers dpkg -s.
+    [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
+  done
   [ ${#missing[@]} -eq 0 ] && return 0
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -q

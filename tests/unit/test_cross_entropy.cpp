@@ -1,0 +1,359 @@
+// Cross-entropy forward/backward against a float64 reference written here.
+#include <algorithm>
+
+#include "../common/testing.hpp"
+
+using namespace fct;
+
+namespace {
+
+struct CeCase {
+  int64_t N, V;
+  DT dt = DT::F32;
+  DT tdt = DT::I64;
+  int64_t pad = 0;  // extra elements per row
+  int reduction = FCE_REDUCTION_MEAN;
+  double eps = 0, zq = 0, cap = 0, scale = 1;
+  bool weights = false;
+  double ignore_frac = 0.2;
+  bool peaked = false;
+  double logit_std = 2.0;
+  int grad_mode = 1;  // 0 none, 1 default upstream (1), 2 explicit upstream
+  bool inplace = false;
+};
+
+std::string describe(const CeCase& c) {
+  char b[256];
+  snprintf(b, sizeof b, "N=%lld V=%lld %s tgt=%s pad=%lld red=%d eps=%g zq=%g cap=%g scale=%g w=%d peaked=%d grad=%d inplace=%d",
+           (long long)c.N, (long long)c.V, dt_name(c.dt), dt_name(c.tdt), (long long)c.pad, c.reduction, c.eps, c.zq,
+           c.cap, c.scale, c.weights, c.peaked, c.grad_mode, c.inplace);
+  return b;
+}
+
+struct Ref {
+  std::vector<double> loss, lse, zl, ent, grad;
+  std::vector<int64_t> amax;
+  double total = 0, ztotal = 0, denom = 0;
+};
+
+// Independent float64 reference of PyTorch's cross_entropy (+ z-loss, soft-cap, scale, entropy).
+Ref reference(const CeCase& c, const std::vector<double>& x, const std::vector<int64_t>& tg, const std::vector<double>& w,
+              const std::vector<double>& gup) {
+  const int64_t N = c.N, V = c.V;
+  Ref r;
+  r.loss.assign(N, 0); r.lse.assign(N, 0); r.zl.assign(N, 0); r.ent.assign(N, 0); r.amax.assign(N, 0);
+  r.grad.assign(size_t(N * V), 0);
+  auto wt = [&](int64_t j) { return w.empty() ? 1.0 : w[size_t(j)]; };
+  double W = 0;
+  for (int64_t j = 0; j < V; ++j) W += wt(j);
+  for (int64_t i = 0; i < N; ++i)
+    if (tg[i] != -100) r.denom += (tg[i] >= 0 && tg[i] < V) ? wt(tg[i]) : 1.0;
+  std::vector<double> z(V);
+  for (int64_t i = 0; i < N; ++i) {
+    const double* xi = &x[size_t(i * V)];
+    double m = -INFINITY;
+    for (int64_t j = 0; j < V; ++j) {
+      z[j] = c.cap > 0 ? c.cap * std::tanh(c.scale * xi[j] / c.cap) : c.scale * xi[j];
+      m = std::max(m, z[j]);
+      if (xi[j] > xi[r.amax[i]]) r.amax[i] = j;
+    }
+    double s = 0;
+    for (int64_t j = 0; j < V; ++j) s += std::exp(z[j] - m);
+    const double lse = m + std::log(s);
+    r.lse[i] = lse;
+    double ent = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      const double p = std::exp(z[j] - lse);
+      if (p > 0) ent -= p * (z[j] - lse);
+    }
+    r.ent[i] = ent;
+    const int64_t t = tg[i];
+    if (t == -100) continue;
+    double smooth = 0;
+    for (int64_t j = 0; j < V; ++j) smooth += wt(j) * (lse - z[j]);
+    r.zl[i] = c.zq * lse * lse;
+    r.loss[i] = (1 - c.eps) * wt(t) * (lse - z[t]) + c.eps / V * smooth + r.zl[i];
+    double g = gup.size() == 1 ? gup[0] : gup.empty() ? 1.0 : gup[i];
+    if (c.reduction == FCE_REDUCTION_MEAN) g /= r.denom;
+    for (int64_t j = 0; j < V; ++j) {
+      const double p = std::exp(z[j] - lse);
+      double dz = (1 - c.eps) * wt(t) * (p - (j == t)) + c.eps / V * (W * p - wt(j)) + 2 * c.zq * lse * p;
+      const double th = c.cap > 0 ? std::tanh(c.scale * xi[j] / c.cap) : 0;
+      r.grad[size_t(i * V + j)] = g * dz * c.scale * (1 - th * th);
+    }
+  }
+  for (int64_t i = 0; i < N; ++i) { r.total += r.loss[i]; r.ztotal += r.zl[i]; }
+  if (c.reduction == FCE_REDUCTION_MEAN) {
+    r.total = r.denom > 0 ? r.total / r.denom : 0;
+    r.ztotal = r.denom > 0 ? r.ztotal / r.denom : 0;
+  }
+  return r;
+}
+
+void run_case(const CeCase& c) {
+  SCOPED_TRACE(describe(c));
+  Handle h;
+  const int64_t N = c.N, V = c.V;
+  Tensor logits(c.dt, {N, V}, V + c.pad);
+  fill_logits(logits, c.logit_std, c.peaked);
+  Tensor targets(c.tdt, {N});
+  std::uniform_int_distribution<int64_t> col(0, V - 1);
+  std::bernoulli_distribution ign(c.ignore_frac);
+  std::vector<int64_t> tg(N);
+  for (int64_t i = 0; i < N; ++i) {
+    tg[i] = ign(rng()) ? -100 : col(rng());
+    targets.set_int(i, tg[i]);
+  }
+  targets.upload();
+  std::vector<double> w;
+  Tensor weights;
+  if (c.weights) {
+    weights = Tensor(DT::F32, {V});
+    std::uniform_real_distribution<double> u(0.1, 2.0);
+    for (int64_t j = 0; j < V; ++j) { weights.set(j, u(rng())); w.push_back(weights.get(j)); }
+    weights.upload();
+  }
+  std::vector<double> gup;
+  Tensor grad_loss;
+  if (c.grad_mode == 2) {
+    if (c.reduction == FCE_REDUCTION_NONE) {
+      grad_loss = Tensor(DT::F32, {N});
+      std::uniform_real_distribution<double> u(-2, 2);
+      for (int64_t i = 0; i < N; ++i) { grad_loss.set(i, u(rng())); gup.push_back(grad_loss.get(i)); }
+      grad_loss.upload();
+    } else {
+      grad_loss = scalar_f32(0.75);
+      gup = {0.75};
+    }
+  }
+  const std::vector<double> x = values(logits);
+  const Ref ref = reference(c, x, tg, w, gup);
+
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  o.reduction = c.reduction;
+  o.label_smoothing = float(c.eps);
+  o.z_loss_scale = float(c.zq);
+  o.softcap = float(c.cap);
+  o.logit_scale = float(c.scale);
+  o.class_weights = c.weights ? weights.dl() : nullptr;
+
+  const bool none = c.reduction == FCE_REDUCTION_NONE;
+  Tensor loss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
+  Tensor zl = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
+  Tensor lse(DT::F32, {N}), ent(DT::F32, {N}), amax(DT::I64, {N});
+  Tensor dlogits(c.dt, {N, V}, V + c.pad + 1);
+  for (Tensor* t : {&loss, &zl, &lse, &ent, &amax, &dlogits}) { t->poison(); t->upload(); }
+
+  fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  out.z_loss = zl.dl();
+  out.lse = lse.dl();
+  out.entropy = ent.dl();
+  out.argmax = amax.dl();
+  if (c.grad_mode) {
+    out.dlogits = c.inplace ? logits.dl() : dlogits.dl();
+    out.grad_loss = c.grad_mode == 2 ? grad_loss.dl() : nullptr;
+  }
+  FCE_OK(fce_cross_entropy_fwd(h, test_stream(), logits.dl(), targets.dl(), &o, &out, nullptr, 0));
+  for (Tensor* t : {&loss, &zl, &lse, &ent, &amax}) t->download();
+
+  const double stat_tol = 2e-5;
+  for (int64_t i = 0; i < N; ++i) {
+    ASSERT_TRUE(close(lse.get(i), ref.lse[i], stat_tol, 1e-5)) << "lse row " << i;
+    ASSERT_TRUE(close(ent.get(i), ref.ent[i], 1e-4, 1e-4 * (1 + std::fabs(ref.lse[i])))) << "entropy row " << i;
+    ASSERT_EQ(amax.get_int(i), ref.amax[i]) << "argmax row " << i;
+    if (none) {
+      ASSERT_TRUE(close(loss.get(i), ref.loss[i], stat_tol, 2e-5 * (1 + std::fabs(ref.lse[i])))) << "loss row " << i;
+      ASSERT_TRUE(close(zl.get(i), ref.zl[i], 1e-4, 1e-7)) << "z-loss row " << i;
+    }
+  }
+  if (!none) {
+    ASSERT_TRUE(close(loss.get(0), ref.total, 1e-5, 1e-5)) << "reduced loss";
+    ASSERT_TRUE(close(zl.get(0), ref.ztotal, 1e-4, 1e-7)) << "reduced z-loss";
+  }
+  if (!c.grad_mode) {
+    dlogits.download();
+    for (uint8_t b : dlogits.bytes()) ASSERT_EQ(b, 0xff) << "dlogits written though not requested";
+    return;
+  }
+  Tensor& dl = c.inplace ? logits : dlogits;
+  dl.download();
+  double gmax = 0;
+  for (double g : ref.grad) gmax = std::max(gmax, std::fabs(g));
+  const double rtol = dtype_rtol(c.dt) + 1e-4, atol = 1e-6 * gmax + 1e-7;
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < V; ++j)
+      ASSERT_TRUE(close(dl.get(i, j), ref.grad[size_t(i * V + j)], rtol, atol)) << "dlogits (" << i << "," << j << ")";
+  if (!c.inplace) {  // padding between rows untouched
+    const size_t es = dt_size(c.dt);
+    for (int64_t i = 0; i + 1 < N; ++i)
+      for (size_t b = size_t((i * dlogits.ld() + V) * es); b < size_t((i + 1) * dlogits.ld() * es); ++b)
+        ASSERT_EQ(dlogits.bytes()[b], 0xff) << "padding of dlogits row " << i << " written";
+  }
+
+  // The separate backward from the saved lse gives the fused gradient.
+  if (!c.inplace) {
+    Tensor dl2(c.dt, {N, V});
+    dl2.poison();
+    dl2.upload();
+    FCE_OK(fce_cross_entropy_bwd(h, test_stream(), logits.dl(), targets.dl(), lse.dl(),
+                                 c.grad_mode == 2 ? grad_loss.dl() : nullptr, &o, dl2.dl(), nullptr, 0));
+    dl2.download();
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < V; ++j)
+        ASSERT_TRUE(close(dl2.get(i, j), ref.grad[size_t(i * V + j)], rtol, atol)) << "bwd dlogits (" << i << "," << j << ")";
+  }
+}
+
+}  // namespace
+
+TEST(CrossEntropy, ShapesDtypesReductions) {
+  for (int64_t V : {1, 2, 7, 50021})
+    for (int64_t N : {1, 3, 257})
+      for (DT dt : {DT::F32, DT::BF16, DT::F16})
+        for (int red : {FCE_REDUCTION_NONE, FCE_REDUCTION_SUM, FCE_REDUCTION_MEAN}) {
+          if (V == 50021 && N == 257 && dt != DT::BF16) continue;  // keep the suite fast
+          CeCase c{N, V, dt};
+          c.reduction = red;
+          c.pad = (N % 2) ? 3 : 0;
+          c.tdt = red == FCE_REDUCTION_SUM ? DT::I32 : DT::I64;
+          run_case(c);
+        }
+}
+
+TEST(CrossEntropy, Vocab129920) {
+  for (DT dt : {DT::F32, DT::BF16, DT::F16}) {
+    CeCase c{3, 129920, dt};
+    c.peaked = true;  // the phantom-column bug shows on peaked rows
+    run_case(c);
+  }
+}
+
+TEST(CrossEntropy, EveryOption) {
+  for (DT dt : {DT::F32, DT::BF16, DT::F16})
+    for (int red : {FCE_REDUCTION_NONE, FCE_REDUCTION_MEAN}) {
+      CeCase c{33, 1031, dt};
+      c.reduction = red;
+      c.eps = 0.1;
+      c.zq = 1e-4;
+      c.cap = 30;
+      c.scale = 0.7;
+      c.weights = true;
+      c.logit_std = 20;
+      c.grad_mode = 2;
+      c.pad = 5;
+      run_case(c);
+      c.weights = false; c.cap = 0; c.eps = 0.25;
+      run_case(c);
+      c.eps = 0; c.zq = 0; c.cap = 5; c.scale = 1.3;
+      run_case(c);
+    }
+}
+
+TEST(CrossEntropy, PeakedAndFlatRows) {
+  for (DT dt : {DT::F32, DT::BF16, DT::F16}) {
+    CeCase c{17, 4099, dt};
+    c.peaked = true;
+    run_case(c);
+    c.peaked = false;
+    c.logit_std = 1e-30;  // flat: every logit 0 after rounding; argmax 0
+    run_case(c);
+  }
+}
+
+TEST(CrossEntropy, InPlaceGradientAndNoGradient) {
+  for (DT dt : {DT::F32, DT::BF16}) {
+    CeCase c{9, 513, dt};
+    c.inplace = true;
+    run_case(c);
+    c.inplace = false;
+    c.grad_mode = 0;
+    run_case(c);
+  }
+}
+
+TEST(CrossEntropy, AllIgnoredMeanIsZero) {
+  CeCase c{5, 100, DT::F32};
+  c.ignore_frac = 1.0;
+  run_case(c);  // reference gives 0 loss and zero gradient
+}
+
+TEST(CrossEntropy, OutOfRangeTargetGivesNaNRow) {
+  Handle h;
+  const int64_t N = 4, V = 10;
+  Tensor logits(DT::F32, {N, V});
+  fill_logits(logits, 1, false);
+  Tensor targets(DT::I64, {N});
+  const int64_t tg[N] = {1, V, -5, 3};
+  for (int64_t i = 0; i < N; ++i) targets.set_int(i, tg[i]);
+  targets.upload();
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  o.reduction = FCE_REDUCTION_NONE;
+  Tensor loss(DT::F32, {N}), dl(DT::F32, {N, V});
+  fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  out.dlogits = dl.dl();
+  FCE_OK(fce_cross_entropy_fwd(h, test_stream(), logits.dl(), targets.dl(), &o, &out, nullptr, 0));
+  loss.download();
+  dl.download();
+  EXPECT_FALSE(std::isnan(loss.get(0)));
+  EXPECT_TRUE(std::isnan(loss.get(1)));
+  EXPECT_TRUE(std::isnan(loss.get(2)));
+  EXPECT_FALSE(std::isnan(loss.get(3)));
+  for (int64_t j = 0; j < V; ++j) {
+    EXPECT_TRUE(std::isnan(dl.get(1, j)));
+    EXPECT_FALSE(std::isnan(dl.get(3, j)));
+  }
+  // Reduced: the NaN reaches the sum.
+  o.reduction = FCE_REDUCTION_MEAN;
+  Tensor total(DT::F32, {});
+  out.loss = total.dl();
+  out.dlogits = nullptr;
+  FCE_OK(fce_cross_entropy_fwd(h, test_stream(), logits.dl(), targets.dl(), &o, &out, nullptr, 0));
+  total.download();
+  EXPECT_TRUE(std::isnan(total.get(0)));
+}
+
+// Finite differences of the library's own fp32 loss agree with its gradient (checks the formula itself).
+TEST(CrossEntropy, FiniteDifferenceSpotCheck) {
+  Handle h;
+  const int64_t N = 3, V = 37;
+  Tensor logits(DT::F32, {N, V});
+  fill_logits(logits, 1.5, false);
+  Tensor targets(DT::I32, {N});
+  for (int64_t i = 0; i < N; ++i) targets.set_int(i, (i * 7) % V);
+  targets.upload();
+  Tensor weights(DT::F32, {V});
+  for (int64_t j = 0; j < V; ++j) weights.set(j, 0.5 + 0.03 * j);
+  weights.upload();
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  o.reduction = FCE_REDUCTION_SUM;
+  o.label_smoothing = 0.1f;
+  o.z_loss_scale = 0.01f;
+  o.softcap = 3.f;
+  o.logit_scale = 0.9f;
+  o.class_weights = weights.dl();
+  Tensor loss(DT::F32, {}), dl(DT::F32, {N, V});
+  fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  out.dlogits = dl.dl();
+  FCE_OK(fce_cross_entropy_fwd(h, test_stream(), logits.dl(), targets.dl(), &o, &out, nullptr, 0));
+  dl.download();
+  out.dlogits = nullptr;
+  const double eps = 1e-2;
+  for (int64_t k = 0; k < 8; ++k) {
+    const int64_t i = k % N, j = (k * 11) % V;
+    const double x0 = logits.get(i, j);
+    double f[2];
+    for (int s = 0; s < 2; ++s) {
+      logits.set(i, j, x0 + (s ? eps : -eps));
+      logits.upload();
+      FCE_OK(fce_cross_entropy_fwd(h, test_stream(), logits.dl(), targets.dl(), &o, &out, nullptr, 0));
+      loss.download();
+      f[s] = loss.get(0);
+    }
+    logits.set(i, j, x0);
+    logits.upload();
+    EXPECT_TRUE(close(dl.get(i, j), (f[1] - f[0]) / (2 * eps), 2e-2, 2e-3)) << "element (" << i << "," << j << ")";
+  }
+}
