@@ -80,7 +80,8 @@ struct KdTerm {
       return xlogratio(q, logq, logp);
     }
     // generalized JSD: b*KL(P||M) + (1-b)*KL(Q||M), M = b*P + (1-b)*Q; dL/dq = (1-b)*log(q/M)
-    const float logm = logaddexp(log_beta + logp, log_1mbeta + logq);
+    // M = P exactly when P = Q: identical distributions give exactly 0.
+    const float logm = logp == logq ? logp : logaddexp(log_beta + logp, log_1mbeta + logq);
     *a = q > 0.f ? q * (1.f - beta) * (logq - logm) : 0.f;
     return beta * xlogratio(p, logp, logm) + (1.f - beta) * xlogratio(q, logq, logm);
   }

@@ -1,0 +1,142 @@
+// Linear cross-entropy: loss, lse and every gradient against float64 (matmul + the CE reference).
+#include "../common/ce_reference.hpp"
+
+using namespace fct;
+
+namespace {
+
+struct LceCase {
+  CeCase ce;   // N, V, dt, options (pad ignored)
+  int64_t H;
+  bool bias = false;
+  int ws_rows = 0;  // 0: NULL workspace (default chunk); 1: the one-token minimum; k: k * minimum
+  DT grad_dt = DT::F32;
+};
+
+void run_case(const LceCase& lc) {
+  const CeCase& c = lc.ce;
+  SCOPED_TRACE(::testing::Message() << "N=" << c.N << " H=" << lc.H << " V=" << c.V << " " << dt_name(c.dt)
+                                    << " bias=" << lc.bias << " ws_rows=" << lc.ws_rows << " red=" << c.reduction
+                                    << " eps=" << c.eps << " zq=" << c.zq << " cap=" << c.cap << " grad_dt="
+                                    << dt_name(lc.grad_dt));
+  Handle h;
+  const int64_t N = c.N, V = c.V, H = lc.H;
+  Tensor hidden(c.dt, {N, H}), weight(c.dt, {V, H}), bias(c.dt, {V});
+  fill_logits(hidden, 1.0, false);
+  fill_logits(weight, 0.5, false);
+  std::normal_distribution<double> nd(0, 1);
+  for (int64_t v = 0; v < V; ++v) bias.set(v, lc.bias ? nd(rng()) : 0.0);
+  bias.upload();
+  Tensor targets(DT::I64, {N});
+  std::vector<int64_t> tg(N);
+  for (int64_t i = 0; i < N; ++i) {
+    tg[i] = i % 5 == 3 ? -100 : int64_t(rng()() % uint64_t(V));
+    targets.set_int(i, tg[i]);
+  }
+  targets.upload();
+  const std::vector<double> hv = values(hidden), wv = values(weight);
+  std::vector<double> x(size_t(N * V));
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t v = 0; v < V; ++v) {
+      double acc = lc.bias ? bias.get(v) : 0.0;
+      for (int64_t k = 0; k < H; ++k) acc += hv[size_t(i * H + k)] * wv[size_t(v * H + k)];
+      x[size_t(i * V + v)] = acc;
+    }
+  const Ref ref = reference(c, x, tg, {}, {});
+
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  o.reduction = c.reduction; o.label_smoothing = float(c.eps); o.z_loss_scale = float(c.zq); o.softcap = float(c.cap);
+  o.logit_scale = float(c.scale);
+  const bool none = c.reduction == FCE_REDUCTION_NONE;
+  Tensor loss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
+  Tensor lse(DT::F32, {N}), dh(lc.grad_dt, {N, H}), dw(lc.grad_dt, {V, H}), db(lc.grad_dt, {V});
+  for (Tensor* t : {&loss, &lse, &dh, &dw, &db}) { t->poison(); t->upload(); }
+  fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
+  out.loss = loss.dl(); out.lse = lse.dl(); out.dhidden = dh.dl(); out.dweight = dw.dl();
+  if (lc.bias) out.dbias = db.dl();
+  const DLTensor* b = lc.bias ? bias.dl() : nullptr;
+
+  Tensor ws;
+  size_t ws_bytes = 0;
+  if (lc.ws_rows > 0) {
+    // The minimum workspace is what the query reports for N = 1 with the same options.
+    Tensor h1(c.dt, {1, H}), t1(DT::I64, {1}), l1(DT::F32, {1}), dh1(lc.grad_dt, {1, H});
+    fce_linear_ce_outputs_t o1 = out;
+    o1.loss = none ? l1.dl() : loss.dl(); o1.lse = nullptr; o1.dhidden = dh1.dl();
+    size_t one = 0;
+    FCE_OK(fce_linear_cross_entropy_fwd_workspace_size(h, h1.dl(), weight.dl(), b, t1.dl(), &o, &o1, &one));
+    ws_bytes = one * size_t(lc.ws_rows);
+    ws = Tensor(DT::F32, {int64_t(ws_bytes / 4 + 64)});
+  }
+  FCE_OK(fce_linear_cross_entropy_fwd(h, test_stream(), hidden.dl(), weight.dl(), b, targets.dl(), &o, &out,
+                                      lc.ws_rows ? ws.dl()->data : nullptr, ws_bytes));
+  for (Tensor* t : {&loss, &lse, &dh, &dw, &db}) t->download();
+  for (int64_t i = 0; i < N; ++i) ASSERT_TRUE(close(lse.get(i), ref.lse[i], 1e-5, 1e-4)) << "lse " << i;
+  if (none) for (int64_t i = 0; i < N; ++i) ASSERT_TRUE(close(loss.get(i), ref.loss[i], 1e-4, 1e-4)) << "loss " << i;
+  else ASSERT_TRUE(close(loss.get(0), ref.total, 1e-4, 1e-5));
+
+  std::vector<double> rdh(size_t(N * H), 0), rdw(size_t(V * H), 0), rdb(size_t(V), 0);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t v = 0; v < V; ++v) {
+      const double g = ref.grad[size_t(i * V + v)];
+      rdb[v] += g;
+      for (int64_t k = 0; k < H; ++k) {
+        rdh[size_t(i * H + k)] += g * wv[size_t(v * H + k)];
+        rdw[size_t(v * H + k)] += g * hv[size_t(i * H + k)];
+      }
+    }
+  auto check = [&](const Tensor& t, const std::vector<double>& want, int64_t rows, int64_t cols, const char* what) {
+    double mx = 0;
+    for (double w : want) mx = std::max(mx, std::fabs(w));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < cols; ++k)
+        ASSERT_TRUE(close(t.get(r, cols == 1 && t.cols() != 1 ? -1 : k), want[size_t(r * cols + k)],
+                          dtype_rtol(lc.grad_dt) + 1e-3, 1e-4 * mx))
+            << what << " (" << r << "," << k << ")";
+  };
+  check(dh, rdh, N, H, "dhidden");
+  check(dw, rdw, V, H, "dweight");
+  if (lc.bias)
+    for (int64_t v = 0; v < V; ++v) ASSERT_TRUE(close(db.get(v), rdb[v], dtype_rtol(lc.grad_dt) + 1e-3, 1e-5)) << "dbias " << v;
+
+  // The backward from the saved lse writes the same gradients.
+  Tensor dh2(lc.grad_dt, {N, H});
+  dh2.poison(); dh2.upload();
+  fce_linear_ce_outputs_t ob = FCE_LINEAR_CE_OUTPUTS_INIT;
+  ob.dhidden = dh2.dl();
+  FCE_OK(fce_linear_cross_entropy_bwd(h, test_stream(), hidden.dl(), weight.dl(), b, targets.dl(), lse.dl(), &o, &ob,
+                                      nullptr, 0));
+  dh2.download();
+  check(dh2, rdh, N, H, "bwd dhidden");
+}
+
+}  // namespace
+
+TEST(LinearCrossEntropy, DtypesOptionsAndBias) {
+  for (DT dt : {DT::F32, DT::BF16, DT::F16})
+    for (int red : {FCE_REDUCTION_NONE, FCE_REDUCTION_MEAN}) {
+      LceCase lc{CeCase{37, 1031, dt}, 64};
+      lc.ce.reduction = red;
+      lc.bias = red == FCE_REDUCTION_MEAN;
+      lc.grad_dt = dt == DT::F16 ? DT::F16 : DT::F32;
+      run_case(lc);
+      lc.ce.eps = 0.1; lc.ce.zq = 1e-3; lc.ce.cap = 10; lc.ce.scale = 0.8;
+      run_case(lc);
+    }
+}
+
+TEST(LinearCrossEntropy, ChunkSizesAgree) {
+  for (int ws_rows : {0, 1, 7}) {
+    LceCase lc{CeCase{29, 257, DT::BF16}, 48};
+    lc.ws_rows = ws_rows;
+    lc.grad_dt = DT::BF16;
+    lc.bias = true;
+    run_case(lc);
+  }
+}
+
+TEST(LinearCrossEntropy, SingleToken) {
+  LceCase lc{CeCase{1, 130, DT::F32}, 16};
+  lc.ce.ignore_frac = 0;
+  run_case(lc);
+}

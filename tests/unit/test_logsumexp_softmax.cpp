@@ -1,0 +1,166 @@
+// Logsumexp and temperature softmax against float64 references written here.
+#include <algorithm>
+
+#include "../common/testing.hpp"
+
+using namespace fct;
+
+namespace {
+
+double ref_lse(const std::vector<double>& x, int64_t i, int64_t V, double s) {
+  double m = -INFINITY;
+  for (int64_t j = 0; j < V; ++j) m = std::max(m, s * x[size_t(i * V + j)]);
+  if (m == -INFINITY) return -INFINITY;
+  double acc = 0;
+  for (int64_t j = 0; j < V; ++j) acc += std::exp(s * x[size_t(i * V + j)] - m);
+  return m + std::log(acc);
+}
+
+void check_lse(int64_t N, int64_t V, DT dt, double scale, int64_t pad, bool peaked) {
+  SCOPED_TRACE(::testing::Message() << "N=" << N << " V=" << V << " " << dt_name(dt) << " scale=" << scale);
+  Handle h;
+  Tensor x(dt, {N, V}, V + pad);
+  fill_logits(x, 3.0, peaked);
+  Tensor lse(DT::F32, {N});
+  lse.poison();
+  lse.upload();
+  fce_lse_options_t o = FCE_LSE_OPTIONS_INIT;
+  o.scale = float(scale);
+  FCE_OK(fce_logsumexp(h, test_stream(), x.dl(), &o, lse.dl(), nullptr, 0));
+  lse.download();
+  const std::vector<double> v = values(x);
+  for (int64_t i = 0; i < N; ++i) ASSERT_TRUE(close(lse.get(i), ref_lse(v, i, V, scale), 2e-6, 2e-5)) << "row " << i;
+}
+
+}  // namespace
+
+TEST(Logsumexp, ShapesAndDtypes) {
+  for (int64_t V : {1, 2, 7, 50021, 129920})
+    for (int64_t N : {1, 3, 257})
+      for (DT dt : {DT::F32, DT::BF16, DT::F16}) {
+        if (V >= 50021 && N == 257 && dt != DT::BF16) continue;
+        check_lse(N, V, dt, 1.0, N == 3 ? 4 : 0, V % 2 == 0);
+      }
+  check_lse(5, 1000, DT::F32, 0.25, 0, true);
+  check_lse(5, 1000, DT::BF16, 3.0, 1, false);
+}
+
+TEST(Logsumexp, InfinitiesAndNaN) {
+  Handle h;
+  Tensor x(DT::F32, {3, 5});
+  for (int64_t j = 0; j < 5; ++j) { x.set(0, j, -INFINITY); x.set(1, j, j == 2 ? -INFINITY : 1.0); x.set(2, j, j == 4 ? NAN : 0.0); }
+  x.upload();
+  Tensor lse(DT::F32, {3});
+  FCE_OK(fce_logsumexp(h, test_stream(), x.dl(), nullptr, lse.dl(), nullptr, 0));
+  lse.download();
+  EXPECT_EQ(lse.get(0), -INFINITY);
+  EXPECT_TRUE(close(lse.get(1), 1.0 + std::log(4.0), 1e-6, 1e-6));
+  EXPECT_TRUE(std::isnan(lse.get(2)));
+}
+
+namespace {
+
+struct SmCase {
+  int64_t N, V;
+  DT dt;
+  bool fp32_out;
+  std::vector<double> temps;  // one entry = scalar, N entries = per row
+  bool logprobs = true;
+  bool inplace = false;
+  double std = 3.0;
+  bool peaked = false;
+};
+
+void check_softmax(const SmCase& c) {
+  SCOPED_TRACE(::testing::Message() << "N=" << c.N << " V=" << c.V << " " << dt_name(c.dt) << " fp32out=" << c.fp32_out
+                                    << " T0=" << c.temps[0] << " inplace=" << c.inplace);
+  Handle h;
+  const int64_t N = c.N, V = c.V;
+  Tensor x(c.dt, {N, V});
+  fill_logits(x, c.std, c.peaked);
+  const std::vector<double> v = values(x);
+  const DT odt = c.fp32_out ? DT::F32 : c.dt;
+  Tensor probs(odt, {N, V}), logp(odt, {N, V});
+  probs.poison(); probs.upload(); logp.poison(); logp.upload();
+  fce_softmax_options_t o = FCE_SOFTMAX_OPTIONS_INIT;
+  Tensor temps;
+  if (c.temps.size() == 1) {
+    o.temperature = float(c.temps[0]);
+  } else {
+    temps = Tensor(DT::F32, {N});
+    for (int64_t i = 0; i < N; ++i) temps.set(i, c.temps[size_t(i)]);
+    temps.upload();
+    o.temperatures = temps.dl();
+  }
+  Tensor& pout = c.inplace ? x : probs;
+  FCE_OK(fce_temp_softmax(h, test_stream(), x.dl(), &o, pout.dl(), c.logprobs ? logp.dl() : nullptr, nullptr, 0));
+  pout.download();
+  logp.download();
+  const double rtol = c.fp32_out ? 2e-5 : dtype_rtol(c.dt);
+  for (int64_t i = 0; i < N; ++i) {
+    const double T = c.temps.size() == 1 ? c.temps[0] : c.temps[size_t(i)];
+    double m = -INFINITY;
+    int64_t am = 0;
+    for (int64_t j = 0; j < V; ++j) if (v[size_t(i * V + j)] > m) { m = v[size_t(i * V + j)]; am = j; }
+    double s = 0, psum = 0;
+    for (int64_t j = 0; j < V; ++j) s += T > 0 ? std::exp((v[size_t(i * V + j)] - m) / T) : 0.0;
+    for (int64_t j = 0; j < V; ++j) {
+      const double got = pout.get(i, j);
+      psum += got;
+      if (T < 0 || std::isnan(T)) { ASSERT_TRUE(std::isnan(got)) << "bad temperature row " << i; continue; }
+      ASSERT_FALSE(std::isnan(got)) << "NaN at (" << i << "," << j << ")";
+      double want, wantlog;
+      if (T == 0) { want = j == am ? 1 : 0; wantlog = j == am ? 0 : -INFINITY; }
+      else { wantlog = (v[size_t(i * V + j)] - m) / T - std::log(s); want = std::exp(wantlog); }
+      ASSERT_TRUE(close(got, want, rtol, 1e-7)) << "p(" << i << "," << j << ")";
+      if (odt == DT::F16) wantlog = from_f16(to_f16(float(wantlog)));  // may round to -inf
+      if (c.logprobs) ASSERT_TRUE(close(logp.get(i, j), wantlog, rtol, rtol * (1 + std::fabs(std::log(s))) + 1e-6))
+          << "logp(" << i << "," << j << ")";
+    }
+    if (T >= 0 && c.fp32_out) ASSERT_TRUE(close(psum, 1.0, 0, 1e-5)) << "row sum " << i;
+  }
+}
+
+}  // namespace
+
+TEST(TempSoftmax, ScalarTemperatures) {
+  for (DT dt : {DT::F32, DT::BF16, DT::F16})
+    for (double T : {1.0, 0.5, 4.0, 0.0})
+      for (bool f32 : {true, false}) check_softmax({3, 50021, dt, f32, {T}});
+  check_softmax({1, 129920, DT::BF16, true, {0.7}, true, false, 3.0, true});
+  check_softmax({257, 7, DT::F16, true, {1.0}});
+  check_softmax({2, 1, DT::F32, true, {1.0}});
+}
+
+TEST(TempSoftmax, TinyTemperatureFp16NeverNaN) {
+  check_softmax({4, 1000, DT::F16, true, {1e-5}, true, false, 10.0});
+  check_softmax({4, 1000, DT::F16, false, {1e-5}, true, false, 10.0});
+}
+
+TEST(TempSoftmax, PerRowTemperaturesMixedGreedy) {
+  check_softmax({6, 333, DT::BF16, true, {0.0, 1.0, 0.5, 0.0, 2.0, -1.0}});
+  check_softmax({4, 333, DT::F32, true, {NAN, 1.0, 0.0, 3.0}});
+}
+
+TEST(TempSoftmax, InPlace) {
+  check_softmax({5, 1001, DT::F32, true, {0.8}, false, true});
+  check_softmax({5, 1001, DT::BF16, false, {0.8}, false, true});
+}
+
+TEST(TempSoftmax, GreedyTieIsFirstMaximumAndInfTemperatureUniform) {
+  Handle h;
+  Tensor x(DT::F32, {2, 6});
+  const double row0[6] = {1, 3, 2, 3, -INFINITY, 0};
+  for (int64_t j = 0; j < 6; ++j) { x.set(0, j, row0[j]); x.set(1, j, row0[j]); }
+  x.upload();
+  Tensor p(DT::F32, {2, 6}), temps(DT::F32, {2});
+  temps.set(0, 0.0); temps.set(1, INFINITY); temps.upload();
+  fce_softmax_options_t o = FCE_SOFTMAX_OPTIONS_INIT;
+  o.temperatures = temps.dl();
+  FCE_OK(fce_temp_softmax(h, test_stream(), x.dl(), &o, p.dl(), nullptr, nullptr, 0));
+  p.download();
+  for (int64_t j = 0; j < 6; ++j) {
+    EXPECT_EQ(p.get(0, j), j == 1 ? 1.0 : 0.0);
+    EXPECT_TRUE(close(p.get(1, j), j == 4 ? 0.0 : 0.2, 1e-6, 1e-7));
+  }
+}
