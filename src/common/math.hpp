@@ -48,6 +48,23 @@ struct LogitTransform {
   }
 };
 
+// Gradient of one cross-entropy row w.r.t. z_j (before the transform's derivative), PyTorch semantics
+// with label smoothing e, class weights w, z-loss q:
+//   dL/dz_j = g*[(1-e)*w_t*(p_j - [j==t]) + (e/V)*(W*p_j - w_j) + 2*q*lse*p_j]
+//           = g*(cp*p_j - cw*w_j - [j==t]*ct)
+struct CeGrad {
+  float cp, cw, ct;
+  FCE_HD CeGrad(float g, float eps, float w_t, float W, float inv_v, float zq, float lse) {
+    const float a = (1.f - eps) * w_t, b = eps * inv_v;
+    cp = g * (a + b * W + 2.f * zq * lse);
+    cw = g * b;
+    ct = g * a;
+  }
+  FCE_HD float operator()(float p, float w_j, bool is_target) const {
+    return cp * p - cw * w_j - (is_target ? ct : 0.f);
+  }
+};
+
 // x*log(x/y)-style term that is 0 when the weight p is 0, whatever the logs hold (-inf logits give no NaN).
 FCE_HD float xlogratio(float p, float logp, float logq) { return p > 0.f ? p * (logp - logq) : 0.f; }
 

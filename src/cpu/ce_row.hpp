@@ -111,15 +111,10 @@ inline void ce_row_grad(const CeContext& c, const float* z, float lse, int64_t t
     for (int64_t j = 0; j < V; ++j) dx[j] = NAN;
     return;
   }
-  const float eps = c.o.label_smoothing;
-  const float a = (1.f - eps) * c.weight(target);           // coefficient of p_j - delta_jt
-  const float b = eps / float(V);                           // coefficient of W p_j - w_j
-  const float pz = a + b * float(c.W) + 2.f * c.o.z_loss_scale * lse;  // total coefficient of p_j
+  const CeGrad grad(g, c.o.label_smoothing, c.weight(target), float(c.W), 1.f / float(V), c.o.z_loss_scale, lse);
   for (int64_t j = 0; j < V; ++j) {
-    const float p = std::exp(z[j] - lse);
-    float dz = pz * p - b * c.weight(j);
-    if (j == target) dz -= a;
-    dx[j] = g * dz * c.tf.derivative(z[j]);
+    const float dz = grad(std::exp(z[j] - lse), c.weight(j), j == target);
+    dx[j] = dz * c.tf.derivative(z[j]);
   }
 }
 

@@ -1,0 +1,96 @@
+// Cross-entropy and logsumexp benchmark on the GPU: each op as a fraction of the device's copy bandwidth,
+// measured in the same run. Prints a table; usage: bench_ce [--quick]
+#include <cstring>
+
+#include "bench_util.hpp"
+
+using namespace bench;
+
+namespace {
+
+struct Row {
+  std::string op, shape, dtype;
+  double us, gbs, frac, target;
+};
+std::vector<Row> rows;
+
+void report(const std::string& op, int64_t N, int64_t V, const char* dt, double ms, double bytes, double copy_gbs,
+            double target) {
+  const double gbs = bytes / (ms * 1e6);
+  rows.push_back({op, std::to_string(N) + "x" + std::to_string(V), dt, ms * 1e3, gbs, gbs / copy_gbs, target});
+  std::printf("%-28s %-14s %-5s %10.1f us %8.0f GB/s %6.1f%%\n", op.c_str(), rows.back().shape.c_str(), dt, ms * 1e3,
+              gbs, 100 * gbs / copy_gbs);
+  std::fflush(stdout);
+}
+
+const char* name(DLDataType d) { return d.bits == 32 ? "fp32" : d.code == kDLBfloat ? "bf16" : "fp16"; }
+
+void ce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, DLDataType dt, bool grad, double copy_gbs,
+             double target) {
+  Buf logits({N, V}, dt), targets({N}, i32()), loss({}, f32());
+  fill_random(logits, 3.f, 1, s);
+  fill_targets(targets, V, 2, s);
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  if (grad) out.dlogits = logits.dl();  // in place, as Liger does
+  size_t wsb = 0;
+  ok(fce_cross_entropy_fwd_workspace_size(h, logits.dl(), targets.dl(), &o, &out, &wsb), "ws");
+  void* ws = nullptr;
+  ck(cudaMalloc(&ws, wsb + 256), "ws");
+  const double ms = time_ms(s, [&] {
+    ok(fce_cross_entropy_fwd(h, reinterpret_cast<fce_stream_t>(s), logits.dl(), targets.dl(), &o, &out, ws, wsb),
+       "ce");
+  });
+  cudaFree(ws);
+  const double bytes = double(N) * double(V) * (dt.bits / 8) * (grad ? 2 : 1);
+  report(grad ? "CE fwd + dlogits (in place)" : "CE fwd (mean loss)", N, V, name(dt), ms, bytes, copy_gbs, target);
+}
+
+void lse_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, DLDataType dt, double copy_gbs, double target) {
+  Buf x({N, V}, dt), lse({N}, f32());
+  fill_random(x, 3.f, 3, s);
+  size_t wsb = 0;
+  ok(fce_logsumexp_workspace_size(h, x.dl(), nullptr, lse.dl(), &wsb), "ws");
+  void* ws = nullptr;
+  ck(cudaMalloc(&ws, wsb + 256), "ws");
+  const double ms = time_ms(s, [&] {
+    ok(fce_logsumexp(h, reinterpret_cast<fce_stream_t>(s), x.dl(), nullptr, lse.dl(), ws, wsb), "lse");
+  });
+  cudaFree(ws);
+  report("logsumexp", N, V, name(dt), ms, double(N) * double(V) * (dt.bits / 8), copy_gbs, target);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  fce_handle_t h;
+  ok(fce_handle_create(kDLCUDA, 0, &h), "handle");
+  const double copy = copy_bandwidth_gbs(s);
+  std::printf("device: %s\ncopy bandwidth (read+write): %.0f GB/s\n\n", device_name().c_str(), copy);
+  ce_case(h, s, 8192, 128256, bf16(), false, copy, 0.90);
+  ce_case(h, s, 8192, 128256, bf16(), true, copy, 0.85);
+  ce_case(h, s, 16384, 151936, bf16(), false, copy, 0.90);
+  ce_case(h, s, 4096, 256000, bf16(), false, copy, 0.90);
+  if (!quick) {
+    ce_case(h, s, 8192, 128256, f16(), false, copy, 0.90);
+    ce_case(h, s, 4096, 128256, f32(), false, copy, 0.90);
+    ce_case(h, s, 8192, 128256, f16(), true, copy, 0.85);
+    ce_case(h, s, 16384, 151936, bf16(), true, copy, 0.85);
+    ce_case(h, s, 16, 151936, bf16(), false, copy, 0.0);
+    ce_case(h, s, 256, 151936, bf16(), false, copy, 0.0);
+  }
+  lse_case(h, s, 8192, 128256, bf16(), copy, 0.90);
+  lse_case(h, s, 16, 151936, bf16(), copy, 0.0);
+  lse_case(h, s, 1, 128256, bf16(), copy, 0.0);
+  if (!quick) lse_case(h, s, 8192, 128256, f32(), copy, 0.90);
+  std::printf("\n| op | shape | dtype | time (us) | GB/s | of copy bw | target |\n|---|---|---|---|---|---|---|\n");
+  for (const Row& r : rows)
+    std::printf("| %s | %s | %s | %.1f | %.0f | %.1f%% | %s |\n", r.op.c_str(), r.shape.c_str(), r.dtype.c_str(), r.us,
+                r.gbs, 100 * r.frac, r.target > 0 ? (std::to_string(int(r.target * 100)) + "%").c_str() : "time");
+  fce_handle_destroy(h);
+  return 0;
+}

@@ -1,0 +1,110 @@
+// Benchmark support: device buffers, CUDA-event timing (median of repeats), the device's copy bandwidth
+// measured in the same run, and a table printer.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "fusedce/fusedce.h"
+
+namespace bench {
+
+inline void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+inline void ok(fce_status_t s, const char* what) {
+  if (s != FCE_STATUS_SUCCESS) {
+    std::fprintf(stderr, "%s: %s: %s\n", what, fce_status_string(s), fce_last_error_message());
+    std::exit(1);
+  }
+}
+
+// A device buffer with a DLTensor describing it.
+struct Buf {
+  void* p = nullptr;
+  std::vector<int64_t> shape;
+  DLTensor t{};
+  Buf(std::vector<int64_t> shp, DLDataType dt) : shape(std::move(shp)) {
+    size_t n = 1;
+    for (int64_t s : shape) n *= size_t(s);
+    ck(cudaMalloc(&p, n * (dt.bits / 8) + 256), "cudaMalloc");
+    t.data = p;
+    t.device = {kDLCUDA, 0};
+    t.ndim = int(shape.size());
+    t.dtype = dt;
+    t.shape = shape.data();
+  }
+  ~Buf() { cudaFree(p); }
+  Buf(const Buf&) = delete;
+  DLTensor* dl() { return &t; }
+  size_t bytes() const {
+    size_t n = t.dtype.bits / 8;
+    for (int64_t s : shape) n *= size_t(s);
+    return n;
+  }
+};
+
+inline DLDataType f32() { return {kDLFloat, 32, 1}; }
+inline DLDataType bf16() { return {kDLBfloat, 16, 1}; }
+inline DLDataType f16() { return {kDLFloat, 16, 1}; }
+inline DLDataType i32() { return {kDLInt, 32, 1}; }
+
+// Median time in ms of `fn` over `reps` runs (after warm-up), by CUDA events on `stream`; the L2 is
+// flushed before each run so every op reads from DRAM.
+inline double time_ms(cudaStream_t stream, const std::function<void()>& fn, int reps = 20) {
+  static void* flush = nullptr;
+  const size_t flush_bytes = size_t(256) << 20;
+  if (!flush) ck(cudaMalloc(&flush, flush_bytes), "flush buffer");
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<float> ms;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < reps; ++i) {
+    ck(cudaMemsetAsync(flush, i, flush_bytes, stream), "flush");
+    cudaEventRecord(a, stream);
+    fn();
+    cudaEventRecord(b, stream);
+    ck(cudaEventSynchronize(b), "sync");
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// Device-to-device copy bandwidth in GB/s (bytes read + written), 1 GiB copied.
+inline double copy_bandwidth_gbs(cudaStream_t stream) {
+  const size_t n = size_t(1) << 30;
+  void *a, *b;
+  ck(cudaMalloc(&a, n), "malloc");
+  ck(cudaMalloc(&b, n), "malloc");
+  cudaMemsetAsync(a, 1, n, stream);
+  const double ms = time_ms(stream, [&] { cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, stream); }, 10);
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * double(n) / (ms * 1e6);
+}
+
+inline std::string device_name() {
+  cudaDeviceProp p{};
+  cudaGetDeviceProperties(&p, 0);
+  return p.name;
+}
+
+// Fills a bf16/fp16/fp32 buffer with pseudo-random normal-ish values * scale (device-side generator).
+void fill_random(Buf& b, float scale, unsigned seed, cudaStream_t s);
+void fill_targets(Buf& b, int64_t V, unsigned seed, cudaStream_t s);
+
+}  // namespace bench

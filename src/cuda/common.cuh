@@ -1,0 +1,248 @@
+// Building blocks of the CUDA kernels: dtype access, vectorized row traversal, deterministic block
+// reductions, and the split-row decision. Every kernel file includes this.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/handle.hpp"
+#include "common/math.hpp"
+#include "common/ops.hpp"
+#include "cuda/cuda_util.hpp"
+
+namespace fce::cuda {
+
+// ---- element types ----------------------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// Elements per 16-byte vector.
+template <class T> constexpr int kVec = 16 / int(sizeof(T));
+
+// Calls body.template operator() with the C++ type of a float dtype.
+template <class F>
+void dispatch_float(DType t, F&& body) {
+  switch (t) {
+    case DType::F32: body(float{}); break;
+    case DType::BF16: body(__nv_bfloat16{}); break;
+    case DType::F16: body(__half{}); break;
+    default: raise(FCE_STATUS_INTERNAL_ERROR, "dispatch_float: not a float dtype");
+  }
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i) {
+  return i64 ? static_cast<const int64_t*>(p)[i] : int64_t(static_cast<const int32_t*>(p)[i]);
+}
+
+template <class T>
+__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[kVec<T>]) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) v[k] = to_float(e[k]);
+}
+template <class T>
+__device__ __forceinline__ uint4 pack(const float (&v)[kVec<T>]) {
+  uint4 raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) e[k] = from_float<T>(v[k]);
+  return raw;
+}
+
+// Elements of row[begin, end) before the first 16-byte aligned one; the whole range when the row is not
+// even element-aligned. `out`, when given, must share the alignment or everything goes the scalar way.
+template <class T>
+__device__ __forceinline__ int64_t unaligned_head(const T* row, const void* out, int64_t begin, int64_t end) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(row + begin);
+  if (out && ((reinterpret_cast<uintptr_t>(out) ^ a) & 15u)) return end - begin;
+  const int64_t head = int64_t((16u - (a & 15u)) & 15u) / int64_t(sizeof(T));
+  return head < end - begin ? head : end - begin;
+}
+
+// Visits row[begin, end) with the whole block: f(v, j0, n) gets n (1 or kVec) consecutive values starting
+// at column j0, as fp32. 16-byte loads with kUnroll loads in flight per thread.
+template <class T, int kUnroll = 4, class F>
+__device__ __forceinline__ void row_visit(const T* __restrict__ row, int64_t begin, int64_t end, F&& f) {
+  constexpr int K = kVec<T>;
+  const int64_t head = unaligned_head(row, nullptr, begin, end);
+  if (threadIdx.x < head) {
+    float v[K];
+    v[0] = to_float(row[begin + threadIdx.x]);
+    f(v, begin + threadIdx.x, 1);
+  }
+  const int64_t vb = begin + head, nvec = (end - vb) / K;
+  const uint4* vp = reinterpret_cast<const uint4*>(row + vb);
+  for (int64_t base = threadIdx.x; base < nvec; base += int64_t(kUnroll) * blockDim.x) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + int64_t(u) * blockDim.x;
+      if (i < nvec) raw[u] = __ldg(vp + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + int64_t(u) * blockDim.x;
+      if (i < nvec) {
+        float v[K];
+        unpack<T>(raw[u], v);
+        f(v, vb + i * K, K);
+      }
+    }
+  }
+  const int64_t tb = vb + nvec * K;
+  if (threadIdx.x < end - tb) {
+    float v[K];
+    v[0] = to_float(row[tb + threadIdx.x]);
+    f(v, tb + threadIdx.x, 1);
+  }
+}
+
+// Like row_visit, but f rewrites v in place and the result is stored to out[begin, end) as type O.
+// `in` and `out` may be the same memory (in-place).
+template <class T, class O, int kUnroll = 2, class F>
+__device__ __forceinline__ void row_map(const T* in, O* out, int64_t begin, int64_t end, F&& f) {
+  constexpr int K = kVec<T>;
+  const bool same_width = sizeof(T) == sizeof(O);
+  const int64_t head = same_width ? unaligned_head(in, out + begin, begin, end) : end - begin;
+  // Scalar part (head, or everything when the output cannot be vectorized alongside the input).
+  for (int64_t j = begin + threadIdx.x; j < begin + head; j += blockDim.x) {
+    float v[K];
+    v[0] = to_float(in[j]);
+    f(v, j, 1);
+    out[j] = from_float<O>(v[0]);
+  }
+  const int64_t vb = begin + head, nvec = (end - vb) / K;
+  const uint4* vp = reinterpret_cast<const uint4*>(in + vb);
+  uint4* op = reinterpret_cast<uint4*>(out + vb);
+  for (int64_t base = threadIdx.x; base < nvec; base += int64_t(kUnroll) * blockDim.x) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + int64_t(u) * blockDim.x;
+      if (i < nvec) raw[u] = vp[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + int64_t(u) * blockDim.x;
+      if (i < nvec) {
+        float v[K];
+        unpack<T>(raw[u], v);
+        f(v, vb + i * K, K);
+        op[i] = pack<T>(v);
+      }
+    }
+  }
+  const int64_t tb = vb + nvec * K;
+  if (threadIdx.x < end - tb) {
+    float v[K];
+    v[0] = to_float(in[tb + threadIdx.x]);
+    f(v, tb + threadIdx.x, 1);
+    out[tb + threadIdx.x] = from_float<O>(v[0]);
+  }
+}
+
+// ---- deterministic reductions -----------------------------------------------------------------------
+// S provides `S shfl_down(unsigned) const` and `void merge(const S&)`; the tree shape is fixed, so the
+// result is bitwise repeatable.
+template <class S>
+__device__ __forceinline__ S warp_reduce(S v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v.merge(v.shfl_down(off));
+  return v;
+}
+
+// Result valid in thread 0 (and broadcast to all threads when `broadcast`). smem: 32 S's.
+template <class S>
+__device__ __forceinline__ S block_reduce(S v, S* smem, bool broadcast = true) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_reduce(v);
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    S w = lane < nwarps ? smem[lane] : S();
+    w = warp_reduce(w);
+    if (lane == 0) smem[0] = w;
+  }
+  __syncthreads();
+  S r = smem[0];
+  if (broadcast) __syncthreads();  // smem may be reused right after
+  return r;
+}
+
+// Shared scratch for block_reduce of S (raw storage: S's constructor must not run as a static initializer).
+template <class S>
+__device__ __forceinline__ S* reduce_scratch() {
+  __shared__ alignas(alignof(S)) unsigned char buf[32 * sizeof(S)];
+  return reinterpret_cast<S*>(buf);
+}
+
+template <class S>
+__device__ __forceinline__ S block_reduce(S v, bool broadcast = true) {
+  return block_reduce(v, reduce_scratch<S>(), broadcast);
+}
+
+struct SumF {
+  float s = 0.f;
+  __device__ SumF() {}
+  __device__ explicit SumF(float x) : s(x) {}
+  __device__ SumF shfl_down(unsigned off) const { return SumF(__shfl_down_sync(0xffffffffu, s, off)); }
+  __device__ void merge(const SumF& o) { s += o.s; }
+};
+
+struct MaxF {
+  float m = -INFINITY;
+  __device__ MaxF() {}
+  __device__ explicit MaxF(float x) : m(x) {}
+  __device__ MaxF shfl_down(unsigned off) const { return MaxF(__shfl_down_sync(0xffffffffu, m, off)); }
+  __device__ void merge(const MaxF& o) { m = fmaxf(m, o.m); }
+};
+
+// ---- launch decisions -------------------------------------------------------------------------------
+constexpr int kRowThreads = 512;
+
+// Blocks per row: 1 when there are enough rows to fill the GPU, else enough to give every SM ~2 blocks,
+// each with at least kMinSplitCols columns. Depends only on (N, V, SM count): deterministic.
+inline int split_count(const fce_handle* h, int64_t N, int64_t V) {
+  constexpr int64_t kMinSplitCols = 4096;
+  const int64_t target = int64_t(h->sm_count) * 2;
+  if (N >= target) return 1;
+  int64_t s = (target + N - 1) / N;
+  const int64_t by_cols = V / kMinSplitCols;
+  if (s > by_cols) s = by_cols;
+  if (s > 256) s = 256;
+  return s < 1 ? 1 : int(s);
+}
+
+// Columns [begin, end) of split `k` of `splits` over V (multiples of 64 so vector loads stay aligned).
+__host__ __device__ __forceinline__ void split_range(int64_t V, int splits, int k, int64_t* begin, int64_t* end) {
+  int64_t chunk = (V + splits - 1) / splits;
+  chunk = (chunk + 63) / 64 * 64;
+  *begin = chunk * k < V ? chunk * k : V;
+  *end = chunk * (k + 1) < V ? chunk * (k + 1) : V;
+}
+
+inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
+
+inline cudaStream_t stream_of(fce_stream_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+// Workspace carving: 256-byte aligned sub-buffers.
+struct Carver {
+  char* base;
+  size_t used = 0;
+  explicit Carver(void* p) : base(static_cast<char*>(p)) {}
+  template <class T>
+  T* take(size_t count) {
+    T* r = reinterpret_cast<T*>(base ? base + used : nullptr);
+    used += (count * sizeof(T) + 255) / 256 * 256;
+    return r;
+  }
+};
+
+}  // namespace fce::cuda

@@ -1,0 +1,415 @@
+// CUDA cross-entropy (forward, fused gradient, backward) and logsumexp.
+//
+// Rows are one block each when there are enough rows to fill the GPU: the block computes the row's
+// online-softmax statistics in one pass, its outputs, and (when asked) the gradient in a second pass
+// that re-reads the row while it is still in L2. With few rows, each row is split across blocks: a
+// partial kernel writes per-split statistics, a merge kernel combines them in a fixed order, and a
+// gradient kernel writes each split's slice. Reductions over rows go through a single-block finalize
+// kernel in a fixed order: no float atomics, bitwise repeatable, no host sync.
+#include "cuda/common.cuh"
+
+namespace fce::cuda {
+namespace {
+
+// Per-thread statistics of a row slice: online softmax (m, d), sum of e^(z-m)*z for the entropy,
+// the plain sum of w_j*z_j for label smoothing, and the raw-logit argmax.
+struct CeAcc {
+  float m, d, s1, swz, av;
+  int64_t ai;
+  __device__ CeAcc() : m(-INFINITY), d(0.f), s1(0.f), swz(0.f), av(-INFINITY), ai(INT64_MAX) {}
+  // NaN counts as the largest value; ties go to the lowest index.
+  __device__ static bool better(float v, int64_t j, float av, int64_t ai) {
+    const bool vn = isnan(v), an = isnan(av);
+    if (vn != an) return vn;
+    if (v == av || (vn && an)) return j < ai;
+    return v > av;
+  }
+  __device__ void merge(const CeAcc& o) {
+    const float mn = fmaxf(m, o.m);
+    if (mn != -INFINITY) {
+      const float a = expf(m - mn), b = expf(o.m - mn);
+      d = d * a + o.d * b;
+      s1 = s1 * a + o.s1 * b;
+    } else {
+      d += o.d;
+      s1 += o.s1;
+    }
+    m = mn;
+    swz += o.swz;
+    if (better(o.av, o.ai, av, ai)) { av = o.av; ai = o.ai; }
+  }
+  __device__ CeAcc shfl_down(unsigned off) const {
+    CeAcc r;
+    r.m = __shfl_down_sync(0xffffffffu, m, off);
+    r.d = __shfl_down_sync(0xffffffffu, d, off);
+    r.s1 = __shfl_down_sync(0xffffffffu, s1, off);
+    r.swz = __shfl_down_sync(0xffffffffu, swz, off);
+    r.av = __shfl_down_sync(0xffffffffu, av, off);
+    r.ai = __shfl_down_sync(0xffffffffu, ai, off);
+    return r;
+  }
+};
+
+struct CeParams {
+  const void* x;
+  int64_t ld, N, V;
+  float scale, softcap;
+  bool full;  // cross-entropy (targets, entropy, argmax) rather than logsumexp only
+  // cross-entropy inputs and options
+  const void* targets;
+  bool t64;
+  int64_t ignore_index;
+  float eps, zq, inv_v;
+  const float* weights;
+  int reduction;
+  const double* prep;  // [0] mean denominator, [1] sum of class weights
+  // outputs (row losses go to the workspace when reduced)
+  float *loss_rows, *zl_rows, *lse, *entropy;
+  void* argmax;
+  bool a64;
+  void* dx;
+  int64_t ldd;
+  const float* grad_loss;
+  bool grad_scalar;
+  // split rows
+  int splits;
+  CeAcc* partial;
+  float* row_lse;  // lse for the gradient kernel
+  const float* saved_lse;
+};
+
+// Accumulates row slice [begin, end) into a thread's CeAcc.
+template <class T>
+__device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int64_t end) {
+  const LogitTransform tf(p.scale, p.softcap);
+  const bool smooth = p.full && p.eps > 0.f;
+  CeAcc a;
+  row_visit<T>(row, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
+    float z[kVec<T>];
+    float vmax = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k) {
+      if (k < n) {
+        z[k] = tf(v[k]);
+        vmax = fmaxf(vmax, z[k]);
+        if (p.full && CeAcc::better(v[k], j0 + k, a.av, a.ai)) { a.av = v[k]; a.ai = j0 + k; }
+      }
+    }
+    const float mn = fmaxf(a.m, vmax);
+    if (mn == -INFINITY) return;  // nothing finite yet (keeps NaN out of -inf - -inf)
+    const float r = expf(a.m - mn);
+    a.d *= r;
+    a.s1 *= r;
+    a.m = mn;
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k) {
+      if (k < n) {
+        const float e = expf(z[k] - mn);
+        a.d += e;
+        if (p.full && e > 0.f) a.s1 += e * z[k];
+        if (smooth) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z[k];
+      }
+    }
+  });
+  return a;
+}
+
+__device__ float row_grad_scale(const CeParams& p, int64_t row) {
+  float g = p.grad_loss ? p.grad_loss[p.grad_scalar ? 0 : row] : 1.f;
+  if (p.reduction == FCE_REDUCTION_MEAN) {
+    const double den = p.prep[0];
+    g = den > 0 ? float(double(g) / den) : 0.f;
+  }
+  return g;
+}
+
+// Writes row outputs from the merged statistics (one thread); returns the row's lse.
+template <class T>
+__device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& a) {
+  const float lse = a.m == -INFINITY ? -INFINITY : a.m + logf(a.d);
+  if (!p.full) {
+    p.lse[row] = lse;
+    return lse;
+  }
+  if (p.lse) p.lse[row] = lse;
+  if (p.entropy) p.entropy[row] = a.m == -INFINITY ? NAN : lse - a.s1 / a.d;
+  if (p.argmax) {
+    if (p.a64) static_cast<int64_t*>(p.argmax)[row] = a.ai;
+    else static_cast<int32_t*>(p.argmax)[row] = int32_t(a.ai);
+  }
+  const int64_t t = load_index(p.targets, p.t64, row);
+  float loss = 0.f, zl = 0.f;
+  if (t != p.ignore_index) {
+    if (t < 0 || t >= p.V) {
+      loss = zl = NAN;
+    } else {
+      const LogitTransform tf(p.scale, p.softcap);
+      const T* x = static_cast<const T*>(p.x) + row * p.ld;
+      const float zt = tf(to_float(x[t]));
+      const float wt = p.weights ? p.weights[t] : 1.f;
+      const float W = p.weights ? float(p.prep[1]) : float(p.V);
+      zl = p.zq * lse * lse;
+      loss = (1.f - p.eps) * wt * (lse - zt) + zl;
+      if (p.eps > 0.f) loss += p.eps * p.inv_v * (lse * W - a.swz);
+    }
+  }
+  p.loss_rows[row] = loss;
+  if (p.zl_rows) p.zl_rows[row] = zl;
+  return lse;
+}
+
+// dlogits for row slice [begin, end), formed in fp32 and rounded once.
+template <class T>
+__device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_t end, float lse) {
+  const T* x = static_cast<const T*>(p.x) + row * p.ld;
+  T* dx = static_cast<T*>(p.dx) + row * p.ldd;
+  const int64_t t = load_index(p.targets, p.t64, row);
+  const float g = row_grad_scale(p, row);
+  const LogitTransform tf(p.scale, p.softcap);
+  if (t == p.ignore_index || g == 0.f || t < 0 || t >= p.V) {
+    const float fill = (t == p.ignore_index || g == 0.f) ? 0.f : NAN;
+    row_map<T, T>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t, int n) {
+#pragma unroll
+      for (int k = 0; k < kVec<T>; ++k) v[k] = fill;
+    });
+    return;
+  }
+  const float W = p.weights ? float(p.prep[1]) : float(p.V);
+  const CeGrad grad(g, p.eps, p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse);
+  row_map<T, T>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k) {
+      if (k < n) {
+        const float z = tf(v[k]);
+        const float w = p.weights ? p.weights[j0 + k] : 1.f;
+        v[k] = grad(expf(z - lse), w, j0 + k == t) * tf.derivative(z);
+      }
+    }
+  });
+}
+
+// One block per row: statistics, outputs, and the gradient.
+template <class T>
+__global__ void __launch_bounds__(kRowThreads) row_kernel(CeParams p) {
+  __shared__ float s_lse;
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(p.x) + row * p.ld;
+  const CeAcc a = block_reduce(accumulate<T>(p, x, 0, p.V), false);
+  if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a);
+  if (!p.dx) return;
+  __syncthreads();
+  write_grad<T>(p, row, 0, p.V, s_lse);
+}
+
+// Split rows, phase 1: statistics of split blockIdx.x of row blockIdx.y.
+template <class T>
+__global__ void __launch_bounds__(kRowThreads) partial_kernel(CeParams p) {
+  const int64_t row = blockIdx.y;
+  int64_t b, e;
+  split_range(p.V, p.splits, blockIdx.x, &b, &e);
+  const T* x = static_cast<const T*>(p.x) + row * p.ld;
+  const CeAcc a = block_reduce(accumulate<T>(p, x, b, e), false);
+  if (threadIdx.x == 0) p.partial[row * p.splits + blockIdx.x] = a;
+}
+
+// Split rows, phase 2: merge the splits of each row in order and write its outputs.
+template <class T>
+__global__ void merge_kernel(CeParams p) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (row >= p.N) return;
+  CeAcc a = p.partial[row * p.splits];
+  for (int k = 1; k < p.splits; ++k) a.merge(p.partial[row * p.splits + k]);
+  const float lse = write_row_outputs<T>(p, row, a);
+  if (p.row_lse) p.row_lse[row] = lse;
+}
+
+// Split rows (and the backward), phase 3: gradient of split blockIdx.x of row blockIdx.y.
+template <class T>
+__global__ void __launch_bounds__(kRowThreads) grad_kernel(CeParams p) {
+  const int64_t row = blockIdx.y;
+  int64_t b, e;
+  split_range(p.V, p.splits, blockIdx.x, &b, &e);
+  write_grad<T>(p, row, b, e, p.saved_lse ? p.saved_lse[row] : p.row_lse[row]);
+}
+
+struct SumD {
+  double s = 0;
+  __device__ SumD() {}
+  __device__ explicit SumD(double x) : s(x) {}
+  __device__ SumD shfl_down(unsigned off) const { return SumD(__shfl_down_sync(0xffffffffu, s, off)); }
+  __device__ void merge(const SumD& o) { s += o.s; }
+};
+
+// Mean denominator (sum of w[t] over non-ignored rows; an out-of-range target counts 1) and the sum of
+// class weights, in a fixed order.
+__global__ void __launch_bounds__(1024) prep_kernel(CeParams p, double* prep) {
+  double den = 0, W = 0;
+  for (int64_t i = threadIdx.x; i < p.N; i += blockDim.x) {
+    const int64_t t = load_index(p.targets, p.t64, i);
+    if (t != p.ignore_index) den += (t >= 0 && t < p.V) ? (p.weights ? double(p.weights[t]) : 1.0) : 1.0;
+  }
+  if (p.weights)
+    for (int64_t j = threadIdx.x; j < p.V; j += blockDim.x) W += p.weights[j];
+  den = block_reduce(SumD(den)).s;
+  W = block_reduce(SumD(W)).s;
+  if (threadIdx.x == 0) {
+    prep[0] = den;
+    prep[1] = p.weights ? W : double(p.V);
+  }
+}
+
+// SUM/MEAN of the row losses (and z-losses), fixed order.
+__global__ void __launch_bounds__(1024) finalize_kernel(CeParams p, float* loss, float* zloss) {
+  double s = 0, z = 0;
+  for (int64_t i = threadIdx.x; i < p.N; i += blockDim.x) {
+    s += p.loss_rows[i];
+    if (zloss) z += p.zl_rows[i];
+  }
+  s = block_reduce(SumD(s)).s;
+  z = block_reduce(SumD(z)).s;
+  if (threadIdx.x == 0) {
+    if (p.reduction == FCE_REDUCTION_MEAN) {
+      const double den = p.prep[0];
+      s = den > 0 ? s / den : 0.0;
+      z = den > 0 ? z / den : 0.0;
+    }
+    *loss = float(s);
+    if (zloss) *zloss = float(z);
+  }
+}
+
+// Workspace of one call; pointers are null when `base` is null (size query).
+struct CeWorkspace {
+  double* prep;
+  CeAcc* partial;
+  float *row_lse, *row_loss, *row_zl;
+  size_t bytes;
+  CeWorkspace(void* base, int64_t N, int splits, bool need_prep, bool reduced, bool grad_split) {
+    Carver c(base);
+    prep = need_prep ? c.take<double>(2) : nullptr;
+    partial = splits > 1 ? c.take<CeAcc>(size_t(N) * size_t(splits)) : nullptr;
+    row_lse = grad_split ? c.take<float>(size_t(N)) : nullptr;
+    row_loss = reduced ? c.take<float>(size_t(N)) : nullptr;
+    row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
+    bytes = c.used;
+  }
+};
+
+bool needs_prep(const CeProblem& p) {
+  return p.o.reduction == FCE_REDUCTION_MEAN || (p.o.class_weights && p.o.label_smoothing > 0.f);
+}
+
+int ce_splits(fce_handle* h, const CeProblem& p) {
+  // The backward is one pass that writes: split it like the forward so few rows still fill the GPU.
+  return split_count(h, p.logits.rows, p.logits.cols);
+}
+
+CeWorkspace ce_layout(fce_handle* h, const CeProblem& p, void* base) {
+  const int splits = ce_splits(h, p);
+  const bool reduced = !p.backward() && p.o.reduction != FCE_REDUCTION_NONE;
+  const bool grad_split = splits > 1 && p.dlogits && !p.backward();
+  return CeWorkspace(base, p.logits.rows, p.backward() ? 1 : splits, needs_prep(p), reduced, grad_split);
+}
+
+}  // namespace
+
+size_t ce_workspace(fce_handle* h, const CeProblem& p) { return ce_layout(h, p, nullptr).bytes; }
+
+void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  const int64_t N = p.logits.rows, V = p.logits.cols;
+  const int splits = ce_splits(h, p);
+  const CeWorkspace ws = ce_layout(h, p, w.ptr);
+  const bool none = p.o.reduction == FCE_REDUCTION_NONE;
+
+  CeParams k{};
+  k.x = p.logits.data;
+  k.ld = p.logits.ld;
+  k.N = N;
+  k.V = V;
+  k.scale = p.o.logit_scale;
+  k.softcap = p.o.softcap;
+  k.full = true;
+  k.targets = p.targets.data;
+  k.t64 = p.targets.dtype == DType::I64;
+  k.ignore_index = p.o.ignore_index;
+  k.eps = p.o.label_smoothing;
+  k.zq = p.o.z_loss_scale;
+  k.inv_v = 1.f / float(V);
+  k.weights = p.o.class_weights ? reinterpret_cast<const float*>(p.o.class_weights.data) : nullptr;
+  k.reduction = p.o.reduction;
+  k.prep = ws.prep;
+  k.loss_rows = none ? reinterpret_cast<float*>(p.loss.data) : ws.row_loss;
+  k.zl_rows = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr) : ws.row_zl;
+  k.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) : nullptr;
+  k.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) : nullptr;
+  k.argmax = p.argmax ? p.argmax.data : nullptr;
+  k.a64 = p.argmax && p.argmax.dtype == DType::I64;
+  k.dx = p.dlogits ? p.dlogits.data : nullptr;
+  k.ldd = p.dlogits ? p.dlogits.ld : 0;
+  k.grad_loss = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) : nullptr;
+  k.grad_scalar = p.grad_loss && p.grad_loss.scalar;
+  k.splits = splits;
+  k.partial = ws.partial;
+  k.row_lse = ws.row_lse;
+  k.saved_lse = p.backward() ? reinterpret_cast<const float*>(p.saved_lse.data) : nullptr;
+
+  if (ws.prep) {
+    prep_kernel<<<1, 1024, 0, s>>>(k, ws.prep);
+    check_launch("cross-entropy prep kernel");
+  }
+  dispatch_float(p.logits.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (p.backward()) {
+      grad_kernel<T><<<dim3(unsigned(splits), unsigned(N)), kRowThreads, 0, s>>>(k);
+    } else if (splits == 1) {
+      row_kernel<T><<<unsigned(N), kRowThreads, 0, s>>>(k);
+    } else {
+      partial_kernel<T><<<dim3(unsigned(splits), unsigned(N)), kRowThreads, 0, s>>>(k);
+      merge_kernel<T><<<unsigned((N + 127) / 128), 128, 0, s>>>(k);
+      if (k.dx) grad_kernel<T><<<dim3(unsigned(splits), unsigned(N)), kRowThreads, 0, s>>>(k);
+    }
+  });
+  check_launch("cross-entropy kernels");
+  if (!p.backward() && !none) {
+    finalize_kernel<<<1, 1024, 0, s>>>(k, reinterpret_cast<float*>(p.loss.data),
+                                       p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);
+    check_launch("cross-entropy finalize kernel");
+  }
+}
+
+size_t lse_workspace(fce_handle* h, const LseProblem& p) {
+  const int splits = split_count(h, p.x.rows, p.x.cols);
+  return CeWorkspace(nullptr, p.x.rows, splits, false, false, false).bytes;
+}
+
+void lse(fce_handle* h, fce_stream_t stream, const LseProblem& p, Workspace w) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  const int64_t N = p.x.rows;
+  const int splits = split_count(h, N, p.x.cols);
+  const CeWorkspace ws(w.ptr, N, splits, false, false, false);
+  CeParams k{};
+  k.x = p.x.data;
+  k.ld = p.x.ld;
+  k.N = N;
+  k.V = p.x.cols;
+  k.scale = p.scale;
+  k.full = false;
+  k.lse = reinterpret_cast<float*>(p.lse.data);
+  k.splits = splits;
+  k.partial = ws.partial;
+  dispatch_float(p.x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (splits == 1) {
+      row_kernel<T><<<unsigned(N), kRowThreads, 0, s>>>(k);
+    } else {
+      partial_kernel<T><<<dim3(unsigned(splits), unsigned(N)), kRowThreads, 0, s>>>(k);
+      merge_kernel<T><<<unsigned((N + 127) / 128), 128, 0, s>>>(k);
+    }
+  });
+  check_launch("logsumexp kernels");
+}
+
+}  // namespace fce::cuda

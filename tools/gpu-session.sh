@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine from the repository root, with .gpu/ (tools/gpu-pack.sh) carried: the gpu
+# suite, compute-sanitizer, and the benchmarks. Logs go to $OUT. Usage: gpu-session.sh [tests|sanitize|bench|peers|demo]...
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if ! .gpu/bin/gpu_validation --gtest_list_tests >/dev/null 2>&1; then
+  export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$PWD/.gpu/compat"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+steps=${*:-tests sanitize bench}
+pass=0 fail=0 skip=0
+summary=()
+for step in $steps; do
+  case $step in
+    tests)
+      for t in .gpu/bin/gpu_*; do
+        name=$(basename "$t")
+        start=$(date +%s)
+        "$t" --gtest_brief=1 > "$OUT/$name.log" 2>&1
+        rc=$?
+        case $rc in 0) pass=$((pass+1)); r=PASS;; 77) skip=$((skip+1)); r=SKIP;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+        summary+=("$name $r $(( $(date +%s) - start ))s")
+        [ $rc -ne 0 ] && [ $rc -ne 77 ] && tail -30 "$OUT/$name.log"
+      done ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck initcheck; do
+        filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK'
+        [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:Logsumexp.InfinitiesAndNaN:TempSoftmax.PerRowTemperaturesMixedGreedy:KdLoss.NegativeInfinityLogitsGiveNoNaN'
+        for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd; do
+          compute-sanitizer --tool $tool --error-exitcode 9 .gpu/bin/$t --gtest_brief=1 --gtest_filter="$filter" \
+            > "$OUT/san_${tool}_$t.log" 2>&1
+          rc=$?
+          case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+          summary+=("sanitizer-$tool $t $r")
+          [ $rc -ne 0 ] && grep -m5 -E "=========|FAILED|Error" "$OUT/san_${tool}_$t.log"
+        done
+      done ;;
+    bench)
+      for b in .gpu/bin/bench_*; do "$b" 2>&1 | tee "$OUT/$(basename "$b").log"; done ;;
+    peers)
+      FCE_PEERS=.peers/peers timeout 400 python3 .peers/peers_bench.py ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" | grep -vE "^\{" ;;
+    demo)
+      [ -x .gpu/bin/demo_real ] && .gpu/bin/demo_real data/smollm2_kjv_sample.safetensors 2>&1 | tee "$OUT/demo_gpu.log" ;;
+  esac
+done
+printf '%s\n' "${summary[@]}"
+echo "$pass passed, $fail failed, $skip skipped"
