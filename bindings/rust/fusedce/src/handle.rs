@@ -1,0 +1,773 @@
+//! The RAII handle and one method per op.
+use std::cell::Cell;
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::mem::size_of;
+use std::ptr::{self, NonNull};
+
+use crate::error::{check, Error, Result, Status};
+use crate::options::{
+    CeOptions, CeOutputs, KdOptions, KdOutputs, LinearCeGrads, LinearCeOutputs, LseOptions, SoftmaxOptions, Teacher,
+};
+use crate::sys;
+use crate::tensor::{Device, TensorMut, TensorRef};
+
+/// A CUDA stream (`cudaStream_t` / `CUstream`, ABI-identical); null is the legacy default stream.
+pub type Stream = sys::fce_stream_t;
+
+/// A libfusedce handle for one device (`fce_handle_t`), destroyed on drop.
+///
+/// It owns what is costly to make (device properties, BLAS handles, a cached workspace). The library
+/// allows one thread at a time per handle and different handles concurrently, so `Handle` is `Send`
+/// (move it to another thread) but not `Sync` (no sharing between threads):
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<fusedce::Handle>();
+/// ```
+///
+/// Every op runs on the handle's device with the handle's stream ([`Handle::set_stream`], default
+/// null) and workspace ([`Handle::set_workspace`], default none: the handle allocates and caches one).
+/// On a CPU handle ops run synchronously, rows in parallel on all cores. On a CUDA handle they are
+/// asynchronous: outputs are ready when the stream is.
+///
+/// On failure an op returns an [`Error`] and has written no output (validation precedes all writes).
+pub struct Handle {
+    raw: NonNull<sys::fce_handle>,
+    stream: Stream,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+// SAFETY: the library allows a handle to be used by any one thread at a time; `Handle` is not `Sync`,
+// and every method takes `&self`/`&mut self`, so a moved handle is used by one thread only.
+unsafe impl Send for Handle {}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from fce_handle_create and is destroyed once. The status is ignored: a
+        // destructor cannot report it (on CUDA the call synchronizes the device first).
+        unsafe {
+            sys::fce_handle_destroy(self.raw.as_ptr());
+        }
+    }
+}
+
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle").field("raw", &self.raw).field("device", &self.device().ok()).finish()
+    }
+}
+
+enum Call<'q> {
+    Run,
+    Query(&'q mut usize),
+}
+
+fn dl(t: &Option<TensorRef<'_>>) -> Option<sys::DLTensor> {
+    t.as_ref().map(|t| t.as_dl())
+}
+fn dl_mut(t: &mut Option<TensorMut<'_>>) -> Option<sys::DLTensor> {
+    t.as_mut().map(|t| t.as_dl())
+}
+fn cptr(t: &Option<sys::DLTensor>) -> *const sys::DLTensor {
+    t.as_ref().map_or(ptr::null(), |t| t as *const sys::DLTensor)
+}
+fn mptr(t: &mut Option<sys::DLTensor>) -> *mut sys::DLTensor {
+    t.as_mut().map_or(ptr::null_mut(), |t| t as *mut sys::DLTensor)
+}
+
+impl Handle {
+    /// Creates a handle for `device`: [`Device::Cpu`] or [`Device::Cuda`]`(ordinal)`.
+    ///
+    /// Errors: `NO_DEVICE` for CUDA without a driver or GPU, an ordinal out of range, or a library
+    /// built without CUDA (the message has the CUDA error text); `INVALID_ARGUMENT` for other device
+    /// types or a negative ordinal; `OUT_OF_MEMORY`.
+    pub fn new(device: Device) -> Result<Handle> {
+        let d = device.to_dl();
+        let mut raw: sys::fce_handle_t = ptr::null_mut();
+        // SAFETY: `raw` is a valid out pointer, written only on success.
+        check(unsafe { sys::fce_handle_create(d.device_type as i32, d.device_id, &mut raw) })?;
+        let raw = NonNull::new(raw)
+            .ok_or_else(|| Error::new(Status::INTERNAL_ERROR, "fce_handle_create succeeded but returned NULL"))?;
+        Ok(Handle { raw, stream: ptr::null_mut(), workspace: ptr::null_mut(), workspace_bytes: 0, _not_sync: PhantomData })
+    }
+
+    /// A CPU handle (ops on host memory, rows in parallel on all cores).
+    pub fn cpu() -> Result<Handle> {
+        Handle::new(Device::Cpu)
+    }
+
+    /// A handle for CUDA device `ordinal`; `NO_DEVICE` when there is none.
+    pub fn cuda(ordinal: i32) -> Result<Handle> {
+        Handle::new(Device::Cuda(ordinal))
+    }
+
+    /// The handle's device (`fce_handle_get_device`): [`Device::Cpu`] or [`Device::Cuda`].
+    pub fn device(&self) -> Result<Device> {
+        let (mut t, mut id) = (0i32, 0i32);
+        // SAFETY: valid handle and out pointers.
+        check(unsafe { sys::fce_handle_get_device(self.raw.as_ptr(), &mut t, &mut id) })?;
+        match t as u32 {
+            x if x == sys::kDLCPU => Ok(Device::Cpu),
+            x if x == sys::kDLCUDA => Ok(Device::Cuda(id)),
+            other => Err(Error::new(Status::INTERNAL_ERROR, format!("unexpected device type {}", other))),
+        }
+    }
+
+    /// The raw handle, for `fusedce_sys` calls; it stays owned by `self`.
+    pub fn as_raw(&self) -> sys::fce_handle_t {
+        self.raw.as_ptr()
+    }
+
+    /// Sets the CUDA stream every later op is enqueued on (ignored by CPU handles).
+    ///
+    /// # Safety
+    /// `stream` must be null or a valid stream of the handle's device, and stay valid while it is set.
+    pub unsafe fn set_stream(&mut self, stream: Stream) {
+        self.stream = stream;
+    }
+
+    /// The stream ops are enqueued on (null by default).
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+
+    /// Gives every later op a caller-owned workspace of `bytes` bytes (check each op's
+    /// `*_workspace_size` query); ops then never allocate, so they can be captured in a CUDA graph.
+    /// `WORKSPACE_TOO_SMALL` is returned by an op that needs more.
+    ///
+    /// # Safety
+    /// `ptr` must address `bytes` writable bytes on the handle's device, aligned to 256 bytes, used by
+    /// nothing else while set (on CUDA: until the enqueued work that uses it has completed).
+    pub unsafe fn set_workspace(&mut self, ptr: *mut c_void, bytes: usize) {
+        self.workspace = ptr;
+        self.workspace_bytes = bytes;
+    }
+
+    /// Goes back to the handle's own cached workspace (the default).
+    pub fn clear_workspace(&mut self) {
+        self.workspace = ptr::null_mut();
+        self.workspace_bytes = 0;
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // Cross-entropy
+    // ---------------------------------------------------------------------------------------------
+
+    /// Cross-entropy forward over a large vocabulary by online softmax, never materializing the
+    /// softmax; the gradient is fused into the same pass when `outputs.dlogits` is set.
+    ///
+    /// * `logits`: `[N, V]` fp32, bf16 or fp16.
+    /// * `targets`: `[N]` i32 or i64 (class ids; `options.ignore_index` marks ignored rows).
+    /// * `outputs`: the loss (nats; `[N]` or a scalar per `options.reduction`) and optional per-row
+    ///   statistics and `dlogits` `[N, V]` (logits' dtype). See [`CeOptions`] for the math.
+    ///
+    /// Errors: `INVALID_ARGUMENT` (options out of domain), `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE`,
+    /// `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`,
+    /// `NOT_IMPLEMENTED`, `CUDA_ERROR`.
+    pub fn cross_entropy_fwd(
+        &self,
+        logits: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut CeOutputs<'_>,
+    ) -> Result<()> {
+        let mut l = logits.as_dl();
+        self.ce_fwd(&mut l, targets, options, outputs, false, Call::Run)
+    }
+
+    /// [`Handle::cross_entropy_fwd`] writing the gradient over the logits themselves (in place):
+    /// `logits` `[N, V]` is read, then overwritten by d(loss)/d(logits) × grad_loss.
+    /// `outputs.dlogits` must be None (else `INVALID_ARGUMENT`).
+    pub fn cross_entropy_fwd_in_place(
+        &self,
+        logits: &mut TensorMut<'_>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut CeOutputs<'_>,
+    ) -> Result<()> {
+        if outputs.dlogits.is_some() {
+            return Err(Error::new(
+                Status::INVALID_ARGUMENT,
+                "fusedce (Rust): cross_entropy_fwd_in_place writes the gradient into the logits; outputs.dlogits must be None",
+            ));
+        }
+        let mut l = logits.as_dl();
+        self.ce_fwd(&mut l, targets, options, outputs, true, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::cross_entropy_fwd`] needs for these arguments (same validation).
+    pub fn cross_entropy_fwd_workspace_size(
+        &self,
+        logits: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut CeOutputs<'_>,
+    ) -> Result<usize> {
+        let mut l = logits.as_dl();
+        let mut bytes = 0usize;
+        self.ce_fwd(&mut l, targets, options, outputs, false, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    fn ce_fwd(
+        &self,
+        logits: *mut sys::DLTensor,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut CeOutputs<'_>,
+        in_place: bool,
+        call: Call<'_>,
+    ) -> Result<()> {
+        let t = targets.as_dl();
+        let cw = dl(&options.class_weights);
+        let o = options.to_raw(cw.as_ref());
+        let mut loss = outputs.loss.as_dl();
+        let mut lse = dl_mut(&mut outputs.lse);
+        let mut zl = dl_mut(&mut outputs.z_loss);
+        let mut am = dl_mut(&mut outputs.argmax);
+        let mut ent = dl_mut(&mut outputs.entropy);
+        let mut dlg = dl_mut(&mut outputs.dlogits);
+        let gl = dl(&outputs.grad_loss);
+        let dlogits_ptr = if in_place { logits } else { mptr(&mut dlg) };
+        let out = sys::fce_ce_outputs_t {
+            struct_size: size_of::<sys::fce_ce_outputs_t>() as u32,
+            loss: &mut loss,
+            lse: mptr(&mut lse),
+            z_loss: mptr(&mut zl),
+            argmax: mptr(&mut am),
+            entropy: mptr(&mut ent),
+            dlogits: dlogits_ptr,
+            grad_loss: cptr(&gl),
+        };
+        // SAFETY: every pointer is to a local DLTensor describing memory the views borrow (host
+        // slices checked to cover their shapes, or raw memory the caller vouched for); the library
+        // keeps none of them past the call (on CUDA: past the enqueued work).
+        let st = unsafe {
+            match call {
+                Call::Run => sys::fce_cross_entropy_fwd(
+                    self.as_raw(),
+                    self.stream,
+                    logits,
+                    &t,
+                    &o,
+                    &out,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                Call::Query(bytes) => {
+                    sys::fce_cross_entropy_fwd_workspace_size(self.as_raw(), logits, &t, &o, &out, bytes)
+                }
+            }
+        };
+        check(st)
+    }
+
+    /// Cross-entropy backward from a saved logsumexp: `dlogits = d(loss)/d(logits) × grad_loss`.
+    ///
+    /// * `logits` `[N, V]` and `targets` `[N]` as given to the forward; `lse` `[N]` fp32 from the
+    ///   forward with the same `options`.
+    /// * `grad_loss`: fp32 scalar (Sum/Mean) or `[N]`/scalar (None); None means 1.
+    /// * `dlogits`: `[N, V]` in the logits' dtype.
+    ///
+    /// Errors as [`Handle::cross_entropy_fwd`].
+    pub fn cross_entropy_bwd(
+        &self,
+        logits: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        lse: &TensorRef<'_>,
+        grad_loss: Option<&TensorRef<'_>>,
+        options: &CeOptions<'_>,
+        dlogits: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let l = logits.as_dl();
+        let mut d = dlogits.as_dl();
+        self.ce_bwd(&l, targets, lse, grad_loss, options, &mut d, Call::Run)
+    }
+
+    /// [`Handle::cross_entropy_bwd`] in place: `logits` `[N, V]` is read, then overwritten by the
+    /// gradient.
+    pub fn cross_entropy_bwd_in_place(
+        &self,
+        logits: &mut TensorMut<'_>,
+        targets: &TensorRef<'_>,
+        lse: &TensorRef<'_>,
+        grad_loss: Option<&TensorRef<'_>>,
+        options: &CeOptions<'_>,
+    ) -> Result<()> {
+        let mut l = logits.as_dl();
+        let lp: *mut sys::DLTensor = &mut l;
+        // The library allows dlogits to be exactly the logits' memory (it reads a row before writing
+        // its gradient); both arguments point to the same descriptor, which it never modifies.
+        self.ce_bwd(lp, targets, lse, grad_loss, options, lp, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::cross_entropy_bwd`] needs for these arguments.
+    pub fn cross_entropy_bwd_workspace_size(
+        &self,
+        logits: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        lse: &TensorRef<'_>,
+        grad_loss: Option<&TensorRef<'_>>,
+        options: &CeOptions<'_>,
+        dlogits: &mut TensorMut<'_>,
+    ) -> Result<usize> {
+        let l = logits.as_dl();
+        let mut d = dlogits.as_dl();
+        let mut bytes = 0usize;
+        self.ce_bwd(&l, targets, lse, grad_loss, options, &mut d, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn ce_bwd(
+        &self,
+        logits: *const sys::DLTensor,
+        targets: &TensorRef<'_>,
+        lse: &TensorRef<'_>,
+        grad_loss: Option<&TensorRef<'_>>,
+        options: &CeOptions<'_>,
+        dlogits: *mut sys::DLTensor,
+        call: Call<'_>,
+    ) -> Result<()> {
+        let t = targets.as_dl();
+        let s = lse.as_dl();
+        let g = grad_loss.map(|g| g.as_dl());
+        let cw = dl(&options.class_weights);
+        let o = options.to_raw(cw.as_ref());
+        // SAFETY: as in ce_fwd.
+        let st = unsafe {
+            match call {
+                Call::Run => sys::fce_cross_entropy_bwd(
+                    self.as_raw(),
+                    self.stream,
+                    logits,
+                    &t,
+                    &s,
+                    cptr(&g),
+                    &o,
+                    dlogits,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                Call::Query(bytes) => sys::fce_cross_entropy_bwd_workspace_size(
+                    self.as_raw(),
+                    logits,
+                    &t,
+                    &s,
+                    cptr(&g),
+                    &o,
+                    dlogits,
+                    bytes,
+                ),
+            }
+        };
+        check(st)
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // Logsumexp and softmax
+    // ---------------------------------------------------------------------------------------------
+
+    /// Per-row logsumexp: `lse_i = log Σ_j exp(s·x_ij)` (s = `options.scale`), the max of the raw
+    /// row taken first. A row of all −inf gives −inf; NaN propagates.
+    ///
+    /// * `x`: `[N, V]` fp32, bf16 or fp16, N, V >= 1.
+    /// * `lse`: `[N]` fp32.
+    pub fn logsumexp(&self, x: &TensorRef<'_>, options: &LseOptions, lse: &mut TensorMut<'_>) -> Result<()> {
+        self.lse_impl(x, options, lse, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::logsumexp`] needs for these arguments.
+    pub fn logsumexp_workspace_size(
+        &self,
+        x: &TensorRef<'_>,
+        options: &LseOptions,
+        lse: &mut TensorMut<'_>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        self.lse_impl(x, options, lse, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    fn lse_impl(&self, x: &TensorRef<'_>, options: &LseOptions, lse: &mut TensorMut<'_>, call: Call<'_>) -> Result<()> {
+        let xd = x.as_dl();
+        let o = options.to_raw();
+        let mut l = lse.as_dl();
+        // SAFETY: as in ce_fwd.
+        let st = unsafe {
+            match call {
+                Call::Run => {
+                    sys::fce_logsumexp(self.as_raw(), self.stream, &xd, &o, &mut l, self.workspace, self.workspace_bytes)
+                }
+                Call::Query(bytes) => sys::fce_logsumexp_workspace_size(self.as_raw(), &xd, &o, &l, bytes),
+            }
+        };
+        check(st)
+    }
+
+    /// Temperature softmax for sampling: `p_j = exp((x_j − max x)/T) / Σ_k exp((x_k − max x)/T)`.
+    /// T = 0 is greedy (one-hot at the argmax, lowest index on ties; log-probabilities 0 there and
+    /// −inf elsewhere). −inf logits get probability 0; a row of all −inf, or with a NaN, gives NaN.
+    ///
+    /// * `logits`: `[N, V]` fp32, bf16 or fp16.
+    /// * `probs`, `logprobs`: optional `[N, V]`, fp32 or the logits' dtype; at least one is required
+    ///   (`INVALID_ARGUMENT` otherwise). Log-probabilities are in nats.
+    pub fn temp_softmax(
+        &self,
+        logits: &TensorRef<'_>,
+        options: &SoftmaxOptions<'_>,
+        probs: Option<&mut TensorMut<'_>>,
+        logprobs: Option<&mut TensorMut<'_>>,
+    ) -> Result<()> {
+        self.softmax_impl(logits, options, probs, logprobs, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::temp_softmax`] needs for these arguments.
+    pub fn temp_softmax_workspace_size(
+        &self,
+        logits: &TensorRef<'_>,
+        options: &SoftmaxOptions<'_>,
+        probs: Option<&mut TensorMut<'_>>,
+        logprobs: Option<&mut TensorMut<'_>>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        self.softmax_impl(logits, options, probs, logprobs, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    fn softmax_impl(
+        &self,
+        logits: &TensorRef<'_>,
+        options: &SoftmaxOptions<'_>,
+        probs: Option<&mut TensorMut<'_>>,
+        logprobs: Option<&mut TensorMut<'_>>,
+        call: Call<'_>,
+    ) -> Result<()> {
+        let l = logits.as_dl();
+        let temps = dl(&options.temperatures);
+        let o = options.to_raw(temps.as_ref());
+        let mut p = probs.map(|p| p.as_dl());
+        let mut lp = logprobs.map(|p| p.as_dl());
+        // SAFETY: as in ce_fwd.
+        let st = unsafe {
+            match call {
+                Call::Run => sys::fce_temp_softmax(
+                    self.as_raw(),
+                    self.stream,
+                    &l,
+                    &o,
+                    mptr(&mut p),
+                    mptr(&mut lp),
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                Call::Query(bytes) => {
+                    sys::fce_temp_softmax_workspace_size(self.as_raw(), &l, &o, cptr(&p), cptr(&lp), bytes)
+                }
+            }
+        };
+        check(st)
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // Knowledge distillation
+    // ---------------------------------------------------------------------------------------------
+
+    /// Knowledge-distillation divergence between the student's and the teacher's distributions, per
+    /// row, reduced; with `outputs.dstudent` also its gradient w.r.t. the student logits.
+    ///
+    /// * `student`: `[N, V]` fp32, bf16 or fp16.
+    /// * `teacher`: full logits `[N, V]`, or top-K ids and log-probabilities `[N, K]` ([`Teacher`]).
+    /// * `targets`: optional `[N]` i32/i64; rows whose target equals `options.ignore_index` are masked
+    ///   (loss 0, gradient 0).
+    /// * `outputs.loss`: nats, `[N]` or a scalar per `options.reduction` (Mean = batchmean).
+    pub fn kd_loss(
+        &self,
+        student: &TensorRef<'_>,
+        teacher: &Teacher<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        outputs: &mut KdOutputs<'_>,
+    ) -> Result<()> {
+        self.kd_impl(student, teacher, targets, options, outputs, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::kd_loss`] needs for these arguments.
+    pub fn kd_loss_workspace_size(
+        &self,
+        student: &TensorRef<'_>,
+        teacher: &Teacher<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        outputs: &mut KdOutputs<'_>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        self.kd_impl(student, teacher, targets, options, outputs, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    fn kd_impl(
+        &self,
+        student: &TensorRef<'_>,
+        teacher: &Teacher<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        outputs: &mut KdOutputs<'_>,
+        call: Call<'_>,
+    ) -> Result<()> {
+        let s = student.as_dl();
+        let (tl, ids, lps) = match teacher {
+            Teacher::Logits(l) => (Some(l.as_dl()), None, None),
+            Teacher::TopK { ids, logprobs } => (None, Some(ids.as_dl()), Some(logprobs.as_dl())),
+        };
+        let t = sys::fce_kd_teacher_t {
+            struct_size: size_of::<sys::fce_kd_teacher_t>() as u32,
+            logits: cptr(&tl),
+            topk_ids: cptr(&ids),
+            topk_logprobs: cptr(&lps),
+        };
+        let tg = targets.map(|t| t.as_dl());
+        let o = options.to_raw();
+        let mut loss = outputs.loss.as_dl();
+        let mut ds = dl_mut(&mut outputs.dstudent);
+        let gl = dl(&outputs.grad_loss);
+        let out = sys::fce_kd_outputs_t {
+            struct_size: size_of::<sys::fce_kd_outputs_t>() as u32,
+            loss: &mut loss,
+            dstudent: mptr(&mut ds),
+            grad_loss: cptr(&gl),
+        };
+        // SAFETY: as in ce_fwd.
+        let st = unsafe {
+            match call {
+                Call::Run => sys::fce_kd_loss(
+                    self.as_raw(),
+                    self.stream,
+                    &s,
+                    &t,
+                    cptr(&tg),
+                    &o,
+                    &out,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                Call::Query(bytes) => {
+                    sys::fce_kd_loss_workspace_size(self.as_raw(), &s, &t, cptr(&tg), &o, &out, bytes)
+                }
+            }
+        };
+        check(st)
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // Linear cross-entropy
+    // ---------------------------------------------------------------------------------------------
+
+    /// Linear cross-entropy: `logits = hidden · weightᵀ (+ bias)`, then cross-entropy with every
+    /// option of [`CeOptions`], in token chunks, never holding `[N, V]` logits. Gradients requested in
+    /// `outputs` are computed in the same call (6·N·H·V flops; forward only 2·N·H·V).
+    ///
+    /// * `hidden`: `[N, H]` fp32, bf16 or fp16.
+    /// * `weight`: `[V, H]`, the hidden's dtype.
+    /// * `bias`: optional `[V]`, the hidden's dtype.
+    /// * `targets`: `[N]` i32 or i64.
+    ///
+    /// Errors: the validation statuses, `BLAS_ERROR`, `CUDA_ERROR`, `NOT_IMPLEMENTED`.
+    pub fn linear_cross_entropy_fwd(
+        &self,
+        hidden: &TensorRef<'_>,
+        weight: &TensorRef<'_>,
+        bias: Option<&TensorRef<'_>>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut LinearCeOutputs<'_>,
+    ) -> Result<()> {
+        let mut out = RawLce::from_outputs(outputs);
+        self.lce_impl(hidden, weight, bias, targets, None, options, &mut out, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::linear_cross_entropy_fwd`] needs for a chunk of the default size
+    /// (the minimum it accepts is that of one token; a larger workspace means larger chunks).
+    pub fn linear_cross_entropy_fwd_workspace_size(
+        &self,
+        hidden: &TensorRef<'_>,
+        weight: &TensorRef<'_>,
+        bias: Option<&TensorRef<'_>>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut LinearCeOutputs<'_>,
+    ) -> Result<usize> {
+        let mut out = RawLce::from_outputs(outputs);
+        let mut bytes = 0usize;
+        self.lce_impl(hidden, weight, bias, targets, None, options, &mut out, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    /// Linear cross-entropy backward from a saved logsumexp: recomputes each chunk's logits and writes
+    /// the gradients requested in `grads` (at least one of dhidden `[N, H]`, dweight `[V, H]`, dbias
+    /// `[V]`), times `grads.grad_loss`.
+    ///
+    /// * `lse`: `[N]` fp32 from [`Handle::linear_cross_entropy_fwd`] with the same `options`.
+    /// * Other arguments as the forward.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_cross_entropy_bwd(
+        &self,
+        hidden: &TensorRef<'_>,
+        weight: &TensorRef<'_>,
+        bias: Option<&TensorRef<'_>>,
+        targets: &TensorRef<'_>,
+        lse: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        grads: &mut LinearCeGrads<'_>,
+    ) -> Result<()> {
+        let mut out = RawLce::from_grads(grads);
+        self.lce_impl(hidden, weight, bias, targets, Some(lse), options, &mut out, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::linear_cross_entropy_bwd`] needs (as the forward's query).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_cross_entropy_bwd_workspace_size(
+        &self,
+        hidden: &TensorRef<'_>,
+        weight: &TensorRef<'_>,
+        bias: Option<&TensorRef<'_>>,
+        targets: &TensorRef<'_>,
+        lse: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        grads: &mut LinearCeGrads<'_>,
+    ) -> Result<usize> {
+        let mut out = RawLce::from_grads(grads);
+        let mut bytes = 0usize;
+        self.lce_impl(hidden, weight, bias, targets, Some(lse), options, &mut out, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn lce_impl(
+        &self,
+        hidden: &TensorRef<'_>,
+        weight: &TensorRef<'_>,
+        bias: Option<&TensorRef<'_>>,
+        targets: &TensorRef<'_>,
+        lse: Option<&TensorRef<'_>>,
+        options: &CeOptions<'_>,
+        out: &mut RawLce,
+        call: Call<'_>,
+    ) -> Result<()> {
+        let h = hidden.as_dl();
+        let w = weight.as_dl();
+        let b = bias.map(|b| b.as_dl());
+        let t = targets.as_dl();
+        let cw = dl(&options.class_weights);
+        let o = options.to_raw(cw.as_ref());
+        let raw_out = sys::fce_linear_ce_outputs_t {
+            struct_size: size_of::<sys::fce_linear_ce_outputs_t>() as u32,
+            loss: mptr(&mut out.loss),
+            lse: mptr(&mut out.lse),
+            z_loss: mptr(&mut out.z_loss),
+            argmax: mptr(&mut out.argmax),
+            entropy: mptr(&mut out.entropy),
+            dhidden: mptr(&mut out.dhidden),
+            dweight: mptr(&mut out.dweight),
+            dbias: mptr(&mut out.dbias),
+            grad_loss: cptr(&out.grad_loss),
+        };
+        // SAFETY: as in ce_fwd.
+        let st = unsafe {
+            match (lse, call) {
+                (None, Call::Run) => sys::fce_linear_cross_entropy_fwd(
+                    self.as_raw(),
+                    self.stream,
+                    &h,
+                    &w,
+                    cptr(&b),
+                    &t,
+                    &o,
+                    &raw_out,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                (None, Call::Query(bytes)) => sys::fce_linear_cross_entropy_fwd_workspace_size(
+                    self.as_raw(),
+                    &h,
+                    &w,
+                    cptr(&b),
+                    &t,
+                    &o,
+                    &raw_out,
+                    bytes,
+                ),
+                (Some(l), Call::Run) => sys::fce_linear_cross_entropy_bwd(
+                    self.as_raw(),
+                    self.stream,
+                    &h,
+                    &w,
+                    cptr(&b),
+                    &t,
+                    &l.as_dl(),
+                    &o,
+                    &raw_out,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                (Some(l), Call::Query(bytes)) => sys::fce_linear_cross_entropy_bwd_workspace_size(
+                    self.as_raw(),
+                    &h,
+                    &w,
+                    cptr(&b),
+                    &t,
+                    &l.as_dl(),
+                    &o,
+                    &raw_out,
+                    bytes,
+                ),
+            }
+        };
+        check(st)
+    }
+}
+
+/// DLTensors of a linear cross-entropy call's outputs, kept alive for the call.
+struct RawLce {
+    loss: Option<sys::DLTensor>,
+    lse: Option<sys::DLTensor>,
+    z_loss: Option<sys::DLTensor>,
+    argmax: Option<sys::DLTensor>,
+    entropy: Option<sys::DLTensor>,
+    dhidden: Option<sys::DLTensor>,
+    dweight: Option<sys::DLTensor>,
+    dbias: Option<sys::DLTensor>,
+    grad_loss: Option<sys::DLTensor>,
+}
+
+impl RawLce {
+    fn from_outputs(o: &mut LinearCeOutputs<'_>) -> RawLce {
+        RawLce {
+            loss: Some(o.loss.as_dl()),
+            lse: dl_mut(&mut o.lse),
+            z_loss: dl_mut(&mut o.z_loss),
+            argmax: dl_mut(&mut o.argmax),
+            entropy: dl_mut(&mut o.entropy),
+            dhidden: dl_mut(&mut o.dhidden),
+            dweight: dl_mut(&mut o.dweight),
+            dbias: dl_mut(&mut o.dbias),
+            grad_loss: dl(&o.grad_loss),
+        }
+    }
+    fn from_grads(g: &mut LinearCeGrads<'_>) -> RawLce {
+        RawLce {
+            loss: None,
+            lse: None,
+            z_loss: None,
+            argmax: None,
+            entropy: None,
+            dhidden: dl_mut(&mut g.dhidden),
+            dweight: dl_mut(&mut g.dweight),
+            dbias: dl_mut(&mut g.dbias),
+            grad_loss: dl(&g.grad_loss),
+        }
+    }
+}

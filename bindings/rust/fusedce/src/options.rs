@@ -1,0 +1,567 @@
+//! Option and output structs of the ops, with the C header's defaults (its `*_INIT` macros).
+use std::mem::size_of;
+use std::ptr;
+
+use crate::sys;
+use crate::tensor::{TensorMut, TensorRef};
+
+/// How per-row losses are reduced (`fce_reduction_t`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Reduction {
+    /// The loss output is `[N]` fp32, one value per row (0 for ignored / masked rows).
+    None,
+    /// The loss output is an fp32 scalar: the sum over rows.
+    Sum,
+    /// The loss output is an fp32 scalar: the sum divided by the number of non-ignored rows (by the
+    /// sum of their class weights when class weights are given, as PyTorch); 0 when every row is
+    /// ignored. For distillation this is "batchmean" over unmasked rows. The default.
+    Mean,
+}
+
+impl Default for Reduction {
+    fn default() -> Self {
+        Reduction::Mean
+    }
+}
+
+impl Reduction {
+    /// The C value (`FCE_REDUCTION_*`).
+    pub fn to_raw(self) -> i32 {
+        (match self {
+            Reduction::None => sys::FCE_REDUCTION_NONE,
+            Reduction::Sum => sys::FCE_REDUCTION_SUM,
+            Reduction::Mean => sys::FCE_REDUCTION_MEAN,
+        }) as i32
+    }
+}
+
+/// Divergence of knowledge distillation (`fce_kd_divergence_t`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Divergence {
+    /// KL(P_teacher ‖ P_student) (Hinton et al. 2015). The default.
+    ForwardKl,
+    /// KL(P_student ‖ P_teacher).
+    ReverseKl,
+    /// Generalized Jensen–Shannon divergence (GKD, Agarwal et al. 2024): with
+    /// M = β·P_t + (1−β)·P_s, β·KL(P_t‖M) + (1−β)·KL(P_s‖M); β from [`KdOptions::beta`].
+    Jsd,
+}
+
+impl Default for Divergence {
+    fn default() -> Self {
+        Divergence::ForwardKl
+    }
+}
+
+impl Divergence {
+    /// The C value (`FCE_KD_*`).
+    pub fn to_raw(self) -> i32 {
+        (match self {
+            Divergence::ForwardKl => sys::FCE_KD_FORWARD_KL,
+            Divergence::ReverseKl => sys::FCE_KD_REVERSE_KL,
+            Divergence::Jsd => sys::FCE_KD_JSD,
+        }) as i32
+    }
+}
+
+/// How the student side of a top-K teacher is normalized (`fce_kd_topk_norm_t`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum TopkNorm {
+    /// Student log-probabilities over the full vocabulary; gradient over the full row. The default.
+    FullVocab,
+    /// Student log-probabilities renormalized over the K ids only; gradient zero outside them.
+    Renormalize,
+}
+
+impl Default for TopkNorm {
+    fn default() -> Self {
+        TopkNorm::FullVocab
+    }
+}
+
+impl TopkNorm {
+    /// The C value (`FCE_KD_TOPK_*`).
+    pub fn to_raw(self) -> i32 {
+        (match self {
+            TopkNorm::FullVocab => sys::FCE_KD_TOPK_FULL_VOCAB,
+            TopkNorm::Renormalize => sys::FCE_KD_TOPK_RENORMALIZE,
+        }) as i32
+    }
+}
+
+/// Options of cross-entropy and linear cross-entropy (`fce_ce_options_t`).
+///
+/// Math for a row x of logits `[V]` with target t (fp32, max of the raw row first):
+/// z_j = c·tanh(s·x_j/c) if `softcap` c > 0, else s·x_j (s = `logit_scale`); lse = log Σ_j exp z_j;
+/// loss = (1−e)·w_t·(lse − z_t) + (e/V)·Σ_j w_j·(lse − z_j) + q·lse², in nats, with e =
+/// `label_smoothing`, w = `class_weights` (1 without), q = `z_loss_scale`. Rows whose target equals
+/// `ignore_index` have loss 0 and zero gradient; a target outside `[0, V)` gives that row a NaN loss.
+///
+/// `CeOptions::default()` equals the header's `FCE_CE_OPTIONS_INIT`.
+#[derive(Copy, Clone, Debug)]
+pub struct CeOptions<'a> {
+    /// Reduction of the per-row losses; default [`Reduction::Mean`].
+    pub reduction: Reduction,
+    /// Targets equal to this are ignored; default -100 (PyTorch).
+    pub ignore_index: i64,
+    /// e in [0, 1]; default 0.
+    pub label_smoothing: f32,
+    /// q >= 0 (PaLM uses 1e-4); default 0.
+    pub z_loss_scale: f32,
+    /// c >= 0, 0 = off (Gemma 2 uses 30); default 0.
+    pub softcap: f32,
+    /// s > 0, finite, multiplies the logits (1/temperature); default 1.
+    pub logit_scale: f32,
+    /// Optional class weights `[V]` fp32, finite and >= 0 (PyTorch `weight`); default None (all ones).
+    pub class_weights: Option<TensorRef<'a>>,
+}
+
+impl Default for CeOptions<'_> {
+    fn default() -> Self {
+        CeOptions {
+            reduction: Reduction::Mean,
+            ignore_index: -100,
+            label_smoothing: 0.0,
+            z_loss_scale: 0.0,
+            softcap: 0.0,
+            logit_scale: 1.0,
+            class_weights: None,
+        }
+    }
+}
+
+impl<'a> CeOptions<'a> {
+    /// The defaults (`FCE_CE_OPTIONS_INIT`).
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets [`CeOptions::reduction`].
+    pub fn reduction(mut self, r: Reduction) -> Self {
+        self.reduction = r;
+        self
+    }
+    /// Sets [`CeOptions::ignore_index`].
+    pub fn ignore_index(mut self, i: i64) -> Self {
+        self.ignore_index = i;
+        self
+    }
+    /// Sets [`CeOptions::label_smoothing`].
+    pub fn label_smoothing(mut self, e: f32) -> Self {
+        self.label_smoothing = e;
+        self
+    }
+    /// Sets [`CeOptions::z_loss_scale`].
+    pub fn z_loss_scale(mut self, q: f32) -> Self {
+        self.z_loss_scale = q;
+        self
+    }
+    /// Sets [`CeOptions::softcap`].
+    pub fn softcap(mut self, c: f32) -> Self {
+        self.softcap = c;
+        self
+    }
+    /// Sets [`CeOptions::logit_scale`].
+    pub fn logit_scale(mut self, s: f32) -> Self {
+        self.logit_scale = s;
+        self
+    }
+    /// Sets [`CeOptions::class_weights`] (`[V]` fp32).
+    pub fn class_weights(mut self, w: TensorRef<'a>) -> Self {
+        self.class_weights = Some(w);
+        self
+    }
+
+    /// The C struct, with `class_weights` pointing at `weights` (NULL when None). `weights` must be the
+    /// DLTensor of `self.class_weights` and outlive the use of the result.
+    pub(crate) fn to_raw(&self, weights: Option<&sys::DLTensor>) -> sys::fce_ce_options_t {
+        sys::fce_ce_options_t {
+            struct_size: size_of::<sys::fce_ce_options_t>() as u32,
+            reduction: self.reduction.to_raw(),
+            ignore_index: self.ignore_index,
+            label_smoothing: self.label_smoothing,
+            z_loss_scale: self.z_loss_scale,
+            softcap: self.softcap,
+            logit_scale: self.logit_scale,
+            class_weights: weights.map_or(ptr::null(), |w| w as *const sys::DLTensor),
+        }
+    }
+}
+
+/// Outputs of [`crate::Handle::cross_entropy_fwd`] (`fce_ce_outputs_t`); every field but `loss` optional.
+#[derive(Debug)]
+pub struct CeOutputs<'a> {
+    /// Required. fp32: `[N]` for [`Reduction::None`], a scalar otherwise. Nats.
+    pub loss: TensorMut<'a>,
+    /// `[N]` fp32: logsumexp of the transformed logits z (save it for the backward).
+    pub lse: Option<TensorMut<'a>>,
+    /// The z-loss part of `loss` (q·lse² per non-ignored row), shaped and reduced like `loss`.
+    pub z_loss: Option<TensorMut<'a>>,
+    /// `[N]` i32 or i64: index of the largest raw logit (lowest on ties; NaN counts as largest).
+    pub argmax: Option<TensorMut<'a>>,
+    /// `[N]` fp32: entropy of softmax(z) in nats.
+    pub entropy: Option<TensorMut<'a>>,
+    /// `[N, V]` in the logits' dtype: d(loss)/d(logits) × grad_loss, fused into the forward pass.
+    pub dlogits: Option<TensorMut<'a>>,
+    /// Upstream gradient, fp32: scalar for Sum/Mean, `[N]` or scalar for None; default 1.
+    pub grad_loss: Option<TensorRef<'a>>,
+}
+
+impl<'a> CeOutputs<'a> {
+    /// Outputs with only the loss (`FCE_CE_OUTPUTS_INIT` plus `loss`).
+    pub fn new(loss: TensorMut<'a>) -> Self {
+        CeOutputs { loss, lse: None, z_loss: None, argmax: None, entropy: None, dlogits: None, grad_loss: None }
+    }
+    /// Requests [`CeOutputs::lse`].
+    pub fn lse(mut self, t: TensorMut<'a>) -> Self {
+        self.lse = Some(t);
+        self
+    }
+    /// Requests [`CeOutputs::z_loss`].
+    pub fn z_loss(mut self, t: TensorMut<'a>) -> Self {
+        self.z_loss = Some(t);
+        self
+    }
+    /// Requests [`CeOutputs::argmax`].
+    pub fn argmax(mut self, t: TensorMut<'a>) -> Self {
+        self.argmax = Some(t);
+        self
+    }
+    /// Requests [`CeOutputs::entropy`].
+    pub fn entropy(mut self, t: TensorMut<'a>) -> Self {
+        self.entropy = Some(t);
+        self
+    }
+    /// Requests the fused gradient [`CeOutputs::dlogits`].
+    pub fn dlogits(mut self, t: TensorMut<'a>) -> Self {
+        self.dlogits = Some(t);
+        self
+    }
+    /// Sets [`CeOutputs::grad_loss`].
+    pub fn grad_loss(mut self, t: TensorRef<'a>) -> Self {
+        self.grad_loss = Some(t);
+        self
+    }
+}
+
+/// Options of [`crate::Handle::logsumexp`] (`fce_lse_options_t`); the default equals `FCE_LSE_OPTIONS_INIT`.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct LseOptions {
+    /// s > 0, finite: lse_i = log Σ_j exp(s·x_ij); default 1.
+    pub scale: f32,
+}
+
+impl Default for LseOptions {
+    fn default() -> Self {
+        LseOptions { scale: 1.0 }
+    }
+}
+
+impl LseOptions {
+    /// The defaults (`FCE_LSE_OPTIONS_INIT`).
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets [`LseOptions::scale`].
+    pub fn scale(mut self, s: f32) -> Self {
+        self.scale = s;
+        self
+    }
+    pub(crate) fn to_raw(self) -> sys::fce_lse_options_t {
+        sys::fce_lse_options_t { struct_size: size_of::<sys::fce_lse_options_t>() as u32, scale: self.scale }
+    }
+}
+
+/// Options of [`crate::Handle::temp_softmax`] (`fce_softmax_options_t`); the default equals
+/// `FCE_SOFTMAX_OPTIONS_INIT`.
+#[derive(Copy, Clone, Debug)]
+pub struct SoftmaxOptions<'a> {
+    /// Temperature T of every row when `temperatures` is None: >= 0 and not NaN; 0 is greedy (one-hot
+    /// at the argmax), +inf the uniform distribution over finite logits. Default 1.
+    pub temperature: f32,
+    /// Optional per-row temperatures `[N]` fp32; a negative or NaN one makes that row NaN.
+    pub temperatures: Option<TensorRef<'a>>,
+}
+
+impl Default for SoftmaxOptions<'_> {
+    fn default() -> Self {
+        SoftmaxOptions { temperature: 1.0, temperatures: None }
+    }
+}
+
+impl<'a> SoftmaxOptions<'a> {
+    /// The defaults (`FCE_SOFTMAX_OPTIONS_INIT`).
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets [`SoftmaxOptions::temperature`].
+    pub fn temperature(mut self, t: f32) -> Self {
+        self.temperature = t;
+        self
+    }
+    /// Sets [`SoftmaxOptions::temperatures`] (`[N]` fp32).
+    pub fn temperatures(mut self, t: TensorRef<'a>) -> Self {
+        self.temperatures = Some(t);
+        self
+    }
+    pub(crate) fn to_raw(&self, temps: Option<&sys::DLTensor>) -> sys::fce_softmax_options_t {
+        sys::fce_softmax_options_t {
+            struct_size: size_of::<sys::fce_softmax_options_t>() as u32,
+            temperature: self.temperature,
+            temperatures: temps.map_or(ptr::null(), |t| t as *const sys::DLTensor),
+        }
+    }
+}
+
+/// Options of [`crate::Handle::kd_loss`] (`fce_kd_options_t`); the default equals `FCE_KD_OPTIONS_INIT`.
+///
+/// With temperature T both distributions are softmax(logits / T); a top-K teacher's distribution over
+/// its K ids is softmax_K(logprobs / T). Terms of zero probability contribute exactly 0.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct KdOptions {
+    /// The divergence; default [`Divergence::ForwardKl`].
+    pub divergence: Divergence,
+    /// β in [0, 1] for [`Divergence::Jsd`]; default 0.5.
+    pub beta: f32,
+    /// T > 0, finite; default 1.
+    pub temperature: f32,
+    /// Multiply loss and gradient by T² (Hinton); default false.
+    pub scale_by_t2: bool,
+    /// Student normalization for a top-K teacher; default [`TopkNorm::FullVocab`].
+    pub topk_norm: TopkNorm,
+    /// Reduction; [`Reduction::Mean`] (the default) is batchmean over unmasked rows.
+    pub reduction: Reduction,
+    /// Rows whose target equals this are masked (when targets are given); default -100.
+    pub ignore_index: i64,
+}
+
+impl Default for KdOptions {
+    fn default() -> Self {
+        KdOptions {
+            divergence: Divergence::ForwardKl,
+            beta: 0.5,
+            temperature: 1.0,
+            scale_by_t2: false,
+            topk_norm: TopkNorm::FullVocab,
+            reduction: Reduction::Mean,
+            ignore_index: -100,
+        }
+    }
+}
+
+impl KdOptions {
+    /// The defaults (`FCE_KD_OPTIONS_INIT`).
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets [`KdOptions::divergence`].
+    pub fn divergence(mut self, d: Divergence) -> Self {
+        self.divergence = d;
+        self
+    }
+    /// Sets [`KdOptions::beta`].
+    pub fn beta(mut self, b: f32) -> Self {
+        self.beta = b;
+        self
+    }
+    /// Sets [`KdOptions::temperature`].
+    pub fn temperature(mut self, t: f32) -> Self {
+        self.temperature = t;
+        self
+    }
+    /// Sets [`KdOptions::scale_by_t2`].
+    pub fn scale_by_t2(mut self, on: bool) -> Self {
+        self.scale_by_t2 = on;
+        self
+    }
+    /// Sets [`KdOptions::topk_norm`].
+    pub fn topk_norm(mut self, n: TopkNorm) -> Self {
+        self.topk_norm = n;
+        self
+    }
+    /// Sets [`KdOptions::reduction`].
+    pub fn reduction(mut self, r: Reduction) -> Self {
+        self.reduction = r;
+        self
+    }
+    /// Sets [`KdOptions::ignore_index`].
+    pub fn ignore_index(mut self, i: i64) -> Self {
+        self.ignore_index = i;
+        self
+    }
+    pub(crate) fn to_raw(self) -> sys::fce_kd_options_t {
+        sys::fce_kd_options_t {
+            struct_size: size_of::<sys::fce_kd_options_t>() as u32,
+            divergence: self.divergence.to_raw(),
+            beta: self.beta,
+            temperature: self.temperature,
+            scale_by_t2: self.scale_by_t2 as i32,
+            topk_norm: self.topk_norm.to_raw(),
+            reduction: self.reduction.to_raw(),
+            ignore_index: self.ignore_index,
+        }
+    }
+}
+
+/// The teacher of [`crate::Handle::kd_loss`] (`fce_kd_teacher_t`).
+#[derive(Copy, Clone, Debug)]
+pub enum Teacher<'a> {
+    /// Full teacher logits `[N, V]` fp32, bf16 or fp16 (may differ from the student's dtype).
+    Logits(TensorRef<'a>),
+    /// A top-K teacher (the axolotl format).
+    TopK {
+        /// `[N, K]` i32 or i64, K >= 1; a negative id marks an unused slot, ids of a row distinct;
+        /// an id >= V makes that row's loss NaN.
+        ids: TensorRef<'a>,
+        /// `[N, K]` fp32 teacher log-probabilities at temperature 1.
+        logprobs: TensorRef<'a>,
+    },
+}
+
+/// Outputs of [`crate::Handle::kd_loss`] (`fce_kd_outputs_t`).
+#[derive(Debug)]
+pub struct KdOutputs<'a> {
+    /// Required: fp32 `[N]` ([`Reduction::None`], 0 for masked rows) or a scalar. Nats.
+    pub loss: TensorMut<'a>,
+    /// Optional `[N, V]` in the student's dtype: d(loss)/d(student logits) × grad_loss.
+    pub dstudent: Option<TensorMut<'a>>,
+    /// Upstream gradient as in [`CeOutputs::grad_loss`]; default 1.
+    pub grad_loss: Option<TensorRef<'a>>,
+}
+
+impl<'a> KdOutputs<'a> {
+    /// Outputs with only the loss (`FCE_KD_OUTPUTS_INIT` plus `loss`).
+    pub fn new(loss: TensorMut<'a>) -> Self {
+        KdOutputs { loss, dstudent: None, grad_loss: None }
+    }
+    /// Requests [`KdOutputs::dstudent`].
+    pub fn dstudent(mut self, t: TensorMut<'a>) -> Self {
+        self.dstudent = Some(t);
+        self
+    }
+    /// Sets [`KdOutputs::grad_loss`].
+    pub fn grad_loss(mut self, t: TensorRef<'a>) -> Self {
+        self.grad_loss = Some(t);
+        self
+    }
+}
+
+/// Outputs of [`crate::Handle::linear_cross_entropy_fwd`] (`fce_linear_ce_outputs_t`). Gradients are
+/// written (not accumulated), formed with fp32 accumulation and rounded once to their dtype.
+#[derive(Debug)]
+pub struct LinearCeOutputs<'a> {
+    /// Required; as [`CeOutputs::loss`].
+    pub loss: TensorMut<'a>,
+    /// Optional `[N]` fp32 logsumexp (save it for the backward).
+    pub lse: Option<TensorMut<'a>>,
+    /// Optional; as [`CeOutputs::z_loss`].
+    pub z_loss: Option<TensorMut<'a>>,
+    /// Optional `[N]` i32/i64 argmax of the logits.
+    pub argmax: Option<TensorMut<'a>>,
+    /// Optional `[N]` fp32 entropy in nats.
+    pub entropy: Option<TensorMut<'a>>,
+    /// Optional `[N, H]` fp32/bf16/fp16 gradient of the hidden states.
+    pub dhidden: Option<TensorMut<'a>>,
+    /// Optional `[V, H]` fp32/bf16/fp16 gradient of the weight.
+    pub dweight: Option<TensorMut<'a>>,
+    /// Optional `[V]` fp32/bf16/fp16 gradient of the bias (only with a bias).
+    pub dbias: Option<TensorMut<'a>>,
+    /// Upstream gradient as in [`CeOutputs::grad_loss`]; default 1.
+    pub grad_loss: Option<TensorRef<'a>>,
+}
+
+impl<'a> LinearCeOutputs<'a> {
+    /// Outputs with only the loss (`FCE_LINEAR_CE_OUTPUTS_INIT` plus `loss`).
+    pub fn new(loss: TensorMut<'a>) -> Self {
+        LinearCeOutputs {
+            loss,
+            lse: None,
+            z_loss: None,
+            argmax: None,
+            entropy: None,
+            dhidden: None,
+            dweight: None,
+            dbias: None,
+            grad_loss: None,
+        }
+    }
+    /// Requests [`LinearCeOutputs::lse`].
+    pub fn lse(mut self, t: TensorMut<'a>) -> Self {
+        self.lse = Some(t);
+        self
+    }
+    /// Requests [`LinearCeOutputs::z_loss`].
+    pub fn z_loss(mut self, t: TensorMut<'a>) -> Self {
+        self.z_loss = Some(t);
+        self
+    }
+    /// Requests [`LinearCeOutputs::argmax`].
+    pub fn argmax(mut self, t: TensorMut<'a>) -> Self {
+        self.argmax = Some(t);
+        self
+    }
+    /// Requests [`LinearCeOutputs::entropy`].
+    pub fn entropy(mut self, t: TensorMut<'a>) -> Self {
+        self.entropy = Some(t);
+        self
+    }
+    /// Requests [`LinearCeOutputs::dhidden`].
+    pub fn dhidden(mut self, t: TensorMut<'a>) -> Self {
+        self.dhidden = Some(t);
+        self
+    }
+    /// Requests [`LinearCeOutputs::dweight`].
+    pub fn dweight(mut self, t: TensorMut<'a>) -> Self {
+        self.dweight = Some(t);
+        self
+    }
+    /// Requests [`LinearCeOutputs::dbias`].
+    pub fn dbias(mut self, t: TensorMut<'a>) -> Self {
+        self.dbias = Some(t);
+        self
+    }
+    /// Sets [`LinearCeOutputs::grad_loss`].
+    pub fn grad_loss(mut self, t: TensorRef<'a>) -> Self {
+        self.grad_loss = Some(t);
+        self
+    }
+}
+
+/// Gradients written by [`crate::Handle::linear_cross_entropy_bwd`]; at least one is required.
+#[derive(Debug, Default)]
+pub struct LinearCeGrads<'a> {
+    /// Optional `[N, H]` fp32/bf16/fp16.
+    pub dhidden: Option<TensorMut<'a>>,
+    /// Optional `[V, H]` fp32/bf16/fp16.
+    pub dweight: Option<TensorMut<'a>>,
+    /// Optional `[V]` fp32/bf16/fp16; only with a bias.
+    pub dbias: Option<TensorMut<'a>>,
+    /// Upstream gradient as in [`CeOutputs::grad_loss`]; default 1.
+    pub grad_loss: Option<TensorRef<'a>>,
+}
+
+impl<'a> LinearCeGrads<'a> {
+    /// No gradient requested yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Requests [`LinearCeGrads::dhidden`].
+    pub fn dhidden(mut self, t: TensorMut<'a>) -> Self {
+        self.dhidden = Some(t);
+        self
+    }
+    /// Requests [`LinearCeGrads::dweight`].
+    pub fn dweight(mut self, t: TensorMut<'a>) -> Self {
+        self.dweight = Some(t);
+        self
+    }
+    /// Requests [`LinearCeGrads::dbias`].
+    pub fn dbias(mut self, t: TensorMut<'a>) -> Self {
+        self.dbias = Some(t);
+        self
+    }
+    /// Sets [`LinearCeGrads::grad_loss`].
+    pub fn grad_loss(mut self, t: TensorRef<'a>) -> Self {
+        self.grad_loss = Some(t);
+        self
+    }
+}

@@ -1,0 +1,672 @@
+//! Every op through the safe API on the CPU backend, against float64 values computed here
+//! (`support/reference.rs`); gradients against central finite differences of those references.
+#[path = "support/reference.rs"]
+mod reference;
+
+use fusedce::{
+    bits, CeOptions, CeOutputs, DType, Divergence, Handle, KdOptions, KdOutputs, LinearCeGrads, LinearCeOutputs,
+    LseOptions, Reduction, SoftmaxOptions, Status, Teacher, TensorMut, TensorRef, TopkNorm,
+};
+use reference::*;
+
+fn cpu() -> Handle {
+    Handle::cpu().expect("CPU handle")
+}
+
+// ------------------------------------------------------------------------------------ cross-entropy
+
+#[test]
+fn cross_entropy_fwd_defaults_all_outputs() {
+    let (n, v) = (6, 50);
+    let mut rng = Rng::new(1);
+    let x = rng.f32s(n * v, -4.0, 4.0);
+    let targets: Vec<i64> = vec![3, 49, -100, 0, 17, 17];
+    let h = cpu();
+    let mut loss = 0f32;
+    let mut zl = 0f32;
+    let mut lse = vec![0f32; n];
+    let mut am = vec![0i32; n];
+    let mut ent = vec![0f32; n];
+    let mut dx = vec![0f32; n * v];
+    h.cross_entropy_fwd(
+        &TensorRef::matrix(&x, n, v).unwrap(),
+        &TensorRef::vector(&targets),
+        &CeOptions::default(),
+        &mut CeOutputs::new(TensorMut::scalar(&mut loss))
+            .z_loss(TensorMut::scalar(&mut zl))
+            .lse(TensorMut::vector(&mut lse))
+            .argmax(TensorMut::vector(&mut am))
+            .entropy(TensorMut::vector(&mut ent))
+            .dlogits(TensorMut::matrix(&mut dx, n, v).unwrap()),
+    )
+    .unwrap();
+
+    let o = CeRef::default();
+    let xd = widen(&x);
+    let rows = o.rows(&xd, v, &targets);
+    let denom = o.denom(&targets);
+    assert_eq!(denom, 5.0);
+    let want = rows.iter().map(|r| r.loss).sum::<f64>() / denom;
+    assert_close("loss", &[loss as f64], &[want], 1e-6, 1e-6);
+    assert_eq!(zl, 0.0);
+    assert_close("lse", &widen(&lse), &rows.iter().map(|r| r.lse).collect::<Vec<_>>(), 1e-6, 1e-6);
+    assert_close("entropy", &widen(&ent), &rows.iter().map(|r| r.entropy).collect::<Vec<_>>(), 1e-5, 1e-5);
+    assert_eq!(am.iter().map(|&a| a as usize).collect::<Vec<_>>(), rows.iter().map(|r| r.argmax).collect::<Vec<_>>());
+    let g = fd_grad(&xd, |y| reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &Red::Mean(1.0), denom));
+    assert_close("dlogits", &widen(&dx), &g, 1e-6, 1e-4);
+    // The ignored row has zero gradient, exactly.
+    assert!(dx[2 * v..3 * v].iter().all(|&d| d == 0.0));
+}
+
+#[test]
+fn cross_entropy_fwd_every_option_reduction_none() {
+    let (n, v) = (5, 23);
+    let mut rng = Rng::new(2);
+    let x = rng.f32s(n * v, -6.0, 6.0);
+    let w = rng.f32s(v, 0.2, 2.0);
+    let targets: Vec<i32> = vec![1, 7, 22, 7, 0];
+    let gl = rng.f32s(n, -1.0, 2.0);
+    let opts = CeOptions::new()
+        .reduction(Reduction::None)
+        .ignore_index(22)
+        .label_smoothing(0.1)
+        .z_loss_scale(1e-3)
+        .softcap(5.0)
+        .logit_scale(0.7)
+        .class_weights(TensorRef::vector(&w));
+    let h = cpu();
+    let mut loss = vec![0f32; n];
+    let mut zl = vec![0f32; n];
+    let mut lse = vec![0f32; n];
+    let mut am = vec![0i64; n];
+    let mut dx = vec![0f32; n * v];
+    h.cross_entropy_fwd(
+        &TensorRef::matrix(&x, n, v).unwrap(),
+        &TensorRef::vector(&targets),
+        &opts,
+        &mut CeOutputs::new(TensorMut::vector(&mut loss))
+            .z_loss(TensorMut::vector(&mut zl))
+            .lse(TensorMut::vector(&mut lse))
+            .argmax(TensorMut::vector(&mut am))
+            .dlogits(TensorMut::matrix(&mut dx, n, v).unwrap())
+            .grad_loss(TensorRef::vector(&gl)),
+    )
+    .unwrap();
+    let o = CeRef { ignore_index: 22, eps: 0.1, q: 1e-3, cap: 5.0, scale: 0.7, weights: Some(widen(&w)) };
+    let t64: Vec<i64> = targets.iter().map(|&t| t as i64).collect();
+    let xd = widen(&x);
+    let rows = o.rows(&xd, v, &t64);
+    assert_close("loss", &widen(&loss), &rows.iter().map(|r| r.loss).collect::<Vec<_>>(), 1e-5, 1e-5);
+    assert_eq!(loss[2], 0.0, "ignored row");
+    assert_close("z_loss", &widen(&zl), &rows.iter().map(|r| r.z_loss).collect::<Vec<_>>(), 1e-7, 1e-5);
+    assert_close("lse", &widen(&lse), &rows.iter().map(|r| r.lse).collect::<Vec<_>>(), 1e-6, 1e-6);
+    assert_eq!(am.iter().map(|&a| a as usize).collect::<Vec<_>>(), rows.iter().map(|r| r.argmax).collect::<Vec<_>>());
+    let red = Red::None(widen(&gl));
+    let g = fd_grad(&xd, |y| reduce(&o.rows(y, v, &t64).iter().map(|r| r.loss).collect::<Vec<_>>(), &red, 0.0));
+    assert_close("dlogits", &widen(&dx), &g, 1e-6, 1e-4);
+}
+
+#[test]
+fn cross_entropy_weighted_mean_and_sum() {
+    let (n, v) = (4, 9);
+    let mut rng = Rng::new(3);
+    let x = rng.f32s(n * v, -3.0, 3.0);
+    let w = rng.f32s(v, 0.5, 3.0);
+    let targets: Vec<i64> = vec![8, -100, 2, 5];
+    let o = CeRef { eps: 0.2, weights: Some(widen(&w)), ..Default::default() };
+    let xd = widen(&x);
+    let rows: Vec<f64> = o.rows(&xd, v, &targets).iter().map(|r| r.loss).collect();
+    let h = cpu();
+    for (red, rref) in [(Reduction::Mean, Red::Mean(0.5)), (Reduction::Sum, Red::Sum(0.5))] {
+        let mut loss = 0f32;
+        let mut dx = vec![0f32; n * v];
+        let half = 0.5f32;
+        h.cross_entropy_fwd(
+            &TensorRef::matrix(&x, n, v).unwrap(),
+            &TensorRef::vector(&targets),
+            &CeOptions::new().reduction(red).label_smoothing(0.2).class_weights(TensorRef::vector(&w)),
+            &mut CeOutputs::new(TensorMut::scalar(&mut loss))
+                .dlogits(TensorMut::matrix(&mut dx, n, v).unwrap())
+                .grad_loss(TensorRef::scalar(&half)),
+        )
+        .unwrap();
+        let denom = o.denom(&targets);
+        let want = reduce(&rows, &rref, denom) / 0.5;
+        assert_close(&format!("{:?} loss", red), &[loss as f64], &[want], 1e-6, 1e-6);
+        let g = fd_grad(&xd, |y| reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &rref, denom));
+        assert_close(&format!("{:?} dlogits", red), &widen(&dx), &g, 1e-6, 1e-4);
+    }
+}
+
+#[test]
+fn cross_entropy_bwd_and_in_place_variants() {
+    let (n, v) = (5, 31);
+    let mut rng = Rng::new(4);
+    let x = rng.f32s(n * v, -5.0, 5.0);
+    let targets: Vec<i64> = vec![0, 30, 12, -100, 5];
+    let opts = CeOptions::new().label_smoothing(0.05).z_loss_scale(1e-2).logit_scale(1.3);
+    let o = CeRef { eps: 0.05, q: 1e-2, scale: 1.3, ..Default::default() };
+    let h = cpu();
+    // Forward: lse and the fused gradient.
+    let mut loss = 0f32;
+    let mut lse = vec![0f32; n];
+    let mut fused = vec![0f32; n * v];
+    h.cross_entropy_fwd(
+        &TensorRef::matrix(&x, n, v).unwrap(),
+        &TensorRef::vector(&targets),
+        &opts,
+        &mut CeOutputs::new(TensorMut::scalar(&mut loss))
+            .lse(TensorMut::vector(&mut lse))
+            .dlogits(TensorMut::matrix(&mut fused, n, v).unwrap()),
+    )
+    .unwrap();
+    // Backward with an upstream gradient of 2.
+    let two = 2f32;
+    let mut dx = vec![0f32; n * v];
+    h.cross_entropy_bwd(
+        &TensorRef::matrix(&x, n, v).unwrap(),
+        &TensorRef::vector(&targets),
+        &TensorRef::vector(&lse),
+        Some(&TensorRef::scalar(&two)),
+        &opts,
+        &mut TensorMut::matrix(&mut dx, n, v).unwrap(),
+    )
+    .unwrap();
+    let xd = widen(&x);
+    let denom = o.denom(&targets);
+    let g = fd_grad(&xd, |y| reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &Red::Mean(2.0), denom));
+    assert_close("bwd dlogits", &widen(&dx), &g, 2e-6, 1e-4);
+    let g1: Vec<f64> = g.iter().map(|x| x / 2.0).collect();
+    assert_close("fused dlogits", &widen(&fused), &g1, 1e-6, 1e-4);
+
+    // In place: the gradient overwrites the logits, bit-identical to the out-of-place results.
+    let mut y = x.clone();
+    h.cross_entropy_bwd_in_place(
+        &mut TensorMut::matrix(&mut y, n, v).unwrap(),
+        &TensorRef::vector(&targets),
+        &TensorRef::vector(&lse),
+        Some(&TensorRef::scalar(&two)),
+        &opts,
+    )
+    .unwrap();
+    assert_eq!(y, dx, "bwd in place");
+    let mut y = x.clone();
+    let mut loss2 = 0f32;
+    h.cross_entropy_fwd_in_place(
+        &mut TensorMut::matrix(&mut y, n, v).unwrap(),
+        &TensorRef::vector(&targets),
+        &opts,
+        &mut CeOutputs::new(TensorMut::scalar(&mut loss2)),
+    )
+    .unwrap();
+    assert_eq!(y, fused, "fwd in place");
+    assert_eq!(loss2, loss);
+    let bytes = h
+        .cross_entropy_fwd_workspace_size(
+            &TensorRef::matrix(&x, n, v).unwrap(),
+            &TensorRef::vector(&targets),
+            &opts,
+            &mut CeOutputs::new(TensorMut::scalar(&mut loss2)),
+        )
+        .unwrap();
+    assert!(bytes < 1 << 30);
+}
+
+#[test]
+fn cross_entropy_bf16_and_f16_logits() {
+    let (n, v) = (3, 40);
+    let mut rng = Rng::new(5);
+    let targets: Vec<i64> = vec![4, 39, 0];
+    let o = CeRef::default();
+    let h = cpu();
+    for dtype in [DType::BF16, DType::F16] {
+        let enc = |x: f32| if dtype == DType::BF16 { bits::f32_to_bf16(x) } else { bits::f32_to_f16(x) };
+        let dec = |b: u16| if dtype == DType::BF16 { bits::bf16_to_f32(b) } else { bits::f16_to_f32(b) };
+        let xb: Vec<u16> = rng.f32s(n * v, -4.0, 4.0).into_iter().map(enc).collect();
+        let xd: Vec<f64> = xb.iter().map(|&b| dec(b) as f64).collect();
+        let mut loss = vec![0f32; n];
+        let mut dxb = vec![0u16; n * v];
+        h.cross_entropy_fwd(
+            &TensorRef::from_bits(&xb, dtype, &[n, v]).unwrap(),
+            &TensorRef::vector(&targets),
+            &CeOptions::new().reduction(Reduction::None),
+            &mut CeOutputs::new(TensorMut::vector(&mut loss)).dlogits(TensorMut::from_bits(&mut dxb, dtype, &[n, v]).unwrap()),
+        )
+        .unwrap();
+        let rows = o.rows(&xd, v, &targets);
+        assert_close(&format!("{:?} loss", dtype), &widen(&loss), &rows.iter().map(|r| r.loss).collect::<Vec<_>>(), 1e-5, 1e-5);
+        let g = fd_grad(&xd, |y| {
+            reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &Red::None(vec![1.0; n]), 0.0)
+        });
+        let got: Vec<f64> = dxb.iter().map(|&b| dec(b) as f64).collect();
+        // One rounding to 8 (bf16) or 11 (fp16) significant bits.
+        assert_close(&format!("{:?} dlogits", dtype), &got, &g, 1e-7, if dtype == DType::BF16 { 8e-3 } else { 1e-3 });
+    }
+}
+
+#[test]
+fn cross_entropy_padded_rows() {
+    let (n, v, ld) = (3, 10, 13);
+    let mut rng = Rng::new(6);
+    let dense = rng.f32s(n * v, -2.0, 2.0);
+    let mut padded = vec![f32::NAN; (n - 1) * ld + v]; // the padding must never be read
+    for i in 0..n {
+        padded[i * ld..i * ld + v].copy_from_slice(&dense[i * v..(i + 1) * v]);
+    }
+    let targets: Vec<i32> = vec![9, 0, 5];
+    let h = cpu();
+    let mut loss = 0f32;
+    let mut dx = vec![-7f32; (n - 1) * ld + v];
+    h.cross_entropy_fwd(
+        &TensorRef::strided(&padded, n, v, ld).unwrap(),
+        &TensorRef::vector(&targets),
+        &CeOptions::default(),
+        &mut CeOutputs::new(TensorMut::scalar(&mut loss)).dlogits(TensorMut::strided(&mut dx, n, v, ld).unwrap()),
+    )
+    .unwrap();
+    let o = CeRef::default();
+    let t64: Vec<i64> = targets.iter().map(|&t| t as i64).collect();
+    let rows = o.rows(&widen(&dense), v, &t64);
+    let want = rows.iter().map(|r| r.loss).sum::<f64>() / 3.0;
+    assert_close("loss", &[loss as f64], &[want], 1e-6, 1e-6);
+    for i in 0..n - 1 {
+        assert!(dx[i * ld + v..(i + 1) * ld].iter().all(|&p| p == -7.0), "padding written");
+    }
+}
+
+// ------------------------------------------------------------------------- logsumexp and softmax
+
+#[test]
+fn logsumexp_f32_and_f16() {
+    let (n, v) = (4, 100);
+    let mut rng = Rng::new(7);
+    let mut x = rng.f32s(n * v, -10.0, 10.0);
+    for j in 0..v {
+        x[3 * v + j] = f32::NEG_INFINITY; // a row of -inf gives -inf
+    }
+    let h = cpu();
+    let mut lse = vec![0f32; n];
+    h.logsumexp(&TensorRef::matrix(&x, n, v).unwrap(), &LseOptions::new().scale(0.5), &mut TensorMut::vector(&mut lse))
+        .unwrap();
+    let want: Vec<f64> =
+        (0..n).map(|i| logsumexp(&x[i * v..(i + 1) * v].iter().map(|&a| 0.5 * a as f64).collect::<Vec<_>>())).collect();
+    assert_close("lse f32", &widen(&lse), &want, 1e-6, 1e-6);
+    assert_eq!(lse[3], f32::NEG_INFINITY);
+
+    let xh: Vec<u16> = x[..3 * v].iter().map(|&a| bits::f32_to_f16(a)).collect();
+    let mut lse = vec![0f32; 3];
+    h.logsumexp(&TensorRef::from_bits(&xh, DType::F16, &[3, v]).unwrap(), &LseOptions::default(), &mut TensorMut::vector(&mut lse))
+        .unwrap();
+    let want: Vec<f64> = (0..3)
+        .map(|i| logsumexp(&xh[i * v..(i + 1) * v].iter().map(|&b| bits::f16_to_f32(b) as f64).collect::<Vec<_>>()))
+        .collect();
+    assert_close("lse f16", &widen(&lse), &want, 1e-6, 1e-6);
+}
+
+fn softmax_ref(x: &[f64], t: f64) -> (Vec<f64>, Vec<f64>) {
+    let z: Vec<f64> = x.iter().map(|&a| a / t).collect();
+    let l = logsumexp(&z);
+    let lp: Vec<f64> = z.iter().map(|&a| a - l).collect();
+    (lp.iter().map(|a| a.exp()).collect(), lp)
+}
+
+#[test]
+fn temp_softmax_temperatures_greedy_and_dtypes() {
+    let (n, v) = (3, 17);
+    let mut rng = Rng::new(8);
+    let mut x = rng.f32s(n * v, -5.0, 5.0);
+    x[v + 3] = f32::NEG_INFINITY;
+    let h = cpu();
+    let xm = TensorRef::matrix(&x, n, v).unwrap();
+    // One temperature.
+    let mut p = vec![0f32; n * v];
+    let mut lp = vec![0f32; n * v];
+    h.temp_softmax(
+        &xm,
+        &SoftmaxOptions::new().temperature(0.7),
+        Some(&mut TensorMut::matrix(&mut p, n, v).unwrap()),
+        Some(&mut TensorMut::matrix(&mut lp, n, v).unwrap()),
+    )
+    .unwrap();
+    let (mut wp, mut wlp) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let (a, b) = softmax_ref(&widen(&x[i * v..(i + 1) * v]), 0.7);
+        wp.extend(a);
+        wlp.extend(b);
+    }
+    assert_close("probs", &widen(&p), &wp, 1e-7, 1e-5);
+    assert_close("logprobs", &widen(&lp), &wlp, 1e-5, 1e-5);
+    assert_eq!(p[v + 3], 0.0);
+
+    // Per-row temperatures, probabilities only.
+    let temps = [0.5f32, 1.0, 3.0];
+    let mut p = vec![0f32; n * v];
+    h.temp_softmax(&xm, &SoftmaxOptions::new().temperatures(TensorRef::vector(&temps)), Some(&mut TensorMut::matrix(&mut p, n, v).unwrap()), None)
+        .unwrap();
+    let mut wp = Vec::new();
+    for i in 0..n {
+        wp.extend(softmax_ref(&widen(&x[i * v..(i + 1) * v]), temps[i] as f64).0);
+    }
+    assert_close("probs per-row T", &widen(&p), &wp, 1e-7, 1e-5);
+
+    // T = 0: one-hot at the argmax, lowest index on ties.
+    let mut y = x.clone();
+    y[2] = 100.0;
+    y[5] = 100.0;
+    let mut p = vec![0f32; n * v];
+    let mut lp = vec![0f32; n * v];
+    h.temp_softmax(
+        &TensorRef::matrix(&y, n, v).unwrap(),
+        &SoftmaxOptions::new().temperature(0.0),
+        Some(&mut TensorMut::matrix(&mut p, n, v).unwrap()),
+        Some(&mut TensorMut::matrix(&mut lp, n, v).unwrap()),
+    )
+    .unwrap();
+    for i in 0..n {
+        let am = argmax(&widen(&y[i * v..(i + 1) * v]));
+        for j in 0..v {
+            assert_eq!(p[i * v + j], if j == am { 1.0 } else { 0.0 });
+            assert_eq!(lp[i * v + j], if j == am { 0.0 } else { f32::NEG_INFINITY });
+        }
+    }
+    assert_eq!(p[2], 1.0);
+
+    // bf16 logits: probabilities in bf16 (the logits' dtype) and log-probabilities in fp32.
+    let xb: Vec<u16> = x.iter().map(|&a| bits::f32_to_bf16(a)).collect();
+    let mut pb = vec![0u16; n * v];
+    let mut lp = vec![0f32; n * v];
+    h.temp_softmax(
+        &TensorRef::from_bits(&xb, DType::BF16, &[n, v]).unwrap(),
+        &SoftmaxOptions::new().temperature(1.5),
+        Some(&mut TensorMut::from_bits(&mut pb, DType::BF16, &[n, v]).unwrap()),
+        Some(&mut TensorMut::matrix(&mut lp, n, v).unwrap()),
+    )
+    .unwrap();
+    let (mut wp, mut wlp) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let row: Vec<f64> = xb[i * v..(i + 1) * v].iter().map(|&b| bits::bf16_to_f32(b) as f64).collect();
+        let (a, b) = softmax_ref(&row, 1.5);
+        wp.extend(a);
+        wlp.extend(b);
+    }
+    assert_close("bf16 probs", &pb.iter().map(|&b| bits::bf16_to_f32(b) as f64).collect::<Vec<_>>(), &wp, 1e-7, 8e-3);
+    assert_close("bf16 logprobs (fp32 out)", &widen(&lp), &wlp, 1e-5, 1e-5);
+}
+
+// ----------------------------------------------------------------------------------- distillation
+
+#[test]
+fn kd_loss_full_teacher_every_divergence() {
+    let (n, v) = (4, 19);
+    let mut rng = Rng::new(9);
+    let s = rng.f32s(n * v, -4.0, 4.0);
+    // Teacher in bf16 (may differ from the student's dtype).
+    let tb: Vec<u16> = rng.f32s(n * v, -4.0, 4.0).into_iter().map(bits::f32_to_bf16).collect();
+    let td: Vec<f64> = tb.iter().map(|&b| bits::bf16_to_f32(b) as f64).collect();
+    let targets: Vec<i64> = vec![1, -100, 3, 4];
+    let t = 2.0f32;
+    let sd = widen(&s);
+    let h = cpu();
+    for (div, dref) in [(Divergence::ForwardKl, Div::Fkl), (Divergence::ReverseKl, Div::Rkl), (Divergence::Jsd, Div::Jsd(0.3))] {
+        let opts = KdOptions::new().divergence(div).beta(0.3).temperature(t).scale_by_t2(true);
+        let mut loss = 0f32;
+        let mut ds = vec![0f32; n * v];
+        h.kd_loss(
+            &TensorRef::matrix(&s, n, v).unwrap(),
+            &Teacher::Logits(TensorRef::from_bits(&tb, DType::BF16, &[n, v]).unwrap()),
+            Some(&TensorRef::vector(&targets)),
+            &opts,
+            &mut KdOutputs::new(TensorMut::scalar(&mut loss)).dstudent(TensorMut::matrix(&mut ds, n, v).unwrap()),
+        )
+        .unwrap();
+        let total = |y: &[f64]| -> f64 {
+            let mut sum = 0.0;
+            for i in 0..n {
+                if targets[i] != -100 {
+                    sum += kd_row_full(dref, &y[i * v..(i + 1) * v], &td[i * v..(i + 1) * v], t as f64);
+                }
+            }
+            sum * (t as f64).powi(2) / 3.0 // T², batchmean over 3 unmasked rows
+        };
+        assert_close(&format!("{:?} loss", div), &[loss as f64], &[total(&sd)], 1e-6, 1e-5);
+        assert_close(&format!("{:?} dstudent", div), &widen(&ds), &fd_grad(&sd, total), 1e-6, 1e-4);
+        assert!(ds[v..2 * v].iter().all(|&g| g == 0.0), "masked row has zero gradient");
+
+        // Reduction None: one loss per row, 0 for the masked row.
+        let mut rows = vec![0f32; n];
+        h.kd_loss(
+            &TensorRef::matrix(&s, n, v).unwrap(),
+            &Teacher::Logits(TensorRef::from_bits(&tb, DType::BF16, &[n, v]).unwrap()),
+            Some(&TensorRef::vector(&targets)),
+            &opts.reduction(Reduction::None).scale_by_t2(false),
+            &mut KdOutputs::new(TensorMut::vector(&mut rows)),
+        )
+        .unwrap();
+        let want: Vec<f64> = (0..n)
+            .map(|i| if targets[i] == -100 { 0.0 } else { kd_row_full(dref, &sd[i * v..(i + 1) * v], &td[i * v..(i + 1) * v], t as f64) })
+            .collect();
+        assert_close(&format!("{:?} per-row loss", div), &widen(&rows), &want, 1e-6, 1e-5);
+    }
+}
+
+#[test]
+fn kd_loss_topk_teacher_both_normalizations() {
+    let (n, v, k) = (4, 15, 4);
+    let mut rng = Rng::new(10);
+    let s = rng.f32s(n * v, -3.0, 3.0);
+    let ids: Vec<i64> = vec![
+        3, 7, 0, 14, //
+        5, -1, 2, 9, // one unused slot
+        -1, -1, -1, -1, // no used slot: the row is masked
+        11, 12, 13, 1,
+    ];
+    let lp: Vec<f32> = rng.f32s(n * k, -6.0, -0.1);
+    let sd = widen(&s);
+    let lpd = widen(&lp);
+    let t = 1.5f64;
+    let h = cpu();
+    for (norm, renorm) in [(TopkNorm::FullVocab, false), (TopkNorm::Renormalize, true)] {
+        for (div, dref) in [(Divergence::ForwardKl, Div::Fkl), (Divergence::ReverseKl, Div::Rkl), (Divergence::Jsd, Div::Jsd(0.5))] {
+            let opts = KdOptions::new().divergence(div).topk_norm(norm).temperature(t as f32);
+            let mut loss = 0f32;
+            let mut ds = vec![0f32; n * v];
+            let gl = 3f32;
+            h.kd_loss(
+                &TensorRef::matrix(&s, n, v).unwrap(),
+                &Teacher::TopK { ids: TensorRef::matrix(&ids, n, k).unwrap(), logprobs: TensorRef::matrix(&lp, n, k).unwrap() },
+                None,
+                &opts,
+                &mut KdOutputs::new(TensorMut::scalar(&mut loss))
+                    .dstudent(TensorMut::matrix(&mut ds, n, v).unwrap())
+                    .grad_loss(TensorRef::scalar(&gl)),
+            )
+            .unwrap();
+            let total = |y: &[f64]| -> f64 {
+                let rows: Vec<f64> = (0..n)
+                    .filter_map(|i| kd_row_topk(dref, &y[i * v..(i + 1) * v], &ids[i * k..(i + 1) * k], &lpd[i * k..(i + 1) * k], t, renorm))
+                    .collect();
+                rows.iter().sum::<f64>() / rows.len() as f64
+            };
+            let what = format!("{:?}/{:?}", norm, div);
+            assert_close(&format!("{} loss", what), &[loss as f64], &[total(&sd)], 1e-6, 1e-5);
+            let g: Vec<f64> = fd_grad(&sd, total).iter().map(|x| 3.0 * x).collect();
+            assert_close(&format!("{} dstudent", what), &widen(&ds), &g, 1e-6, 1e-4);
+            if renorm {
+                // Zero outside the K ids.
+                assert_eq!(ds[1], 0.0);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ linear cross-entropy
+
+struct Lce {
+    n: usize,
+    hdim: usize,
+    v: usize,
+    hidden: Vec<f32>,
+    weight: Vec<f32>,
+    bias: Vec<f32>,
+    targets: Vec<i64>,
+}
+
+impl Lce {
+    fn logits(&self, hid: &[f64], w: &[f64], b: &[f64]) -> Vec<f64> {
+        let (n, hd, v) = (self.n, self.hdim, self.v);
+        let mut out = vec![0.0; n * v];
+        for i in 0..n {
+            for j in 0..v {
+                out[i * v + j] = b[j] + (0..hd).map(|c| hid[i * hd + c] * w[j * hd + c]).sum::<f64>();
+            }
+        }
+        out
+    }
+}
+
+#[test]
+fn linear_cross_entropy_fwd_bwd_and_workspace() {
+    let (n, hdim, v) = (5, 7, 11);
+    let mut rng = Rng::new(11);
+    let p = Lce {
+        n,
+        hdim,
+        v,
+        hidden: rng.f32s(n * hdim, -1.0, 1.0),
+        weight: rng.f32s(v * hdim, -1.0, 1.0),
+        bias: rng.f32s(v, -0.5, 0.5),
+        targets: vec![3, 10, -100, 0, 3],
+    };
+    let opts = CeOptions::new().label_smoothing(0.05).z_loss_scale(1e-3);
+    let o = CeRef { eps: 0.05, q: 1e-3, ..Default::default() };
+    let (hd, wd, bd) = (widen(&p.hidden), widen(&p.weight), widen(&p.bias));
+    let denom = o.denom(&p.targets);
+    let total = |hid: &[f64], w: &[f64], b: &[f64]| -> f64 {
+        let rows: Vec<f64> = o.rows(&p.logits(hid, w, b), v, &p.targets).iter().map(|r| r.loss).collect();
+        reduce(&rows, &Red::Mean(1.0), denom)
+    };
+    let h = cpu();
+    let (hm, wm, bv, tv) = (
+        TensorRef::matrix(&p.hidden, n, hdim).unwrap(),
+        TensorRef::matrix(&p.weight, v, hdim).unwrap(),
+        TensorRef::vector(&p.bias),
+        TensorRef::vector(&p.targets),
+    );
+    let mut loss = 0f32;
+    let mut zl = 0f32;
+    let mut lse = vec![0f32; n];
+    let mut am = vec![0i32; n];
+    let mut ent = vec![0f32; n];
+    let mut dh = vec![0f32; n * hdim];
+    let mut dw = vec![0f32; v * hdim];
+    let mut db = vec![0f32; v];
+    h.linear_cross_entropy_fwd(
+        &hm,
+        &wm,
+        Some(&bv),
+        &tv,
+        &opts,
+        &mut LinearCeOutputs::new(TensorMut::scalar(&mut loss))
+            .z_loss(TensorMut::scalar(&mut zl))
+            .lse(TensorMut::vector(&mut lse))
+            .argmax(TensorMut::vector(&mut am))
+            .entropy(TensorMut::vector(&mut ent))
+            .dhidden(TensorMut::matrix(&mut dh, n, hdim).unwrap())
+            .dweight(TensorMut::matrix(&mut dw, v, hdim).unwrap())
+            .dbias(TensorMut::vector(&mut db)),
+    )
+    .unwrap();
+    let rows = o.rows(&p.logits(&hd, &wd, &bd), v, &p.targets);
+    assert_close("loss", &[loss as f64], &[total(&hd, &wd, &bd)], 1e-6, 1e-5);
+    let zwant = rows.iter().map(|r| r.z_loss).sum::<f64>() / denom;
+    assert_close("z_loss", &[zl as f64], &[zwant], 1e-8, 1e-5);
+    assert_close("lse", &widen(&lse), &rows.iter().map(|r| r.lse).collect::<Vec<_>>(), 1e-6, 1e-5);
+    assert_close("entropy", &widen(&ent), &rows.iter().map(|r| r.entropy).collect::<Vec<_>>(), 1e-5, 1e-5);
+    assert_eq!(am.iter().map(|&a| a as usize).collect::<Vec<_>>(), rows.iter().map(|r| r.argmax).collect::<Vec<_>>());
+    let gh = fd_grad(&hd, |y| total(y, &wd, &bd));
+    let gw = fd_grad(&wd, |y| total(&hd, y, &bd));
+    let gb = fd_grad(&bd, |y| total(&hd, &wd, y));
+    assert_close("dhidden", &widen(&dh), &gh, 1e-6, 1e-4);
+    assert_close("dweight", &widen(&dw), &gw, 1e-6, 1e-4);
+    assert_close("dbias", &widen(&db), &gb, 1e-6, 1e-4);
+
+    // Backward from the saved lse with an upstream gradient of 1.5.
+    let g15 = 1.5f32;
+    let mut dh2 = vec![0f32; n * hdim];
+    let mut dw2 = vec![0f32; v * hdim];
+    let mut db2 = vec![0f32; v];
+    h.linear_cross_entropy_bwd(
+        &hm,
+        &wm,
+        Some(&bv),
+        &tv,
+        &TensorRef::vector(&lse),
+        &opts,
+        &mut LinearCeGrads::new()
+            .dhidden(TensorMut::matrix(&mut dh2, n, hdim).unwrap())
+            .dweight(TensorMut::matrix(&mut dw2, v, hdim).unwrap())
+            .dbias(TensorMut::vector(&mut db2))
+            .grad_loss(TensorRef::scalar(&g15)),
+    )
+    .unwrap();
+    let scale = |g: &[f64]| g.iter().map(|x| 1.5 * x).collect::<Vec<_>>();
+    assert_close("bwd dhidden", &widen(&dh2), &scale(&gh), 2e-6, 1e-4);
+    assert_close("bwd dweight", &widen(&dw2), &scale(&gw), 2e-6, 1e-4);
+    assert_close("bwd dbias", &widen(&db2), &scale(&gb), 2e-6, 1e-4);
+
+    // A caller workspace of the queried size: same results; one too small: WORKSPACE_TOO_SMALL.
+    let mut loss_ws = vec![0f32; n];
+    let none = CeOptions::new().reduction(Reduction::None);
+    let mut outs = LinearCeOutputs::new(TensorMut::vector(&mut loss_ws));
+    let bytes = h.linear_cross_entropy_fwd_workspace_size(&hm, &wm, Some(&bv), &tv, &none, &mut outs).unwrap();
+    assert!(bytes > 0);
+    let mut buf = vec![0u8; bytes + 256];
+    let off = buf.as_ptr().align_offset(256);
+    let mut h2 = cpu();
+    unsafe { h2.set_workspace(buf.as_mut_ptr().add(off) as *mut std::ffi::c_void, bytes) };
+    h2.linear_cross_entropy_fwd(&hm, &wm, Some(&bv), &tv, &none, &mut outs).unwrap();
+    drop(outs);
+    let plain = CeRef::default().rows(&p.logits(&hd, &wd, &bd), v, &p.targets);
+    let want: Vec<f64> = plain.iter().map(|r| r.loss).collect();
+    assert_close("loss with a caller workspace", &widen(&loss_ws), &want, 1e-6, 1e-5);
+    unsafe { h2.set_workspace(buf.as_mut_ptr().add(off) as *mut std::ffi::c_void, 128) };
+    let e = h2
+        .linear_cross_entropy_fwd(&hm, &wm, Some(&bv), &tv, &none, &mut LinearCeOutputs::new(TensorMut::vector(&mut loss_ws)))
+        .unwrap_err();
+    assert_eq!(e.status(), Status::WORKSPACE_TOO_SMALL, "{}", e);
+    assert!(!e.message().is_empty());
+    h2.clear_workspace();
+    h2.linear_cross_entropy_fwd(&hm, &wm, Some(&bv), &tv, &none, &mut LinearCeOutputs::new(TensorMut::vector(&mut loss_ws)))
+        .unwrap();
+}
+
+#[test]
+fn linear_cross_entropy_bf16_weights() {
+    let (n, hdim, v) = (4, 16, 33);
+    let mut rng = Rng::new(12);
+    let hb: Vec<u16> = rng.f32s(n * hdim, -1.0, 1.0).into_iter().map(bits::f32_to_bf16).collect();
+    let wb: Vec<u16> = rng.f32s(v * hdim, -1.0, 1.0).into_iter().map(bits::f32_to_bf16).collect();
+    let targets: Vec<i32> = vec![0, 32, 16, 7];
+    let h = cpu();
+    let mut loss = vec![0f32; n];
+    let mut dhb = vec![0u16; n * hdim];
+    h.linear_cross_entropy_fwd(
+        &TensorRef::from_bits(&hb, DType::BF16, &[n, hdim]).unwrap(),
+        &TensorRef::from_bits(&wb, DType::BF16, &[v, hdim]).unwrap(),
+        None,
+        &TensorRef::vector(&targets),
+        &CeOptions::new().reduction(Reduction::None),
+        &mut LinearCeOutputs::new(TensorMut::vector(&mut loss)).dhidden(TensorMut::from_bits(&mut dhb, DType::BF16, &[n, hdim]).unwrap()),
+    )
+    .unwrap();
+    let hd: Vec<f64> = hb.iter().map(|&b| bits::bf16_to_f32(b) as f64).collect();
+    let wd: Vec<f64> = wb.iter().map(|&b| bits::bf16_to_f32(b) as f64).collect();
+    let p = Lce { n, hdim, v, hidden: vec![], weight: vec![], bias: vec![], targets: targets.iter().map(|&t| t as i64).collect() };
+    let o = CeRef::default();
+    let zero = vec![0.0; v];
+    let rows: Vec<f64> = o.rows(&p.logits(&hd, &wd, &zero), v, &p.targets).iter().map(|r| r.loss).collect();
+    assert_close("bf16 loss", &widen(&loss), &rows, 1e-5, 1e-5);
+    let g = fd_grad(&hd, |y| o.rows(&p.logits(y, &wd, &zero), v, &p.targets).iter().map(|r| r.loss).sum());
+    let got: Vec<f64> = dhb.iter().map(|&b| bits::bf16_to_f32(b) as f64).collect();
+    assert_close("bf16 dhidden", &got, &g, 1e-4, 8e-3);
+}
