@@ -78,40 +78,88 @@ struct CeParams {
   const float* saved_lse;
 };
 
-// Accumulates row slice [begin, end) into a thread's CeAcc.
-template <class T>
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Accumulates row slice [begin, end) into a thread's CeAcc. Per 16-byte vector: the raw max (the
+// transform is increasing, so max z = tf(max x)), one rescale, then one FMA + ex2 per element in base 2.
+// The argmax is updated only when a vector holds a new maximum. A NaN makes d NaN; the caller then finds
+// the first NaN for the argmax on a slow path.
+template <class T, bool kSoftcap, bool kEntropy, bool kSmooth>
 __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int64_t end) {
   const LogitTransform tf(p.scale, p.softcap);
-  const bool smooth = p.full && p.eps > 0.f;
+  const float c = p.scale * kLog2e;  // z*log2e = x*c without soft-cap
   CeAcc a;
   row_visit<T>(row, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
-    float z[kVec<T>];
     float vmax = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < kVec<T>; ++k) {
-      if (k < n) {
-        z[k] = tf(v[k]);
-        vmax = fmaxf(vmax, z[k]);
-        if (p.full && CeAcc::better(v[k], j0 + k, a.av, a.ai)) { a.av = v[k]; a.ai = j0 + k; }
-      }
+    for (int k = 0; k < kVec<T>; ++k)
+      if (k < n) vmax = fmaxf(vmax, v[k]);
+    if (p.full && vmax > a.av) {  // new running maximum: first index holding it
+      int kk = 0;
+#pragma unroll
+      for (int k = kVec<T> - 1; k >= 0; --k)
+        if (k < n && v[k] == vmax) kk = k;
+      a.av = vmax;
+      a.ai = j0 + kk;
     }
-    const float mn = fmaxf(a.m, vmax);
+    const float zmax = tf(vmax);
+    const float mn = fmaxf(a.m, zmax);
     if (mn == -INFINITY) return;  // nothing finite yet (keeps NaN out of -inf - -inf)
-    const float r = expf(a.m - mn);
+    const float r = fast_exp2((a.m - mn) * kLog2e);
     a.d *= r;
-    a.s1 *= r;
+    if (kEntropy) a.s1 *= r;
     a.m = mn;
+    const float ml = mn * kLog2e;
 #pragma unroll
     for (int k = 0; k < kVec<T>; ++k) {
       if (k < n) {
-        const float e = expf(z[k] - mn);
+        float e, z;
+        if (kSoftcap) {
+          z = tf(v[k]);
+          e = fast_exp2(fmaf(z, kLog2e, -ml));
+        } else {
+          e = fast_exp2(fmaf(v[k], c, -ml));
+          z = v[k] * p.scale;
+        }
         a.d += e;
-        if (p.full && e > 0.f) a.s1 += e * z[k];
-        if (smooth) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z[k];
+        if (kEntropy && e > 0.f) a.s1 += e * z;
+        if (kSmooth && p.eps > 0.f) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z;
       }
     }
   });
   return a;
+}
+
+// Block-wide statistics of row slice [begin, end), with the NaN slow path for the argmax.
+template <class T, bool kSoftcap, bool kEntropy, bool kSmooth>
+__device__ CeAcc block_stats(const CeParams& p, const T* row, int64_t begin, int64_t end) {
+  __shared__ int64_t first_nan;
+  CeAcc a = block_reduce(accumulate<T, kSoftcap, kEntropy, kSmooth>(p, row, begin, end));
+  if (p.full && isnan(a.d)) {  // rare: find the first NaN, which counts as the largest logit
+    if (threadIdx.x == 0) first_nan = INT64_MAX;
+    __syncthreads();
+    for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x)
+      if (isnan(to_float(row[j]))) atomicMin(reinterpret_cast<unsigned long long*>(&first_nan), (unsigned long long)j);
+    __syncthreads();
+    if (first_nan != INT64_MAX) {
+      a.av = NAN;
+      a.ai = first_nan;
+    }
+  }
+  return a;
+}
+
+// Statistics with the call's feature flags resolved at compile time (entropy and smoothing share one).
+template <class T>
+__device__ CeAcc row_stats(const CeParams& p, const T* x, int64_t b, int64_t e) {
+  const bool sc = p.softcap > 0.f, extra = p.full && (p.entropy || p.eps > 0.f);
+  if (sc) return extra ? block_stats<T, true, true, true>(p, x, b, e) : block_stats<T, true, false, false>(p, x, b, e);
+  return extra ? block_stats<T, false, true, true>(p, x, b, e) : block_stats<T, false, false, false>(p, x, b, e);
 }
 
 __device__ float row_grad_scale(const CeParams& p, int64_t row) {
@@ -134,8 +182,9 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
   if (p.lse) p.lse[row] = lse;
   if (p.entropy) p.entropy[row] = a.m == -INFINITY ? NAN : lse - a.s1 / a.d;
   if (p.argmax) {
-    if (p.a64) static_cast<int64_t*>(p.argmax)[row] = a.ai;
-    else static_cast<int32_t*>(p.argmax)[row] = int32_t(a.ai);
+    const int64_t ai = a.ai == INT64_MAX ? 0 : a.ai;  // a row of all -inf: index 0, as on the CPU
+    if (p.a64) static_cast<int64_t*>(p.argmax)[row] = ai;
+    else static_cast<int32_t*>(p.argmax)[row] = int32_t(ai);
   }
   const int64_t t = load_index(p.targets, p.t64, row);
   float loss = 0.f, zl = 0.f;
@@ -182,7 +231,7 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
       if (k < n) {
         const float z = tf(v[k]);
         const float w = p.weights ? p.weights[j0 + k] : 1.f;
-        v[k] = grad(expf(z - lse), w, j0 + k == t) * tf.derivative(z);
+        v[k] = grad(fast_exp2((z - lse) * kLog2e), w, j0 + k == t) * tf.derivative(z);
       }
     }
   });
@@ -194,7 +243,7 @@ __global__ void __launch_bounds__(kRowThreads) row_kernel(CeParams p) {
   __shared__ float s_lse;
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
-  const CeAcc a = block_reduce(accumulate<T>(p, x, 0, p.V), false);
+  const CeAcc a = row_stats<T>(p, x, 0, p.V);
   if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a);
   if (!p.dx) return;
   __syncthreads();
@@ -208,7 +257,7 @@ __global__ void __launch_bounds__(kRowThreads) partial_kernel(CeParams p) {
   int64_t b, e;
   split_range(p.V, p.splits, blockIdx.x, &b, &e);
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
-  const CeAcc a = block_reduce(accumulate<T>(p, x, b, e), false);
+  const CeAcc a = row_stats<T>(p, x, b, e);
   if (threadIdx.x == 0) p.partial[row * p.splits + blockIdx.x] = a;
 }
 
