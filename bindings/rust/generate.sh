@@ -45,11 +45,14 @@ generate() {
     --newtype-enum 'fce_status' \
     --no-prepend-enum-name \
     --size_t-is-usize \
-    -- -Iinclude) | rustfmt --edition 2021 --emit stdout
+    -- -Iinclude) | fmt
 }
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
+# rustfmt with a pinned configuration, whatever rustfmt.toml the caller's directory has.
+printf 'edition = "2021"\n' > "$tmp/rustfmt.toml"
+fmt() { rustfmt --config-path "$tmp/rustfmt.toml" --emit stdout; }
 generate > "$tmp/bindings.rs"
 
 if [ "$mode" = write ]; then
@@ -62,7 +65,7 @@ if [ ! -f "$out" ]; then
   echo "generate.sh --check: ${out#"$root"/} is missing" >&2
   exit 1
 fi
-rustfmt --edition 2021 --emit stdout < "$out" > "$tmp/committed.rs"
+fmt < "$out" > "$tmp/committed.rs"
 if ! diff -u --label "committed ${out#"$root"/}" --label "regenerated from include/fusedce/fusedce.h" \
     "$tmp/committed.rs" "$tmp/bindings.rs"; then
   echo "generate.sh --check: fusedce-sys bindings are out of date; run bindings/rust/generate.sh" >&2

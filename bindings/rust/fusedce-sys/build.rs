@@ -2,6 +2,7 @@
 //! 1. `FUSEDCE_LIB_DIR`: a directory holding `libfusedce.so` (e.g. the Meson build directory);
 //! 2. `pkg-config --libs fusedce`, run as a command (honours `PKG_CONFIG_PATH`), when pkg-config knows it;
 //! 3. the in-tree Meson build directory, `../../../build` from this crate (`<repo>/build`).
+//!
 //! If none applies, the library is still linked by name (`-lfusedce`) and left to the system linker.
 //! The directory used is exported to dependents as `DEP_FUSEDCE_LIB_DIR` and set as an rpath of this
 //! crate's own tests.
@@ -46,10 +47,7 @@ fn main() {
     if let Ok(dir) = env::var("FUSEDCE_LIB_DIR") {
         let dir = PathBuf::from(dir);
         if !has_lib(&dir) {
-            println!(
-                "cargo:warning=FUSEDCE_LIB_DIR={} holds no libfusedce.so; linking may fail",
-                dir.display()
-            );
+            println!("cargo:warning=FUSEDCE_LIB_DIR={} holds no libfusedce.so; linking may fail", dir.display());
         }
         lib_dir = Some(dir);
     } else if let Some((dirs, libs)) = pkg_config() {

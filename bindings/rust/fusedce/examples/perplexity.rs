@@ -82,9 +82,17 @@ fn main() -> Result<(), Box<dyn Error>> {
         println!("model: {}", m);
     }
     println!("positions: {} of {}, vocabulary {}, hidden {}", n, t_all, v, d);
-    println!("mean next-token loss: {:.6} nats (float64 reference {:.6}; max per-token |diff| {:.2e})", mean, ref_mean, max_diff);
+    println!(
+        "mean next-token loss: {:.6} nats (float64 reference {:.6}; max per-token |diff| {:.2e})",
+        mean, ref_mean, max_diff
+    );
     println!("perplexity: {:.4} (reference {:.4})", mean.exp(), ref_mean.exp());
     println!("top-1 accuracy: {:.4}", top1);
-    println!("read {:.2} s, linear cross-entropy {:.2} s ({:.1} GFLOP/s)", read_s, run_s, 2.0 * (n * d * v) as f64 / run_s / 1e9);
+    println!(
+        "read {:.2} s, linear cross-entropy {:.2} s ({:.1} GFLOP/s)",
+        read_s,
+        run_s,
+        2.0 * (n * d * v) as f64 / run_s / 1e9
+    );
     Ok(())
 }

@@ -145,11 +145,8 @@ impl Error {
     pub(crate) fn from_library(status: Status) -> Error {
         // SAFETY: never NULL; valid until the next libfusedce call on this thread, and copied now.
         let p = unsafe { sys::fce_last_error_message() };
-        let message = if p.is_null() {
-            String::new()
-        } else {
-            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-        };
+        let message =
+            if p.is_null() { String::new() } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
         Error { status, message }
     }
 }

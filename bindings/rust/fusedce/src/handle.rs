@@ -91,7 +91,13 @@ impl Handle {
         check(unsafe { sys::fce_handle_create(d.device_type as i32, d.device_id, &mut raw) })?;
         let raw = NonNull::new(raw)
             .ok_or_else(|| Error::new(Status::INTERNAL_ERROR, "fce_handle_create succeeded but returned NULL"))?;
-        Ok(Handle { raw, stream: ptr::null_mut(), workspace: ptr::null_mut(), workspace_bytes: 0, _not_sync: PhantomData })
+        Ok(Handle {
+            raw,
+            stream: ptr::null_mut(),
+            workspace: ptr::null_mut(),
+            workspace_bytes: 0,
+            _not_sync: PhantomData,
+        })
     }
 
     /// A CPU handle (ops on host memory, rows in parallel on all cores).
@@ -399,9 +405,15 @@ impl Handle {
         // SAFETY: as in ce_fwd.
         let st = unsafe {
             match call {
-                Call::Run => {
-                    sys::fce_logsumexp(self.as_raw(), self.stream, &xd, &o, &mut l, self.workspace, self.workspace_bytes)
-                }
+                Call::Run => sys::fce_logsumexp(
+                    self.as_raw(),
+                    self.stream,
+                    &xd,
+                    &o,
+                    &mut l,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
                 Call::Query(bytes) => sys::fce_logsumexp_workspace_size(self.as_raw(), &xd, &o, &l, bytes),
             }
         };

@@ -6,7 +6,7 @@ use crate::sys;
 use crate::tensor::{TensorMut, TensorRef};
 
 /// How per-row losses are reduced (`fce_reduction_t`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Reduction {
     /// The loss output is `[N]` fp32, one value per row (0 for ignored / masked rows).
     None,
@@ -15,13 +15,8 @@ pub enum Reduction {
     /// The loss output is an fp32 scalar: the sum divided by the number of non-ignored rows (by the
     /// sum of their class weights when class weights are given, as PyTorch); 0 when every row is
     /// ignored. For distillation this is "batchmean" over unmasked rows. The default.
+    #[default]
     Mean,
-}
-
-impl Default for Reduction {
-    fn default() -> Self {
-        Reduction::Mean
-    }
 }
 
 impl Reduction {
@@ -36,21 +31,16 @@ impl Reduction {
 }
 
 /// Divergence of knowledge distillation (`fce_kd_divergence_t`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Divergence {
     /// KL(P_teacher ‖ P_student) (Hinton et al. 2015). The default.
+    #[default]
     ForwardKl,
     /// KL(P_student ‖ P_teacher).
     ReverseKl,
     /// Generalized Jensen–Shannon divergence (GKD, Agarwal et al. 2024): with
     /// M = β·P_t + (1−β)·P_s, β·KL(P_t‖M) + (1−β)·KL(P_s‖M); β from [`KdOptions::beta`].
     Jsd,
-}
-
-impl Default for Divergence {
-    fn default() -> Self {
-        Divergence::ForwardKl
-    }
 }
 
 impl Divergence {
@@ -65,18 +55,13 @@ impl Divergence {
 }
 
 /// How the student side of a top-K teacher is normalized (`fce_kd_topk_norm_t`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum TopkNorm {
     /// Student log-probabilities over the full vocabulary; gradient over the full row. The default.
+    #[default]
     FullVocab,
     /// Student log-probabilities renormalized over the K ids only; gradient zero outside them.
     Renormalize,
-}
-
-impl Default for TopkNorm {
-    fn default() -> Self {
-        TopkNorm::FullVocab
-    }
 }
 
 impl TopkNorm {
@@ -173,7 +158,7 @@ impl<'a> CeOptions<'a> {
 
     /// The C struct, with `class_weights` pointing at `weights` (NULL when None). `weights` must be the
     /// DLTensor of `self.class_weights` and outlive the use of the result.
-    pub(crate) fn to_raw(&self, weights: Option<&sys::DLTensor>) -> sys::fce_ce_options_t {
+    pub(crate) fn to_raw(self, weights: Option<&sys::DLTensor>) -> sys::fce_ce_options_t {
         sys::fce_ce_options_t {
             struct_size: size_of::<sys::fce_ce_options_t>() as u32,
             reduction: self.reduction.to_raw(),
@@ -303,7 +288,7 @@ impl<'a> SoftmaxOptions<'a> {
         self.temperatures = Some(t);
         self
     }
-    pub(crate) fn to_raw(&self, temps: Option<&sys::DLTensor>) -> sys::fce_softmax_options_t {
+    pub(crate) fn to_raw(self, temps: Option<&sys::DLTensor>) -> sys::fce_softmax_options_t {
         sys::fce_softmax_options_t {
             struct_size: size_of::<sys::fce_softmax_options_t>() as u32,
             temperature: self.temperature,

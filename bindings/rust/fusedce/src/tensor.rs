@@ -132,21 +132,14 @@ impl Layout {
 
     /// A host view over `len` elements at `data`; checks that `shape` (and the row stride) stay
     /// inside the slice.
-    fn host(
-        data: *mut c_void,
-        len: usize,
-        dtype: DType,
-        shape: &[usize],
-        row_stride: Option<usize>,
-    ) -> Result<Layout> {
+    fn host(data: *mut c_void, len: usize, dtype: DType, shape: &[usize], row_stride: Option<usize>) -> Result<Layout> {
         if shape.len() > 2 {
             return Err(Error::new(
                 Status::SHAPE_MISMATCH,
                 format!("fusedce (Rust): a tensor has at most 2 dimensions; got shape {:?}", shape),
             ));
         }
-        let overflow =
-            || Error::new(Status::OVERFLOW, format!("fusedce (Rust): shape {:?} overflows", shape));
+        let overflow = || Error::new(Status::OVERFLOW, format!("fusedce (Rust): shape {:?} overflows", shape));
         let mut dims = [0i64; 2];
         for (d, &s) in dims.iter_mut().zip(shape) {
             *d = i64::try_from(s).map_err(|_| overflow())?;
@@ -191,15 +184,7 @@ impl Layout {
                 ),
             ));
         }
-        Ok(Layout {
-            data,
-            dtype,
-            device: Device::Cpu,
-            ndim: shape.len() as i32,
-            shape: dims,
-            strides,
-            byte_offset: 0,
-        })
+        Ok(Layout { data, dtype, device: Device::Cpu, ndim: shape.len() as i32, shape: dims, strides, byte_offset: 0 })
     }
 
     unsafe fn raw(
@@ -307,7 +292,13 @@ impl<'a> TensorRef<'a> {
 
     /// [`TensorRef::from_bits`] with padded rows, as [`TensorRef::strided`].
     pub fn strided_bits(data: &'a [u16], dtype: DType, rows: usize, cols: usize, row_stride: usize) -> Result<Self> {
-        let l = Layout::host(data.as_ptr() as *mut c_void, data.len(), half_dtype(dtype)?, &[rows, cols], Some(row_stride))?;
+        let l = Layout::host(
+            data.as_ptr() as *mut c_void,
+            data.len(),
+            half_dtype(dtype)?,
+            &[rows, cols],
+            Some(row_stride),
+        )?;
         Ok(TensorRef { layout: l, _borrow: PhantomData })
     }
 
@@ -389,8 +380,20 @@ impl<'a> TensorMut<'a> {
     }
 
     /// [`TensorMut::from_bits`] with padded rows, as [`TensorMut::strided`].
-    pub fn strided_bits(data: &'a mut [u16], dtype: DType, rows: usize, cols: usize, row_stride: usize) -> Result<Self> {
-        let l = Layout::host(data.as_mut_ptr() as *mut c_void, data.len(), half_dtype(dtype)?, &[rows, cols], Some(row_stride))?;
+    pub fn strided_bits(
+        data: &'a mut [u16],
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        row_stride: usize,
+    ) -> Result<Self> {
+        let l = Layout::host(
+            data.as_mut_ptr() as *mut c_void,
+            data.len(),
+            half_dtype(dtype)?,
+            &[rows, cols],
+            Some(row_stride),
+        )?;
         Ok(TensorMut { layout: l, _borrow: PhantomData })
     }
 

@@ -90,27 +90,47 @@ fn bad_inputs_return_the_right_status_and_a_message() {
 
     // SHAPE_MISMATCH: targets of length 2 for N = 3.
     expect_err(
-        h.cross_entropy_fwd(&xm, &TensorRef::vector(&t[..2]), &CeOptions::default(), &mut CeOutputs::new(TensorMut::scalar(&mut loss))),
+        h.cross_entropy_fwd(
+            &xm,
+            &TensorRef::vector(&t[..2]),
+            &CeOptions::default(),
+            &mut CeOutputs::new(TensorMut::scalar(&mut loss)),
+        ),
         Status::SHAPE_MISMATCH,
         "targets",
     );
     // INVALID_ARGUMENT: option out of its domain.
     expect_err(
-        h.cross_entropy_fwd(&xm, &TensorRef::vector(&t), &CeOptions::new().label_smoothing(1.5), &mut CeOutputs::new(TensorMut::scalar(&mut loss))),
+        h.cross_entropy_fwd(
+            &xm,
+            &TensorRef::vector(&t),
+            &CeOptions::new().label_smoothing(1.5),
+            &mut CeOutputs::new(TensorMut::scalar(&mut loss)),
+        ),
         Status::INVALID_ARGUMENT,
         "label_smoothing",
     );
     // UNSUPPORTED_DTYPE: float targets.
     let tf = [0f32, 1.0, 2.0];
     expect_err(
-        h.cross_entropy_fwd(&xm, &TensorRef::vector(&tf), &CeOptions::default(), &mut CeOutputs::new(TensorMut::scalar(&mut loss))),
+        h.cross_entropy_fwd(
+            &xm,
+            &TensorRef::vector(&tf),
+            &CeOptions::default(),
+            &mut CeOutputs::new(TensorMut::scalar(&mut loss)),
+        ),
         Status::UNSUPPORTED_DTYPE,
         "targets",
     );
     // SHAPE_MISMATCH: a reduced loss must be a scalar, not [N].
     let mut rows = [0f32; 3];
     expect_err(
-        h.cross_entropy_fwd(&xm, &TensorRef::vector(&t), &CeOptions::default(), &mut CeOutputs::new(TensorMut::vector(&mut rows))),
+        h.cross_entropy_fwd(
+            &xm,
+            &TensorRef::vector(&t),
+            &CeOptions::default(),
+            &mut CeOutputs::new(TensorMut::vector(&mut rows)),
+        ),
         Status::SHAPE_MISMATCH,
         "loss",
     );
@@ -120,7 +140,13 @@ fn bad_inputs_return_the_right_status_and_a_message() {
 
     // INVALID_ARGUMENT: temperature 0 for distillation; a softmax with no output.
     expect_err(
-        h.kd_loss(&xm, &Teacher::Logits(xm), None, &KdOptions::new().temperature(0.0), &mut KdOutputs::new(TensorMut::scalar(&mut loss))),
+        h.kd_loss(
+            &xm,
+            &Teacher::Logits(xm),
+            None,
+            &KdOptions::new().temperature(0.0),
+            &mut KdOutputs::new(TensorMut::scalar(&mut loss)),
+        ),
         Status::INVALID_ARGUMENT,
         "temperature",
     );
@@ -128,30 +154,51 @@ fn bad_inputs_return_the_right_status_and_a_message() {
     // INVALID_ARGUMENT: a linear cross-entropy backward with no gradient requested.
     let lse = [0f32; 3];
     expect_err(
-        h.linear_cross_entropy_bwd(&xm, &xm, None, &TensorRef::vector(&t), &TensorRef::vector(&lse), &CeOptions::default(), &mut LinearCeGrads::new()),
+        h.linear_cross_entropy_bwd(
+            &xm,
+            &xm,
+            None,
+            &TensorRef::vector(&t),
+            &TensorRef::vector(&lse),
+            &CeOptions::default(),
+            &mut LinearCeGrads::new(),
+        ),
         Status::INVALID_ARGUMENT,
         "dhidden",
     );
 
     // UNSUPPORTED_LAYOUT: column-major strides (same memory, so a raw view is sound).
     let cm = unsafe {
-        TensorRef::from_raw_parts(x.as_ptr() as *const c_void, DType::F32, Device::Cpu, &[3, 4], Some(&[1, 3]), 0).unwrap()
+        TensorRef::from_raw_parts(x.as_ptr() as *const c_void, DType::F32, Device::Cpu, &[3, 4], Some(&[1, 3]), 0)
+            .unwrap()
     };
     let mut lse3 = [0f32; 3];
-    expect_err(h.logsumexp(&cm, &LseOptions::default(), &mut TensorMut::vector(&mut lse3)), Status::UNSUPPORTED_LAYOUT, "stride");
+    expect_err(
+        h.logsumexp(&cm, &LseOptions::default(), &mut TensorMut::vector(&mut lse3)),
+        Status::UNSUPPORTED_LAYOUT,
+        "stride",
+    );
 
     // DEVICE_MISMATCH: a tensor that claims to live on a GPU, given to a CPU handle.
     let dev = unsafe {
         TensorRef::from_raw_parts(x.as_ptr() as *const c_void, DType::F32, Device::Cuda(0), &[3, 4], None, 0).unwrap()
     };
-    expect_err(h.logsumexp(&dev, &LseOptions::default(), &mut TensorMut::vector(&mut lse3)), Status::DEVICE_MISMATCH, "device");
+    expect_err(
+        h.logsumexp(&dev, &LseOptions::default(), &mut TensorMut::vector(&mut lse3)),
+        Status::DEVICE_MISMATCH,
+        "device",
+    );
 
     // ALIASING: probabilities and log-probabilities in the same memory (only possible with unsafe).
     let mut out = [0f32; 12];
     let p = out.as_mut_ptr() as *mut c_void;
     let mut a = unsafe { TensorMut::from_raw_parts(p, DType::F32, Device::Cpu, &[3, 4], None, 0).unwrap() };
     let mut b = unsafe { TensorMut::from_raw_parts(p, DType::F32, Device::Cpu, &[3, 4], None, 0).unwrap() };
-    expect_err(h.temp_softmax(&xm, &SoftmaxOptions::default(), Some(&mut a), Some(&mut b)), Status::ALIASING, "overlaps");
+    expect_err(
+        h.temp_softmax(&xm, &SoftmaxOptions::default(), Some(&mut a), Some(&mut b)),
+        Status::ALIASING,
+        "overlaps",
+    );
 
     // A success clears the thread's message.
     h.logsumexp(&xm, &LseOptions::default(), &mut TensorMut::vector(&mut lse3)).unwrap();
@@ -186,15 +233,39 @@ fn option_defaults_mirror_the_init_macros() {
     // FCE_CE_OPTIONS_INIT: MEAN, -100, 0, 0, 0, 1, NULL.
     let o = CeOptions::default();
     assert_eq!(
-        (o.reduction, o.ignore_index, o.label_smoothing, o.z_loss_scale, o.softcap, o.logit_scale, o.class_weights.is_none()),
+        (
+            o.reduction,
+            o.ignore_index,
+            o.label_smoothing,
+            o.z_loss_scale,
+            o.softcap,
+            o.logit_scale,
+            o.class_weights.is_none()
+        ),
         (Reduction::Mean, -100, 0.0, 0.0, 0.0, 1.0, true)
     );
     assert_eq!(Reduction::Mean.to_raw(), fusedce::sys::FCE_REDUCTION_MEAN as i32);
     // FCE_KD_OPTIONS_INIT: FORWARD_KL, 0.5, 1, 0, FULL_VOCAB, MEAN, -100.
     let k = KdOptions::default();
     assert_eq!(
-        (k.divergence.to_raw(), k.beta, k.temperature, k.scale_by_t2, k.topk_norm.to_raw(), k.reduction, k.ignore_index),
-        (fusedce::sys::FCE_KD_FORWARD_KL as i32, 0.5, 1.0, false, fusedce::sys::FCE_KD_TOPK_FULL_VOCAB as i32, Reduction::Mean, -100)
+        (
+            k.divergence.to_raw(),
+            k.beta,
+            k.temperature,
+            k.scale_by_t2,
+            k.topk_norm.to_raw(),
+            k.reduction,
+            k.ignore_index
+        ),
+        (
+            fusedce::sys::FCE_KD_FORWARD_KL as i32,
+            0.5,
+            1.0,
+            false,
+            fusedce::sys::FCE_KD_TOPK_FULL_VOCAB as i32,
+            Reduction::Mean,
+            -100
+        )
     );
     assert_eq!(LseOptions::default().scale, 1.0);
     let s = SoftmaxOptions::default();

@@ -52,7 +52,9 @@ fn cross_entropy_fwd_defaults_all_outputs() {
     assert_close("lse", &widen(&lse), &rows.iter().map(|r| r.lse).collect::<Vec<_>>(), 1e-6, 1e-6);
     assert_close("entropy", &widen(&ent), &rows.iter().map(|r| r.entropy).collect::<Vec<_>>(), 1e-5, 1e-5);
     assert_eq!(am.iter().map(|&a| a as usize).collect::<Vec<_>>(), rows.iter().map(|r| r.argmax).collect::<Vec<_>>());
-    let g = fd_grad(&xd, |y| reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &Red::Mean(1.0), denom));
+    let g = fd_grad(&xd, |y| {
+        reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &Red::Mean(1.0), denom)
+    });
     assert_close("dlogits", &widen(&dx), &g, 1e-6, 1e-4);
     // The ignored row has zero gradient, exactly.
     assert!(dx[2 * v..3 * v].iter().all(|&d| d == 0.0));
@@ -133,7 +135,8 @@ fn cross_entropy_weighted_mean_and_sum() {
         let denom = o.denom(&targets);
         let want = reduce(&rows, &rref, denom) / 0.5;
         assert_close(&format!("{:?} loss", red), &[loss as f64], &[want], 1e-6, 1e-6);
-        let g = fd_grad(&xd, |y| reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &rref, denom));
+        let g =
+            fd_grad(&xd, |y| reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &rref, denom));
         assert_close(&format!("{:?} dlogits", red), &widen(&dx), &g, 1e-6, 1e-4);
     }
 }
@@ -174,7 +177,9 @@ fn cross_entropy_bwd_and_in_place_variants() {
     .unwrap();
     let xd = widen(&x);
     let denom = o.denom(&targets);
-    let g = fd_grad(&xd, |y| reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &Red::Mean(2.0), denom));
+    let g = fd_grad(&xd, |y| {
+        reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &Red::Mean(2.0), denom)
+    });
     assert_close("bwd dlogits", &widen(&dx), &g, 2e-6, 1e-4);
     let g1: Vec<f64> = g.iter().map(|x| x / 2.0).collect();
     assert_close("fused dlogits", &widen(&fused), &g1, 1e-6, 1e-4);
@@ -230,11 +235,18 @@ fn cross_entropy_bf16_and_f16_logits() {
             &TensorRef::from_bits(&xb, dtype, &[n, v]).unwrap(),
             &TensorRef::vector(&targets),
             &CeOptions::new().reduction(Reduction::None),
-            &mut CeOutputs::new(TensorMut::vector(&mut loss)).dlogits(TensorMut::from_bits(&mut dxb, dtype, &[n, v]).unwrap()),
+            &mut CeOutputs::new(TensorMut::vector(&mut loss))
+                .dlogits(TensorMut::from_bits(&mut dxb, dtype, &[n, v]).unwrap()),
         )
         .unwrap();
         let rows = o.rows(&xd, v, &targets);
-        assert_close(&format!("{:?} loss", dtype), &widen(&loss), &rows.iter().map(|r| r.loss).collect::<Vec<_>>(), 1e-5, 1e-5);
+        assert_close(
+            &format!("{:?} loss", dtype),
+            &widen(&loss),
+            &rows.iter().map(|r| r.loss).collect::<Vec<_>>(),
+            1e-5,
+            1e-5,
+        );
         let g = fd_grad(&xd, |y| {
             reduce(&o.rows(y, v, &targets).iter().map(|r| r.loss).collect::<Vec<_>>(), &Red::None(vec![1.0; n]), 0.0)
         });
@@ -295,8 +307,12 @@ fn logsumexp_f32_and_f16() {
 
     let xh: Vec<u16> = x[..3 * v].iter().map(|&a| bits::f32_to_f16(a)).collect();
     let mut lse = vec![0f32; 3];
-    h.logsumexp(&TensorRef::from_bits(&xh, DType::F16, &[3, v]).unwrap(), &LseOptions::default(), &mut TensorMut::vector(&mut lse))
-        .unwrap();
+    h.logsumexp(
+        &TensorRef::from_bits(&xh, DType::F16, &[3, v]).unwrap(),
+        &LseOptions::default(),
+        &mut TensorMut::vector(&mut lse),
+    )
+    .unwrap();
     let want: Vec<f64> = (0..3)
         .map(|i| logsumexp(&xh[i * v..(i + 1) * v].iter().map(|&b| bits::f16_to_f32(b) as f64).collect::<Vec<_>>()))
         .collect();
@@ -341,8 +357,13 @@ fn temp_softmax_temperatures_greedy_and_dtypes() {
     // Per-row temperatures, probabilities only.
     let temps = [0.5f32, 1.0, 3.0];
     let mut p = vec![0f32; n * v];
-    h.temp_softmax(&xm, &SoftmaxOptions::new().temperatures(TensorRef::vector(&temps)), Some(&mut TensorMut::matrix(&mut p, n, v).unwrap()), None)
-        .unwrap();
+    h.temp_softmax(
+        &xm,
+        &SoftmaxOptions::new().temperatures(TensorRef::vector(&temps)),
+        Some(&mut TensorMut::matrix(&mut p, n, v).unwrap()),
+        None,
+    )
+    .unwrap();
     let mut wp = Vec::new();
     for i in 0..n {
         wp.extend(softmax_ref(&widen(&x[i * v..(i + 1) * v]), temps[i] as f64).0);
@@ -407,7 +428,9 @@ fn kd_loss_full_teacher_every_divergence() {
     let t = 2.0f32;
     let sd = widen(&s);
     let h = cpu();
-    for (div, dref) in [(Divergence::ForwardKl, Div::Fkl), (Divergence::ReverseKl, Div::Rkl), (Divergence::Jsd, Div::Jsd(0.3))] {
+    for (div, dref) in
+        [(Divergence::ForwardKl, Div::Fkl), (Divergence::ReverseKl, Div::Rkl), (Divergence::Jsd, Div::Jsd(0.3))]
+    {
         let opts = KdOptions::new().divergence(div).beta(0.3).temperature(t).scale_by_t2(true);
         let mut loss = 0f32;
         let mut ds = vec![0f32; n * v];
@@ -443,7 +466,13 @@ fn kd_loss_full_teacher_every_divergence() {
         )
         .unwrap();
         let want: Vec<f64> = (0..n)
-            .map(|i| if targets[i] == -100 { 0.0 } else { kd_row_full(dref, &sd[i * v..(i + 1) * v], &td[i * v..(i + 1) * v], t as f64) })
+            .map(|i| {
+                if targets[i] == -100 {
+                    0.0
+                } else {
+                    kd_row_full(dref, &sd[i * v..(i + 1) * v], &td[i * v..(i + 1) * v], t as f64)
+                }
+            })
             .collect();
         assert_close(&format!("{:?} per-row loss", div), &widen(&rows), &want, 1e-6, 1e-5);
     }
@@ -466,14 +495,19 @@ fn kd_loss_topk_teacher_both_normalizations() {
     let t = 1.5f64;
     let h = cpu();
     for (norm, renorm) in [(TopkNorm::FullVocab, false), (TopkNorm::Renormalize, true)] {
-        for (div, dref) in [(Divergence::ForwardKl, Div::Fkl), (Divergence::ReverseKl, Div::Rkl), (Divergence::Jsd, Div::Jsd(0.5))] {
+        for (div, dref) in
+            [(Divergence::ForwardKl, Div::Fkl), (Divergence::ReverseKl, Div::Rkl), (Divergence::Jsd, Div::Jsd(0.5))]
+        {
             let opts = KdOptions::new().divergence(div).topk_norm(norm).temperature(t as f32);
             let mut loss = 0f32;
             let mut ds = vec![0f32; n * v];
             let gl = 3f32;
             h.kd_loss(
                 &TensorRef::matrix(&s, n, v).unwrap(),
-                &Teacher::TopK { ids: TensorRef::matrix(&ids, n, k).unwrap(), logprobs: TensorRef::matrix(&lp, n, k).unwrap() },
+                &Teacher::TopK {
+                    ids: TensorRef::matrix(&ids, n, k).unwrap(),
+                    logprobs: TensorRef::matrix(&lp, n, k).unwrap(),
+                },
                 None,
                 &opts,
                 &mut KdOutputs::new(TensorMut::scalar(&mut loss))
@@ -483,7 +517,16 @@ fn kd_loss_topk_teacher_both_normalizations() {
             .unwrap();
             let total = |y: &[f64]| -> f64 {
                 let rows: Vec<f64> = (0..n)
-                    .filter_map(|i| kd_row_topk(dref, &y[i * v..(i + 1) * v], &ids[i * k..(i + 1) * k], &lpd[i * k..(i + 1) * k], t, renorm))
+                    .filter_map(|i| {
+                        kd_row_topk(
+                            dref,
+                            &y[i * v..(i + 1) * v],
+                            &ids[i * k..(i + 1) * k],
+                            &lpd[i * k..(i + 1) * k],
+                            t,
+                            renorm,
+                        )
+                    })
                     .collect();
                 rows.iter().sum::<f64>() / rows.len() as f64
             };
@@ -617,27 +660,44 @@ fn linear_cross_entropy_fwd_bwd_and_workspace() {
     // A caller workspace of the queried size: same results; one too small: WORKSPACE_TOO_SMALL.
     let mut loss_ws = vec![0f32; n];
     let none = CeOptions::new().reduction(Reduction::None);
-    let mut outs = LinearCeOutputs::new(TensorMut::vector(&mut loss_ws));
-    let bytes = h.linear_cross_entropy_fwd_workspace_size(&hm, &wm, Some(&bv), &tv, &none, &mut outs).unwrap();
-    assert!(bytes > 0);
-    let mut buf = vec![0u8; bytes + 256];
-    let off = buf.as_ptr().align_offset(256);
+    let mut buf;
+    let off;
     let mut h2 = cpu();
-    unsafe { h2.set_workspace(buf.as_mut_ptr().add(off) as *mut std::ffi::c_void, bytes) };
-    h2.linear_cross_entropy_fwd(&hm, &wm, Some(&bv), &tv, &none, &mut outs).unwrap();
-    drop(outs);
+    {
+        let mut outs = LinearCeOutputs::new(TensorMut::vector(&mut loss_ws));
+        let bytes = h.linear_cross_entropy_fwd_workspace_size(&hm, &wm, Some(&bv), &tv, &none, &mut outs).unwrap();
+        assert!(bytes > 0);
+        buf = vec![0u8; bytes + 256];
+        off = buf.as_ptr().align_offset(256);
+        unsafe { h2.set_workspace(buf.as_mut_ptr().add(off) as *mut std::ffi::c_void, bytes) };
+        h2.linear_cross_entropy_fwd(&hm, &wm, Some(&bv), &tv, &none, &mut outs).unwrap();
+    }
     let plain = CeRef::default().rows(&p.logits(&hd, &wd, &bd), v, &p.targets);
     let want: Vec<f64> = plain.iter().map(|r| r.loss).collect();
     assert_close("loss with a caller workspace", &widen(&loss_ws), &want, 1e-6, 1e-5);
     unsafe { h2.set_workspace(buf.as_mut_ptr().add(off) as *mut std::ffi::c_void, 128) };
     let e = h2
-        .linear_cross_entropy_fwd(&hm, &wm, Some(&bv), &tv, &none, &mut LinearCeOutputs::new(TensorMut::vector(&mut loss_ws)))
+        .linear_cross_entropy_fwd(
+            &hm,
+            &wm,
+            Some(&bv),
+            &tv,
+            &none,
+            &mut LinearCeOutputs::new(TensorMut::vector(&mut loss_ws)),
+        )
         .unwrap_err();
     assert_eq!(e.status(), Status::WORKSPACE_TOO_SMALL, "{}", e);
     assert!(!e.message().is_empty());
     h2.clear_workspace();
-    h2.linear_cross_entropy_fwd(&hm, &wm, Some(&bv), &tv, &none, &mut LinearCeOutputs::new(TensorMut::vector(&mut loss_ws)))
-        .unwrap();
+    h2.linear_cross_entropy_fwd(
+        &hm,
+        &wm,
+        Some(&bv),
+        &tv,
+        &none,
+        &mut LinearCeOutputs::new(TensorMut::vector(&mut loss_ws)),
+    )
+    .unwrap();
 }
 
 #[test]
@@ -656,12 +716,21 @@ fn linear_cross_entropy_bf16_weights() {
         None,
         &TensorRef::vector(&targets),
         &CeOptions::new().reduction(Reduction::None),
-        &mut LinearCeOutputs::new(TensorMut::vector(&mut loss)).dhidden(TensorMut::from_bits(&mut dhb, DType::BF16, &[n, hdim]).unwrap()),
+        &mut LinearCeOutputs::new(TensorMut::vector(&mut loss))
+            .dhidden(TensorMut::from_bits(&mut dhb, DType::BF16, &[n, hdim]).unwrap()),
     )
     .unwrap();
     let hd: Vec<f64> = hb.iter().map(|&b| bits::bf16_to_f32(b) as f64).collect();
     let wd: Vec<f64> = wb.iter().map(|&b| bits::bf16_to_f32(b) as f64).collect();
-    let p = Lce { n, hdim, v, hidden: vec![], weight: vec![], bias: vec![], targets: targets.iter().map(|&t| t as i64).collect() };
+    let p = Lce {
+        n,
+        hdim,
+        v,
+        hidden: vec![],
+        weight: vec![],
+        bias: vec![],
+        targets: targets.iter().map(|&t| t as i64).collect(),
+    };
     let o = CeRef::default();
     let zero = vec![0.0; v];
     let rows: Vec<f64> = o.rows(&p.logits(&hd, &wd, &zero), v, &p.targets).iter().map(|r| r.loss).collect();

@@ -79,5 +79,8 @@ fn sample_perplexity() {
     }
     let ref_mean512 = ref_loss[..m].iter().sum::<f64>() / m as f64;
     assert!((mean as f64 - ref_mean512).abs() < 1e-4, "mean of {} rows {} vs {}", m, mean, ref_mean512);
-    eprintln!("sample perplexity {:.4} (reference {:.4}); max |loss diff| {:.2e}, max |lse diff| {:.2e}", ppl, ref_ppl, max_loss, max_lse);
+    eprintln!(
+        "sample perplexity {:.4} (reference {:.4}); max |loss diff| {:.2e}, max |lse diff| {:.2e}",
+        ppl, ref_ppl, max_loss, max_lse
+    );
 }

@@ -225,10 +225,7 @@ pub fn kd_row_topk(div: Div, s: &[f64], ids: &[i64], lp: &[f64], t: f64, renorm:
     let zt: Vec<f64> = used.iter().map(|&k| lp[k] / t).collect();
     let lt = logsumexp(&zt);
     let zs: Vec<f64> = s.iter().map(|&x| x / t).collect();
-    let ls = if renorm {
-        logsumexp(&used.iter().map(|&k| zs[ids[k] as usize]).collect::<Vec<_>>())
-    } else {
-        logsumexp(&zs)
-    };
+    let ls =
+        if renorm { logsumexp(&used.iter().map(|&k| zs[ids[k] as usize]).collect::<Vec<_>>()) } else { logsumexp(&zs) };
     Some(used.iter().enumerate().map(|(u, &k)| kd_term(div, zt[u] - lt, zs[ids[k] as usize] - ls)).sum())
 }

@@ -287,8 +287,12 @@ impl SafeTensors {
                 }
                 continue;
             }
-            let dtype = v.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| ReadError(format!("{}: no dtype", name)))?;
-            let shape = v.get("shape").and_then(|s| s.as_usize_vec()).ok_or_else(|| ReadError(format!("{}: no shape", name)))?;
+            let dtype =
+                v.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| ReadError(format!("{}: no dtype", name)))?;
+            let shape = v
+                .get("shape")
+                .and_then(|s| s.as_usize_vec())
+                .ok_or_else(|| ReadError(format!("{}: no shape", name)))?;
             let off = v
                 .get("data_offsets")
                 .and_then(|s| s.as_usize_vec())
@@ -297,7 +301,13 @@ impl SafeTensors {
             let es = elem_size(dtype).ok_or_else(|| ReadError(format!("{}: unknown dtype {}", name, dtype)))?;
             let count = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
             if count.and_then(|c| c.checked_mul(es)) != Some(off[1] - off[0]) {
-                return err(format!("{}: byte span {} does not match shape {:?} of {}", name, off[1] - off[0], shape, dtype));
+                return err(format!(
+                    "{}: byte span {} does not match shape {:?} of {}",
+                    name,
+                    off[1] - off[0],
+                    shape,
+                    dtype
+                ));
             }
             if data_start + off[1] > bytes.len() {
                 return err(format!("{}: data past the end of the file", name));
