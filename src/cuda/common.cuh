@@ -104,14 +104,23 @@ __device__ __forceinline__ void row_visit(const T* __restrict__ row, int64_t beg
   }
 }
 
-// Like row_visit, but f rewrites v in place and the result is stored to out[begin, end) as type O.
-// `in` and `out` may be the same memory (in-place).
+template <int kBytes> struct VecOf;
+template <> struct VecOf<16> { using type = uint4; };
+template <> struct VecOf<8> { using type = uint2; };
+template <> struct VecOf<4> { using type = unsigned; };
+
+// Like row_visit, but f rewrites v in place and the result is stored to out[begin, end) as type O
+// (kVec<T> values of O per vector, so fp32 in / bf16 out stores 8 bytes). `in` and `out` may be the same
+// memory when T == O (in-place). Vector stores need `out` at the same alignment phase as `in`; otherwise
+// the whole range goes the scalar way.
 template <class T, class O, int kUnroll = 2, class F>
 __device__ __forceinline__ void row_map(const T* in, O* out, int64_t begin, int64_t end, F&& f) {
   constexpr int K = kVec<T>;
-  const bool same_width = sizeof(T) == sizeof(O);
-  const int64_t head = same_width ? unaligned_head(in, out + begin, begin, end) : end - begin;
-  // Scalar part (head, or everything when the output cannot be vectorized alongside the input).
+  constexpr int kOutBytes = K * int(sizeof(O));
+  using OV = typename VecOf<kOutBytes>::type;
+  int64_t head = unaligned_head(in, nullptr, begin, end);
+  const uintptr_t oa = reinterpret_cast<uintptr_t>(out + begin + head);
+  if (oa % kOutBytes) head = end - begin;
   for (int64_t j = begin + threadIdx.x; j < begin + head; j += blockDim.x) {
     float v[K];
     v[0] = to_float(in[j]);
@@ -120,7 +129,7 @@ __device__ __forceinline__ void row_map(const T* in, O* out, int64_t begin, int6
   }
   const int64_t vb = begin + head, nvec = (end - vb) / K;
   const uint4* vp = reinterpret_cast<const uint4*>(in + vb);
-  uint4* op = reinterpret_cast<uint4*>(out + vb);
+  OV* op = reinterpret_cast<OV*>(out + vb);
   for (int64_t base = threadIdx.x; base < nvec; base += int64_t(kUnroll) * blockDim.x) {
     uint4 raw[kUnroll];
 #pragma unroll
@@ -135,7 +144,11 @@ __device__ __forceinline__ void row_map(const T* in, O* out, int64_t begin, int6
         float v[K];
         unpack<T>(raw[u], v);
         f(v, vb + i * K, K);
-        op[i] = pack<T>(v);
+        OV o;
+        O* e = reinterpret_cast<O*>(&o);
+#pragma unroll
+        for (int k = 0; k < K; ++k) e[k] = from_float<O>(v[k]);
+        op[i] = o;
       }
     }
   }

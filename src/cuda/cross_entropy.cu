@@ -6,7 +6,10 @@
 // partial kernel writes per-split statistics, a merge kernel combines them in a fixed order, and a
 // gradient kernel writes each split's slice. Reductions over rows go through a single-block finalize
 // kernel in a fixed order: no float atomics, bitwise repeatable, no host sync.
+#include "cuda/ce_internal.hpp"
 #include "cuda/common.cuh"
+
+#include <type_traits>
 
 namespace fce::cuda {
 namespace {
@@ -207,17 +210,17 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
   return lse;
 }
 
-// dlogits for row slice [begin, end), formed in fp32 and rounded once.
-template <class T>
+// dlogits for row slice [begin, end), formed in fp32 and rounded once to O.
+template <class T, class O>
 __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_t end, float lse) {
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
-  T* dx = static_cast<T*>(p.dx) + row * p.ldd;
+  O* dx = static_cast<O*>(p.dx) + row * p.ldd;
   const int64_t t = load_index(p.targets, p.t64, row);
   const float g = row_grad_scale(p, row);
   const LogitTransform tf(p.scale, p.softcap);
   if (t == p.ignore_index || g == 0.f || t < 0 || t >= p.V) {
     const float fill = (t == p.ignore_index || g == 0.f) ? 0.f : NAN;
-    row_map<T, T>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t, int n) {
+    row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t, int n) {
 #pragma unroll
       for (int k = 0; k < kVec<T>; ++k) v[k] = fill;
     });
@@ -225,7 +228,7 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
   }
   const float W = p.weights ? float(p.prep[1]) : float(p.V);
   const CeGrad grad(g, p.eps, p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse);
-  row_map<T, T>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
+  row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
 #pragma unroll
     for (int k = 0; k < kVec<T>; ++k) {
       if (k < n) {
@@ -238,7 +241,7 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
 }
 
 // One block per row: statistics, outputs, and the gradient.
-template <class T>
+template <class T, class O>
 __global__ void __launch_bounds__(kRowThreads) row_kernel(CeParams p) {
   __shared__ float s_lse;
   const int64_t row = blockIdx.x;
@@ -247,7 +250,7 @@ __global__ void __launch_bounds__(kRowThreads) row_kernel(CeParams p) {
   if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a);
   if (!p.dx) return;
   __syncthreads();
-  write_grad<T>(p, row, 0, p.V, s_lse);
+  write_grad<T, O>(p, row, 0, p.V, s_lse);
 }
 
 // Split rows, phase 1: statistics of split blockIdx.x of row blockIdx.y.
@@ -273,12 +276,12 @@ __global__ void merge_kernel(CeParams p) {
 }
 
 // Split rows (and the backward), phase 3: gradient of split blockIdx.x of row blockIdx.y.
-template <class T>
+template <class T, class O>
 __global__ void __launch_bounds__(kRowThreads) grad_kernel(CeParams p) {
   const int64_t row = blockIdx.y;
   int64_t b, e;
   split_range(p.V, p.splits, blockIdx.x, &b, &e);
-  write_grad<T>(p, row, b, e, p.saved_lse ? p.saved_lse[row] : p.row_lse[row]);
+  write_grad<T, O>(p, row, b, e, p.saved_lse ? p.saved_lse[row] : p.row_lse[row]);
 }
 
 struct SumD {
@@ -291,7 +294,7 @@ struct SumD {
 
 // Mean denominator (sum of w[t] over non-ignored rows; an out-of-range target counts 1) and the sum of
 // class weights, in a fixed order.
-__global__ void __launch_bounds__(1024) prep_kernel(CeParams p, double* prep) {
+__global__ void __launch_bounds__(1024) prep_kernel(CeParams p, double* prep) {  // uses targets, weights, N, V
   double den = 0, W = 0;
   for (int64_t i = threadIdx.x; i < p.N; i += blockDim.x) {
     const int64_t t = load_index(p.targets, p.t64, i);
@@ -327,110 +330,185 @@ __global__ void __launch_bounds__(1024) finalize_kernel(CeParams p, float* loss,
   }
 }
 
-// Workspace of one call; pointers are null when `base` is null (size query).
-struct CeWorkspace {
-  double* prep;
+// Calls body(T{}, O{}) for the (logits, dlogits) type pairs in use: O == T, or fp32 logits (linear CE).
+template <class F>
+void dispatch_pair(DType in, DType out, F&& body) {
+  dispatch_float(in, [&](auto ti) {
+    using T = decltype(ti);
+    if (in == out) return body(ti, ti);
+    if constexpr (std::is_same<T, float>::value) {
+      dispatch_float(out, [&](auto to) { body(ti, to); });
+    } else {
+      raise(FCE_STATUS_INTERNAL_ERROR, "unsupported logits/dlogits dtype pair");
+    }
+  });
+}
+
+CeParams params_of(const CeRows& r) {
+  CeParams k{};
+  k.x = r.x;
+  k.ld = r.ld;
+  k.N = r.N;
+  k.V = r.V;
+  k.scale = r.o->logit_scale;
+  k.softcap = r.o->softcap;
+  k.full = true;
+  k.targets = r.targets;
+  k.t64 = r.t64;
+  k.ignore_index = r.o->ignore_index;
+  k.eps = r.o->label_smoothing;
+  k.zq = r.o->z_loss_scale;
+  k.inv_v = 1.f / float(r.V);
+  k.weights = r.o->class_weights ? reinterpret_cast<const float*>(r.o->class_weights.data) : nullptr;
+  k.reduction = r.o->reduction;
+  k.prep = r.prep;
+  k.loss_rows = r.loss_rows;
+  k.zl_rows = r.zl_rows;
+  k.lse = r.lse;
+  k.entropy = r.entropy;
+  k.argmax = r.argmax;
+  k.a64 = r.a64;
+  k.dx = r.dx;
+  k.ldd = r.ldd;
+  k.grad_loss = r.grad_loss;
+  k.grad_scalar = r.grad_scalar;
+  k.saved_lse = r.saved_lse;
+  return k;
+}
+
+// Split-row scratch: per-split partial statistics, and the merged lse for the gradient kernel.
+struct RowsScratch {
   CeAcc* partial;
-  float *row_lse, *row_loss, *row_zl;
+  float* row_lse;
   size_t bytes;
-  CeWorkspace(void* base, int64_t N, int splits, bool need_prep, bool reduced, bool grad_split) {
+  RowsScratch(void* base, int64_t N, int splits, bool grad) {
     Carver c(base);
-    prep = need_prep ? c.take<double>(2) : nullptr;
     partial = splits > 1 ? c.take<CeAcc>(size_t(N) * size_t(splits)) : nullptr;
-    row_lse = grad_split ? c.take<float>(size_t(N)) : nullptr;
-    row_loss = reduced ? c.take<float>(size_t(N)) : nullptr;
-    row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
+    row_lse = splits > 1 && grad ? c.take<float>(size_t(N)) : nullptr;
     bytes = c.used;
   }
 };
 
-bool needs_prep(const CeProblem& p) {
-  return p.o.reduction == FCE_REDUCTION_MEAN || (p.o.class_weights && p.o.label_smoothing > 0.f);
+}  // namespace
+
+bool ce_needs_prep(const CeOpts& o) {
+  return o.reduction == FCE_REDUCTION_MEAN || (o.class_weights && o.label_smoothing > 0.f);
 }
 
-int ce_splits(fce_handle* h, const CeProblem& p) {
-  // The backward is one pass that writes: split it like the forward so few rows still fill the GPU.
-  return split_count(h, p.logits.rows, p.logits.cols);
+void ce_prep(cudaStream_t s, const CeOpts& o, const void* targets, bool t64, int64_t N, int64_t V, double* prep) {
+  CeParams k{};
+  k.targets = targets;
+  k.t64 = t64;
+  k.N = N;
+  k.V = V;
+  k.ignore_index = o.ignore_index;
+  k.weights = o.class_weights ? reinterpret_cast<const float*>(o.class_weights.data) : nullptr;
+  prep_kernel<<<1, 1024, 0, s>>>(k, prep);
+  check_launch("cross-entropy prep kernel");
 }
 
-CeWorkspace ce_layout(fce_handle* h, const CeProblem& p, void* base) {
-  const int splits = ce_splits(h, p);
-  const bool reduced = !p.backward() && p.o.reduction != FCE_REDUCTION_NONE;
-  const bool grad_split = splits > 1 && p.dlogits && !p.backward();
-  return CeWorkspace(base, p.logits.rows, p.backward() ? 1 : splits, needs_prep(p), reduced, grad_split);
+void ce_finalize(cudaStream_t s, const float* loss_rows, const float* zl_rows, int64_t N, int reduction,
+                 const double* prep, float* loss, float* zloss) {
+  CeParams k{};
+  k.N = N;
+  k.loss_rows = const_cast<float*>(loss_rows);
+  k.zl_rows = const_cast<float*>(zl_rows);
+  k.reduction = reduction;
+  k.prep = prep;
+  finalize_kernel<<<1, 1024, 0, s>>>(k, loss, zloss);
+  check_launch("cross-entropy finalize kernel");
 }
+
+size_t ce_rows_workspace(fce_handle* h, int64_t N, int64_t V, bool grad, bool backward) {
+  return backward ? 0 : RowsScratch(nullptr, N, split_count(h, N, V), grad).bytes;
+}
+
+void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
+  const int splits = split_count(h, r.N, r.V);
+  const bool grad = r.dx != nullptr;
+  CeParams k = params_of(r);
+  k.splits = splits;
+  const unsigned N = unsigned(r.N);
+  dispatch_pair(r.xt, grad ? r.dxt : r.xt, [&](auto ti, auto to) {
+    using T = decltype(ti);
+    using O = decltype(to);
+    if (r.saved_lse) {
+      grad_kernel<T, O><<<dim3(unsigned(splits), N), kRowThreads, 0, s>>>(k);
+    } else if (splits == 1) {
+      row_kernel<T, O><<<N, kRowThreads, 0, s>>>(k);
+    } else {
+      const RowsScratch scratch(ws, r.N, splits, grad);
+      k.partial = scratch.partial;
+      k.row_lse = scratch.row_lse;
+      partial_kernel<T><<<dim3(unsigned(splits), N), kRowThreads, 0, s>>>(k);
+      merge_kernel<T><<<(N + 127) / 128, 128, 0, s>>>(k);
+      if (grad) grad_kernel<T, O><<<dim3(unsigned(splits), N), kRowThreads, 0, s>>>(k);
+    }
+  });
+  check_launch("cross-entropy kernels");
+}
+
+namespace {
+
+// Workspace of a cross-entropy call: prep, reduced row losses, then the rows' scratch.
+struct CeCallWorkspace {
+  double* prep;
+  float *row_loss, *row_zl;
+  void* rows;
+  size_t bytes;
+  CeCallWorkspace(fce_handle* h, const CeProblem& p, void* base) {
+    Carver c(base);
+    const bool reduced = !p.backward() && p.o.reduction != FCE_REDUCTION_NONE;
+    prep = ce_needs_prep(p.o) ? c.take<double>(2) : nullptr;
+    row_loss = reduced ? c.take<float>(size_t(p.logits.rows)) : nullptr;
+    row_zl = reduced ? c.take<float>(size_t(p.logits.rows)) : nullptr;
+    const size_t rb = ce_rows_workspace(h, p.logits.rows, p.logits.cols, static_cast<bool>(p.dlogits), p.backward());
+    rows = c.take<char>(rb);
+    bytes = c.used;
+  }
+};
 
 }  // namespace
 
-size_t ce_workspace(fce_handle* h, const CeProblem& p) { return ce_layout(h, p, nullptr).bytes; }
+size_t ce_workspace(fce_handle* h, const CeProblem& p) { return CeCallWorkspace(h, p, nullptr).bytes; }
 
 void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
   DeviceGuard guard(h->device_id);
   const cudaStream_t s = stream_of(stream);
-  const int64_t N = p.logits.rows, V = p.logits.cols;
-  const int splits = ce_splits(h, p);
-  const CeWorkspace ws = ce_layout(h, p, w.ptr);
+  const CeCallWorkspace ws(h, p, w.ptr);
   const bool none = p.o.reduction == FCE_REDUCTION_NONE;
-
-  CeParams k{};
-  k.x = p.logits.data;
-  k.ld = p.logits.ld;
-  k.N = N;
-  k.V = V;
-  k.scale = p.o.logit_scale;
-  k.softcap = p.o.softcap;
-  k.full = true;
-  k.targets = p.targets.data;
-  k.t64 = p.targets.dtype == DType::I64;
-  k.ignore_index = p.o.ignore_index;
-  k.eps = p.o.label_smoothing;
-  k.zq = p.o.z_loss_scale;
-  k.inv_v = 1.f / float(V);
-  k.weights = p.o.class_weights ? reinterpret_cast<const float*>(p.o.class_weights.data) : nullptr;
-  k.reduction = p.o.reduction;
-  k.prep = ws.prep;
-  k.loss_rows = none ? reinterpret_cast<float*>(p.loss.data) : ws.row_loss;
-  k.zl_rows = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr) : ws.row_zl;
-  k.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) : nullptr;
-  k.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) : nullptr;
-  k.argmax = p.argmax ? p.argmax.data : nullptr;
-  k.a64 = p.argmax && p.argmax.dtype == DType::I64;
-  k.dx = p.dlogits ? p.dlogits.data : nullptr;
-  k.ldd = p.dlogits ? p.dlogits.ld : 0;
-  k.grad_loss = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) : nullptr;
-  k.grad_scalar = p.grad_loss && p.grad_loss.scalar;
-  k.splits = splits;
-  k.partial = ws.partial;
-  k.row_lse = ws.row_lse;
-  k.saved_lse = p.backward() ? reinterpret_cast<const float*>(p.saved_lse.data) : nullptr;
-
-  if (ws.prep) {
-    prep_kernel<<<1, 1024, 0, s>>>(k, ws.prep);
-    check_launch("cross-entropy prep kernel");
-  }
-  dispatch_float(p.logits.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    if (p.backward()) {
-      grad_kernel<T><<<dim3(unsigned(splits), unsigned(N)), kRowThreads, 0, s>>>(k);
-    } else if (splits == 1) {
-      row_kernel<T><<<unsigned(N), kRowThreads, 0, s>>>(k);
-    } else {
-      partial_kernel<T><<<dim3(unsigned(splits), unsigned(N)), kRowThreads, 0, s>>>(k);
-      merge_kernel<T><<<unsigned((N + 127) / 128), 128, 0, s>>>(k);
-      if (k.dx) grad_kernel<T><<<dim3(unsigned(splits), unsigned(N)), kRowThreads, 0, s>>>(k);
-    }
-  });
-  check_launch("cross-entropy kernels");
-  if (!p.backward() && !none) {
-    finalize_kernel<<<1, 1024, 0, s>>>(k, reinterpret_cast<float*>(p.loss.data),
-                                       p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);
-    check_launch("cross-entropy finalize kernel");
-  }
+  const bool t64 = p.targets.dtype == DType::I64;
+  if (ws.prep) ce_prep(s, p.o, p.targets.data, t64, p.logits.rows, p.logits.cols, ws.prep);
+  CeRows r{};
+  r.x = p.logits.data;
+  r.xt = p.logits.dtype;
+  r.ld = p.logits.ld;
+  r.N = p.logits.rows;
+  r.V = p.logits.cols;
+  r.targets = p.targets.data;
+  r.t64 = t64;
+  r.o = &p.o;
+  r.prep = ws.prep;
+  r.loss_rows = none ? reinterpret_cast<float*>(p.loss.data) : ws.row_loss;
+  r.zl_rows = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr) : ws.row_zl;
+  r.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) : nullptr;
+  r.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) : nullptr;
+  r.argmax = p.argmax ? p.argmax.data : nullptr;
+  r.a64 = p.argmax && p.argmax.dtype == DType::I64;
+  r.dx = p.dlogits ? p.dlogits.data : nullptr;
+  r.dxt = p.dlogits ? p.dlogits.dtype : p.logits.dtype;
+  r.ldd = p.dlogits ? p.dlogits.ld : 0;
+  r.grad_loss = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) : nullptr;
+  r.grad_scalar = p.grad_loss && p.grad_loss.scalar;
+  r.saved_lse = p.backward() ? reinterpret_cast<const float*>(p.saved_lse.data) : nullptr;
+  ce_rows(h, s, r, ws.rows);
+  if (!p.backward() && !none)
+    ce_finalize(s, ws.row_loss, ws.row_zl, p.logits.rows, p.o.reduction, ws.prep, reinterpret_cast<float*>(p.loss.data),
+                p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);
 }
 
 size_t lse_workspace(fce_handle* h, const LseProblem& p) {
-  const int splits = split_count(h, p.x.rows, p.x.cols);
-  return CeWorkspace(nullptr, p.x.rows, splits, false, false, false).bytes;
+  return RowsScratch(nullptr, p.x.rows, split_count(h, p.x.rows, p.x.cols), false).bytes;
 }
 
 void lse(fce_handle* h, fce_stream_t stream, const LseProblem& p, Workspace w) {
@@ -438,7 +516,7 @@ void lse(fce_handle* h, fce_stream_t stream, const LseProblem& p, Workspace w) {
   const cudaStream_t s = stream_of(stream);
   const int64_t N = p.x.rows;
   const int splits = split_count(h, N, p.x.cols);
-  const CeWorkspace ws(w.ptr, N, splits, false, false, false);
+  const RowsScratch ws(w.ptr, N, splits, false);
   CeParams k{};
   k.x = p.x.data;
   k.ld = p.x.ld;
@@ -452,7 +530,7 @@ void lse(fce_handle* h, fce_stream_t stream, const LseProblem& p, Workspace w) {
   dispatch_float(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (splits == 1) {
-      row_kernel<T><<<unsigned(N), kRowThreads, 0, s>>>(k);
+      row_kernel<T, T><<<unsigned(N), kRowThreads, 0, s>>>(k);
     } else {
       partial_kernel<T><<<dim3(unsigned(splits), unsigned(N)), kRowThreads, 0, s>>>(k);
       merge_kernel<T><<<unsigned((N + 127) / 128), 128, 0, s>>>(k);

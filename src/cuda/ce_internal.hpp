@@ -1,0 +1,41 @@
+// Cross-entropy over a block of rows, as a host-side building block shared by the cross-entropy op and
+// linear cross-entropy (which feeds it fp32 logits chunks and takes dlogits in the GEMM dtype).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "common/handle.hpp"
+#include "common/ops.hpp"
+
+namespace fce::cuda {
+
+struct CeRows {
+  const void* x;  // logits [N, V] with row stride ld, of dtype xt
+  DType xt;
+  int64_t ld, N, V;
+  const void* targets;  // [N]
+  bool t64;
+  const CeOpts* o;
+  const double* prep;  // from ce_prep when ce_needs_prep, else null
+  float *loss_rows, *zl_rows, *lse, *entropy;  // per-row outputs ([N]); zl_rows, lse, entropy optional
+  void* argmax;                                // optional [N]
+  bool a64;
+  void* dx;  // optional dlogits [N, V] with row stride ldd, of dtype dxt
+  DType dxt;
+  int64_t ldd;
+  const float* grad_loss;  // optional: scalar, or [N] (already offset to this block)
+  bool grad_scalar;
+  const float* saved_lse;  // backward only: [N]
+};
+
+// Mean denominator and class-weight sum (written to prep[0], prep[1]) are needed for MEAN, or for label
+// smoothing with class weights.
+bool ce_needs_prep(const CeOpts& o);
+void ce_prep(cudaStream_t s, const CeOpts& o, const void* targets, bool t64, int64_t N, int64_t V, double* prep);
+// Scratch bytes ce_rows needs for N rows (split rows only).
+size_t ce_rows_workspace(fce_handle* h, int64_t N, int64_t V, bool grad, bool backward);
+void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws);
+// SUM or MEAN of row losses into the scalars loss (and zloss when not null), in a fixed order.
+void ce_finalize(cudaStream_t s, const float* loss_rows, const float* zl_rows, int64_t N, int reduction,
+                 const double* prep, float* loss, float* zloss);
+
+}  // namespace fce::cuda
