@@ -1,5 +1,6 @@
 // CUDA device management for handles: discovery, properties, workspace memory.
 #include "common/handle.hpp"
+#include "cuda/blas.hpp"
 #include "cuda/cuda_util.hpp"
 
 namespace fce::cuda {
@@ -20,7 +21,10 @@ void create_device(fce_handle* h, int device_id) {
         "cudaDeviceGetAttribute");
 }
 
-void destroy_device(fce_handle*) {}
+void destroy_device(fce_handle* h) {
+  DeviceGuard g(h->device_id);
+  cublas_release(h);
+}
 
 void* device_alloc(fce_handle* h, size_t bytes) {
   DeviceGuard g(h->device_id);

@@ -1,0 +1,221 @@
+// CUDA linear cross-entropy: token chunks. For each chunk a cuBLAS GEMM writes the chunk's logits in fp32
+// into the workspace, the cross-entropy rows kernel turns them into losses and dlogits (in the GEMM dtype,
+// formed in fp32 and rounded once), then GEMMs write the chunk's dhidden and add its dweight into an fp32
+// accumulator. 6*N*H*V flops with gradients, 2*N*H*V without; no [N,V] tensor ever exists.
+#include <algorithm>
+
+#include "cuda/blas.hpp"
+#include "cuda/ce_internal.hpp"
+#include "cuda/common.cuh"
+
+namespace fce::cuda {
+namespace {
+
+constexpr size_t kDefaultChunkBytes = size_t(512) << 20;  // per the memory budget of the chunk buffers
+
+cudaDataType cuda_type(DType t) {
+  switch (t) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    default: raise(FCE_STATUS_INTERNAL_ERROR, "not a float dtype");
+  }
+}
+
+int64_t padded(int64_t V) { return (V + 63) / 64 * 64; }  // 256-byte aligned fp32 rows
+
+// Workspace: fixed part (prep, row losses, fp32 accumulators) then per-chunk buffers.
+struct LceLayout {
+  double* prep = nullptr;
+  float *row_loss = nullptr, *row_zl = nullptr, *dw_acc = nullptr, *db_acc = nullptr;
+  float* logits = nullptr;
+  void* dl = nullptr;  // dlogits in the GEMM dtype (the logits buffer itself for fp32)
+  void* rows = nullptr;
+  size_t fixed = 0, per_row = 0, total = 0;
+  int64_t C = 0;
+
+  LceLayout(fce_handle* h, const LinearCeProblem& p, void* base, size_t bytes_or_zero, bool minimum) {
+    const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows, ldl = padded(V);
+    const bool grad = p.wants_grad(), reduced = !p.saved_lse && p.o.reduction != FCE_REDUCTION_NONE;
+    const bool separate_dl = grad && p.hidden.dtype != DType::F32;
+    per_row = size_t(ldl) * 4 + (separate_dl ? size_t(ldl) * dtype_size(p.hidden.dtype) : 0);
+    // Fixed part, measured with a dry carve.
+    auto carve = [&](void* at, int64_t C_) {
+      Carver c(at);
+      prep = ce_needs_prep(p.o) ? c.take<double>(2) : nullptr;
+      row_loss = reduced ? c.take<float>(size_t(N)) : nullptr;
+      row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
+      dw_acc = (p.dweight && p.dweight.dtype != DType::F32) ? c.take<float>(size_t(V) * size_t(H)) : nullptr;
+      db_acc = p.dbias ? c.take<float>(size_t(V)) : nullptr;
+      rows = c.take<char>(ce_rows_workspace(h, std::max<int64_t>(C_, 1), V, grad, static_cast<bool>(p.saved_lse)));
+      logits = c.take<float>(size_t(C_) * size_t(ldl));
+      dl = separate_dl ? static_cast<void*>(c.take<char>(size_t(C_) * size_t(ldl) * dtype_size(p.hidden.dtype)))
+                       : static_cast<void*>(logits);
+      return c.used;
+    };
+    fixed = carve(nullptr, 0);
+    if (minimum) {
+      C = 1;
+    } else if (bytes_or_zero) {
+      C = bytes_or_zero > fixed ? int64_t((bytes_or_zero - fixed) / per_row) : 0;
+      C = std::min(C, N);
+      FCE_CHECK(C >= 1, FCE_STATUS_WORKSPACE_TOO_SMALL, "workspace of %zu bytes holds no token chunk (%zu needed)",
+                bytes_or_zero, fixed + per_row);
+    } else {
+      C = std::max<int64_t>(1, std::min<int64_t>(N, int64_t(kDefaultChunkBytes / per_row)));
+      if (C >= 256) C = C / 128 * 128;
+    }
+    // The split-row scratch depends on C: shrink C until the final carve fits a caller's workspace.
+    while (bytes_or_zero && C > 1 && carve(nullptr, C) > bytes_or_zero) --C;
+    total = carve(base, C);
+    FCE_CHECK(!bytes_or_zero || total <= bytes_or_zero, FCE_STATUS_WORKSPACE_TOO_SMALL,
+              "workspace of %zu bytes is below the %zu needed", bytes_or_zero, total);
+  }
+};
+
+__global__ void bias_rows_kernel(float* logits, int64_t ldl, int64_t V, const void* bias, int bias_type) {
+  const int64_t r = blockIdx.y;
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < V; j += int64_t(gridDim.x) * blockDim.x) {
+    float b;
+    if (bias_type == 0) b = static_cast<const float*>(bias)[j];
+    else if (bias_type == 1) b = __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[j]);
+    else b = __half2float(static_cast<const __half*>(bias)[j]);
+    logits[r * ldl + j] = b;
+  }
+}
+
+// dbias_acc[v] += sum over the chunk's rows of dl[r, v], in row order (deterministic).
+template <class T>
+__global__ void column_sum_kernel(const T* dl, int64_t ldd, int64_t rows, int64_t V, float* acc) {
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (j >= V) return;
+  float s = acc[j];
+  for (int64_t r = 0; r < rows; ++r) s += to_float(dl[r * ldd + j]);
+  acc[j] = s;
+}
+
+template <class O>
+__global__ void convert_kernel(const float* in, int64_t rows, int64_t cols, int64_t ldi, O* out, int64_t ldo) {
+  const int64_t r = blockIdx.y;
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < cols; j += int64_t(gridDim.x) * blockDim.x)
+    out[r * ldo + j] = from_float<O>(in[r * ldi + j]);
+}
+
+void convert(cudaStream_t s, const float* in, int64_t rows, int64_t cols, int64_t ldi, void* out, DType ot, int64_t ldo) {
+  const dim3 grid(unsigned(std::min<int64_t>((cols + 255) / 256, 64)), unsigned(rows));
+  dispatch_float(ot, [&](auto tag) {
+    using O = decltype(tag);
+    convert_kernel<O><<<grid, 256, 0, s>>>(in, rows, cols, ldi, static_cast<O*>(out), ldo);
+  });
+  check_launch("convert kernel");
+}
+
+int bias_code(DType t) { return t == DType::F32 ? 0 : t == DType::BF16 ? 1 : 2; }
+
+}  // namespace
+
+size_t linear_ce_workspace(fce_handle* h, const LinearCeProblem& p, bool minimum) {
+  return LceLayout(h, p, nullptr, 0, minimum).total;
+}
+
+void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace w) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows, ldl = padded(V);
+  const DType dt = p.hidden.dtype;
+  FCE_CHECK(!p.dhidden || p.dhidden.dtype == dt || p.dhidden.dtype == DType::F32, FCE_STATUS_NOT_IMPLEMENTED,
+            "on CUDA, dhidden must be float32 or hidden's dtype (%s)", dtype_name(dt));
+  FCE_CHECK(N <= INT32_MAX && H <= INT32_MAX && V <= INT32_MAX, FCE_STATUS_NOT_IMPLEMENTED,
+            "extents beyond 2^31 are not supported by the cuBLAS path");
+  const LceLayout lay(h, p, w.ptr, w.bytes, false);
+  const CublasApi& api = cublas();
+  cublasHandle_t blas = cublas_handle(h, s);
+  const cudaDataType ct = cuda_type(dt);
+  const float one = 1.f, zero = 0.f;
+  const bool grad = p.wants_grad(), bwd = static_cast<bool>(p.saved_lse);
+  const bool none = p.o.reduction == FCE_REDUCTION_NONE;
+  const size_t es = dtype_size(dt);
+  const bool t64 = p.targets.dtype == DType::I64;
+
+  if (lay.prep) ce_prep(s, p.o, p.targets.data, t64, N, V, lay.prep);
+  if (lay.db_acc) check(cudaMemsetAsync(lay.db_acc, 0, size_t(V) * 4, s), "cudaMemsetAsync");
+  float* dw = lay.dw_acc ? lay.dw_acc : (p.dweight ? reinterpret_cast<float*>(p.dweight.data) : nullptr);
+  const int64_t lddw = lay.dw_acc ? H : (p.dweight ? p.dweight.ld : 0);
+
+  for (int64_t r0 = 0; r0 < N; r0 += lay.C) {
+    const int64_t rows = std::min(lay.C, N - r0);
+    const char* hid = p.hidden.data + size_t(r0) * size_t(p.hidden.ld) * es;
+    float beta = 0.f;
+    if (p.bias) {
+      bias_rows_kernel<<<dim3(unsigned(std::min<int64_t>((V + 255) / 256, 64)), unsigned(rows)), 256, 0, s>>>(
+          lay.logits, ldl, V, p.bias.data, bias_code(p.bias.dtype));
+      check_launch("bias kernel");
+      beta = 1.f;
+    }
+    // logits (col-major V x rows) = W^T (V x H) * hidden^T (H x rows)
+    check_blas(api.gemm_ex(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(V), int(rows), int(H), &one, p.weight.data, ct,
+                           int(p.weight.ld), hid, ct, int(p.hidden.ld), &beta, lay.logits, CUDA_R_32F, int(ldl),
+                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "logits GEMM");
+    CeRows r{};
+    r.x = lay.logits;
+    r.xt = DType::F32;
+    r.ld = ldl;
+    r.N = rows;
+    r.V = V;
+    r.targets = p.targets.data + size_t(r0) * (t64 ? 8 : 4);
+    r.t64 = t64;
+    r.o = &p.o;
+    r.prep = lay.prep;
+    if (!bwd) {
+      r.loss_rows = (none ? reinterpret_cast<float*>(p.loss.data) : lay.row_loss) + r0;
+      r.zl_rows = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) + r0 : nullptr) : lay.row_zl + r0;
+      r.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) + r0 : nullptr;
+      r.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) + r0 : nullptr;
+      r.argmax = p.argmax ? p.argmax.data + size_t(r0) * dtype_size(p.argmax.dtype) : nullptr;
+      r.a64 = p.argmax && p.argmax.dtype == DType::I64;
+    } else {
+      r.saved_lse = reinterpret_cast<const float*>(p.saved_lse.data) + r0;
+    }
+    if (grad) {
+      r.dx = lay.dl;
+      r.dxt = dt;
+      r.ldd = ldl;
+      r.grad_scalar = p.grad_loss && p.grad_loss.scalar;
+      r.grad_loss = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) + (r.grad_scalar ? 0 : r0) : nullptr;
+    }
+    ce_rows(h, s, r, lay.rows);
+    if (!grad) continue;
+    if (p.dhidden) {
+      // dhidden (col-major H x rows) = W (H x V, col-major view of [V,H]) * dl (V x rows)
+      char* dh = p.dhidden.data + size_t(r0) * size_t(p.dhidden.ld) * dtype_size(p.dhidden.dtype);
+      check_blas(api.gemm_ex(blas, CUBLAS_OP_N, CUBLAS_OP_N, int(H), int(rows), int(V), &one, p.weight.data, ct,
+                             int(p.weight.ld), lay.dl, ct, int(ldl), &zero, dh, cuda_type(p.dhidden.dtype),
+                             int(p.dhidden.ld), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "dhidden GEMM");
+    }
+    if (dw) {
+      // dW (col-major H x V) += hidden^T (H x rows) * dl^T (rows x V)
+      const float b = r0 == 0 ? 0.f : 1.f;
+      check_blas(api.gemm_ex(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(rows), &one, hid, ct,
+                             int(p.hidden.ld), lay.dl, ct, int(ldl), &b, dw, CUDA_R_32F, int(lddw), CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT),
+                 "dweight GEMM");
+    }
+    if (lay.db_acc) {
+      dispatch_float(dt, [&](auto tag) {
+        using T = decltype(tag);
+        column_sum_kernel<T><<<unsigned((V + 255) / 256), 256, 0, s>>>(static_cast<const T*>(lay.dl), ldl, rows, V,
+                                                                       lay.db_acc);
+      });
+      check_launch("dbias kernel");
+    }
+  }
+  if (lay.dw_acc) convert(s, lay.dw_acc, V, H, H, p.dweight.data, p.dweight.dtype, p.dweight.ld);
+  if (lay.db_acc) convert(s, lay.db_acc, 1, V, V, p.dbias.data, p.dbias.dtype, V);
+  if (!bwd && !none)
+    ce_finalize(s, lay.row_loss, lay.row_zl, N, p.o.reduction, lay.prep, reinterpret_cast<float*>(p.loss.data),
+                p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);
+}
+
+}  // namespace fce::cuda
