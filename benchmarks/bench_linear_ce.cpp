@@ -1,0 +1,70 @@
+// Linear cross-entropy benchmark: time and TFLOP/s of forward(+backward) against a plain cuBLAS bf16 GEMM
+// of the same shape in the same run, with the extra device memory the call needs.
+#include <cublas_v2.h>
+
+#include "bench_util.hpp"
+
+using namespace bench;
+
+namespace {
+
+double gemm_tflops(cublasHandle_t blas, cudaStream_t s, int64_t M, int64_t N, int64_t K) {
+  Buf a({M, K}, bf16()), b({N, K}, bf16()), c({M, N}, bf16());
+  fill_random(a, 1.f, 5, s);
+  fill_random(b, 1.f, 6, s);
+  const float one = 1.f, zero = 0.f;
+  const double ms = time_ms(s, [&] {
+    cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, b.p, CUDA_R_16BF, int(K), a.p,
+                 CUDA_R_16BF, int(K), &zero, c.p, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  }, 10);
+  return 2.0 * double(M) * double(N) * double(K) / (ms * 1e9);
+}
+
+void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, bool grad, double gemm_rate) {
+  Buf hid({N, H}, bf16()), w({V, H}, bf16()), tg({N}, i32()), loss({}, f32());
+  fill_random(hid, 1.f, 1, s);
+  fill_random(w, 0.02f, 2, s);
+  fill_targets(tg, V, 3, s);
+  Buf dh({N, H}, bf16()), dw({V, H}, bf16());
+  fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  if (grad) { out.dhidden = dh.dl(); out.dweight = dw.dl(); }
+  size_t wsb = 0;
+  ok(fce_linear_cross_entropy_fwd_workspace_size(h, hid.dl(), w.dl(), nullptr, tg.dl(), nullptr, &out, &wsb), "ws");
+  void* ws = nullptr;
+  ck(cudaMalloc(&ws, wsb), "ws");
+  const double ms = time_ms(s, [&] {
+    ok(fce_linear_cross_entropy_fwd(h, reinterpret_cast<fce_stream_t>(s), hid.dl(), w.dl(), nullptr, tg.dl(), nullptr,
+                                    &out, ws, wsb), "lce");
+  }, 5);
+  cudaFree(ws);
+  const double flops = (grad ? 6.0 : 2.0) * double(N) * double(H) * double(V);
+  const double rate = flops / (ms * 1e9);
+  const double acc = grad ? double(V) * double(H) * 4 : 0;  // fp32 dweight accumulator (bf16 dweight)
+  std::printf("| linear CE %s | N=%lld H=%lld V=%lld | %.2f | %.0f | %.1f%% | %.0f MiB (+%.0f MiB fp32 dW acc) |\n",
+              grad ? "fwd+bwd" : "fwd", (long long)N, (long long)H, (long long)V, ms, rate, 100 * rate / gemm_rate,
+              (double(wsb) - acc) / 1048576.0, acc / 1048576.0);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main() {
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  cublasSetStream(blas, s);
+  fce_handle_t h;
+  ok(fce_handle_create(kDLCUDA, 0, &h), "handle");
+  std::printf("device: %s\n", device_name().c_str());
+  const double g1 = gemm_tflops(blas, s, 8192, 128256, 4096), g2 = gemm_tflops(blas, s, 8192, 256000, 2304);
+  std::printf("cuBLAS bf16 GEMM: %.0f TFLOP/s (8192x128256x4096), %.0f TFLOP/s (8192x256000x2304)\n\n", g1, g2);
+  std::printf("| op | shape | ms | TFLOP/s | of cuBLAS | extra memory |\n|---|---|---|---|---|---|\n");
+  lce_case(h, s, 8192, 4096, 128256, true, g1);
+  lce_case(h, s, 8192, 4096, 128256, false, g1);
+  lce_case(h, s, 8192, 2304, 256000, true, g2);
+  fce_handle_destroy(h);
+  cublasDestroy(blas);
+  return 0;
+}
