@@ -73,8 +73,9 @@ struct LceLayout {
   }
 };
 
-__global__ void bias_rows_kernel(float* logits, int64_t ldl, int64_t V, const void* bias, int bias_type) {
-  const int64_t r = blockIdx.y;
+// Grid rows stride by gridDim.y: grid.y is capped at 65535.
+__global__ void bias_rows_kernel(float* logits, int64_t rows, int64_t ldl, int64_t V, const void* bias, int bias_type) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < V; j += int64_t(gridDim.x) * blockDim.x) {
     float b;
     if (bias_type == 0) b = static_cast<const float*>(bias)[j];
@@ -96,13 +97,13 @@ __global__ void column_sum_kernel(const T* dl, int64_t ldd, int64_t rows, int64_
 
 template <class O>
 __global__ void convert_kernel(const float* in, int64_t rows, int64_t cols, int64_t ldi, O* out, int64_t ldo) {
-  const int64_t r = blockIdx.y;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < cols; j += int64_t(gridDim.x) * blockDim.x)
     out[r * ldo + j] = from_float<O>(in[r * ldi + j]);
 }
 
 void convert(cudaStream_t s, const float* in, int64_t rows, int64_t cols, int64_t ldi, void* out, DType ot, int64_t ldo) {
-  const dim3 grid(unsigned(std::min<int64_t>((cols + 255) / 256, 64)), unsigned(rows));
+  const dim3 grid(unsigned(std::min<int64_t>((cols + 255) / 256, 64)), unsigned(std::min<int64_t>(rows, 65535)));
   dispatch_float(ot, [&](auto tag) {
     using O = decltype(tag);
     convert_kernel<O><<<grid, 256, 0, s>>>(in, rows, cols, ldi, static_cast<O*>(out), ldo);
@@ -147,8 +148,8 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
     const char* hid = p.hidden.data + size_t(r0) * size_t(p.hidden.ld) * es;
     float beta = 0.f;
     if (p.bias) {
-      bias_rows_kernel<<<dim3(unsigned(std::min<int64_t>((V + 255) / 256, 64)), unsigned(rows)), 256, 0, s>>>(
-          lay.logits, ldl, V, p.bias.data, bias_code(p.bias.dtype));
+      bias_rows_kernel<<<dim3(unsigned(std::min<int64_t>((V + 255) / 256, 64)), unsigned(std::min<int64_t>(rows, 65535))),
+                         256, 0, s>>>(lay.logits, rows, ldl, V, p.bias.data, bias_code(p.bias.dtype));
       check_launch("bias kernel");
       beta = 1.f;
     }
