@@ -68,8 +68,15 @@ __device__ __forceinline__ int64_t unaligned_head(const T* row, const void* out,
 
 // Visits row[begin, end) with the whole block: f(v, j0, n) gets n (1 or kVec) consecutive values starting
 // at column j0, as fp32. 16-byte loads with kUnroll loads in flight per thread.
-template <class T, int kUnroll = 4, class F>
-__device__ __forceinline__ void row_visit(const T* __restrict__ row, int64_t begin, int64_t end, F&& f) {
+#ifndef FCE_ROW_UNROLL
+#define FCE_ROW_UNROLL 4
+#endif
+// With `cache`, the first `cache_vecs` 16-byte vectors are also stored to shared memory, for a later
+// row_map over the same range to read instead of global memory (the same thread handles vector i in
+// both: i % blockDim.x == threadIdx.x).
+template <class T, int kUnroll = FCE_ROW_UNROLL, class F>
+__device__ __forceinline__ void row_visit(const T* __restrict__ row, int64_t begin, int64_t end, F&& f,
+                                          uint4* cache = nullptr, int64_t cache_vecs = 0) {
   constexpr int K = kVec<T>;
   const int64_t head = unaligned_head(row, nullptr, begin, end);
   if (threadIdx.x < head) {
@@ -84,7 +91,10 @@ __device__ __forceinline__ void row_visit(const T* __restrict__ row, int64_t beg
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + int64_t(u) * blockDim.x;
-      if (i < nvec) raw[u] = __ldg(vp + i);
+      if (i < nvec) {
+        raw[u] = __ldg(vp + i);
+        if (i < cache_vecs) cache[i] = raw[u];
+      }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -114,7 +124,8 @@ template <> struct VecOf<4> { using type = unsigned; };
 // memory when T == O (in-place). Vector stores need `out` at the same alignment phase as `in`; otherwise
 // the whole range goes the scalar way.
 template <class T, class O, int kUnroll = 2, class F>
-__device__ __forceinline__ void row_map(const T* in, O* out, int64_t begin, int64_t end, F&& f) {
+__device__ __forceinline__ void row_map(const T* in, O* out, int64_t begin, int64_t end, F&& f,
+                                        const uint4* cache = nullptr, int64_t cache_vecs = 0) {
   constexpr int K = kVec<T>;
   constexpr int kOutBytes = K * int(sizeof(O));
   using OV = typename VecOf<kOutBytes>::type;
@@ -135,7 +146,7 @@ __device__ __forceinline__ void row_map(const T* in, O* out, int64_t begin, int6
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + int64_t(u) * blockDim.x;
-      if (i < nvec) raw[u] = vp[i];
+      if (i < nvec) raw[u] = i < cache_vecs ? cache[i] : vp[i];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -218,7 +229,10 @@ struct MaxF {
 };
 
 // ---- launch decisions -------------------------------------------------------------------------------
-constexpr int kRowThreads = 512;
+#ifndef FCE_ROW_THREADS
+#define FCE_ROW_THREADS 512  // overridable for tuning builds
+#endif
+constexpr int kRowThreads = FCE_ROW_THREADS;
 
 // Blocks per row: 1 when there are enough rows to fill the GPU, else enough to give every SM ~2 blocks,
 // each with at least kMinSplitCols columns. Depends only on (N, V, SM count): deterministic.

@@ -93,7 +93,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 // The argmax is updated only when a vector holds a new maximum. A NaN makes d NaN; the caller then finds
 // the first NaN for the argmax on a slow path.
 template <class T, bool kSoftcap, bool kEntropy, bool kSmooth>
-__device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int64_t end) {
+__device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int64_t end, uint4* cache,
+                            int64_t cache_vecs) {
   const LogitTransform tf(p.scale, p.softcap);
   const float c = p.scale * kLog2e;  // z*log2e = x*c without soft-cap
   CeAcc a;
@@ -134,15 +135,16 @@ __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int6
         if (kSmooth && p.eps > 0.f) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z;
       }
     }
-  });
+  }, cache, cache_vecs);
   return a;
 }
 
 // Block-wide statistics of row slice [begin, end), with the NaN slow path for the argmax.
 template <class T, bool kSoftcap, bool kEntropy, bool kSmooth>
-__device__ CeAcc block_stats(const CeParams& p, const T* row, int64_t begin, int64_t end) {
+__device__ CeAcc block_stats(const CeParams& p, const T* row, int64_t begin, int64_t end, uint4* cache,
+                             int64_t cache_vecs) {
   __shared__ int64_t first_nan;
-  CeAcc a = block_reduce(accumulate<T, kSoftcap, kEntropy, kSmooth>(p, row, begin, end));
+  CeAcc a = block_reduce(accumulate<T, kSoftcap, kEntropy, kSmooth>(p, row, begin, end, cache, cache_vecs));
   if (p.full && isnan(a.d)) {  // rare: find the first NaN, which counts as the largest logit
     if (threadIdx.x == 0) first_nan = INT64_MAX;
     __syncthreads();
@@ -159,10 +161,14 @@ __device__ CeAcc block_stats(const CeParams& p, const T* row, int64_t begin, int
 
 // Statistics with the call's feature flags resolved at compile time (entropy and smoothing share one).
 template <class T>
-__device__ CeAcc row_stats(const CeParams& p, const T* x, int64_t b, int64_t e) {
+__device__ CeAcc row_stats(const CeParams& p, const T* x, int64_t b, int64_t e, uint4* cache = nullptr,
+                           int64_t cache_vecs = 0) {
   const bool sc = p.softcap > 0.f, extra = p.full && (p.entropy || p.eps > 0.f);
-  if (sc) return extra ? block_stats<T, true, true, true>(p, x, b, e) : block_stats<T, true, false, false>(p, x, b, e);
-  return extra ? block_stats<T, false, true, true>(p, x, b, e) : block_stats<T, false, false, false>(p, x, b, e);
+  if (sc)
+    return extra ? block_stats<T, true, true, true>(p, x, b, e, cache, cache_vecs)
+                 : block_stats<T, true, false, false>(p, x, b, e, cache, cache_vecs);
+  return extra ? block_stats<T, false, true, true>(p, x, b, e, cache, cache_vecs)
+               : block_stats<T, false, false, false>(p, x, b, e, cache, cache_vecs);
 }
 
 __device__ float row_grad_scale(const CeParams& p, int64_t row) {
@@ -212,7 +218,8 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
 
 // dlogits for row slice [begin, end), formed in fp32 and rounded once to O.
 template <class T, class O>
-__device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_t end, float lse) {
+__device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_t end, float lse,
+                           const uint4* cache = nullptr, int64_t cache_vecs = 0) {
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
   O* dx = static_cast<O*>(p.dx) + row * p.ldd;
   const int64_t t = load_index(p.targets, p.t64, row);
@@ -237,7 +244,7 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
         v[k] = grad(fast_exp2((z - lse) * kLog2e), w, j0 + k == t) * tf.derivative(z);
       }
     }
-  });
+  }, cache, cache_vecs);
 }
 
 // One block per row: statistics, outputs, and the gradient.
@@ -251,6 +258,22 @@ __global__ void __launch_bounds__(kRowThreads) row_kernel(CeParams p) {
   if (!p.dx) return;
   __syncthreads();
   write_grad<T, O>(p, row, 0, p.V, s_lse);
+}
+
+// Forward with the fused gradient, one block per SM: the first part of the row stays in shared memory
+// between the statistics and the gradient pass, the rest is re-read while still in L2. One read and one
+// write of the row from device memory.
+constexpr int kCachedThreads = 1024;
+template <class T, class O>
+__global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_cached(CeParams p, int64_t cache_vecs) {
+  extern __shared__ uint4 cache[];
+  __shared__ float s_lse;
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(p.x) + row * p.ld;
+  const CeAcc a = row_stats<T>(p, x, 0, p.V, cache, cache_vecs);
+  if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a);
+  __syncthreads();
+  write_grad<T, O>(p, row, 0, p.V, s_lse, cache, cache_vecs);
 }
 
 // Split rows, phase 1: statistics of split blockIdx.x of row blockIdx.y.
@@ -434,6 +457,15 @@ void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
     using O = decltype(to);
     if (r.saved_lse) {
       grad_kernel<T, O><<<dim3(unsigned(splits), N), kRowThreads, 0, s>>>(k);
+    } else if (splits == 1 && grad) {
+      // Shared memory for as much of the row as fits (16-byte vectors), one block per SM.
+      const int64_t row_vecs = r.V * int64_t(sizeof(T)) / 16 + 1;
+      const int64_t max_vecs = (int64_t(h->max_smem_optin) - 2048) / 16;
+      const int64_t cache_vecs = row_vecs < max_vecs ? row_vecs : max_vecs;
+      const size_t smem = size_t(cache_vecs > 0 ? cache_vecs : 0) * 16;
+      check(cudaFuncSetAttribute(row_kernel_cached<T, O>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+            "cudaFuncSetAttribute");
+      row_kernel_cached<T, O><<<N, kCachedThreads, smem, s>>>(k, cache_vecs);
     } else if (splits == 1) {
       row_kernel<T, O><<<N, kRowThreads, 0, s>>>(k);
     } else {

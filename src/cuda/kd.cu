@@ -1,11 +1,1096 @@
-// CUDA backend of kd (placeholder until its kernels land).
+// CUDA knowledge-distillation losses (fce_kd_loss): full teacher logits or a top-K teacher.
+//
+// A row is handled by C blocks (C = 1, 2, 4 or 8), block `rank` owning the columns split_range(V, C, rank).
+// Phases, each followed by an exchange of per-block partials that every block of the row merges in rank
+// order (so all of them hold bitwise-identical row statistics):
+//   phase 0  raw maxima of the student (and teacher) logits                       -> exchange 0
+//   phase 1  sums of exp(z - max z), z = logits / T: lse_s (and lse_t)            -> exchange 1
+//   phase 2  the divergence terms of KdTerm (log p = t/T - lse_t, log q = s/T - lse_s): the row's loss
+//            and A = sum_j a_j                                                     -> exchange 2
+//   phase 3  dstudent_j = scale * (q_j > 0 ? a_j - q_j A : a_j), scale = grad * T2factor / T (/ rows)
+// The gradient needs A, which is known only once the whole row has been seen, so a_j is recomputed in
+// phase 3 rather than kept: keeping it would cost 4 bytes per column of shared memory (the slices of
+// student and teacher take 4 bytes per column in bf16) or a write and a read of DRAM, while recomputing
+// costs one exp per column (the student's slice is still on chip; see below).
+// How the blocks of a row work together (plan_rows, from N, V, the dtypes and the GPU):
+//   resident  the row's slices of student and teacher stay in shared memory from phase 0 on, so each is
+//             read from DRAM exactly once whatever the number of phases: two reads (plus one write of
+//             dstudent), the minimum. With C > 1 the C blocks are one thread-block cluster (Hopper) and
+//             exchange partials through distributed shared memory. (A row of 128256 bf16 columns is
+//             500 KiB for the pair: re-reading it "from L2" is not an option with ~400 rows in flight.)
+//   streaming one block per row, re-reading the row from global memory in every phase (many rows too
+//             long for shared memory, or no clusters).
+//   phased    few rows too long for shared memory (or no clusters): split_count() blocks per row and one
+//             launch per phase, partials through the workspace, merged in split order.
+// Top-K teacher: ids [N,K] and teacher log-probs [N,K]; teacher p = softmax over the used slots of
+// logprobs/T (every block computes it: K is small). Full-vocabulary normalization uses the same phases on
+// the student alone, phase 2 taking the terms at the ids inside the block's own columns, phase 3 writing
+// -q_j A everywhere and then a_k - q_k A at the ids (each element formed in fp32 and stored once per
+// store; the id values overwrite the dense ones after a barrier). Renormalized over the K: one block per
+// row that never reads the rest of the student row (gathers only; the gradient is 0 outside the K).
+// Masked rows (targets == ignore_index, or a top-K row without a used slot): loss 0, gradient 0. A top-K
+// id >= V: loss and gradient NaN. MEAN is batchmean over unmasked rows: with a gradient a tiny pre-kernel
+// counts them (integer atomics: exact), and SUM/MEAN go through a single-block finalize that sums the
+// per-row losses in a fixed order in fp64. No float atomics, no host sync, no allocation: bitwise
+// repeatable and capturable in a CUDA graph.
+// FCE_DEBUG_ROWS=nocluster|stream|split in the environment forces a fallback (to test those paths).
+#include <cooperative_groups.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
 #include "cuda/common.cuh"
 
 namespace fce::cuda {
+namespace {
 
-size_t kd_workspace(fce_handle*, const KdProblem&) { return 0; }
-void kd(fce_handle*, fce_stream_t, const KdProblem&, Workspace) {
-  raise(FCE_STATUS_NOT_IMPLEMENTED, "the CUDA backend of kd is not implemented yet");
+// ==== row machinery (softmax.cu has the same) ========================================================
+
+constexpr int kMaxCluster = 8;                    // portable cluster size
+constexpr size_t kSoftSmem = size_t(64) << 10;    // preferred shared bytes per block (3 blocks per SM)
+constexpr int64_t kMinCols = 4096;                // fewest columns worth one more block for few rows
+constexpr int kLoadUnroll = 8;                    // 16-byte loads in flight per thread loading a slice
+constexpr float kLog2e = 1.4426950408889634f;
+
+extern __shared__ uint4 g_smem[];  // resident row slices
+
+// 2^x by the SFU (relative error ~2^-22; results below 2^-126 flush to 0).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Unpacks a 16-byte vector of T by whole 32-bit words, so that a vector read from shared memory stays one
+// 16-byte load (reinterpreting it element by element lets the compiler split it into 2-byte loads).
+template <class T>
+__device__ __forceinline__ void unpack_words(const uint4& raw, float (&v)[kVec<T>]) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
+      v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+    }
+  }
+}
+__device__ __forceinline__ float fexp(float x) { return ex2(x * kLog2e); }
+
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // never launched as a cluster below sm_90 (see clusters_available)
+#else
+  cooperative_groups::this_cluster().sync();
+#endif
+}
+
+template <class P>
+__device__ __forceinline__ P cluster_peer(P* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+  return *p;
+#else
+  return *cooperative_groups::this_cluster().map_shared_rank(p, rank);
+#endif
+}
+
+// One shared slot per exchange (raw storage: no constructor may run for a __shared__ variable).
+template <class P, int kTag>
+__device__ __forceinline__ P* exchange_slot() {
+  __shared__ alignas(alignof(P)) unsigned char buf[sizeof(P)];
+  return reinterpret_cast<P*>(buf);
+}
+
+// Where this block stands: its row, rank among the C blocks of the row, and the phases [p0, p1] this
+// launch runs (fused launches run all of them).
+struct RowCtx {
+  int64_t row;
+  int C, rank, p0, p1;
+};
+
+// Row total of the block partial `v` (the same in every thread) after phase `e`:
+//  - phase e ran in an earlier launch: merge the C partials it left in `ws`, in rank order;
+//  - this launch ends with phase e: leave the partial in `ws` and return false (the caller returns);
+//  - otherwise the C blocks of the cluster swap partials through distributed shared memory and each
+//    merges them in rank order.
+template <int kTag, class P>
+__device__ __forceinline__ bool exchange(const RowCtx& c, int e, P& v, P* ws) {
+  if (e < c.p0) {
+    const P* w = ws + c.row * c.C;
+    P t = w[0];
+    for (int r = 1; r < c.C; ++r) t.merge(w[r]);
+    v = t;
+    return true;
+  }
+  if (e == c.p1) {
+    if (threadIdx.x == 0) ws[c.row * c.C + c.rank] = v;
+    return false;
+  }
+  if (c.C == 1) return true;
+  P* slot = exchange_slot<P, kTag>();
+  if (threadIdx.x == 0) *slot = v;
+  cluster_sync_all();
+  P t = cluster_peer(slot, 0);
+  for (int r = 1; r < c.C; ++r) t.merge(cluster_peer(slot, r));
+  v = t;
+  return true;
+}
+
+// Copies src[0, n) (a row slice in global memory) to the 16-byte aligned shared buffer dst[0, n) and calls
+// f(v, e, cnt) on the values on the way (e relative to the slice, increasing per thread). Global reads are
+// 16-byte vectors, kLoadUnroll in flight per thread; unaligned head and tail elements are read one by one
+// (never anything outside the slice). A resident slice fits in shared memory, so 32-bit indices do.
+template <class T, class F>
+__device__ __forceinline__ void load_slice(const T* __restrict__ src, int n, T* __restrict__ dst, F&& f) {
+  constexpr int K = kVec<T>;
+  const int head = int(unaligned_head(src, nullptr, 0, n));
+  for (int e = threadIdx.x; e < head; e += blockDim.x) {
+    float v[K];
+    const T x = src[e];
+    dst[e] = x;
+    v[0] = to_float(x);
+    f(v, e, 1);
+  }
+  const int nvec = (n - head) / K;
+  const uint4* __restrict__ vp = reinterpret_cast<const uint4*>(src + head);
+  const int step = int(blockDim.x);
+  for (int base = threadIdx.x; base < nvec; base += kLoadUnroll * step) {
+    uint4 raw[kLoadUnroll];
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      const int i = base + u * step;
+      if (i < nvec) raw[u] = __ldg(vp + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      const int i = base + u * step;
+      if (i < nvec) {
+        const int e0 = head + i * K;
+        if (head == 0) {
+          reinterpret_cast<uint4*>(dst)[i] = raw[u];
+        } else {  // the slice starts off a 16-byte boundary: shared memory keeps element e at offset e
+          const T* el = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+          for (int k = 0; k < K; ++k) dst[e0 + k] = el[k];
+        }
+        float v[K];
+        unpack<T>(raw[u], v);
+        f(v, e0, K);
+      }
+    }
+  }
+  for (int e = head + nvec * K + threadIdx.x; e < n; e += blockDim.x) {
+    float v[K];
+    const T x = src[e];
+    dst[e] = x;
+    v[0] = to_float(x);
+    f(v, e, 1);
+  }
+}
+
+// Visits a resident slice sm[0, n): f(v, e, cnt) with cnt = kVec (16-byte shared loads) or 1 (tail).
+template <class T, class F>
+__device__ __forceinline__ void smem_visit(const T* sm, int n, F&& f) {
+  constexpr int K = kVec<T>;
+  const int ng = n / K;
+  const uint4* sv = reinterpret_cast<const uint4*>(sm);
+  for (int g = threadIdx.x; g < ng; g += blockDim.x) {
+    float v[K];
+    unpack_words<T>(sv[g], v);
+    f(v, g * K, K);
+  }
+  for (int e = ng * K + threadIdx.x; e < n; e += blockDim.x) {
+    float v[K];
+    v[0] = to_float(sm[e]);
+    f(v, e, 1);
+  }
+}
+
+// Stores v[0, cnt) to out[0, cnt) as O: 16-byte stores for a full group at an aligned address, else one
+// element at a time. Each value is rounded once, here.
+template <class O, int G>
+__device__ __forceinline__ void store_vals(O* out, const float (&v)[G], int cnt) {
+  constexpr int KO = kVec<O>;
+  if constexpr (G % KO == 0) {
+    if (cnt == G && (reinterpret_cast<uintptr_t>(out) & 15u) == 0) {
+#pragma unroll
+      for (int c = 0; c < G / KO; ++c) {
+        float w[KO];
+#pragma unroll
+        for (int k = 0; k < KO; ++k) w[k] = v[c * KO + k];
+        reinterpret_cast<uint4*>(out)[c] = pack<O>(w);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < G; ++k)
+    if (k < cnt) out[k] = from_float<O>(v[k]);
+}
+
+// ---- host side: the plan of a call -----------------------------------------------------------------
+
+__global__ void arch_probe_kernel() {}
+
+// Thread-block clusters need a device that launches them and device code built for sm_90 or later (a
+// build that only JIT-compiles older PTX has no cluster code).
+bool clusters_available(const fce_handle* h) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // 0 unknown, 1 yes, 2 no
+  const int dev = h->device_id;
+  const bool cacheable = dev >= 0 && dev < kMaxDevices;
+  if (cacheable) {
+    const int c = cache[dev].load(std::memory_order_relaxed);
+    if (c) return c == 1;
+  }
+  int launch = 0;
+  bool ok = cudaDeviceGetAttribute(&launch, cudaDevAttrClusterLaunch, dev) == cudaSuccess && launch != 0;
+  if (ok) {
+    cudaFuncAttributes fa{};
+    ok = cudaFuncGetAttributes(&fa, arch_probe_kernel) == cudaSuccess && fa.ptxVersion >= 90;
+  }
+  if (!ok) cudaGetLastError();  // a failed query is an answer, not an error to report later
+  if (cacheable) cache[dev].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
+}
+
+enum class Force { None, NoCluster, Stream, Split };
+
+Force forced_path() {
+  const char* e = std::getenv("FCE_DEBUG_ROWS");
+  if (!e) return Force::None;
+  if (!std::strcmp(e, "nocluster")) return Force::NoCluster;
+  if (!std::strcmp(e, "stream")) return Force::Stream;
+  if (!std::strcmp(e, "split")) return Force::Split;
+  return Force::None;
+}
+
+struct RowPlan {
+  int C = 1;              // blocks per row
+  bool cluster = false;   // fused launch whose C > 1 blocks per row form a cluster
+  bool resident = false;  // slices kept in shared memory
+  bool phased = false;    // one launch per phase, partials through the workspace
+  int threads = 256;
+  size_t smem = 0;        // dynamic shared bytes per block
+};
+
+size_t round16(int64_t bytes) { return size_t((bytes + 15) / 16 * 16); }
+
+int64_t slice_cols(int64_t V, int C) {
+  int64_t b, e;
+  split_range(V, C, 0, &b, &e);  // rank 0 has the widest slice
+  return e - b;
+}
+
+int threads_for(int64_t blocks, int64_t cols, int sm, bool streaming) {
+  if (blocks < sm) return 512;  // few blocks: make each wide
+  if (cols <= 1024) return 64;
+  if (cols <= 4096) return 128;
+  return streaming && cols > 16384 ? 512 : 256;
+}
+
+// The plan for N rows of V columns whose resident slices take `sa` (+ `sb`) bytes per column.
+RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb) {
+  const Force force = forced_path();
+  const int sm = h->sm_count > 0 ? h->sm_count : 1;
+  const size_t budget = h->max_smem_optin > 8192 ? size_t(h->max_smem_optin) - 4096 : 0;  // static smem margin
+  RowPlan p;
+  if (force == Force::None || force == Force::NoCluster) {
+    const int cmax = force == Force::None && clusters_available(h) ? kMaxCluster : 1;
+    for (int C = 1; C <= cmax; C *= 2) {
+      const int64_t cols = slice_cols(V, C);
+      const size_t smem = round16(cols * sa) + (sb ? round16(cols * sb) : 0);
+      if (smem > budget) continue;
+      const bool few = N * C < 2 * int64_t(sm) && cols >= 2 * kMinCols;  // worth splitting further
+      if (C < cmax && (smem > kSoftSmem || few)) continue;
+      if (few && cmax == 1) break;  // no clusters: few long rows go to the phased split
+      p.C = C;
+      p.cluster = C > 1;
+      p.resident = true;
+      p.threads = threads_for(N * C, cols, sm, false);
+      p.smem = smem;
+      return p;
+    }
+  }
+  int S = split_count(h, N, V);
+  if (force == Force::Stream) S = 1;
+  if (force == Force::Split && S < 4) S = 4;
+  p.C = S;
+  p.phased = S > 1 || force == Force::Split;
+  p.threads = threads_for(N * S, slice_cols(V, S), sm, true);
+  return p;
+}
+
+// Launches N rows of plan `p` (N * C blocks, or fewer that loop over the rows).
+template <class Args>
+void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& a, cudaStream_t s,
+                 const char* what) {
+  constexpr int64_t kMaxGrid = int64_t(1) << 30;
+  int64_t grid = N * p.C;
+  if (grid > kMaxGrid) grid = kMaxGrid / p.C * p.C;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(grid));
+  cfg.blockDim = dim3(unsigned(p.threads));
+  cfg.dynamicSmemBytes = p.smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  if (p.cluster) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(p.C);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  if (p.smem > (size_t(48) << 10))
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem)),
+          "cudaFuncSetAttribute");
+  check(cudaLaunchKernelEx(&cfg, kernel, a), what);
+}
+
+// ==== knowledge distillation =========================================================================
+
+constexpr int kLastPhase = 3;
+
+struct Max2 {  // raw maxima of student (a) and teacher (b)
+  float a, b;
+  __device__ Max2() : a(-INFINITY), b(-INFINITY) {}
+  __device__ void merge(const Max2& o) {
+    a = fmaxf(a, o.a);
+    b = fmaxf(b, o.b);
+  }
+  __device__ Max2 shfl_down(unsigned off) const {
+    Max2 r;
+    r.a = __shfl_down_sync(0xffffffffu, a, off);
+    r.b = __shfl_down_sync(0xffffffffu, b, off);
+    return r;
+  }
+};
+
+struct Sum2 {  // sums of exp(z - max z) of student (a) and teacher (b)
+  float a, b;
+  __device__ Sum2() : a(0.f), b(0.f) {}
+  __device__ void merge(const Sum2& o) {
+    a += o.a;
+    b += o.b;
+  }
+  __device__ Sum2 shfl_down(unsigned off) const {
+    Sum2 r;
+    r.a = __shfl_down_sync(0xffffffffu, a, off);
+    r.b = __shfl_down_sync(0xffffffffu, b, off);
+    return r;
+  }
+};
+
+struct LossA {  // sum of the divergence terms and A = sum_j a_j
+  float loss, A;
+  __device__ LossA() : loss(0.f), A(0.f) {}
+  __device__ void merge(const LossA& o) {
+    loss += o.loss;
+    A += o.A;
+  }
+  __device__ LossA shfl_down(unsigned off) const {
+    LossA r;
+    r.loss = __shfl_down_sync(0xffffffffu, loss, off);
+    r.A = __shfl_down_sync(0xffffffffu, A, off);
+    return r;
+  }
+};
+
+struct SumD {
+  double s;
+  __device__ SumD() : s(0.0) {}
+  __device__ explicit SumD(double x) : s(x) {}
+  __device__ void merge(const SumD& o) { s += o.s; }
+  __device__ SumD shfl_down(unsigned off) const { return SumD(__shfl_down_sync(0xffffffffu, s, off)); }
+};
+
+struct SumL {
+  long long s;
+  __device__ SumL() : s(0) {}
+  __device__ explicit SumL(long long x) : s(x) {}
+  __device__ void merge(const SumL& o) { s += o.s; }
+  __device__ SumL shfl_down(unsigned off) const { return SumL(__shfl_down_sync(0xffffffffu, s, off)); }
+};
+
+struct KdArgs {
+  const void* s;  // student [N,V]
+  int64_t lds;
+  const void* t;  // teacher logits [N,V] (full teacher)
+  int64_t ldt;
+  size_t t_off;   // byte offset of the teacher's resident slice in shared memory
+  const void* ids;  // top-K teacher
+  int64_t ldi;
+  bool ids64;
+  int64_t K;
+  const float* lp;
+  int64_t ldlp;
+  const void* targets;  // optional
+  bool tgt64;
+  int64_t ignore_index;
+  void* ds;  // dstudent (student dtype) or null
+  int64_t ldd;
+  const float* grad;  // upstream gradient or null
+  bool grad_scalar;
+  const int* count;   // unmasked rows (MEAN with a gradient)
+  float* row_loss;    // [N]: the loss output (NONE) or the workspace (SUM/MEAN)
+  int* row_used;      // [N] unmasked flags for the finalize (SUM/MEAN) or null
+  float* slot_val;    // [N*K] top-K gradient values saved before a streamed dense pass
+  int reduction, div;
+  float beta, inv_t, t2;
+  int64_t N, V;
+  int C, p0, p1;
+  bool cluster;
+  void *ws0, *ws1, *ws2;  // phased partials [N*C] (8 bytes each)
+};
+
+template <class Ts, class Tt>
+constexpr int kGroup = kVec<Ts> > kVec<Tt> ? kVec<Ts> : kVec<Tt>;
+
+// G values of T from p (16-byte aligned) as fp32.
+template <class T, int G>
+__device__ __forceinline__ void load_group(const T* p, float (&v)[G]) {
+  constexpr int K = kVec<T>;
+#pragma unroll
+  for (int c = 0; c < G / K; ++c) {
+    float w[K];
+    unpack_words<T>(reinterpret_cast<const uint4*>(p)[c], w);
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[c * K + k] = w[k];
+  }
+}
+
+// Visits the student and teacher slices together: f(vs, vt, e, cnt), cnt = G (16-byte loads) or 1.
+template <class Ts, class Tt, bool kResident, class F>
+__device__ __forceinline__ void visit2(const Ts* s, const Tt* t, const Ts* ss, const Tt* st, int64_t n, F&& f) {
+  constexpr int G = kGroup<Ts, Tt>;
+  if constexpr (kResident) {
+    const int m = int(n), ng = m / G;
+    for (int g = threadIdx.x; g < ng; g += blockDim.x) {
+      float vs[G], vt[G];
+      load_group<Ts, G>(ss + g * G, vs);
+      load_group<Tt, G>(st + g * G, vt);
+      f(vs, vt, int64_t(g) * G, G);
+    }
+    for (int e = ng * G + threadIdx.x; e < m; e += blockDim.x) {
+      float vs[G], vt[G];
+      vs[0] = to_float(ss[e]);
+      vt[0] = to_float(st[e]);
+      f(vs, vt, int64_t(e), 1);
+    }
+  } else {
+    // 16-byte loads when both slices start on a 16-byte boundary, else element by element.
+    const bool aligned = ((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(t)) & 15u) == 0;
+    const int64_t ng = aligned ? n / G : 0;
+    for (int64_t g = threadIdx.x; g < ng; g += blockDim.x) {
+      float vs[G], vt[G];
+      load_group<Ts, G>(s + g * G, vs);
+      load_group<Tt, G>(t + g * G, vt);
+      f(vs, vt, g * G, G);
+    }
+    for (int64_t e = ng * G + threadIdx.x; e < n; e += blockDim.x) {
+      float vs[G], vt[G];
+      vs[0] = to_float(s[e]);
+      vt[0] = to_float(t[e]);
+      f(vs, vt, e, 1);
+    }
+  }
+}
+
+// Visits the student slice (resident or from global memory): f(v, e, cnt).
+template <class T, bool kResident, class F>
+__device__ __forceinline__ void visit1(const T* s, const T* ss, int64_t n, F&& f) {
+  if constexpr (kResident) smem_visit<T>(ss, int(n), f);
+  else row_visit<T>(s, 0, n, f);
+}
+
+// Writes `val` to p[0, n) (16-byte stores where aligned).
+template <class O>
+__device__ __forceinline__ void fill_slice(O* p, int64_t n, float val) {
+  constexpr int K = kVec<O>;
+  const O x = from_float<O>(val);
+  const int64_t head = unaligned_head<O>(p, nullptr, 0, n);
+  for (int64_t e = threadIdx.x; e < head; e += blockDim.x) p[e] = x;
+  const int64_t nvec = (n - head) / K;
+  float w[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) w[k] = val;
+  const uint4 pat = pack<O>(w);
+  uint4* vp = reinterpret_cast<uint4*>(p + head);
+  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) vp[i] = pat;
+  for (int64_t e = head + nvec * K + threadIdx.x; e < n; e += blockDim.x) p[e] = x;
+}
+
+// A row decided before any data is read (masked, or a top-K id out of range): written by the launch that
+// runs the last phase.
+template <class Ts>
+__device__ __forceinline__ void kd_fixed_row(const KdArgs& a, int64_t row, int rank, Ts* ds, int64_t n, float loss,
+                                             float grad, int used) {
+  if (a.p1 != kLastPhase) return;
+  if (ds) fill_slice<Ts>(ds, n, grad);
+  if (rank == 0 && threadIdx.x == 0) {
+    a.row_loss[row] = loss;
+    if (a.row_used) a.row_used[row] = used;
+  }
+}
+
+// grad_loss * T2factor / T, divided by the unmasked rows for MEAN (as the CPU: in double, rounded once).
+__device__ __forceinline__ float kd_grad_scale(const KdArgs& a, int64_t row) {
+  float g = a.grad ? a.grad[a.grad_scalar ? 0 : row] : 1.f;
+  if (a.reduction == FCE_REDUCTION_MEAN) g = float(double(g) / double(*a.count));
+  return g * a.t2 * a.inv_t;
+}
+
+__device__ __forceinline__ bool target_masked(const KdArgs& a, int64_t row) {
+  return a.targets && load_index(a.targets, a.tgt64, row) == a.ignore_index;
+}
+
+// ---- full teacher ----------------------------------------------------------------------------------
+
+template <class Ts, class Tt, int DIV, bool kResident>
+__device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int rank) {
+  constexpr int G = kGroup<Ts, Tt>;
+  int64_t begin, end;
+  split_range(a.V, a.C, rank, &begin, &end);
+  const int64_t n = end - begin;
+  const Ts* s = static_cast<const Ts*>(a.s) + row * a.lds + begin;
+  const Tt* t = static_cast<const Tt*>(a.t) + row * a.ldt + begin;
+  Ts* ds = a.ds ? static_cast<Ts*>(a.ds) + row * a.ldd + begin : nullptr;
+  Ts* ss = reinterpret_cast<Ts*>(g_smem);
+  Tt* st = reinterpret_cast<Tt*>(reinterpret_cast<char*>(g_smem) + a.t_off);
+  const RowCtx c{row, a.C, rank, a.p0, a.p1};
+  if (target_masked(a, row)) {
+    kd_fixed_row<Ts>(a, row, rank, ds, n, 0.f, 0.f, 0);
+    return;
+  }
+  const float inv_t = a.inv_t;
+
+  // Phase 0: raw maxima (the slices go to shared memory on the way).
+  Max2 mx;
+  if (a.p0 == 0) {
+    auto fs = [&](const float(&v)[kVec<Ts>], int64_t, int cnt) {
+#pragma unroll
+      for (int k = 0; k < kVec<Ts>; ++k)
+        if (k < cnt) mx.a = fmaxf(mx.a, v[k]);
+    };
+    auto ft = [&](const float(&v)[kVec<Tt>], int64_t, int cnt) {
+#pragma unroll
+      for (int k = 0; k < kVec<Tt>; ++k)
+        if (k < cnt) mx.b = fmaxf(mx.b, v[k]);
+    };
+    if constexpr (kResident) {
+      load_slice<Ts>(s, int(n), ss, fs);
+      load_slice<Tt>(t, int(n), st, ft);
+    } else {
+      row_visit<Ts>(s, 0, n, fs);
+      row_visit<Tt>(t, 0, n, ft);
+    }
+    mx = block_reduce(mx);
+  }
+  if (!exchange<0>(c, 0, mx, static_cast<Max2*>(a.ws0))) return;
+  // Max of z = x/T is (max x)/T: rounding is monotonic and T > 0.
+  const float ms = mx.a * inv_t, mt = mx.b * inv_t;
+
+  // Phase 1: sums of exp(z - max z) -> lse_s, lse_t (-inf for a row without a finite logit).
+  Sum2 sum;
+  if (a.p0 <= 1) {
+    const bool live_s = ms != -INFINITY, live_t = mt != -INFINITY;
+    visit2<Ts, Tt, kResident>(s, t, ss, st, n, [&](const float(&vs)[G], const float(&vt)[G], int64_t, int cnt) {
+#pragma unroll
+      for (int k = 0; k < G; ++k) {
+        if (k < cnt) {
+          if (live_s) sum.a += fexp(vs[k] * inv_t - ms);
+          if (live_t) sum.b += fexp(vt[k] * inv_t - mt);
+        }
+      }
+    });
+    sum = block_reduce(sum);
+  }
+  if (!exchange<1>(c, 1, sum, static_cast<Sum2*>(a.ws1))) return;
+  const float lse_s = ms == -INFINITY ? -INFINITY : ms + logf(sum.a);
+  const float lse_t = mt == -INFINITY ? -INFINITY : mt + logf(sum.b);
+  const KdTerm term(DIV >= 0 ? DIV : a.div, a.beta);
+
+  // Phase 2: the loss and A = sum_j a_j.
+  LossA la;
+  if (a.p0 <= 2) {
+    visit2<Ts, Tt, kResident>(s, t, ss, st, n, [&](const float(&vs)[G], const float(&vt)[G], int64_t, int cnt) {
+#pragma unroll
+      for (int k = 0; k < G; ++k) {
+        if (k < cnt) {
+          float aj;
+          la.loss += term(vt[k] * inv_t - lse_t, vs[k] * inv_t - lse_s, &aj);
+          la.A += aj;
+        }
+      }
+    });
+    la = block_reduce(la);
+  }
+  if (!exchange<2>(c, 2, la, static_cast<LossA*>(a.ws2))) return;
+  if (rank == 0 && threadIdx.x == 0) {
+    a.row_loss[row] = la.loss * a.t2;
+    if (a.row_used) a.row_used[row] = 1;
+  }
+  if (!ds) return;
+
+  // Phase 3: dstudent = scale * (q > 0 ? a - q*A : a), a recomputed (in place allowed: every element is
+  // read before its store, from shared memory or by the thread that stores it).
+  const float scale = kd_grad_scale(a, row), A = la.A;
+  visit2<Ts, Tt, kResident>(s, t, ss, st, n, [&](const float(&vs)[G], const float(&vt)[G], int64_t e0, int cnt) {
+    float g[G];
+#pragma unroll
+    for (int k = 0; k < G; ++k) {
+      g[k] = 0.f;
+      if (k < cnt) {
+        float aj;
+        const float lq = vs[k] * inv_t - lse_s;
+        (void)term(vt[k] * inv_t - lse_t, lq, &aj);
+        const float q = fexp(lq);
+        g[k] = (q > 0.f ? aj - q * A : aj) * scale;  // a -inf logit (q = 0) never forms 0 * inf
+      }
+    }
+    store_vals<Ts, G>(ds + e0, g, cnt);
+  });
+}
+
+template <class Ts, class Tt, int DIV, bool kResident>
+__global__ void __launch_bounds__(512, 2) kd_full_kernel(const KdArgs a) {
+  const int rank = int(blockIdx.x % unsigned(a.C));
+  const int64_t stride = int64_t(gridDim.x / unsigned(a.C));
+  for (int64_t row = blockIdx.x / unsigned(a.C); row < a.N; row += stride) {
+    kd_full_row<Ts, Tt, DIV, kResident>(a, row, rank);
+    if (a.cluster) cluster_sync_all();  // shared memory reusable: every thread and peer is done with it
+    else __syncthreads();
+  }
+}
+
+// ---- top-K teacher ---------------------------------------------------------------------------------
+
+// Used slots (id >= 0) and ids out of range (id >= V) of a row, the same in every thread.
+__device__ __forceinline__ void topk_status(const KdArgs& a, int64_t ib, bool* any_used, bool* any_oob) {
+  int used = 0, oob = 0;
+  for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+    const int64_t id = load_index(a.ids, a.ids64, ib + k);
+    used |= id >= 0;
+    oob |= id >= a.V;
+  }
+  *any_used = __syncthreads_or(used) != 0;
+  *any_oob = __syncthreads_or(oob) != 0;
+}
+
+// The teacher's lse over its used slots of logprobs/T (every block of the row computes the same).
+__device__ __forceinline__ float topk_teacher_lse(const KdArgs& a, int64_t ib, const float* lp) {
+  MaxF m;
+  for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x)
+    if (load_index(a.ids, a.ids64, ib + k) >= 0) m.m = fmaxf(m.m, lp[k] * a.inv_t);
+  m = block_reduce(m);
+  SumF sum;
+  if (m.m != -INFINITY)
+    for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x)
+      if (load_index(a.ids, a.ids64, ib + k) >= 0) sum.s += fexp(lp[k] * a.inv_t - m.m);
+  sum = block_reduce(sum);
+  return m.m == -INFINITY ? -INFINITY : m.m + logf(sum.s);
+}
+
+// Full-vocabulary normalization of the student.
+template <class Ts, bool kResident>
+__device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int rank) {
+  constexpr int K = kVec<Ts>;
+  int64_t begin, end;
+  split_range(a.V, a.C, rank, &begin, &end);
+  const int64_t n = end - begin;
+  const Ts* srow = static_cast<const Ts*>(a.s) + row * a.lds;
+  const Ts* s = srow + begin;
+  Ts* ds = a.ds ? static_cast<Ts*>(a.ds) + row * a.ldd + begin : nullptr;
+  Ts* ss = reinterpret_cast<Ts*>(g_smem);
+  const int64_t ib = row * a.ldi;
+  const float* lp = a.lp + row * a.ldlp;
+  const RowCtx c{row, a.C, rank, a.p0, a.p1};
+  bool any_used, any_oob;
+  topk_status(a, ib, &any_used, &any_oob);
+  const bool masked = !any_used || target_masked(a, row);
+  if (masked || any_oob) {
+    kd_fixed_row<Ts>(a, row, rank, ds, n, masked ? 0.f : NAN, masked ? 0.f : NAN, masked ? 0 : 1);
+    return;
+  }
+  const float inv_t = a.inv_t;
+
+  // Phase 0: raw max of the student (its slice goes to shared memory on the way).
+  MaxF mx;
+  if (a.p0 == 0) {
+    auto f = [&](const float(&v)[K], int64_t, int cnt) {
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if (k < cnt) mx.m = fmaxf(mx.m, v[k]);
+    };
+    if constexpr (kResident) load_slice<Ts>(s, int(n), ss, f);
+    else row_visit<Ts>(s, 0, n, f);
+    mx = block_reduce(mx);
+  }
+  if (!exchange<0>(c, 0, mx, static_cast<MaxF*>(a.ws0))) return;
+  const float ms = mx.m * inv_t;
+
+  // Phase 1: the student's lse over the full vocabulary.
+  SumF sum;
+  if (a.p0 <= 1) {
+    if (ms != -INFINITY)
+      visit1<Ts, kResident>(s, ss, n, [&](const float(&v)[K], int64_t, int cnt) {
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+          if (k < cnt) sum.s += fexp(v[k] * inv_t - ms);
+      });
+    sum = block_reduce(sum);
+  }
+  if (!exchange<1>(c, 1, sum, static_cast<SumF*>(a.ws1))) return;
+  const float lse_s = ms == -INFINITY ? -INFINITY : ms + logf(sum.s);
+  const float lse_t = topk_teacher_lse(a, ib, lp);
+  const KdTerm term(a.div, a.beta);
+  // Student logit at a column of this block's slice (shared memory or global memory).
+  auto s_at = [&](int64_t id) -> float {
+    if constexpr (kResident) return to_float(ss[id - begin]);
+    else return to_float(srow[id]);
+  };
+
+  // Phase 2: the terms at the ids inside this block's columns.
+  LossA la;
+  if (a.p0 <= 2) {
+    for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+      const int64_t id = load_index(a.ids, a.ids64, ib + k);
+      if (id >= begin && id < end) {
+        float ak;
+        la.loss += term(lp[k] * inv_t - lse_t, s_at(id) * inv_t - lse_s, &ak);
+        la.A += ak;
+      }
+    }
+    la = block_reduce(la);
+  }
+  if (!exchange<2>(c, 2, la, static_cast<LossA*>(a.ws2))) return;
+  if (rank == 0 && threadIdx.x == 0) {
+    a.row_loss[row] = la.loss * a.t2;
+    if (a.row_used) a.row_used[row] = 1;
+  }
+  if (!ds) return;
+
+  // Phase 3: -q_j A everywhere, then (-q_k A + a_k) at the ids (as the CPU), times scale.
+  const float scale = kd_grad_scale(a, row), A = la.A;
+  auto id_value = [&](int64_t k, int64_t id) {
+    const float zs = s_at(id) * inv_t;
+    float ak;
+    (void)term(lp[k] * inv_t - lse_t, zs - lse_s, &ak);
+    return -fexp(zs - lse_s) * A + ak;
+  };
+  if constexpr (!kResident) {  // in place, the dense pass overwrites the student: take the ids first
+    for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+      const int64_t id = load_index(a.ids, a.ids64, ib + k);
+      if (id >= begin && id < end) a.slot_val[row * a.K + k] = id_value(k, id);
+    }
+    __syncthreads();
+  }
+  visit1<Ts, kResident>(s, ss, n, [&](const float(&v)[K], int64_t e0, int cnt) {
+    float g[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) g[k] = k < cnt ? -fexp(v[k] * inv_t - lse_s) * A * scale : 0.f;
+    store_vals<Ts, K>(ds + e0, g, cnt);
+  });
+  __syncthreads();  // the dense stores are done before the id values replace them
+  for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+    const int64_t id = load_index(a.ids, a.ids64, ib + k);
+    if (id >= begin && id < end) {
+      float val;
+      if constexpr (kResident) val = id_value(k, id);
+      else val = a.slot_val[row * a.K + k];
+      ds[id - begin] = from_float<Ts>(val * scale);
+    }
+  }
+}
+
+template <class Ts, bool kResident>
+__global__ void __launch_bounds__(512, 2) kd_topk_kernel(const KdArgs a) {
+  const int rank = int(blockIdx.x % unsigned(a.C));
+  const int64_t stride = int64_t(gridDim.x / unsigned(a.C));
+  for (int64_t row = blockIdx.x / unsigned(a.C); row < a.N; row += stride) {
+    kd_topk_row<Ts, kResident>(a, row, rank);
+    if (a.cluster) cluster_sync_all();
+    else __syncthreads();
+  }
+}
+
+// Renormalized over the K: one block per row; only the student logits at the ids are read.
+template <class Ts>
+__global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
+  for (int64_t row = blockIdx.x; row < a.N; row += gridDim.x) {
+    const Ts* srow = static_cast<const Ts*>(a.s) + row * a.lds;
+    Ts* ds = a.ds ? static_cast<Ts*>(a.ds) + row * a.ldd : nullptr;
+    const int64_t ib = row * a.ldi;
+    const float* lp = a.lp + row * a.ldlp;
+    const float inv_t = a.inv_t;
+    bool any_used, any_oob;
+    topk_status(a, ib, &any_used, &any_oob);
+    const bool masked = !any_used || target_masked(a, row);
+    if (masked || any_oob) {
+      if (ds) fill_slice<Ts>(ds, a.V, masked ? 0.f : NAN);
+      if (threadIdx.x == 0) {
+        a.row_loss[row] = masked ? 0.f : NAN;
+        if (a.row_used) a.row_used[row] = masked ? 0 : 1;
+      }
+      __syncthreads();
+      continue;
+    }
+    const float lse_t = topk_teacher_lse(a, ib, lp);
+    // The student's lse over the used slots.
+    MaxF m;
+    for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+      const int64_t id = load_index(a.ids, a.ids64, ib + k);
+      if (id >= 0) m.m = fmaxf(m.m, to_float(srow[id]) * inv_t);
+    }
+    m = block_reduce(m);
+    SumF sum;
+    if (m.m != -INFINITY)
+      for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+        const int64_t id = load_index(a.ids, a.ids64, ib + k);
+        if (id >= 0) sum.s += fexp(to_float(srow[id]) * inv_t - m.m);
+      }
+    sum = block_reduce(sum);
+    const float lse_s = m.m == -INFINITY ? -INFINITY : m.m + logf(sum.s);
+    const KdTerm term(a.div, a.beta);
+    LossA la;
+    for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+      const int64_t id = load_index(a.ids, a.ids64, ib + k);
+      if (id >= 0) {
+        float ak;
+        la.loss += term(lp[k] * inv_t - lse_t, to_float(srow[id]) * inv_t - lse_s, &ak);
+        la.A += ak;
+      }
+    }
+    la = block_reduce(la);
+    if (threadIdx.x == 0) {
+      a.row_loss[row] = la.loss * a.t2;
+      if (a.row_used) a.row_used[row] = 1;
+    }
+    if (ds) {
+      // a_k - q_k A at the ids, 0 elsewhere; the ids' values are taken before the zeros go in (in place).
+      const float scale = kd_grad_scale(a, row), A = la.A;
+      for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+        const int64_t id = load_index(a.ids, a.ids64, ib + k);
+        if (id >= 0) {
+          const float zs = to_float(srow[id]) * inv_t;
+          float ak;
+          (void)term(lp[k] * inv_t - lse_t, zs - lse_s, &ak);
+          a.slot_val[row * a.K + k] = ak - fexp(zs - lse_s) * A;
+        }
+      }
+      __syncthreads();
+      fill_slice<Ts>(ds, a.V, 0.f);
+      __syncthreads();
+      for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+        const int64_t id = load_index(a.ids, a.ids64, ib + k);
+        if (id >= 0) ds[id] = from_float<Ts>(a.slot_val[row * a.K + k] * scale);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// ---- MEAN's row count and the reduction -----------------------------------------------------------
+
+// Unmasked rows, for MEAN's gradient scale: a warp per row, integer atomics (exact in any order).
+__global__ void __launch_bounds__(256) kd_count_kernel(const KdArgs a, int* count) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  bool keep = false;
+  if (row < a.N) {  // the same for the whole warp
+    keep = !target_masked(a, row);
+    if (keep && a.ids) {  // a top-K row without a used slot is masked
+      int any = 0;
+      for (int64_t k = lane; k < a.K; k += 32) any |= load_index(a.ids, a.ids64, row * a.ldi + k) >= 0;
+      keep = __any_sync(0xffffffffu, any) != 0;
+    }
+  }
+  const int c = __syncthreads_count(lane == 0 && keep);
+  if (threadIdx.x == 0 && c) atomicAdd(count, c);
+}
+
+// SUM/MEAN of the per-row losses in a fixed order, in fp64; MEAN divides by the unmasked rows (0 if none).
+__global__ void __launch_bounds__(1024) kd_finalize_kernel(const float* row_loss, const int* row_used, int64_t N,
+                                                           int mean, float* out) {
+  double s = 0;
+  long long u = 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
+    s += row_loss[i];
+    u += row_used[i];
+  }
+  s = block_reduce(SumD(s)).s;
+  u = block_reduce(SumL(u)).s;
+  if (threadIdx.x == 0) *out = float(mean ? (u > 0 ? s / double(u) : 0.0) : s);
+}
+
+// ---- host side -------------------------------------------------------------------------------------
+
+bool renormalized(const KdProblem& p) { return p.topk() && p.o.topk_norm == FCE_KD_TOPK_RENORMALIZE; }
+
+RowPlan kd_plan(const fce_handle* h, const KdProblem& p) {
+  if (renormalized(p)) {
+    RowPlan r;
+    r.threads = 128;
+    return r;
+  }
+  const int ss = int(dtype_size(p.student.dtype));
+  const int st = p.topk() ? 0 : int(dtype_size(p.teacher.dtype));
+  return plan_rows(h, p.student.rows, p.student.cols, ss, st);
+}
+
+struct KdWorkspace {
+  int* count = nullptr;
+  float* row_loss = nullptr;
+  int* row_used = nullptr;
+  LossA *ws0 = nullptr, *ws1 = nullptr, *ws2 = nullptr;  // 8-byte partials of any exchange
+  float* slot_val = nullptr;
+  size_t bytes = 0;
+};
+
+KdWorkspace kd_layout(const KdProblem& p, const RowPlan& pl, void* base) {
+  Carver c(base);
+  KdWorkspace w;
+  const size_t N = size_t(p.student.rows), NC = N * size_t(pl.C);
+  if (p.o.reduction == FCE_REDUCTION_MEAN && p.dstudent) w.count = c.take<int>(1);
+  if (p.o.reduction != FCE_REDUCTION_NONE) {
+    w.row_loss = c.take<float>(N);
+    w.row_used = c.take<int>(N);
+  }
+  if (pl.phased) {
+    w.ws0 = c.take<LossA>(NC);
+    w.ws1 = c.take<LossA>(NC);
+    w.ws2 = c.take<LossA>(NC);
+  }
+  if (p.dstudent && p.topk() && (renormalized(p) || !pl.resident))
+    w.slot_val = c.take<float>(N * size_t(p.topk_ids.cols));
+  w.bytes = c.used;
+  return w;
+}
+
+static_assert(sizeof(Max2) == 8 && sizeof(Sum2) == 8 && sizeof(LossA) == 8, "8-byte partials");
+
+// Runs the phases of a row kernel: one fused launch, or one launch per phase.
+template <class Args>
+void run_phases(void (*kernel)(Args), const RowPlan& pl, int64_t N, Args a, cudaStream_t s, const char* what) {
+  if (pl.phased) {
+    for (int ph = 0; ph <= kLastPhase; ++ph) {
+      a.p0 = a.p1 = ph;
+      launch_rows(kernel, pl, N, a, s, what);
+    }
+  } else {
+    a.p0 = 0;
+    a.p1 = kLastPhase;
+    launch_rows(kernel, pl, N, a, s, what);
+  }
+}
+
+}  // namespace
+
+size_t kd_workspace(fce_handle* h, const KdProblem& p) {
+  DeviceGuard guard(h->device_id);
+  return kd_layout(p, kd_plan(h, p), nullptr).bytes;
+}
+
+void kd(fce_handle* h, fce_stream_t stream, const KdProblem& p, Workspace w) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  const int64_t N = p.student.rows, V = p.student.cols;
+  const RowPlan pl = kd_plan(h, p);
+  const KdWorkspace ws = kd_layout(p, pl, w.ptr);
+  const bool reduced = p.o.reduction != FCE_REDUCTION_NONE;
+
+  KdArgs a{};
+  a.s = p.student.data;
+  a.lds = p.student.ld;
+  if (p.topk()) {
+    a.ids = p.topk_ids.data;
+    a.ldi = p.topk_ids.ld;
+    a.ids64 = p.topk_ids.dtype == DType::I64;
+    a.K = p.topk_ids.cols;
+    a.lp = reinterpret_cast<const float*>(p.topk_lp.data);
+    a.ldlp = p.topk_lp.ld;
+  } else {
+    a.t = p.teacher.data;
+    a.ldt = p.teacher.ld;
+    a.t_off = round16(slice_cols(V, pl.C) * int64_t(dtype_size(p.student.dtype)));
+  }
+  a.targets = p.targets ? p.targets.data : nullptr;
+  a.tgt64 = p.targets && p.targets.dtype == DType::I64;
+  a.ignore_index = p.o.ignore_index;
+  a.ds = p.dstudent ? p.dstudent.data : nullptr;
+  a.ldd = p.dstudent ? p.dstudent.ld : 0;
+  a.grad = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) : nullptr;
+  a.grad_scalar = p.grad_loss && p.grad_loss.scalar;
+  a.count = ws.count;
+  a.row_loss = reduced ? ws.row_loss : reinterpret_cast<float*>(p.loss.data);
+  a.row_used = ws.row_used;
+  a.slot_val = ws.slot_val;
+  a.reduction = p.o.reduction;
+  // Generalized JSD at beta 0 / 1 is exactly forward / reverse KL (KdTerm's convention), decided here so
+  // the kernels specialize on it.
+  int div = p.o.divergence;
+  if (div == FCE_KD_JSD && p.o.beta == 0.f) div = FCE_KD_FORWARD_KL;
+  if (div == FCE_KD_JSD && p.o.beta == 1.f) div = FCE_KD_REVERSE_KL;
+  a.div = div;
+  a.beta = p.o.beta;
+  a.inv_t = 1.f / p.o.temperature;
+  a.t2 = p.o.scale_by_t2 ? p.o.temperature * p.o.temperature : 1.f;
+  a.N = N;
+  a.V = V;
+  a.C = pl.C;
+  a.cluster = pl.cluster;
+  a.ws0 = ws.ws0;
+  a.ws1 = ws.ws1;
+  a.ws2 = ws.ws2;
+
+  if (ws.count) {
+    check(cudaMemsetAsync(ws.count, 0, sizeof(int), s), "cudaMemsetAsync (KD row count)");
+    const int64_t blocks = (N + 7) / 8;
+    kd_count_kernel<<<unsigned(blocks), 256, 0, s>>>(a, ws.count);
+    check_launch("KD row-count kernel");
+  }
+  dispatch_float(p.student.dtype, [&](auto stag) {
+    using Ts = decltype(stag);
+    if (renormalized(p)) {
+      const int64_t grid = N < (int64_t(1) << 30) ? N : (int64_t(1) << 30);
+      kd_topk_renorm_kernel<Ts><<<unsigned(grid), pl.threads, 0, s>>>(a);
+      check_launch("KD top-K kernel");
+    } else if (p.topk()) {
+      if (pl.resident) run_phases(kd_topk_kernel<Ts, true>, pl, N, a, s, "KD top-K kernel");
+      else run_phases(kd_topk_kernel<Ts, false>, pl, N, a, s, "KD top-K kernel");
+    } else {
+      dispatch_float(p.teacher.dtype, [&](auto ttag) {
+        using Tt = decltype(ttag);
+        if (!pl.resident) {
+          run_phases(kd_full_kernel<Ts, Tt, -1, false>, pl, N, a, s, "KD kernel");
+        } else if (div == FCE_KD_FORWARD_KL) {
+          run_phases(kd_full_kernel<Ts, Tt, FCE_KD_FORWARD_KL, true>, pl, N, a, s, "KD kernel");
+        } else if (div == FCE_KD_REVERSE_KL) {
+          run_phases(kd_full_kernel<Ts, Tt, FCE_KD_REVERSE_KL, true>, pl, N, a, s, "KD kernel");
+        } else {
+          run_phases(kd_full_kernel<Ts, Tt, FCE_KD_JSD, true>, pl, N, a, s, "KD kernel");
+        }
+      });
+    }
+  });
+  if (reduced) {
+    kd_finalize_kernel<<<1, 1024, 0, s>>>(ws.row_loss, ws.row_used, N, p.o.reduction == FCE_REDUCTION_MEAN,
+                                          reinterpret_cast<float*>(p.loss.data));
+    check_launch("KD finalize kernel");
+  }
 }
 
 }  // namespace fce::cuda

@@ -26,6 +26,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 
@@ -42,11 +43,34 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 extern __shared__ uint4 g_smem[];  // resident row slices
 
-// 2^x by the SFU (relative error ~2^-22, subnormal results kept).
+// 2^x by the SFU (relative error ~2^-22; results below 2^-126 flush to 0).
 __device__ __forceinline__ float ex2(float x) {
   float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Unpacks a 16-byte vector of T by whole 32-bit words, so that a vector read from shared memory stays one
+// 16-byte load (reinterpreting it element by element lets the compiler split it into 2-byte loads).
+template <class T>
+__device__ __forceinline__ void unpack_words(const uint4& raw, float (&v)[kVec<T>]) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
+      v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+    }
+  }
 }
 __device__ __forceinline__ float fexp(float x) { return ex2(x * kLog2e); }
 
@@ -113,32 +137,33 @@ __device__ __forceinline__ bool exchange(const RowCtx& c, int e, P& v, P* ws) {
 // Copies src[0, n) (a row slice in global memory) to the 16-byte aligned shared buffer dst[0, n) and calls
 // f(v, e, cnt) on the values on the way (e relative to the slice, increasing per thread). Global reads are
 // 16-byte vectors, kLoadUnroll in flight per thread; unaligned head and tail elements are read one by one
-// (never anything outside the slice).
+// (never anything outside the slice). A resident slice fits in shared memory, so 32-bit indices do.
 template <class T, class F>
-__device__ __forceinline__ void load_slice(const T* __restrict__ src, int64_t n, T* __restrict__ dst, F&& f) {
+__device__ __forceinline__ void load_slice(const T* __restrict__ src, int n, T* __restrict__ dst, F&& f) {
   constexpr int K = kVec<T>;
-  const int64_t head = unaligned_head(src, nullptr, 0, n);
-  for (int64_t e = threadIdx.x; e < head; e += blockDim.x) {
+  const int head = int(unaligned_head(src, nullptr, 0, n));
+  for (int e = threadIdx.x; e < head; e += blockDim.x) {
     float v[K];
     const T x = src[e];
     dst[e] = x;
     v[0] = to_float(x);
     f(v, e, 1);
   }
-  const int64_t nvec = (n - head) / K;
+  const int nvec = (n - head) / K;
   const uint4* __restrict__ vp = reinterpret_cast<const uint4*>(src + head);
-  for (int64_t base = threadIdx.x; base < nvec; base += int64_t(kLoadUnroll) * blockDim.x) {
+  const int step = int(blockDim.x);
+  for (int base = threadIdx.x; base < nvec; base += kLoadUnroll * step) {
     uint4 raw[kLoadUnroll];
 #pragma unroll
     for (int u = 0; u < kLoadUnroll; ++u) {
-      const int64_t i = base + int64_t(u) * blockDim.x;
+      const int i = base + u * step;
       if (i < nvec) raw[u] = __ldg(vp + i);
     }
 #pragma unroll
     for (int u = 0; u < kLoadUnroll; ++u) {
-      const int64_t i = base + int64_t(u) * blockDim.x;
+      const int i = base + u * step;
       if (i < nvec) {
-        const int64_t e0 = head + i * K;
+        const int e0 = head + i * K;
         if (head == 0) {
           reinterpret_cast<uint4*>(dst)[i] = raw[u];
         } else {  // the slice starts off a 16-byte boundary: shared memory keeps element e at offset e
@@ -152,7 +177,7 @@ __device__ __forceinline__ void load_slice(const T* __restrict__ src, int64_t n,
       }
     }
   }
-  for (int64_t e = head + nvec * K + threadIdx.x; e < n; e += blockDim.x) {
+  for (int e = head + nvec * K + threadIdx.x; e < n; e += blockDim.x) {
     float v[K];
     const T x = src[e];
     dst[e] = x;
@@ -163,16 +188,16 @@ __device__ __forceinline__ void load_slice(const T* __restrict__ src, int64_t n,
 
 // Visits a resident slice sm[0, n): f(v, e, cnt) with cnt = kVec (16-byte shared loads) or 1 (tail).
 template <class T, class F>
-__device__ __forceinline__ void smem_visit(const T* sm, int64_t n, F&& f) {
+__device__ __forceinline__ void smem_visit(const T* sm, int n, F&& f) {
   constexpr int K = kVec<T>;
-  const int64_t ng = n / K;
+  const int ng = n / K;
   const uint4* sv = reinterpret_cast<const uint4*>(sm);
-  for (int64_t g = threadIdx.x; g < ng; g += blockDim.x) {
+  for (int g = threadIdx.x; g < ng; g += blockDim.x) {
     float v[K];
-    unpack<T>(sv[g], v);
+    unpack_words<T>(sv[g], v);
     f(v, g * K, K);
   }
-  for (int64_t e = ng * K + threadIdx.x; e < n; e += blockDim.x) {
+  for (int e = ng * K + threadIdx.x; e < n; e += blockDim.x) {
     float v[K];
     v[0] = to_float(sm[e]);
     f(v, e, 1);
@@ -366,7 +391,7 @@ struct SmArgs {
 
 template <class T, bool kResident, class F>
 __device__ __forceinline__ void sm_visit(const T* x, const T* sm, int64_t n, F&& f) {
-  if constexpr (kResident) smem_visit<T>(sm, n, f);
+  if constexpr (kResident) smem_visit<T>(sm, int(n), f);
   else row_visit<T>(x, 0, n, f);
 }
 
@@ -389,7 +414,7 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
       for (int k = 0; k < K; ++k)
         if (k < cnt) mx.add(v[k], begin + e0 + k);
     };
-    if constexpr (kResident) load_slice<T>(x, n, sm, f);
+    if constexpr (kResident) load_slice<T>(x, int(n), sm, f);
     else row_visit<T>(x, 0, n, f);
     mx = block_reduce(mx);
   }
@@ -432,37 +457,42 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
     else lt = static_cast<T*>(a.logp) + row * a.ldl + begin;
   }
   sm_visit<T, kResident>(x, sm, n, [&](const float(&v)[K], int64_t e0, int cnt) {
-    float p[K], l[K];
+    float d[K], o[K];
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      if (k >= cnt) {
-        p[k] = l[k] = 0.f;
-      } else if (bad) {
-        p[k] = l[k] = NAN;
-      } else if (greedy) {  // one-hot at the first maximum
-        const bool hit = begin + e0 + k == am;
-        p[k] = hit ? 1.f : 0.f;
-        l[k] = hit ? 0.f : -INFINITY;
-      } else {
-        const float d = scaled(v[k]);
-        p[k] = fexp(d) * inv_d;
-        l[k] = d - log_d;
+    for (int k = 0; k < K; ++k) d[k] = k < cnt ? scaled(v[k]) : 0.f;
+    if (pf || pt) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (bad) o[k] = NAN;
+        else if (greedy) o[k] = begin + e0 + k == am ? 1.f : 0.f;  // one-hot at the first maximum
+        else o[k] = fexp(d[k]) * inv_d;
       }
+      if (pf) store_vals<float, K>(pf + e0, o, cnt);
+      else store_vals<T, K>(pt + e0, o, cnt);
     }
-    if (pf) store_vals<float, K>(pf + e0, p, cnt);
-    if (pt) store_vals<T, K>(pt + e0, p, cnt);
-    if (lf) store_vals<float, K>(lf + e0, l, cnt);
-    if (lt) store_vals<T, K>(lt + e0, l, cnt);
+    if (lf || lt) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (bad) o[k] = NAN;
+        else if (greedy) o[k] = begin + e0 + k == am ? 0.f : -INFINITY;
+        else o[k] = d[k] - log_d;
+      }
+      if (lf) store_vals<float, K>(lf + e0, o, cnt);
+      else store_vals<T, K>(lt + e0, o, cnt);
+    }
   });
 }
 
 template <class T, bool kResident>
-__global__ void __launch_bounds__(512) softmax_kernel(const SmArgs a) {
+__global__ void __launch_bounds__(512, 2) softmax_kernel(const SmArgs a) {
   const int rank = int(blockIdx.x % unsigned(a.C));
   const int64_t stride = int64_t(gridDim.x / unsigned(a.C));
   for (int64_t row = blockIdx.x / unsigned(a.C); row < a.N; row += stride) {
     softmax_row<T, kResident>(a, row, rank);
-    if (a.cluster) cluster_sync_all();  // the peers are done with this block's shared memory
+    // The next row may reuse the shared memory only once every thread (and every peer of the cluster)
+    // is done with it.
+    if (a.cluster) cluster_sync_all();
+    else __syncthreads();
   }
 }
 
