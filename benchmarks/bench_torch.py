@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""libfusedce through its PyTorch binding against PyTorch eager, torch.compile and Liger-Kernel.
+
+    python3 benchmarks/bench_torch.py                       # defaults: 8192 tokens, Llama-3 vocab, bf16
+    python3 benchmarks/bench_torch.py --ops ce,linear_ce --tokens 16384 --vocab 49152 --hidden 576
+    FUSEDCE_LIBRARY=build/libfusedce.so python3 benchmarks/bench_torch.py --json out.json
+
+For each op (cross-entropy on [N, V] logits, linear cross-entropy from [N, H] hidden states and a [V, H]
+head, forward-KL distillation on [N, V] student/teacher logits) and each implementation, it times forward +
+backward (median of --iters runs after --warmup, CUDA events), reads the peak CUDA memory above what the
+inputs hold, and checks the loss and gradient against PyTorch eager in fp32. An implementation that is
+missing (Liger not installed) or fails (e.g. the library's CUDA backend reporting
+FCE_STATUS_NOT_IMPLEMENTED, or an out-of-memory) is reported as n/a with the reason; nothing is skipped
+silently. Prints a markdown table; --json also writes the rows.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bindings", "python"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ---- implementations: each returns (loss, [grads]) for fresh leaf inputs ---------------------------
+
+def make_inputs(op, a, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    n, v, h = a.tokens, a.vocab, a.hidden
+    tgt = torch.randint(0, v, (n,), device=device, generator=g)
+    tgt[: n // 16] = -100  # some ignored (padding) tokens
+    if op == "ce":
+        x = (torch.randn(n, v, device=device, generator=g, dtype=torch.float32) * 2).to(dtype)
+        return dict(logits=x, target=tgt)
+    if op == "linear_ce":
+        hid = torch.randn(n, h, device=device, generator=g, dtype=torch.float32).to(dtype)
+        w = (torch.randn(v, h, device=device, generator=g, dtype=torch.float32) * h ** -0.5).to(dtype)
+        return dict(hidden=hid, weight=w, target=tgt)
+    if op == "kd":
+        s = (torch.randn(n, v, device=device, generator=g, dtype=torch.float32) * 2).to(dtype)
+        t = (torch.randn(n, v, device=device, generator=g, dtype=torch.float32) * 2).to(dtype)
+        return dict(student=s, teacher=t, target=tgt)
+    raise ValueError(op)
+
+
+def leaves(op, inp):
+    """The inputs that get gradients, as fresh leaves."""
+    names = {"ce": ["logits"], "linear_ce": ["hidden", "weight"], "kd": ["student"]}[op]
+    out = dict(inp)
+    for k in names:
+        out[k] = inp[k].detach().clone().requires_grad_(True)
+    return out, names
+
+
+def eager(op, a):
+    if op == "ce":
+        return lambda d: F.cross_entropy(d["logits"], d["target"])
+    if op == "linear_ce":
+        return lambda d: F.cross_entropy(F.linear(d["hidden"], d["weight"]).float(), d["target"])
+    T = a.temperature
+
+    def kd(d):
+        mask = (d["target"] != -100).float()
+        lq = F.log_softmax(d["student"].float() / T, -1)
+        lp = F.log_softmax(d["teacher"].float() / T, -1)
+        per = (lp.exp() * (lp - lq)).sum(-1) * mask
+        return per.sum() / mask.sum()
+    return kd
+
+
+def compiled(op, a):
+    return torch.compile(eager(op, a), dynamic=False)
+
+
+def fusedce_impl(op, a):
+    import fusedce.torch as ft
+
+    if op == "ce":
+        return lambda d: ft.cross_entropy(d["logits"], d["target"])
+    if op == "linear_ce":
+        return lambda d: ft.linear_cross_entropy(d["hidden"], d["weight"], d["target"])
+    return lambda d: ft.kd_loss(d["student"], d["teacher"], d["target"], temperature=a.temperature)
+
+
+def liger(op, a):
+    if op == "ce":
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+
+        m = LigerCrossEntropyLoss(ignore_index=-100)
+        return lambda d: m(d["logits"], d["target"])
+    if op == "linear_ce":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        m = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+        return lambda d: m(d["weight"], d["hidden"], d["target"])
+    from liger_kernel.transformers import LigerJSD  # beta = 0 is forward KL(teacher || student)
+
+    m = LigerJSD(beta=0.0, ignore_index=-100)
+    T = a.temperature
+    return lambda d: m(F.log_softmax(d["student"].float() / T, -1), F.log_softmax(d["teacher"].float() / T, -1),
+                       d["target"])
+
+
+IMPLS = [("torch eager", eager), ("torch.compile", compiled), ("liger-kernel", liger), ("fusedce", fusedce_impl)]
+
+
+# ---- measurement ----------------------------------------------------------------------------------
+
+def run_once(fn, op, inp):
+    d, names = leaves(op, inp)
+    loss = fn(d)
+    loss.backward()
+    return loss.detach().float(), [d[k].grad for k in names]
+
+
+def bench(fn, op, inp, a):
+    for _ in range(a.warmup):
+        run_once(fn, op, inp)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(a.iters):
+        d, names = leaves(op, inp)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = fn(d)
+        loss.backward()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        del d, loss
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run_once(fn, op, inp)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return statistics.median(times), peak
+
+
+def compare(ref, got):
+    (lr, gr), (lg, gg) = ref, got
+    loss_err = abs(float(lr) - float(lg))
+    grad_err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(gr, gg))
+    return loss_err, grad_err
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default="ce,linear_ce,kd")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--temperature", type=float, default=2.0)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--impls", default=",".join(n for n, _ in IMPLS))
+    ap.add_argument("--json", help="also write the rows to this file")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_torch.py: needs a CUDA device (torch.cuda.is_available() is False)")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference is true fp32
+    dtype = DTYPES[a.dtype]
+    wanted = set(a.impls.split(","))
+    rows = []
+    dev = torch.cuda.get_device_name()
+    print("# bench_torch.py on %s, torch %s, %s, N=%d V=%d H=%d\n" % (dev, torch.__version__, a.dtype, a.tokens,
+                                                                       a.vocab, a.hidden))
+    print("| op | implementation | fwd+bwd ms | peak extra MiB | loss err vs eager fp32 | grad max err | note |")
+    print("|---|---|---|---|---|---|---|")
+    for op in a.ops.split(","):
+        inp = make_inputs(op, a, dtype, "cuda")
+        ref_inp = {k: (v.float() if v.is_floating_point() else v) for k, v in inp.items()}
+        ref = run_once(eager(op, a), op, ref_inp)
+        for name, factory in IMPLS:
+            if name not in wanted:
+                continue
+            row = dict(op=op, impl=name, ms=None, peak_mib=None, loss_err=None, grad_err=None, note="")
+            try:
+                fn = factory(op, a)
+                got = run_once(fn, op, inp)
+                row["loss_err"], row["grad_err"] = compare(ref, got)
+                del got
+                ms, peak = bench(fn, op, inp, a)
+                row["ms"], row["peak_mib"] = ms, peak / 2 ** 20
+            except ImportError as e:
+                row["note"] = "n/a: not importable (%s)" % e
+            except Exception as e:  # noqa: BLE001 - report every failure as a row, keep going
+                row["note"] = "n/a: %s: %s" % (type(e).__name__, str(e).splitlines()[0][:160] if str(e) else "")
+                if os.environ.get("BENCH_TRACEBACK"):
+                    traceback.print_exc()
+            torch.cuda.empty_cache()
+            rows.append(row)
+
+            def f(x, fmt):
+                return fmt % x if x is not None else "-"
+
+            print("| %s | %s | %s | %s | %s | %s | %s |" % (op, name, f(row["ms"], "%.3f"), f(row["peak_mib"], "%.0f"),
+                                                           f(row["loss_err"], "%.2e"), f(row["grad_err"], "%.2e"),
+                                                           row["note"]), flush=True)
+        del inp, ref_inp, ref
+        torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(device=dev, torch=torch.__version__, args=vars(a), rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

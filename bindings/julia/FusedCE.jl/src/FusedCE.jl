@@ -1,0 +1,548 @@
+"""
+    FusedCE
+
+Julia interface to libfusedce, fused kernels for the losses at the end of a language model.
+
+Layout convention (Julia is column-major, the library row-major): **a C tensor `[A, B]` is a Julia
+`B×A` matrix**, i.e. the library's rows are Julia's columns.
+
+| C argument            | Julia argument                                  |
+|:----------------------|:------------------------------------------------|
+| logits `[N, V]`       | `V×N` matrix, one column per token               |
+| targets `[N]`         | `Vector` of **1-based** class indices            |
+| hidden `[N, H]`       | `H×N` matrix                                     |
+| weight `[V, H]`       | `H×V` matrix (a Flux `Embedding` weight as is; a `Dense(H=>V)` weight needs `permutedims`) |
+| top-K ids `[N, K]`    | `K×N` matrix of 1-based ids; an id ≤ 0 marks an unused slot |
+
+Class indices are 1-based everywhere (targets, `argmax` outputs, top-K ids, `ignore_index`); the
+binding subtracts 1 before calling the library, so `ignore_index = 0` works as well as the default -100.
+Any strided array works as long as its first dimension has unit stride (a view of a padded matrix
+is fine). Element types: `Float32`, `Float16`, any 16-bit type named `BFloat16` (BFloat16s.jl) for
+floating data; `Int32`/`Int64` for indices. Options are keyword arguments whose defaults are the header's
+`*_INIT` macros. Failures throw `FusedCEError` carrying the library's message.
+"""
+module FusedCE
+
+using Libdl
+
+include("LibFusedCE.jl")
+using .LibFusedCE
+const L = LibFusedCE
+
+export Handle, FusedCEError, default_handle, library_path, version, abi_version,
+       cross_entropy, cross_entropy_fwd, cross_entropy_bwd, logsumexp, temp_softmax,
+       kd_loss, kd_loss_topk, linear_cross_entropy, linear_cross_entropy_fwd, linear_cross_entropy_bwd
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+const _lib = Ref{Ptr{Cvoid}}(C_NULL)
+const _libpath = Ref{String}("")
+
+"""
+Where the library is looked for: `ENV["FUSEDCE_LIBRARY"]` (a file, or a folder holding libfusedce.so),
+then the in-tree build (`<repo>/build/libfusedce.so`), then the system loader (`libfusedce.so.<ABI>`).
+"""
+function _library_candidates()
+    c = String[]
+    env = get(ENV, "FUSEDCE_LIBRARY", "")
+    if !isempty(env)
+        push!(c, abspath(isdir(env) ? joinpath(env, "libfusedce.so") : env))
+        return c  # an explicit choice is never silently replaced
+    end
+    intree = normpath(joinpath(@__DIR__, "..", "..", "..", "..", "build", "libfusedce.so"))
+    isfile(intree) && push!(c, intree)
+    push!(c, "libfusedce.so.$(L.FCE_ABI_VERSION)")
+    push!(c, "libfusedce")
+    return c
+end
+
+function __init__()
+    cands = _library_candidates()
+    lib = nothing
+    for p in cands
+        lib = Libdl.dlopen(p, Libdl.RTLD_LAZY | Libdl.RTLD_LOCAL; throw_error = false)
+        lib === nothing || break
+    end
+    lib === nothing && error("FusedCE: cannot load libfusedce (tried $(join(cands, ", "))); set " *
+                             "ENV[\"FUSEDCE_LIBRARY\"] to the library's path")
+    L.load_library!(lib)
+    abi = L.fce_abi_version()
+    if abi != L.FCE_ABI_VERSION
+        error("FusedCE: $(Libdl.dlpath(lib)) has ABI $(abi), these bindings were generated for ABI " *
+              "$(L.FCE_ABI_VERSION); regenerate them (tools/gen_julia.py)")
+    end
+    _lib[] = lib
+    _libpath[] = Libdl.dlpath(lib)
+    empty!(_handles)
+    return nothing
+end
+
+"Path of the loaded libfusedce."
+library_path() = _libpath[]
+"Version of the loaded library (`fce_version_string`)."
+version() = VersionNumber(unsafe_string(L.fce_version_string()))
+"Version of the header these bindings were generated from."
+header_version() = VersionNumber(L.FCE_VERSION_MAJOR, L.FCE_VERSION_MINOR, L.FCE_VERSION_PATCH)
+"ABI version of the loaded library."
+abi_version() = Int(L.fce_abi_version())
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------------
+
+# status value -> name, from the generated constants (no hand-written list to drift)
+const _STATUS_NAMES = Dict{UInt32,String}()
+for n in names(L; all = true)
+    s = string(n)
+    if startswith(s, "FCE_STATUS_")
+        _STATUS_NAMES[UInt32(getfield(L, n))] = s[length("FCE_STATUS_")+1:end]
+    end
+end
+
+"""
+    FusedCEError
+
+A failed libfusedce call: `status` (the `fce_status_t` value), `name` (e.g. `"SHAPE_MISMATCH"`),
+`func` (the C entry point) and `message` (`fce_last_error_message()`, or the status text).
+"""
+struct FusedCEError <: Exception
+    status::UInt32
+    name::String
+    func::Symbol
+    message::String
+end
+
+Base.showerror(io::IO, e::FusedCEError) =
+    print(io, "FusedCEError: ", e.func, " returned FCE_STATUS_", e.name, ": ", e.message)
+
+function _check(status, func::Symbol)
+    status == L.FCE_STATUS_SUCCESS && return nothing
+    detail = unsafe_string(L.fce_last_error_message())
+    text = unsafe_string(L.fce_status_string(status))
+    name = get(_STATUS_NAMES, UInt32(status), "UNKNOWN($(Int(status)))")
+    throw(FusedCEError(UInt32(status), name, func, isempty(detail) ? text : detail))
+end
+
+# ------------------------------------------------------------------------------------------------
+# Handles
+# ------------------------------------------------------------------------------------------------
+
+"""
+    Handle(device = :cpu, id = 0)
+
+A library handle for one device (`:cpu` or `:cuda`), freed by a finalizer (or `close`). One handle may
+be used by one thread at a time; `default_handle()` gives each thread its own CPU handle.
+"""
+mutable struct Handle
+    ptr::L.fce_handle_t
+    device::Symbol
+    id::Int
+    function Handle(device::Symbol = :cpu, id::Integer = 0)
+        dt = device === :cpu ? L.kDLCPU : device === :cuda ? L.kDLCUDA :
+             throw(ArgumentError("device must be :cpu or :cuda, got :$device"))
+        r = Ref{L.fce_handle_t}(C_NULL)
+        _check(L.fce_handle_create(Int32(dt), Int32(id), r), :fce_handle_create)
+        h = new(r[], device, Int(id))
+        finalizer(_destroy!, h)
+        return h
+    end
+end
+
+function _destroy!(h::Handle)
+    if h.ptr != C_NULL
+        L.fce_handle_destroy(h.ptr)
+        h.ptr = C_NULL
+    end
+    return nothing
+end
+Base.close(h::Handle) = _destroy!(h)
+Base.show(io::IO, h::Handle) = print(io, "FusedCE.Handle(:", h.device, ", ", h.id, h.ptr == C_NULL ? ", closed)" : ")")
+
+const _handles = Dict{Int,Handle}()
+const _handles_lock = ReentrantLock()
+
+"The calling thread's CPU handle, created on first use."
+function default_handle()
+    tid = Threads.threadid()
+    lock(_handles_lock) do
+        get!(() -> Handle(:cpu), _handles, tid)
+    end
+end
+
+function _ptr(h::Handle)
+    h.ptr == C_NULL && throw(ArgumentError("the FusedCE.Handle was closed"))
+    return h.ptr
+end
+
+# ------------------------------------------------------------------------------------------------
+# Arrays as DLTensors
+# ------------------------------------------------------------------------------------------------
+
+_dltype(::Type{Float32}) = L.DLDataType(L.kDLFloat, 32, 1)
+_dltype(::Type{Float16}) = L.DLDataType(L.kDLFloat, 16, 1)
+_dltype(::Type{Float64}) = L.DLDataType(L.kDLFloat, 64, 1)  # the library reports it as unsupported
+_dltype(::Type{Int32}) = L.DLDataType(L.kDLInt, 32, 1)
+_dltype(::Type{Int64}) = L.DLDataType(L.kDLInt, 64, 1)
+function _dltype(::Type{T}) where {T}
+    if nameof(T) === :BFloat16 && isbitstype(T) && sizeof(T) == 2
+        return L.DLDataType(L.kDLBfloat, 16, 1)
+    end
+    throw(ArgumentError("FusedCE: arrays of $T cannot be passed to libfusedce " *
+                        "(Float32, Float16, BFloat16, Int32 or Int64)"))
+end
+
+"""
+A DLTensor describing a Julia array, with what it points into (the array, the shape and stride
+vectors) kept reachable: hold it in `GC.@preserve` while the pointer is in use.
+"""
+struct Tensor
+    ref::Base.RefValue{L.DLTensor}
+    shape::Vector{Int64}
+    strides::Vector{Int64}
+    array::Any
+end
+
+function Tensor(x::AbstractArray{T}) where {T}
+    x isa StridedArray ||
+        throw(ArgumentError("FusedCE: a $(typeof(x)) has no strided memory layout; pass collect(x)"))
+    n = ndims(x)
+    shape = Int64[size(x, n - i + 1) for i in 1:n]        # C's axes are Julia's reversed
+    strides_ = Int64[stride(x, n - i + 1) for i in 1:n]
+    dl = L.DLTensor(convert(Ptr{Cvoid}, pointer(x)), L.DLDevice(L.kDLCPU, 0), Cint(n), _dltype(T),
+                    pointer(shape), pointer(strides_), UInt64(0))
+    return Tensor(Ref(dl), shape, strides_, x)
+end
+
+_tensor(::Nothing) = nothing
+_tensor(x::AbstractArray) = Tensor(x)
+_tensor(x::Real) = Tensor(fill(Float32(x)))                 # a 0-dimensional fp32 scalar
+
+_ptr(t::Tensor) = Base.unsafe_convert(Ptr{L.DLTensor}, t.ref)
+_ptr(::Nothing) = Ptr{L.DLTensor}(C_NULL)
+
+# 1-based Julia class indices -> the library's 0-based ones. Shifting everything (ignore_index too)
+# by one is a bijection, so no target can become or stop being ignored.
+function _indices0(t::AbstractArray{<:Integer})
+    T = eltype(t) === Int32 ? Int32 : Int64
+    out = similar(t, T)
+    @inbounds for i in eachindex(t, out)
+        out[i] = T(t[i]) - one(T)
+    end
+    return out
+end
+
+# An output argument: false/nothing = not requested, true = allocate with `make()`, an array = use it.
+_out(x::Bool, make) = x ? make() : nothing
+_out(::Nothing, make) = nothing
+_out(x::AbstractArray, make) = x
+
+_vecf32(n) = Vector{Float32}(undef, n)
+_loss_buffer(reduction::Symbol, n) = reduction === :none ? Vector{Float32}(undef, n) : fill(NaN32)
+_scalar_or_vec(x) = x isa AbstractArray && ndims(x) == 0 ? x[] : x
+
+const _REDUCTIONS = Dict(:none => L.FCE_REDUCTION_NONE, :sum => L.FCE_REDUCTION_SUM,
+                         :mean => L.FCE_REDUCTION_MEAN)
+const _REDUCTION_NAMES = Dict(v => k for (k, v) in _REDUCTIONS)
+const _DIVERGENCES = Dict(:forward_kl => L.FCE_KD_FORWARD_KL, :reverse_kl => L.FCE_KD_REVERSE_KL,
+                          :jsd => L.FCE_KD_JSD)
+const _DIVERGENCE_NAMES = Dict(v => k for (k, v) in _DIVERGENCES)
+const _TOPK_NORMS = Dict(:full_vocab => L.FCE_KD_TOPK_FULL_VOCAB, :renormalize => L.FCE_KD_TOPK_RENORMALIZE)
+const _TOPK_NORM_NAMES = Dict(v => k for (k, v) in _TOPK_NORMS)
+
+function _enum(table, name::Symbol, what)
+    haskey(table, name) || throw(ArgumentError("$what must be one of $(sort(collect(keys(table)))), got :$name"))
+    return Int32(table[name])
+end
+
+# Defaults: the header's initializer macros.
+const _CE = L.FCE_CE_OPTIONS_INIT
+const _LSE = L.FCE_LSE_OPTIONS_INIT
+const _SM = L.FCE_SOFTMAX_OPTIONS_INIT
+const _KD = L.FCE_KD_OPTIONS_INIT
+const _DEF_REDUCTION = _REDUCTION_NAMES[UInt32(_CE.reduction)]
+const _DEF_KD_REDUCTION = _REDUCTION_NAMES[UInt32(_KD.reduction)]
+const _DEF_DIVERGENCE = _DIVERGENCE_NAMES[UInt32(_KD.divergence)]
+const _DEF_TOPK_NORM = _TOPK_NORM_NAMES[UInt32(_KD.topk_norm)]
+
+function _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, cw::Union{Nothing,Tensor})
+    # the library's ignore_index is 0-based like its targets
+    return Ref(L.fce_ce_options_t(_CE.struct_size, _enum(_REDUCTIONS, reduction, "reduction"),
+                                  Int64(ignore_index) - 1, Float32(label_smoothing), Float32(z_loss_scale),
+                                  Float32(softcap), Float32(logit_scale), _ptr(cw)))
+end
+
+# ------------------------------------------------------------------------------------------------
+# Cross-entropy
+# ------------------------------------------------------------------------------------------------
+
+"""
+    cross_entropy_fwd(logits, targets; reduction=:mean, ignore_index=-100, label_smoothing=0,
+                      z_loss_scale=0, softcap=0, logit_scale=1, class_weights=nothing,
+                      lse=true, z_loss=false, argmax=false, entropy=false, dlogits=false,
+                      grad_loss=nothing, argmax_type=Int64, handle=default_handle())
+
+Cross-entropy of `logits` (`V×N`) against 1-based `targets` (length N); see the header's
+`fce_ce_options_t` for the math. Each output keyword is `false` (not computed), `true` (allocated) or
+an array to write into (`dlogits = logits` computes the gradient in place). Returns a NamedTuple
+`(loss, lse, z_loss, argmax, entropy, dlogits)`, `nothing` for outputs not asked for; `loss` and
+`z_loss` are `Float32` scalars for `:sum`/`:mean` and vectors for `:none`; `argmax` is 1-based.
+"""
+function cross_entropy_fwd(logits::AbstractMatrix, targets::AbstractVector{<:Integer};
+                           reduction::Symbol = _DEF_REDUCTION, ignore_index::Integer = _CE.ignore_index,
+                           label_smoothing::Real = _CE.label_smoothing, z_loss_scale::Real = _CE.z_loss_scale,
+                           softcap::Real = _CE.softcap, logit_scale::Real = _CE.logit_scale,
+                           class_weights::Union{Nothing,AbstractVector} = nothing,
+                           lse = true, z_loss = false, argmax = false, entropy = false, dlogits = false,
+                           grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                           argmax_type::Type{<:Union{Int32,Int64}} = Int64, handle::Handle = default_handle())
+    N = size(logits, 2)
+    loss_a = _loss_buffer(reduction, N)
+    lse_a = _out(lse, () -> _vecf32(N))
+    zl_a = _out(z_loss, () -> _loss_buffer(reduction, N))
+    am_a = _out(argmax, () -> Vector{argmax_type}(undef, N))
+    ent_a = _out(entropy, () -> _vecf32(N))
+    dl_a = _out(dlogits, () -> similar(logits))
+    tl, tt, tcw, tloss, tlse, tzl, tam, tent, tdl, tg =
+        Tensor(logits), Tensor(_indices0(targets)), _tensor(class_weights), Tensor(loss_a), _tensor(lse_a),
+        _tensor(zl_a), _tensor(am_a), _tensor(ent_a), _tensor(dl_a), _tensor(grad_loss)
+    GC.@preserve tl tt tcw tloss tlse tzl tam tent tdl tg begin
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
+        outs = Ref(L.fce_ce_outputs_t(L.FCE_CE_OUTPUTS_INIT.struct_size, _ptr(tloss), _ptr(tlse), _ptr(tzl),
+                                      _ptr(tam), _ptr(tent), _ptr(tdl), _ptr(tg)))
+        _check(L.fce_cross_entropy_fwd(_ptr(handle), C_NULL, _ptr(tl), _ptr(tt), opts, outs, C_NULL, 0),
+               :fce_cross_entropy_fwd)
+    end
+    am_a === nothing || (am_a .+= one(eltype(am_a)))
+    return (loss = _scalar_or_vec(loss_a), lse = lse_a, z_loss = zl_a === nothing ? nothing : _scalar_or_vec(zl_a),
+            argmax = am_a, entropy = ent_a, dlogits = dl_a)
+end
+
+"""
+    cross_entropy(logits, targets; kwargs...)
+
+The loss alone (a `Float32` for `:mean`/`:sum`, a vector for `:none`); keywords as `cross_entropy_fwd`.
+"""
+cross_entropy(logits::AbstractMatrix, targets::AbstractVector{<:Integer}; kw...) =
+    cross_entropy_fwd(logits, targets; lse = false, kw...).loss
+
+"""
+    cross_entropy_bwd(logits, targets, lse; grad_loss=nothing, dlogits=similar(logits), options...)
+
+Gradient of the cross-entropy with respect to `logits`, from the `lse` saved by `cross_entropy_fwd`
+with the same options, times `grad_loss` (a number, or a vector for `reduction = :none`). Returns dlogits.
+"""
+function cross_entropy_bwd(logits::AbstractMatrix, targets::AbstractVector{<:Integer}, lse::AbstractVector;
+                           reduction::Symbol = _DEF_REDUCTION, ignore_index::Integer = _CE.ignore_index,
+                           label_smoothing::Real = _CE.label_smoothing, z_loss_scale::Real = _CE.z_loss_scale,
+                           softcap::Real = _CE.softcap, logit_scale::Real = _CE.logit_scale,
+                           class_weights::Union{Nothing,AbstractVector} = nothing,
+                           grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                           dlogits::AbstractMatrix = similar(logits), handle::Handle = default_handle())
+    tl, tt, tlse, tg, tcw, tdl = Tensor(logits), Tensor(_indices0(targets)), Tensor(lse), _tensor(grad_loss),
+                                 _tensor(class_weights), Tensor(dlogits)
+    GC.@preserve tl tt tlse tg tcw tdl begin
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
+        _check(L.fce_cross_entropy_bwd(_ptr(handle), C_NULL, _ptr(tl), _ptr(tt), _ptr(tlse), _ptr(tg), opts,
+                                       _ptr(tdl), C_NULL, 0), :fce_cross_entropy_bwd)
+    end
+    return dlogits
+end
+
+# ------------------------------------------------------------------------------------------------
+# Logsumexp and temperature softmax
+# ------------------------------------------------------------------------------------------------
+
+"""
+    logsumexp(x; scale=1, out=Vector{Float32}(undef, size(x, 2)), handle=default_handle())
+
+`log(sum(exp.(scale .* x[:, n])))` for every column `n` of `x` (`V×N`), in Float32.
+"""
+function logsumexp(x::AbstractMatrix; scale::Real = _LSE.scale, out::AbstractVector = _vecf32(size(x, 2)),
+                   handle::Handle = default_handle())
+    tx, to = Tensor(x), Tensor(out)
+    GC.@preserve tx to begin
+        opts = Ref(L.fce_lse_options_t(_LSE.struct_size, Float32(scale)))
+        _check(L.fce_logsumexp(_ptr(handle), C_NULL, _ptr(tx), opts, _ptr(to), C_NULL, 0), :fce_logsumexp)
+    end
+    return out
+end
+
+"""
+    temp_softmax(logits; temperature=1, temperatures=nothing, probs=true, logprobs=false,
+                 eltype=Float32, handle=default_handle())
+
+Softmax of every column of `logits` (`V×N`) at a temperature (`temperatures`: one per column,
+overriding `temperature`); 0 is greedy (one-hot at the first maximum). `probs`/`logprobs`: `false`,
+`true` (allocated with element type `eltype`: Float32 or the logits' type) or an array (`probs = logits`
+works in place). Returns `(probs, logprobs)`.
+"""
+function temp_softmax(logits::AbstractMatrix; temperature::Real = _SM.temperature,
+                      temperatures::Union{Nothing,AbstractVector} = nothing, probs = true, logprobs = false,
+                      eltype::Type = Float32, handle::Handle = default_handle())
+    p_a = _out(probs, () -> similar(logits, eltype))
+    lp_a = _out(logprobs, () -> similar(logits, eltype))
+    tx, tts, tp, tlp = Tensor(logits), _tensor(temperatures), _tensor(p_a), _tensor(lp_a)
+    GC.@preserve tx tts tp tlp begin
+        opts = Ref(L.fce_softmax_options_t(_SM.struct_size, Float32(temperature), _ptr(tts)))
+        _check(L.fce_temp_softmax(_ptr(handle), C_NULL, _ptr(tx), opts, _ptr(tp), _ptr(tlp), C_NULL, 0),
+               :fce_temp_softmax)
+    end
+    return (probs = p_a, logprobs = lp_a)
+end
+
+# ------------------------------------------------------------------------------------------------
+# Knowledge distillation
+# ------------------------------------------------------------------------------------------------
+
+function _kd(student, teacher_logits, topk_ids, topk_logprobs, targets, divergence, beta, temperature,
+             scale_by_t2, topk_norm, reduction, ignore_index, dstudent, grad_loss, handle)
+    N = size(student, 2)
+    loss_a = _loss_buffer(reduction, N)
+    ds_a = _out(dstudent, () -> similar(student))
+    ts, ttl, tid, tlp, ttg, tloss, tds, tg =
+        Tensor(student), _tensor(teacher_logits), _tensor(topk_ids === nothing ? nothing : _indices0(topk_ids)),
+        _tensor(topk_logprobs), _tensor(targets === nothing ? nothing : _indices0(targets)), Tensor(loss_a),
+        _tensor(ds_a), _tensor(grad_loss)
+    GC.@preserve ts ttl tid tlp ttg tloss tds tg begin
+        teacher = Ref(L.fce_kd_teacher_t(L.FCE_KD_TEACHER_INIT.struct_size, _ptr(ttl), _ptr(tid), _ptr(tlp)))
+        opts = Ref(L.fce_kd_options_t(_KD.struct_size, _enum(_DIVERGENCES, divergence, "divergence"),
+                                      Float32(beta), Float32(temperature), Int32(scale_by_t2 ? 1 : 0),
+                                      _enum(_TOPK_NORMS, topk_norm, "topk_norm"),
+                                      _enum(_REDUCTIONS, reduction, "reduction"), Int64(ignore_index) - 1))
+        outs = Ref(L.fce_kd_outputs_t(L.FCE_KD_OUTPUTS_INIT.struct_size, _ptr(tloss), _ptr(tds), _ptr(tg)))
+        _check(L.fce_kd_loss(_ptr(handle), C_NULL, _ptr(ts), teacher, _ptr(ttg), opts, outs, C_NULL, 0),
+               :fce_kd_loss)
+    end
+    return (loss = _scalar_or_vec(loss_a), dstudent = ds_a)
+end
+
+"""
+    kd_loss(student, teacher; targets=nothing, divergence=:forward_kl, beta=0.5, temperature=1,
+            scale_by_t2=false, reduction=:mean, ignore_index=-100, dstudent=false, grad_loss=nothing,
+            handle=default_handle())
+
+Distillation divergence between the student's and the teacher's softmax at `temperature`, per column of
+`student`/`teacher` (`V×N` each): `:forward_kl` KL(teacher‖student), `:reverse_kl`, or `:jsd` (generalized,
+weight `beta`). Columns whose 1-based target equals `ignore_index` are masked; `:mean` is batchmean
+over unmasked columns. `dstudent = true` (or an array) also returns the gradient. Returns `(loss, dstudent)`.
+"""
+function kd_loss(student::AbstractMatrix, teacher::AbstractMatrix;
+                 targets::Union{Nothing,AbstractVector{<:Integer}} = nothing, divergence::Symbol = _DEF_DIVERGENCE,
+                 beta::Real = _KD.beta, temperature::Real = _KD.temperature, scale_by_t2::Bool = _KD.scale_by_t2 != 0,
+                 reduction::Symbol = _DEF_KD_REDUCTION, ignore_index::Integer = _KD.ignore_index,
+                 dstudent = false, grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                 handle::Handle = default_handle())
+    return _kd(student, teacher, nothing, nothing, targets, divergence, beta, temperature, scale_by_t2,
+               _DEF_TOPK_NORM, reduction, ignore_index, dstudent, grad_loss, handle)
+end
+
+"""
+    kd_loss_topk(student, topk_ids, topk_logprobs; topk_norm=:full_vocab, other keywords as kd_loss)
+
+Distillation from a top-K teacher: `topk_ids` (`K×N`, 1-based; ids ≤ 0 are unused slots) and
+`topk_logprobs` (`K×N` Float32, log-probabilities at temperature 1). The teacher's distribution is
+renormalized over its K ids; `topk_norm` says whether the student's log-probs are over the full vocabulary
+(`:full_vocab`) or renormalized over the K ids (`:renormalize`).
+"""
+function kd_loss_topk(student::AbstractMatrix, topk_ids::AbstractMatrix{<:Integer}, topk_logprobs::AbstractMatrix;
+                      targets::Union{Nothing,AbstractVector{<:Integer}} = nothing, divergence::Symbol = _DEF_DIVERGENCE,
+                      beta::Real = _KD.beta, temperature::Real = _KD.temperature,
+                      scale_by_t2::Bool = _KD.scale_by_t2 != 0, topk_norm::Symbol = _DEF_TOPK_NORM,
+                      reduction::Symbol = _DEF_KD_REDUCTION, ignore_index::Integer = _KD.ignore_index,
+                      dstudent = false, grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                      handle::Handle = default_handle())
+    return _kd(student, nothing, topk_ids, topk_logprobs, targets, divergence, beta, temperature, scale_by_t2,
+               topk_norm, reduction, ignore_index, dstudent, grad_loss, handle)
+end
+
+# ------------------------------------------------------------------------------------------------
+# Linear cross-entropy
+# ------------------------------------------------------------------------------------------------
+
+"""
+    linear_cross_entropy_fwd(hidden, weight, targets; bias=nothing, <cross-entropy options>,
+                             lse=true, z_loss=false, argmax=false, entropy=false,
+                             dhidden=false, dweight=false, dbias=false, grad_loss=nothing,
+                             argmax_type=Int64, handle=default_handle())
+
+Cross-entropy of the logits `weight' * hidden (+ bias)` without materializing them: `hidden` is `H×N`,
+`weight` `H×V` (the C `[V,H]`), `bias` a length-V vector, `targets` 1-based. Gradients asked for
+(`true` or an array) are computed in the same call. Returns
+`(loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias)`.
+"""
+function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer};
+                                  bias::Union{Nothing,AbstractVector} = nothing,
+                                  reduction::Symbol = _DEF_REDUCTION, ignore_index::Integer = _CE.ignore_index,
+                                  label_smoothing::Real = _CE.label_smoothing, z_loss_scale::Real = _CE.z_loss_scale,
+                                  softcap::Real = _CE.softcap, logit_scale::Real = _CE.logit_scale,
+                                  class_weights::Union{Nothing,AbstractVector} = nothing,
+                                  lse = true, z_loss = false, argmax = false, entropy = false,
+                                  dhidden = false, dweight = false, dbias = false,
+                                  grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                                  argmax_type::Type{<:Union{Int32,Int64}} = Int64, handle::Handle = default_handle())
+    N = size(hidden, 2)
+    loss_a = _loss_buffer(reduction, N)
+    lse_a = _out(lse, () -> _vecf32(N))
+    zl_a = _out(z_loss, () -> _loss_buffer(reduction, N))
+    am_a = _out(argmax, () -> Vector{argmax_type}(undef, N))
+    ent_a = _out(entropy, () -> _vecf32(N))
+    dh_a = _out(dhidden, () -> similar(hidden))
+    dw_a = _out(dweight, () -> similar(weight))
+    db_a = _out(dbias, () -> bias === nothing ? throw(ArgumentError("dbias needs a bias")) : similar(bias))
+    th, tw, tb, tt, tcw = Tensor(hidden), Tensor(weight), _tensor(bias), Tensor(_indices0(targets)), _tensor(class_weights)
+    tloss, tlse, tzl, tam, tent, tdh, tdw, tdb, tg = Tensor(loss_a), _tensor(lse_a), _tensor(zl_a), _tensor(am_a),
+        _tensor(ent_a), _tensor(dh_a), _tensor(dw_a), _tensor(db_a), _tensor(grad_loss)
+    GC.@preserve th tw tb tt tcw tloss tlse tzl tam tent tdh tdw tdb tg begin
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
+        outs = Ref(L.fce_linear_ce_outputs_t(L.FCE_LINEAR_CE_OUTPUTS_INIT.struct_size, _ptr(tloss), _ptr(tlse),
+                                             _ptr(tzl), _ptr(tam), _ptr(tent), _ptr(tdh), _ptr(tdw), _ptr(tdb),
+                                             _ptr(tg)))
+        _check(L.fce_linear_cross_entropy_fwd(_ptr(handle), C_NULL, _ptr(th), _ptr(tw), _ptr(tb), _ptr(tt), opts,
+                                              outs, C_NULL, 0), :fce_linear_cross_entropy_fwd)
+    end
+    am_a === nothing || (am_a .+= one(eltype(am_a)))
+    return (loss = _scalar_or_vec(loss_a), lse = lse_a, z_loss = zl_a === nothing ? nothing : _scalar_or_vec(zl_a),
+            argmax = am_a, entropy = ent_a, dhidden = dh_a, dweight = dw_a, dbias = db_a)
+end
+
+"The loss alone; keywords as `linear_cross_entropy_fwd`."
+linear_cross_entropy(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer}; kw...) =
+    linear_cross_entropy_fwd(hidden, weight, targets; lse = false, kw...).loss
+
+"""
+    linear_cross_entropy_bwd(hidden, weight, targets, lse; bias=nothing, <cross-entropy options>,
+                             dhidden=true, dweight=true, dbias=(bias !== nothing), grad_loss=nothing,
+                             handle=default_handle())
+
+Gradients of linear cross-entropy from the forward's `lse` (same options), recomputing the logits chunk
+by chunk. Returns `(dhidden, dweight, dbias)`.
+"""
+function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer},
+                                  lse::AbstractVector; bias::Union{Nothing,AbstractVector} = nothing,
+                                  reduction::Symbol = _DEF_REDUCTION, ignore_index::Integer = _CE.ignore_index,
+                                  label_smoothing::Real = _CE.label_smoothing, z_loss_scale::Real = _CE.z_loss_scale,
+                                  softcap::Real = _CE.softcap, logit_scale::Real = _CE.logit_scale,
+                                  class_weights::Union{Nothing,AbstractVector} = nothing,
+                                  dhidden = true, dweight = true, dbias = bias !== nothing,
+                                  grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                                  handle::Handle = default_handle())
+    dh_a = _out(dhidden, () -> similar(hidden))
+    dw_a = _out(dweight, () -> similar(weight))
+    db_a = _out(dbias, () -> bias === nothing ? throw(ArgumentError("dbias needs a bias")) : similar(bias))
+    th, tw, tb, tt, tlse, tcw = Tensor(hidden), Tensor(weight), _tensor(bias), Tensor(_indices0(targets)),
+                                Tensor(lse), _tensor(class_weights)
+    tdh, tdw, tdb, tg = _tensor(dh_a), _tensor(dw_a), _tensor(db_a), _tensor(grad_loss)
+    GC.@preserve th tw tb tt tlse tcw tdh tdw tdb tg begin
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
+        o = L.FCE_LINEAR_CE_OUTPUTS_INIT
+        outs = Ref(L.fce_linear_ce_outputs_t(o.struct_size, o.loss, o.lse, o.z_loss, o.argmax, o.entropy,
+                                             _ptr(tdh), _ptr(tdw), _ptr(tdb), _ptr(tg)))
+        _check(L.fce_linear_cross_entropy_bwd(_ptr(handle), C_NULL, _ptr(th), _ptr(tw), _ptr(tb), _ptr(tt),
+                                              _ptr(tlse), opts, outs, C_NULL, 0), :fce_linear_cross_entropy_bwd)
+    end
+    return (dhidden = dh_a, dweight = dw_a, dbias = db_a)
+end
+
+end # module FusedCE

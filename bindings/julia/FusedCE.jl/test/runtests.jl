@@ -1,0 +1,369 @@
+# Tests of FusedCE.jl on the CPU backend: every op against Float64 references written here, bad input,
+# and the version. Run by meson (suite `julia`) as
+#   bindings/julia/run-julia.sh --project=bindings/julia/FusedCE.jl bindings/julia/FusedCE.jl/test/runtests.jl
+# with FUSEDCE_LIBRARY pointing at the build's libfusedce.so and FUSEDCE_EXPECTED_VERSION at the
+# project's version.
+using Test
+using Random
+using FusedCE
+const L = FusedCE.LibFusedCE
+
+Random.seed!(20240607)
+
+# ------------------------------------------------------------------------------------------------
+# Float64 references (columns are rows: X is V×N)
+# ------------------------------------------------------------------------------------------------
+
+lse64(z) = (m = maximum(z); m == -Inf ? -Inf : m + log(sum(exp.(z .- m))))
+logsoftmax64(z) = z .- lse64(z)
+
+function ce_ref(X, t; reduction = :mean, ignore_index = -100, label_smoothing = 0.0, z_loss_scale = 0.0,
+                softcap = 0.0, logit_scale = 1.0, class_weights = nothing)
+    V, N = size(X)
+    w = class_weights === nothing ? ones(V) : Float64.(class_weights)
+    e, q, c, s = Float64(label_smoothing), Float64(z_loss_scale), Float64(softcap), Float64(logit_scale)
+    loss, zl, lses, ent, am = zeros(N), zeros(N), zeros(N), zeros(N), zeros(Int, N)
+    den = 0.0
+    for n in 1:N
+        x = Float64.(X[:, n])
+        z = c > 0 ? c .* tanh.(s .* x ./ c) : s .* x
+        l = lse64(z)
+        p = exp.(z .- l)
+        lses[n] = l
+        ent[n] = -sum(pj > 0 ? pj * log(pj) : 0.0 for pj in p)
+        am[n] = argmax(x)
+        t[n] == ignore_index && continue
+        ti = t[n]
+        loss[n] = (1 - e) * w[ti] * (l - z[ti]) + e / V * sum(w .* (l .- z)) + q * l^2
+        zl[n] = q * l^2
+        den += w[ti]
+    end
+    red(v) = reduction === :none ? v : reduction === :sum ? sum(v) : (den > 0 ? sum(v) / den : 0.0)
+    return (loss = red(loss), z_loss = red(zl), lse = lses, entropy = ent, argmax = am)
+end
+
+# d(sum(g .* f(X)))/dX by central differences, f returning a number or a vector.
+function fd_grad(f, X::Array{Float64}; g = 1.0, h = 1e-6)
+    G = zeros(size(X))
+    for i in eachindex(X)
+        xp = copy(X); xp[i] += h
+        xm = copy(X); xm[i] -= h
+        G[i] = (sum(g .* f(xp)) - sum(g .* f(xm))) / (2h)
+    end
+    return G
+end
+
+function kd_row_terms(logp, logq, divergence, beta)
+    # logp: teacher log-probs, logq: student log-probs over the same support
+    xlr(a, la, lb) = a > 0 ? a * (la - lb) : 0.0
+    p, q = exp.(logp), exp.(logq)
+    if divergence === :forward_kl || (divergence === :jsd && beta == 0)
+        return sum(xlr.(p, logp, logq))
+    elseif divergence === :reverse_kl || (divergence === :jsd && beta == 1)
+        return sum(xlr.(q, logq, logp))
+    end
+    m = beta .* p .+ (1 - beta) .* q
+    logm = log.(m)
+    return beta * sum(xlr.(p, logp, logm)) + (1 - beta) * sum(xlr.(q, logq, logm))
+end
+
+function kd_ref(S, T; targets = nothing, divergence = :forward_kl, beta = 0.5, temperature = 1.0,
+                scale_by_t2 = false, reduction = :mean, ignore_index = -100)
+    V, N = size(S)
+    loss = zeros(N); used = 0
+    for n in 1:N
+        targets !== nothing && targets[n] == ignore_index && continue
+        used += 1
+        lq = logsoftmax64(Float64.(S[:, n]) ./ temperature)
+        lp = logsoftmax64(Float64.(T[:, n]) ./ temperature)
+        loss[n] = kd_row_terms(lp, lq, divergence, beta) * (scale_by_t2 ? temperature^2 : 1.0)
+    end
+    return reduction === :none ? loss : reduction === :sum ? sum(loss) : (used > 0 ? sum(loss) / used : 0.0)
+end
+
+function kd_topk_ref(S, ids, lps; divergence = :forward_kl, beta = 0.5, temperature = 1.0, topk_norm = :full_vocab,
+                     reduction = :mean, scale_by_t2 = false)
+    V, N = size(S)
+    loss = zeros(N); used = 0
+    for n in 1:N
+        sel = [k for k in 1:size(ids, 1) if ids[k, n] >= 1]
+        isempty(sel) && continue
+        used += 1
+        zs = Float64.(S[:, n]) ./ temperature
+        idn = ids[sel, n]
+        lp = logsoftmax64(Float64.(lps[sel, n]) ./ temperature)
+        lq = topk_norm === :full_vocab ? (zs .- lse64(zs))[idn] : logsoftmax64(zs[idn])
+        loss[n] = kd_row_terms(lp, lq, divergence, beta) * (scale_by_t2 ? temperature^2 : 1.0)
+    end
+    return reduction === :none ? loss : reduction === :sum ? sum(loss) : (used > 0 ? sum(loss) / used : 0.0)
+end
+
+approx(a, b; rtol = 2e-5, atol = 2e-5) = all(isapprox.(Float64.(a), Float64.(b); rtol = rtol, atol = atol))
+
+# ------------------------------------------------------------------------------------------------
+
+@testset "FusedCE.jl" begin
+
+@testset "version and loading" begin
+    @test FusedCE.version() == FusedCE.header_version()
+    @test FusedCE.abi_version() == L.FCE_ABI_VERSION
+    @test Int(L.fce_version_number()) == L.FCE_VERSION_NUMBER
+    expected = get(ENV, "FUSEDCE_EXPECTED_VERSION", "")
+    if !isempty(expected)
+        @test FusedCE.version() == VersionNumber(expected)
+    end
+    want = get(ENV, "FUSEDCE_LIBRARY", "")
+    if !isempty(want)
+        @test realpath(FusedCE.library_path()) == realpath(want)
+    end
+    for f in L.FUNCTIONS
+        @test getfield(L, Symbol("_fptr_", f))[] != C_NULL
+    end
+    h = FusedCE.Handle(:cpu)
+    dt, di = Ref{Int32}(-1), Ref{Int32}(-1)
+    @test L.fce_handle_get_device(h.ptr, dt, di) == L.FCE_STATUS_SUCCESS
+    @test dt[] == L.kDLCPU
+    close(h)
+    @test_throws ArgumentError FusedCE.cross_entropy(randn(Float32, 3, 2), [1, 2]; handle = h)
+    @test FusedCE.default_handle() === FusedCE.default_handle()
+end
+
+V, N = 11, 7
+X = randn(Float32, V, N) .* 3
+t = rand(1:V, N)
+t[3] = -100
+
+@testset "cross_entropy_fwd $(keys(kw))" for kw in (
+        (;),
+        (reduction = :sum,),
+        (reduction = :none,),
+        (label_smoothing = 0.1,),
+        (z_loss_scale = 1e-2,),
+        (softcap = 3.0,),
+        (logit_scale = 0.7,),
+        (class_weights = rand(Float32, V) .+ 0.5f0,),
+        (class_weights = rand(Float32, V) .+ 0.5f0, label_smoothing = 0.2, reduction = :none),
+        (softcap = 2.5, logit_scale = 1.3, z_loss_scale = 1e-3, label_smoothing = 0.05, reduction = :sum))
+    ref = ce_ref(X, t; kw...)
+    r = FusedCE.cross_entropy_fwd(X, t; kw..., lse = true, z_loss = true, argmax = true, entropy = true, dlogits = true)
+    @test approx(r.loss, ref.loss)
+    @test approx(r.z_loss, ref.z_loss)
+    @test approx(r.lse, ref.lse)
+    @test approx(r.entropy, ref.entropy)
+    @test r.argmax == ref.argmax
+    G = fd_grad(Xd -> ce_ref(Xd, t; kw...).loss, Float64.(X))
+    @test approx(r.dlogits, G; atol = 1e-5, rtol = 1e-4)
+    @test all(r.dlogits[:, 3] .== 0)   # ignored row
+    @test FusedCE.cross_entropy(X, t; kw...) == r.loss
+    # backward from the saved lse, with an upstream gradient
+    g = get(kw, :reduction, :mean) === :none ? rand(Float32, N) : 0.37f0
+    d = FusedCE.cross_entropy_bwd(X, t, r.lse; kw..., grad_loss = g)
+    Gg = fd_grad(Xd -> ce_ref(Xd, t; kw...).loss, Float64.(X); g = Float64.(g))
+    @test approx(d, Gg; atol = 1e-5, rtol = 1e-4)
+    r2 = FusedCE.cross_entropy_fwd(X, t; kw..., dlogits = true, grad_loss = g)
+    @test approx(r2.dlogits, Gg; atol = 1e-5, rtol = 1e-4)
+end
+
+@testset "cross-entropy: conventions" begin
+    # Julian ignore_index = 0 (1-based classes; the binding shifts targets and ignore_index together)
+    t0 = copy(t); t0[3] = 0
+    @test FusedCE.cross_entropy(X, t0; ignore_index = 0) ≈ Float32(ce_ref(X, t0; ignore_index = 0).loss) rtol = 2e-5
+    # ignoring a real class (1-based class 1)
+    t1 = copy(t); t1[3] = 1
+    @test FusedCE.cross_entropy(X, t1; ignore_index = 1, reduction = :sum) ≈
+          Float32(ce_ref(X, t1; ignore_index = 1, reduction = :sum).loss) rtol = 2e-5
+    # a target out of range that is not ignore_index: NaN loss (not an error status), as the header says
+    tbad = copy(t); tbad[1] = V + 1
+    @test isnan(FusedCE.cross_entropy(X, tbad))
+    # Int32 targets, Int32 argmax
+    r = FusedCE.cross_entropy_fwd(X, Int32.(t); argmax = true, argmax_type = Int32)
+    @test eltype(r.argmax) == Int32 && r.argmax == ce_ref(X, t).argmax
+    # a view into padded storage (row stride > V in C terms)
+    big = randn(Float32, V + 5, N)
+    big[1:V, :] .= X
+    @test FusedCE.cross_entropy(view(big, 1:V, :), t) == FusedCE.cross_entropy(X, t)
+    # in-place gradient into the logits' memory
+    Xc = copy(X)
+    ref = FusedCE.cross_entropy_fwd(X, t; dlogits = true).dlogits
+    FusedCE.cross_entropy_fwd(Xc, t; dlogits = Xc)
+    @test Xc == ref
+    # Float16 logits: gradient in Float16
+    r16 = FusedCE.cross_entropy_fwd(Float16.(X), t; dlogits = true)
+    @test eltype(r16.dlogits) == Float16
+    @test approx(r16.loss, ce_ref(Float16.(X), t).loss)
+    # every row ignored: mean is 0 (PyTorch gives NaN), as the header says
+    @test FusedCE.cross_entropy(X, fill(-100, N)) == 0
+end
+
+@testset "logsumexp" begin
+    for scale in (1.0, 0.25, 3.0)
+        @test approx(FusedCE.logsumexp(X; scale = scale), [lse64(scale .* Float64.(X[:, n])) for n in 1:N])
+    end
+    Y = copy(X); Y[:, 2] .= -Inf32
+    @test FusedCE.logsumexp(Y)[2] == -Inf32
+    @test approx(FusedCE.logsumexp(Float16.(X)), [lse64(Float64.(Float16.(X[:, n]))) for n in 1:N])
+end
+
+@testset "temp_softmax" begin
+    for T in (1.0, 0.6, 2.5)
+        r = FusedCE.temp_softmax(X; temperature = T, logprobs = true)
+        for n in 1:N
+            lp = logsoftmax64(Float64.(X[:, n]) ./ T)
+            @test approx(r.probs[:, n], exp.(lp))
+            @test approx(r.logprobs[:, n], lp)
+        end
+    end
+    # greedy
+    r = FusedCE.temp_softmax(X; temperature = 0, logprobs = true)
+    for n in 1:N
+        k = argmax(X[:, n])
+        @test r.probs[:, n] == [j == k ? 1f0 : 0f0 for j in 1:V]
+        @test r.logprobs[:, n] == [j == k ? 0f0 : -Inf32 for j in 1:V]
+    end
+    # per-row temperatures
+    Ts = Float32.(range(0.5, 2.0; length = N))
+    r = FusedCE.temp_softmax(X; temperatures = Ts)
+    @test all(approx(r.probs[:, n], exp.(logsoftmax64(Float64.(X[:, n]) ./ Ts[n]))) for n in 1:N)
+    # a row temperature < 0 gives NaN in that row only
+    Ts[2] = -1
+    r = FusedCE.temp_softmax(X; temperatures = Ts)
+    @test all(isnan, r.probs[:, 2]) && !any(isnan, r.probs[:, 1])
+    # logits' dtype out, and in place
+    r = FusedCE.temp_softmax(Float16.(X); eltype = Float16)
+    @test eltype(r.probs) == Float16
+    Xc = copy(X)
+    FusedCE.temp_softmax(Xc; probs = Xc)
+    @test approx(Xc, FusedCE.temp_softmax(X).probs; atol = 0, rtol = 0)
+    @test r.logprobs === nothing
+end
+
+S = randn(Float32, V, N) .* 2
+Tt = randn(Float32, V, N) .* 2
+kt = rand(1:V, N); kt[4] = -100
+
+@testset "kd_loss $(keys(kw)) $(values(kw))" for kw in (
+        (;),
+        (divergence = :reverse_kl,),
+        (divergence = :jsd,),
+        (divergence = :jsd, beta = 0.2),
+        (divergence = :jsd, beta = 0.0),
+        (divergence = :jsd, beta = 1.0),
+        (temperature = 2.0, scale_by_t2 = true),
+        (reduction = :sum, temperature = 0.7),
+        (reduction = :none, divergence = :reverse_kl))
+    for targets in (nothing, kt)
+        ref = kd_ref(S, Tt; targets = targets, kw...)
+        r = FusedCE.kd_loss(S, Tt; targets = targets, dstudent = true, kw...)
+        @test approx(r.loss, ref)
+        G = fd_grad(Sd -> kd_ref(Sd, Tt; targets = targets, kw...), Float64.(S))
+        @test approx(r.dstudent, G; atol = 1e-5, rtol = 1e-4)
+    end
+    g = get(kw, :reduction, :mean) === :none ? rand(Float32, N) : 1.7f0
+    r = FusedCE.kd_loss(S, Tt; dstudent = true, grad_loss = g, kw...)
+    G = fd_grad(Sd -> kd_ref(Sd, Tt; kw...), Float64.(S); g = Float64.(g))
+    @test approx(r.dstudent, G; atol = 1e-5, rtol = 1e-4)
+end
+
+@testset "kd_loss_topk $(keys(kw)) $(values(kw))" for kw in (
+        (;),
+        (topk_norm = :renormalize,),
+        (divergence = :reverse_kl,),
+        (divergence = :reverse_kl, topk_norm = :renormalize),
+        (divergence = :jsd, beta = 0.4, temperature = 1.5),
+        (reduction = :none, scale_by_t2 = true, temperature = 2.0))
+    K = 4
+    ids = zeros(Int, K, N)
+    for n in 1:N
+        ids[:, n] = randperm(V)[1:K]
+    end
+    ids[4, 2] = 0            # an unused slot
+    ids[:, 5] .= 0           # a row with no used slot: masked
+    lps = Float32.(log.(rand(K, N) .* 0.2))
+    ref = kd_topk_ref(S, ids, lps; kw...)
+    r = FusedCE.kd_loss_topk(S, ids, lps; dstudent = true, kw...)
+    @test approx(r.loss, ref)
+    G = fd_grad(Sd -> kd_topk_ref(Sd, ids, lps; kw...), Float64.(S))
+    @test approx(r.dstudent, G; atol = 1e-5, rtol = 1e-4)
+    @test all(r.dstudent[:, 5] .== 0)
+    r32 = FusedCE.kd_loss_topk(S, Int32.(ids), lps; kw...)
+    @test r32.loss == r.loss
+end
+
+@testset "linear cross-entropy $(keys(kw)) $(values(kw))" for kw in (
+        (;),
+        (reduction = :sum, label_smoothing = 0.1),
+        (reduction = :none, z_loss_scale = 1e-2, softcap = 4.0))
+    H = 5
+    hid = randn(Float32, H, N)
+    W = randn(Float32, H, V) .* 0.5f0
+    b = randn(Float32, V) .* 0.1f0
+    lt = rand(1:V, N); lt[2] = -100
+    logits(h, w, bb) = w' * h .+ bb
+    ref = ce_ref(logits(Float64.(hid), Float64.(W), Float64.(b)), lt; kw...)
+    r = FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, kw..., argmax = true, z_loss = true,
+                                         entropy = true, dhidden = true, dweight = true, dbias = true)
+    @test approx(r.loss, ref.loss; rtol = 1e-4, atol = 1e-4)
+    @test approx(r.lse, ref.lse; rtol = 1e-4, atol = 1e-4)
+    @test approx(r.z_loss, ref.z_loss; rtol = 1e-4, atol = 1e-4)
+    @test approx(r.entropy, ref.entropy; rtol = 1e-4, atol = 1e-4)
+    @test r.argmax == ref.argmax
+    f(h, w, bb) = ce_ref(logits(h, w, bb), lt; kw...).loss
+    Gh = fd_grad(x -> f(x, Float64.(W), Float64.(b)), Float64.(hid))
+    Gw = fd_grad(x -> f(Float64.(hid), x, Float64.(b)), Float64.(W))
+    Gb = fd_grad(x -> f(Float64.(hid), Float64.(W), x), Float64.(b))
+    @test approx(r.dhidden, Gh; atol = 1e-4, rtol = 1e-4)
+    @test approx(r.dweight, Gw; atol = 1e-4, rtol = 1e-4)
+    @test approx(r.dbias, Gb; atol = 1e-4, rtol = 1e-4)
+    @test FusedCE.linear_cross_entropy(hid, W, lt; bias = b, kw...) == r.loss
+    # backward from the saved lse, with an upstream gradient
+    g = get(kw, :reduction, :mean) === :none ? rand(Float32, N) : 0.5f0
+    d = FusedCE.linear_cross_entropy_bwd(hid, W, lt, r.lse; bias = b, kw..., grad_loss = g)
+    @test approx(d.dhidden, fd_grad(x -> f(x, Float64.(W), Float64.(b)), Float64.(hid); g = Float64.(g)); atol = 1e-4, rtol = 1e-4)
+    @test approx(d.dweight, fd_grad(x -> f(Float64.(hid), x, Float64.(b)), Float64.(W); g = Float64.(g)); atol = 1e-4, rtol = 1e-4)
+    @test approx(d.dbias, fd_grad(x -> f(Float64.(hid), Float64.(W), x), Float64.(b); g = Float64.(g)); atol = 1e-4, rtol = 1e-4)
+    # without a bias
+    r0 = FusedCE.linear_cross_entropy_fwd(hid, W, lt; kw...)
+    @test approx(r0.loss, ce_ref(logits(Float64.(hid), Float64.(W), 0.0), lt; kw...).loss; rtol = 1e-4, atol = 1e-4)
+end
+
+@testset "bad input raises FusedCEError with the library's message" begin
+    function status_of(f)
+        try
+            f()
+        catch e
+            e isa FusedCEError || rethrow()
+            @test !isempty(e.message)
+            @test occursin(string(e.func), sprint(showerror, e))
+            return e.name
+        end
+        return "no error"
+    end
+    @test status_of(() -> FusedCE.cross_entropy(X, t[1:end-1])) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.cross_entropy(Float64.(X), t)) == "UNSUPPORTED_DTYPE"
+    @test status_of(() -> FusedCE.cross_entropy(X, t; label_smoothing = 2)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.cross_entropy(X, t; logit_scale = 0)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.cross_entropy(view(randn(Float32, 2V, N), 1:2:2V, :), t)) == "UNSUPPORTED_LAYOUT"
+    @test status_of(() -> FusedCE.cross_entropy(X, t; class_weights = ones(Float32, V + 1))) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.logsumexp(X; out = zeros(Float32, N + 1))) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.temp_softmax(X; temperature = -1)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.temp_softmax(X; probs = false)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.kd_loss(S, Tt[:, 1:end-1])) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.kd_loss(S, Tt; temperature = 0)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.linear_cross_entropy(randn(Float32, 4, N), randn(Float32, 5, V), t)) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.linear_cross_entropy(randn(Float32, 4, N), randn(Float16, 4, V), t)) == "UNSUPPORTED_DTYPE"
+    @test_throws ArgumentError FusedCE.cross_entropy(X, t; reduction = :avg)
+    @test_throws ArgumentError FusedCE.kd_loss(S, Tt; divergence = :kl)
+    @test_throws ArgumentError FusedCE.cross_entropy(rand(ComplexF32, V, N), t)
+    # a CUDA handle: NO_DEVICE on a machine without a GPU, a working handle otherwise
+    s = status_of(() -> FusedCE.Handle(:cuda, 0))
+    @test s in ("NO_DEVICE", "no error")
+    # CPU arrays with a CUDA handle are a device mismatch
+    if s == "no error"
+        @test status_of(() -> FusedCE.cross_entropy(X, t; handle = FusedCE.Handle(:cuda, 0))) == "DEVICE_MISMATCH"
+    end
+    # the message is the thread's last error and is cleared by a success
+    FusedCE.cross_entropy(X, t)
+    @test unsafe_string(L.fce_last_error_message()) == ""
+end
+
+end # testset

@@ -1,0 +1,41 @@
+"""fusedce: Python bindings of libfusedce (fused kernels for the losses at the end of a language model).
+
+    import numpy as np, fusedce
+    out = fusedce.cross_entropy_fwd(logits, targets, reduction="mean", dlogits=True)
+
+The library is loaded with cffi in ABI mode (no compiler needed) from, in order: the FUSEDCE_LIBRARY
+environment variable, the in-tree build (<repo>/build/libfusedce.so), the system loader. Its declarations
+come from fusedce/_generated.py, generated from include/fusedce/fusedce.h by bindings/python/gen_cdef.py.
+Inputs are numpy arrays (CPU) or PyTorch tensors (CPU or CUDA, passed through DLPack on the current
+stream). PyTorch autograd functions and drop-in losses are in `fusedce.torch` (torch imported lazily).
+"""
+from ._generated import MACROS as _MACROS
+from ._lib import (ABI_VERSION, HEADER_VERSION, STATUS, AliasingError, BackendNotImplementedError,
+                   DeviceMismatchError, FusedCEError, Handle, InvalidArgumentError, NoDeviceError,
+                   OutOfMemoryError, ShapeMismatchError, UnsupportedDtypeError, UnsupportedLayoutError,
+                   default_handle, defaults, ffi, lib, library_path, version)
+from .ops import (CrossEntropyOutput, KDOutput, LinearCrossEntropyGrads, LinearCrossEntropyOutput, SoftmaxOutput,
+                  cross_entropy, cross_entropy_bwd, cross_entropy_fwd, kd_loss, linear_cross_entropy,
+                  linear_cross_entropy_bwd, linear_cross_entropy_fwd, logsumexp, temp_softmax)
+
+__version__ = HEADER_VERSION
+VERSION_NUMBER = _MACROS["FCE_VERSION_NUMBER"]
+
+
+def __getattr__(name):  # `fusedce.torch` without importing torch at `import fusedce`
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(name)
+
+
+__all__ = [
+    "ABI_VERSION", "HEADER_VERSION", "STATUS", "VERSION_NUMBER", "AliasingError", "BackendNotImplementedError",
+    "CrossEntropyOutput", "DeviceMismatchError", "FusedCEError", "Handle", "InvalidArgumentError", "KDOutput",
+    "LinearCrossEntropyGrads", "LinearCrossEntropyOutput", "NoDeviceError", "OutOfMemoryError",
+    "ShapeMismatchError", "SoftmaxOutput", "UnsupportedDtypeError", "UnsupportedLayoutError", "cross_entropy",
+    "cross_entropy_bwd", "cross_entropy_fwd", "default_handle", "defaults", "ffi", "kd_loss", "lib",
+    "library_path", "linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_fwd",
+    "logsumexp", "temp_softmax", "version",
+]

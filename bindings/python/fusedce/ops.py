@@ -1,0 +1,311 @@
+"""The library's ops on numpy arrays (CPU) and PyTorch tensors (CPU or CUDA).
+
+Shapes follow the C header (row-major): logits [N, V], targets [N] (0-based class indices), hidden
+[N, H], weight [V, H]. Every option is a keyword argument whose default is the header's `*_INIT` macro.
+Output keywords take False (not computed), True (allocated) or an array/tensor to write into (e.g.
+`dlogits=logits` computes the gradient in place). Results are namedtuples; for numpy inputs scalar
+losses are numpy float32 scalars, for torch inputs 0-d tensors. CUDA work is enqueued on the current
+torch stream (or `stream=`) and never synchronizes. Failures raise FusedCEError subclasses carrying the
+library's message.
+"""
+from collections import namedtuple
+
+from ._lib import check, defaults, ffi, lib
+from ._tensor import Call
+
+_CE = defaults("FCE_CE_OPTIONS_INIT")
+_LSE = defaults("FCE_LSE_OPTIONS_INIT")
+_SM = defaults("FCE_SOFTMAX_OPTIONS_INIT")
+_KD = defaults("FCE_KD_OPTIONS_INIT")
+
+
+def _enum_names(ctype, prefix):
+    return {name[len(prefix):].lower(): value for value, name in ffi.typeof(ctype).elements.items()
+            if name.startswith(prefix)}
+
+
+_REDUCTIONS = _enum_names("fce_reduction_t", "FCE_REDUCTION_")
+_DIVERGENCES = _enum_names("fce_kd_divergence_t", "FCE_KD_")
+_TOPK_NORMS = _enum_names("fce_kd_topk_norm_t", "FCE_KD_TOPK_")
+_NAME = {
+    "reduction": {v: k for k, v in _REDUCTIONS.items()},
+    "divergence": {v: k for k, v in _DIVERGENCES.items()},
+    "topk_norm": {v: k for k, v in _TOPK_NORMS.items()},
+}
+
+
+def _enum(table, value, what):
+    if isinstance(value, int):
+        return value
+    try:
+        return table[str(value).lower()]
+    except KeyError:
+        raise ValueError("%s must be one of %s, got %r" % (what, sorted(table), value)) from None
+
+
+CrossEntropyOutput = namedtuple("CrossEntropyOutput", "loss lse z_loss argmax entropy dlogits")
+SoftmaxOutput = namedtuple("SoftmaxOutput", "probs logprobs")
+KDOutput = namedtuple("KDOutput", "loss dstudent")
+LinearCrossEntropyOutput = namedtuple("LinearCrossEntropyOutput",
+                                      "loss lse z_loss argmax entropy dhidden dweight dbias")
+LinearCrossEntropyGrads = namedtuple("LinearCrossEntropyGrads", "dhidden dweight dbias")
+
+
+def _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights):
+    o = ffi.new("fce_ce_options_t*")
+    o.struct_size = ffi.sizeof("fce_ce_options_t")
+    o.reduction = _enum(_REDUCTIONS, reduction, "reduction")
+    o.ignore_index = int(ignore_index)
+    o.label_smoothing = float(label_smoothing)
+    o.z_loss_scale = float(z_loss_scale)
+    o.softcap = float(softcap)
+    o.logit_scale = float(logit_scale)
+    o.class_weights = c.dl(None if class_weights is None else c.native(class_weights))
+    c.keep.append(o)
+    return o
+
+
+def _loss_buffer(c, reduction, n):
+    return c.empty((n,) if _enum(_REDUCTIONS, reduction, "reduction") == _REDUCTIONS["none"] else (), "float32")
+
+
+def _grad(c, grad_loss):
+    if grad_loss is None:
+        return None
+    if isinstance(grad_loss, (int, float)):
+        return c.full((), grad_loss)
+    return c.native(grad_loss, "float32")
+
+
+def _rows(x):
+    return int(x.shape[0])
+
+
+# ---- cross-entropy --------------------------------------------------------------------------------
+
+def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["reduction"]],
+                      ignore_index=_CE["ignore_index"], label_smoothing=_CE["label_smoothing"],
+                      z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"], logit_scale=_CE["logit_scale"],
+                      class_weights=None, lse=True, z_loss=False, argmax=False, entropy=False, dlogits=False,
+                      grad_loss=None, argmax_dtype="int64", handle=None, stream=None, workspace=None):
+    """fce_cross_entropy_fwd: logits [N, V] (fp32/bf16/fp16), targets [N] (int32/int64, 0-based).
+
+    Returns CrossEntropyOutput(loss, lse, z_loss, argmax, entropy, dlogits); outputs not asked for are
+    None. loss/z_loss are [N] for reduction="none", scalars otherwise; dlogits (gradient times grad_loss)
+    has the logits' dtype. See the header's fce_ce_options_t for the math."""
+    c = Call(logits, handle, stream)
+    targets = c.native(targets)
+    n = _rows(logits)
+    loss_a = _loss_buffer(c, reduction, n)
+    lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
+    zl_a = c.output(z_loss, lambda: _loss_buffer(c, reduction, n))
+    am_a = c.output(argmax, lambda: c.empty((n,), argmax_dtype))
+    ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
+    dl_a = c.output(dlogits, lambda: c.empty_like(logits))
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
+    outs = ffi.new("fce_ce_outputs_t*")
+    outs.struct_size = ffi.sizeof("fce_ce_outputs_t")
+    outs.loss = c.dl(loss_a, True)
+    outs.lse = c.dl(lse_a, True)
+    outs.z_loss = c.dl(zl_a, True)
+    outs.argmax = c.dl(am_a, True)
+    outs.entropy = c.dl(ent_a, True)
+    outs.dlogits = c.dl(dl_a, True)
+    outs.grad_loss = c.dl(_grad(c, grad_loss))
+    ws, wsb = _workspace(c, workspace)
+    check(lib.fce_cross_entropy_fwd(c.handle.ptr, c.stream, c.dl(logits), c.dl(targets), opts, outs, ws, wsb),
+          "fce_cross_entropy_fwd")
+    return CrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dl_a)
+
+
+def cross_entropy(logits, targets, **kw):
+    """The loss alone (keywords as cross_entropy_fwd)."""
+    return cross_entropy_fwd(logits, targets, lse=False, **kw).loss
+
+
+def cross_entropy_bwd(logits, targets, lse, *, grad_loss=None, dlogits=None,
+                      reduction=_NAME["reduction"][_CE["reduction"]], ignore_index=_CE["ignore_index"],
+                      label_smoothing=_CE["label_smoothing"], z_loss_scale=_CE["z_loss_scale"],
+                      softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None,
+                      handle=None, stream=None, workspace=None):
+    """fce_cross_entropy_bwd: d(loss)/d(logits) * grad_loss from the forward's lse (same options).
+    grad_loss: None (= 1), a number, or an [N] array for reduction="none". dlogits: None to allocate, or
+    the array to write (it may be `logits` itself). Returns dlogits."""
+    c = Call(logits, handle, stream)
+    targets = c.native(targets)
+    out = dlogits if dlogits is not None else c.empty_like(logits)
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
+    ws, wsb = _workspace(c, workspace)
+    check(lib.fce_cross_entropy_bwd(c.handle.ptr, c.stream, c.dl(logits), c.dl(targets), c.dl(c.native(lse)),
+                                    c.dl(_grad(c, grad_loss)), opts, c.dl(out, True), ws, wsb),
+          "fce_cross_entropy_bwd")
+    return out
+
+
+# ---- logsumexp and temperature softmax ------------------------------------------------------------
+
+def logsumexp(x, *, scale=_LSE["scale"], out=None, handle=None, stream=None, workspace=None):
+    """fce_logsumexp: [N] fp32, log(sum_j exp(scale * x[i, j])) for x [N, V]."""
+    c = Call(x, handle, stream)
+    out = out if out is not None else c.empty((_rows(x),), "float32")
+    o = ffi.new("fce_lse_options_t*")
+    o.struct_size = ffi.sizeof("fce_lse_options_t")
+    o.scale = float(scale)
+    ws, wsb = _workspace(c, workspace)
+    check(lib.fce_logsumexp(c.handle.ptr, c.stream, c.dl(x), o, c.dl(out, True), ws, wsb), "fce_logsumexp")
+    return out
+
+
+def temp_softmax(logits, *, temperature=_SM["temperature"], temperatures=None, probs=True, logprobs=False,
+                 dtype="float32", handle=None, stream=None, workspace=None):
+    """fce_temp_softmax: softmax of each row at a temperature (0 = greedy one-hot). temperatures: an
+    optional [N] fp32 per-row override. probs/logprobs: False, True (allocated with `dtype`, "float32"
+    or None for the logits' dtype) or an array (probs=logits works in place). Returns SoftmaxOutput."""
+    c = Call(logits, handle, stream)
+    p_a = c.output(probs, lambda: c.empty_like(logits, dtype))
+    lp_a = c.output(logprobs, lambda: c.empty_like(logits, dtype))
+    o = ffi.new("fce_softmax_options_t*")
+    o.struct_size = ffi.sizeof("fce_softmax_options_t")
+    o.temperature = float(temperature)
+    o.temperatures = c.dl(None if temperatures is None else c.native(temperatures, "float32"))
+    ws, wsb = _workspace(c, workspace)
+    check(lib.fce_temp_softmax(c.handle.ptr, c.stream, c.dl(logits), o, c.dl(p_a, True), c.dl(lp_a, True), ws, wsb),
+          "fce_temp_softmax")
+    return SoftmaxOutput(p_a, lp_a)
+
+
+# ---- knowledge distillation -----------------------------------------------------------------------
+
+def kd_loss(student, teacher_logits=None, *, topk_ids=None, topk_logprobs=None, targets=None,
+            divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"], temperature=_KD["temperature"],
+            scale_by_t2=bool(_KD["scale_by_t2"]), topk_norm=_NAME["topk_norm"][_KD["topk_norm"]],
+            reduction=_NAME["reduction"][_KD["reduction"]], ignore_index=_KD["ignore_index"],
+            dstudent=False, grad_loss=None, handle=None, stream=None, workspace=None):
+    """fce_kd_loss: divergence between softmax(student / T) and the teacher's distribution, per row.
+
+    The teacher is either `teacher_logits` [N, V] or the pair `topk_ids` [N, K] (int32/int64; negative =
+    unused slot) and `topk_logprobs` [N, K] fp32. divergence: "forward_kl" (KL(teacher||student)),
+    "reverse_kl" or "jsd" (weight beta). Rows whose target equals ignore_index are masked; "mean" is
+    batchmean over unmasked rows. Returns KDOutput(loss, dstudent)."""
+    if (teacher_logits is None) == (topk_ids is None or topk_logprobs is None):
+        raise ValueError("kd_loss: give either teacher_logits or both topk_ids and topk_logprobs")
+    c = Call(student, handle, stream)
+    n = _rows(student)
+    loss_a = _loss_buffer(c, reduction, n)
+    ds_a = c.output(dstudent, lambda: c.empty_like(student))
+    teacher = ffi.new("fce_kd_teacher_t*")
+    teacher.struct_size = ffi.sizeof("fce_kd_teacher_t")
+    teacher.logits = c.dl(None if teacher_logits is None else c.native(teacher_logits))
+    teacher.topk_ids = c.dl(None if topk_ids is None else c.native(topk_ids))
+    teacher.topk_logprobs = c.dl(None if topk_logprobs is None else c.native(topk_logprobs))
+    o = ffi.new("fce_kd_options_t*")
+    o.struct_size = ffi.sizeof("fce_kd_options_t")
+    o.divergence = _enum(_DIVERGENCES, divergence, "divergence")
+    o.beta = float(beta)
+    o.temperature = float(temperature)
+    o.scale_by_t2 = 1 if scale_by_t2 else 0
+    o.topk_norm = _enum(_TOPK_NORMS, topk_norm, "topk_norm")
+    o.reduction = _enum(_REDUCTIONS, reduction, "reduction")
+    o.ignore_index = int(ignore_index)
+    outs = ffi.new("fce_kd_outputs_t*")
+    outs.struct_size = ffi.sizeof("fce_kd_outputs_t")
+    outs.loss = c.dl(loss_a, True)
+    outs.dstudent = c.dl(ds_a, True)
+    outs.grad_loss = c.dl(_grad(c, grad_loss))
+    ws, wsb = _workspace(c, workspace)
+    check(lib.fce_kd_loss(c.handle.ptr, c.stream, c.dl(student), teacher,
+                          c.dl(None if targets is None else c.native(targets)), o, outs, ws, wsb), "fce_kd_loss")
+    return KDOutput(c.scalar_out(loss_a), ds_a)
+
+
+# ---- linear cross-entropy -------------------------------------------------------------------------
+
+def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
+                             reduction=_NAME["reduction"][_CE["reduction"]], ignore_index=_CE["ignore_index"],
+                             label_smoothing=_CE["label_smoothing"], z_loss_scale=_CE["z_loss_scale"],
+                             softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None,
+                             lse=True, z_loss=False, argmax=False, entropy=False, dhidden=False, dweight=False,
+                             dbias=False, grad_loss=None, argmax_dtype="int64", handle=None, stream=None,
+                             workspace=None):
+    """fce_linear_cross_entropy_fwd: cross-entropy of hidden [N, H] @ weight[V, H]^T (+ bias [V]) without
+    materializing the logits; gradients asked for are computed in the same call.
+    Returns LinearCrossEntropyOutput(loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias)."""
+    c = Call(hidden, handle, stream)
+    targets = c.native(targets)
+    n = _rows(hidden)
+    loss_a = _loss_buffer(c, reduction, n)
+    lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
+    zl_a = c.output(z_loss, lambda: _loss_buffer(c, reduction, n))
+    am_a = c.output(argmax, lambda: c.empty((n,), argmax_dtype))
+    ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
+    dh_a = c.output(dhidden, lambda: c.empty_like(hidden))
+    dw_a = c.output(dweight, lambda: c.empty_like(weight))
+    db_a = c.output(dbias, lambda: c.empty_like(bias) if bias is not None else _no_bias())
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
+    outs = ffi.new("fce_linear_ce_outputs_t*")
+    outs.struct_size = ffi.sizeof("fce_linear_ce_outputs_t")
+    outs.loss = c.dl(loss_a, True)
+    outs.lse = c.dl(lse_a, True)
+    outs.z_loss = c.dl(zl_a, True)
+    outs.argmax = c.dl(am_a, True)
+    outs.entropy = c.dl(ent_a, True)
+    outs.dhidden = c.dl(dh_a, True)
+    outs.dweight = c.dl(dw_a, True)
+    outs.dbias = c.dl(db_a, True)
+    outs.grad_loss = c.dl(_grad(c, grad_loss))
+    ws, wsb = _workspace(c, workspace)
+    check(lib.fce_linear_cross_entropy_fwd(c.handle.ptr, c.stream, c.dl(hidden), c.dl(c.native(weight)),
+                                           c.dl(None if bias is None else c.native(bias)), c.dl(targets), opts,
+                                           outs, ws, wsb), "fce_linear_cross_entropy_fwd")
+    return LinearCrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dh_a, dw_a, db_a)
+
+
+def linear_cross_entropy(hidden, weight, targets, **kw):
+    """The loss alone (keywords as linear_cross_entropy_fwd)."""
+    return linear_cross_entropy_fwd(hidden, weight, targets, lse=False, **kw).loss
+
+
+def linear_cross_entropy_bwd(hidden, weight, targets, lse, *, bias=None, dhidden=True, dweight=True, dbias=None,
+                             grad_loss=None, reduction=_NAME["reduction"][_CE["reduction"]],
+                             ignore_index=_CE["ignore_index"], label_smoothing=_CE["label_smoothing"],
+                             z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"],
+                             logit_scale=_CE["logit_scale"], class_weights=None, handle=None, stream=None,
+                             workspace=None):
+    """fce_linear_cross_entropy_bwd: the gradients asked for (dbias defaults to "if there is a bias"),
+    recomputing the logits chunk by chunk from the forward's lse. Returns LinearCrossEntropyGrads."""
+    c = Call(hidden, handle, stream)
+    targets = c.native(targets)
+    if dbias is None:
+        dbias = bias is not None
+    dh_a = c.output(dhidden, lambda: c.empty_like(hidden))
+    dw_a = c.output(dweight, lambda: c.empty_like(weight))
+    db_a = c.output(dbias, lambda: c.empty_like(bias) if bias is not None else _no_bias())
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
+    outs = ffi.new("fce_linear_ce_outputs_t*")
+    outs.struct_size = ffi.sizeof("fce_linear_ce_outputs_t")
+    outs.dhidden = c.dl(dh_a, True)
+    outs.dweight = c.dl(dw_a, True)
+    outs.dbias = c.dl(db_a, True)
+    outs.grad_loss = c.dl(_grad(c, grad_loss))
+    ws, wsb = _workspace(c, workspace)
+    check(lib.fce_linear_cross_entropy_bwd(c.handle.ptr, c.stream, c.dl(hidden), c.dl(c.native(weight)),
+                                           c.dl(None if bias is None else c.native(bias)), c.dl(targets),
+                                           c.dl(c.native(lse)), opts, outs, ws, wsb),
+          "fce_linear_cross_entropy_bwd")
+    return LinearCrossEntropyGrads(dh_a, dw_a, db_a)
+
+
+def _no_bias():
+    raise ValueError("dbias needs a bias")
+
+
+def _workspace(c, workspace):
+    """A caller workspace (array/tensor on the call's device, 256-byte aligned) or the handle's cache."""
+    if workspace is None:
+        return ffi.NULL, 0
+    t = c.dl(workspace, True)
+    nbytes = 1
+    for i in range(t.ndim):
+        nbytes *= t.shape[i]
+    nbytes *= (t.dtype.bits * t.dtype.lanes + 7) // 8
+    return ffi.cast("void*", int(ffi.cast("uintptr_t", t.data)) + t.byte_offset), nbytes

@@ -1,0 +1,6 @@
+"""Shared pytest setup: the package is imported from this checkout (bindings/python), and the library
+from FUSEDCE_LIBRARY (meson sets it to the build's libfusedce.so) or the in-tree build."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
