@@ -4,20 +4,28 @@
 # CUDA runtime but not OpenBLAS; run tools/gpu-session.sh there with `.gpu` carried.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
+BUILD=${BUILD:-build-gpu}  # sm_90 only: small enough to carry
+[ -f "$BUILD/build.ninja" ] || meson setup "$BUILD" "-Dgencode=-arch=sm_90"
 ninja -C "$BUILD"
-rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
-cp -a "$BUILD"/libfusedce.so "$BUILD"/libfusedce.so.[0-9]* .gpu/lib/
-rm -rf .gpu/lib/*.p
-cp "$BUILD"/tests/gpu_* .gpu/bin/ 2>/dev/null || true
-rm -rf .gpu/bin/*.p
-for b in "$BUILD"/benchmarks/bench_* "$BUILD"/examples/demo_real "$BUILD"/examples/quickstart; do
-  [ -f "$b" ] && [ -x "$b" ] && cp "$b" .gpu/bin/
+rm -rf .gpu .gpu-stage && mkdir -p .gpu-stage/bin .gpu-stage/lib
+G=.gpu-stage
+cp -a "$BUILD"/libfusedce.so "$BUILD"/libfusedce.so.[0-9]* $G/lib/
+rm -rf $G/lib/*.p
+cp "$BUILD"/tests/gpu_* $G/bin/ 2>/dev/null || true
+rm -rf $G/bin/*.p
+for b in "$BUILD"/benchmarks/bench_* "$BUILD"/examples/demo_real_cuda "$BUILD"/examples/quickstart; do
+  [ -f "$b" ] && [ -x "$b" ] && cp "$b" $G/bin/
 done
 for l in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libcjson.so.1; do
   p=$(ldconfig -p | awk -v l="$l" '$1 == l {print $NF; exit}')
-  [ -n "$p" ] && cp -L "$p" .gpu/lib/
+  [ -n "$p" ] && cp -L "$p" $G/lib/
 done
-cp -L /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 .gpu/lib/ 2>/dev/null || true
-mkdir -p .gpu/compat && cp -L /lib/x86_64-linux-gnu/libstdc++.so.6 .gpu/compat/
-du -sh .gpu
+cp -L /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 $G/lib/ 2>/dev/null || true
+mkdir -p $G/compat && cp -L /lib/x86_64-linux-gnu/libstdc++.so.6 $G/compat/
+# Extra files to ship (e.g. tuning builds of the library): GPU_EXTRA="dir=path ..."
+for e in ${GPU_EXTRA:-}; do mkdir -p "$G/${e%%=*}" && cp -L "${e#*=}" "$G/${e%%=*}/"; done
+# The sample data when asked (it compresses to fit one call): GPU_SAMPLE=1
+[ "${GPU_SAMPLE:-0}" = 1 ] && mkdir -p $G/data && cp data/smollm2_kjv_sample.safetensors $G/data/
+mkdir -p .gpu && tar -C $G -cf - . | xz -T2 -6 > .gpu/pack.tar.xz
+rm -rf $G
+du -sh .gpu/pack.tar.xz

@@ -4,6 +4,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# Unpack what tools/gpu-pack.sh made.
+if [ -f .gpu/pack.tar.xz ]; then xz -dc .gpu/pack.tar.xz | tar -C .gpu -xf - && rm .gpu/pack.tar.xz; fi
 export LD_LIBRARY_PATH="$PWD/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if ! .gpu/bin/gpu_validation --gtest_list_tests >/dev/null 2>&1; then
   export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$PWD/.gpu/compat"
@@ -42,7 +44,7 @@ for step in $steps; do
     peers)
       FCE_PEERS=.peers/peers timeout 400 python3 .peers/peers_bench.py ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" | grep -vE "^\{" ;;
     demo)
-      [ -x .gpu/bin/demo_real ] && .gpu/bin/demo_real data/smollm2_kjv_sample.safetensors 2>&1 | tee "$OUT/demo_gpu.log" ;;
+      [ -x .gpu/bin/demo_real_cuda ] && .gpu/bin/demo_real_cuda --device cuda .gpu/data/smollm2_kjv_sample.safetensors 2>&1 | tee "$OUT/demo_gpu.log" ;;
   esac
 done
 printf '%s\n' "${summary[@]}"
