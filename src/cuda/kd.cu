@@ -8,10 +8,12 @@
 //   phase 2  the divergence terms of KdTerm (log p = t/T - lse_t, log q = s/T - lse_s): the row's loss
 //            and A = sum_j a_j                                                     -> exchange 2
 //   phase 3  dstudent_j = scale * (q_j > 0 ? a_j - q_j A : a_j), scale = grad * T2factor / T (/ rows)
-// The gradient needs A, which is known only once the whole row has been seen, so a_j is recomputed in
-// phase 3 rather than kept: keeping it would cost 4 bytes per column of shared memory (the slices of
-// student and teacher take 4 bytes per column in bf16) or a write and a read of DRAM, while recomputing
-// costs one exp per column (the student's slice is still on chip; see below).
+// The gradient needs A, known only once the whole row has been seen, so phase 3 recomputes a_j with KdTerm
+// from the slices still in shared memory (one more exp per column for forward KL, two for reverse KL/JSD,
+// plus q_j) rather than keeping it: keeping a_j in fp32 would double the shared memory of a resident bf16
+// row pair (4 -> 8 bytes per column: fewer blocks per SM, or rows too long to stay resident), and keeping
+// it in DRAM would add a write and a read of 4 bytes per column to the 6 the op moves. The recomputation
+// is ~20 instructions per column, hidden behind the memory traffic.
 // How the blocks of a row work together (plan_rows, from N, V, the dtypes and the GPU):
 //   resident  the row's slices of student and teacher stay in shared memory from phase 0 on, so each is
 //             read from DRAM exactly once whatever the number of phases: two reads (plus one write of
@@ -31,7 +33,7 @@
 // Masked rows (targets == ignore_index, or a top-K row without a used slot): loss 0, gradient 0. A top-K
 // id >= V: loss and gradient NaN. MEAN is batchmean over unmasked rows: with a gradient a tiny pre-kernel
 // counts them (integer atomics: exact), and SUM/MEAN go through a single-block finalize that sums the
-// per-row losses in a fixed order in fp64. No float atomics, no host sync, no allocation: bitwise
+// per-row losses in a fixed order in fp64 (and counts the rows' unmasked flags for MEAN). No float atomics, no host sync, no allocation: bitwise
 // repeatable and capturable in a CUDA graph.
 // FCE_DEBUG_ROWS=nocluster|stream|split in the environment forces a fallback (to test those paths).
 #include <cooperative_groups.h>
@@ -63,6 +65,7 @@ __device__ __forceinline__ float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ float fexp(float x) { return ex2(x * kLog2e); }
 
 // Unpacks a 16-byte vector of T by whole 32-bit words, so that a vector read from shared memory stays one
 // 16-byte load (reinterpreting it element by element lets the compiler split it into 2-byte loads).
@@ -86,7 +89,6 @@ __device__ __forceinline__ void unpack_words(const uint4& raw, float (&v)[kVec<T
     }
   }
 }
-__device__ __forceinline__ float fexp(float x) { return ex2(x * kLog2e); }
 
 __device__ __forceinline__ void cluster_sync_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -148,20 +150,19 @@ __device__ __forceinline__ bool exchange(const RowCtx& c, int e, P& v, P* ws) {
   return true;
 }
 
-// Copies src[0, n) (a row slice in global memory) to the 16-byte aligned shared buffer dst[0, n) and calls
-// f(v, e, cnt) on the values on the way (e relative to the slice, increasing per thread). Global reads are
-// 16-byte vectors, kLoadUnroll in flight per thread; unaligned head and tail elements are read one by one
-// (never anything outside the slice). A resident slice fits in shared memory, so 32-bit indices do.
-template <class T, class F>
-__device__ __forceinline__ void load_slice(const T* __restrict__ src, int n, T* __restrict__ dst, F&& f) {
+// Copies src[0, n) (a row slice in global memory) to the 16-byte aligned shared buffer dst[0, n) and shows
+// the values on the way: fv(raw, e) for each full 16-byte vector (elements e .. e + kVec - 1, as read) and
+// fs(x, e) for single elements, e relative to the slice and increasing per thread. Global reads are 16-byte
+// vectors, kLoadUnroll in flight per thread; unaligned head and tail elements are read one by one (never
+// anything outside the slice). A resident slice fits in shared memory, so 32-bit indices do.
+template <class T, class FV, class FS>
+__device__ __forceinline__ void load_slice(const T* __restrict__ src, int n, T* __restrict__ dst, FV&& fv, FS&& fs) {
   constexpr int K = kVec<T>;
   const int head = int(unaligned_head(src, nullptr, 0, n));
   for (int e = threadIdx.x; e < head; e += blockDim.x) {
-    float v[K];
     const T x = src[e];
     dst[e] = x;
-    v[0] = to_float(x);
-    f(v, e, 1);
+    fs(to_float(x), e);
   }
   const int nvec = (n - head) / K;
   const uint4* __restrict__ vp = reinterpret_cast<const uint4*>(src + head);
@@ -185,18 +186,14 @@ __device__ __forceinline__ void load_slice(const T* __restrict__ src, int n, T* 
 #pragma unroll
           for (int k = 0; k < K; ++k) dst[e0 + k] = el[k];
         }
-        float v[K];
-        unpack<T>(raw[u], v);
-        f(v, e0, K);
+        fv(raw[u], e0);
       }
     }
   }
   for (int e = head + nvec * K + threadIdx.x; e < n; e += blockDim.x) {
-    float v[K];
     const T x = src[e];
     dst[e] = x;
-    v[0] = to_float(x);
-    f(v, e, 1);
+    fs(to_float(x), e);
   }
 }
 
@@ -294,15 +291,19 @@ int64_t slice_cols(int64_t V, int C) {
   return e - b;
 }
 
-int threads_for(int64_t blocks, int64_t cols, int sm, bool streaming) {
-  if (blocks < sm) return 512;  // few blocks: make each wide
-  if (cols <= 1024) return 64;
-  if (cols <= 4096) return 128;
-  return streaming && cols > 16384 ? 512 : 256;
+// Threads per block: short slices get small blocks; long ones wide blocks when the blocks are few (or when
+// a streamed row is long), 256 otherwise (several blocks per SM overlap their phases).
+int threads_for(int64_t blocks, int64_t cols, int sm, bool streaming, int max_threads) {
+  int t = 256;
+  if (cols <= 1024) t = 64;
+  else if (cols <= 4096) t = 128;
+  else if (blocks < sm || (streaming && cols > 16384)) t = 512;
+  return t < max_threads ? t : max_threads;
 }
 
-// The plan for N rows of V columns whose resident slices take `sa` (+ `sb`) bytes per column.
-RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb) {
+// The plan for N rows of V columns whose resident slices take `sa` (+ `sb`) bytes per column, for a kernel
+// of at most `max_threads` threads per block.
+RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb, int max_threads) {
   const Force force = forced_path();
   const int sm = h->sm_count > 0 ? h->sm_count : 1;
   const size_t budget = h->max_smem_optin > 8192 ? size_t(h->max_smem_optin) - 4096 : 0;  // static smem margin
@@ -319,7 +320,7 @@ RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb) {
       p.C = C;
       p.cluster = C > 1;
       p.resident = true;
-      p.threads = threads_for(N * C, cols, sm, false);
+      p.threads = threads_for(N * C, cols, sm, false, max_threads);
       p.smem = smem;
       return p;
     }
@@ -329,7 +330,7 @@ RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb) {
   if (force == Force::Split && S < 4) S = 4;
   p.C = S;
   p.phased = S > 1 || force == Force::Split;
-  p.threads = threads_for(N * S, slice_cols(V, S), sm, true);
+  p.threads = threads_for(N * S, slice_cols(V, S), sm, true, max_threads);
   return p;
 }
 
@@ -357,12 +358,20 @@ void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& 
   if (p.smem > (size_t(48) << 10))
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem)),
           "cudaFuncSetAttribute");
+  if (p.resident)  // the slices live in shared memory and nothing is re-read through L1: all of it shared
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared)),
+          "cudaFuncSetAttribute");
   check(cudaLaunchKernelEx(&cfg, kernel, a), what);
 }
 
 // ==== knowledge distillation =========================================================================
 
 constexpr int kLastPhase = 3;
+// Threads per block of the row kernels: a resident bf16 row pair takes 64 KiB of shared memory per block,
+// so 3 blocks share an SM, and 3 x 256 threads leave each ~80 registers (64 made the compiler reload
+// kernel parameters inside the hot loops).
+constexpr int kKdThreads = 256;
 
 struct Max2 {  // raw maxima of student (a) and teacher (b)
   float a, b;
@@ -450,6 +459,7 @@ struct KdArgs {
   float* slot_val;    // [N*K] top-K gradient values saved before a streamed dense pass
   int reduction, div;
   float beta, inv_t, t2;
+  float temperature;  // inv_t = 1/temperature, recomputed in the row kernels so that it lives in a register
   int64_t N, V;
   int C, p0, p1;
   bool cluster;
@@ -458,6 +468,53 @@ struct KdArgs {
 
 template <class Ts, class Tt>
 constexpr int kGroup = kVec<Ts> > kVec<Tt> ? kVec<Ts> : kVec<Tt>;
+
+// z - c for z = x/T, as one fused multiply-add everywhere, so that equal inputs give bitwise-equal
+// log-probabilities whatever the compiler would have contracted (identical distributions give 0 exactly).
+__device__ __forceinline__ float zdiff(float x, float inv_t, float c) { return __fmaf_rn(x, inv_t, -c); }
+
+// Pairwise max of two packed 16-bit T's (like fmaxf, a NaN loses to a number).
+template <class T>
+__device__ __forceinline__ unsigned hmax2_bits(unsigned a, unsigned b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 r =
+        __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const unsigned*>(&r);
+  } else {
+    const __half2 r = __hmax2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<const unsigned*>(&r);
+  }
+}
+
+// Running max of raw values (NaN ignored, as fmaxf). 16-bit types compare packed pairs, so a 16-byte
+// vector costs 4 instructions, and are converted to fp32 once at the end (the max is exact in any format).
+template <class T>
+struct RawMax {
+  float m;
+  unsigned run;  // two T's (16-bit types)
+  __device__ RawMax() : m(-INFINITY), run(std::is_same_v<T, __half> ? 0xfc00fc00u : 0xff80ff80u) {}
+  __device__ void vec(const uint4& raw) {
+    if constexpr (sizeof(T) == 4) {
+      m = fmaxf(m, fmaxf(fmaxf(__uint_as_float(raw.x), __uint_as_float(raw.y)),
+                         fmaxf(__uint_as_float(raw.z), __uint_as_float(raw.w))));
+    } else {
+      run = hmax2_bits<T>(run, raw.x);
+      run = hmax2_bits<T>(run, raw.y);
+      run = hmax2_bits<T>(run, raw.z);
+      run = hmax2_bits<T>(run, raw.w);
+    }
+  }
+  __device__ void one(float x) { m = fmaxf(m, x); }
+  __device__ float get() const {
+    if constexpr (sizeof(T) == 4) {
+      return m;
+    } else {
+      float v[kVec<T>];
+      unpack_words<T>(make_uint4(run, run, run, run), v);
+      return fmaxf(m, fmaxf(v[0], v[1]));
+    }
+  }
+};
 
 // G values of T from p (16-byte aligned) as fp32.
 template <class T, int G>
@@ -575,28 +632,32 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
     kd_fixed_row<Ts>(a, row, rank, ds, n, 0.f, 0.f, 0);
     return;
   }
-  const float inv_t = a.inv_t;
+  const float inv_t = 1.f / a.temperature;
 
   // Phase 0: raw maxima (the slices go to shared memory on the way).
   Max2 mx;
   if (a.p0 == 0) {
-    auto fs = [&](const float(&v)[kVec<Ts>], int64_t, int cnt) {
-#pragma unroll
-      for (int k = 0; k < kVec<Ts>; ++k)
-        if (k < cnt) mx.a = fmaxf(mx.a, v[k]);
-    };
-    auto ft = [&](const float(&v)[kVec<Tt>], int64_t, int cnt) {
-#pragma unroll
-      for (int k = 0; k < kVec<Tt>; ++k)
-        if (k < cnt) mx.b = fmaxf(mx.b, v[k]);
-    };
+    RawMax<Ts> rs;
+    RawMax<Tt> rt;
     if constexpr (kResident) {
-      load_slice<Ts>(s, int(n), ss, fs);
-      load_slice<Tt>(t, int(n), st, ft);
+      load_slice<Ts>(
+          s, int(n), ss, [&](const uint4& raw, int) { rs.vec(raw); }, [&](float x, int) { rs.one(x); });
+      load_slice<Tt>(
+          t, int(n), st, [&](const uint4& raw, int) { rt.vec(raw); }, [&](float x, int) { rt.one(x); });
     } else {
-      row_visit<Ts>(s, 0, n, fs);
-      row_visit<Tt>(t, 0, n, ft);
+      row_visit<Ts>(s, 0, n, [&](const float(&v)[kVec<Ts>], int64_t, int cnt) {
+#pragma unroll
+        for (int k = 0; k < kVec<Ts>; ++k)
+          if (k < cnt) rs.one(v[k]);
+      });
+      row_visit<Tt>(t, 0, n, [&](const float(&v)[kVec<Tt>], int64_t, int cnt) {
+#pragma unroll
+        for (int k = 0; k < kVec<Tt>; ++k)
+          if (k < cnt) rt.one(v[k]);
+      });
     }
+    mx.a = rs.get();
+    mx.b = rt.get();
     mx = block_reduce(mx);
   }
   if (!exchange<0>(c, 0, mx, static_cast<Max2*>(a.ws0))) return;
@@ -611,8 +672,8 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
 #pragma unroll
       for (int k = 0; k < G; ++k) {
         if (k < cnt) {
-          if (live_s) sum.a += fexp(vs[k] * inv_t - ms);
-          if (live_t) sum.b += fexp(vt[k] * inv_t - mt);
+          if (live_s) sum.a += fexp(zdiff(vs[k], inv_t, ms));
+          if (live_t) sum.b += fexp(zdiff(vt[k], inv_t, mt));
         }
       }
     });
@@ -631,7 +692,7 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
       for (int k = 0; k < G; ++k) {
         if (k < cnt) {
           float aj;
-          la.loss += term(vt[k] * inv_t - lse_t, vs[k] * inv_t - lse_s, &aj);
+          la.loss += term(zdiff(vt[k], inv_t, lse_t), zdiff(vs[k], inv_t, lse_s), &aj);
           la.A += aj;
         }
       }
@@ -655,8 +716,8 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
       g[k] = 0.f;
       if (k < cnt) {
         float aj;
-        const float lq = vs[k] * inv_t - lse_s;
-        (void)term(vt[k] * inv_t - lse_t, lq, &aj);
+        const float lq = zdiff(vs[k], inv_t, lse_s);
+        (void)term(zdiff(vt[k], inv_t, lse_t), lq, &aj);
         const float q = fexp(lq);
         g[k] = (q > 0.f ? aj - q * A : aj) * scale;  // a -inf logit (q = 0) never forms 0 * inf
       }
@@ -666,7 +727,7 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
 }
 
 template <class Ts, class Tt, int DIV, bool kResident>
-__global__ void __launch_bounds__(512, 2) kd_full_kernel(const KdArgs a) {
+__global__ void __launch_bounds__(kKdThreads, 3) kd_full_kernel(const KdArgs a) {
   const int rank = int(blockIdx.x % unsigned(a.C));
   const int64_t stride = int64_t(gridDim.x / unsigned(a.C));
   for (int64_t row = blockIdx.x / unsigned(a.C); row < a.N; row += stride) {
@@ -699,7 +760,7 @@ __device__ __forceinline__ float topk_teacher_lse(const KdArgs& a, int64_t ib, c
   SumF sum;
   if (m.m != -INFINITY)
     for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x)
-      if (load_index(a.ids, a.ids64, ib + k) >= 0) sum.s += fexp(lp[k] * a.inv_t - m.m);
+      if (load_index(a.ids, a.ids64, ib + k) >= 0) sum.s += fexp(zdiff(lp[k], a.inv_t, m.m));
   sum = block_reduce(sum);
   return m.m == -INFINITY ? -INFINITY : m.m + logf(sum.s);
 }
@@ -707,7 +768,7 @@ __device__ __forceinline__ float topk_teacher_lse(const KdArgs& a, int64_t ib, c
 // Full-vocabulary normalization of the student.
 template <class Ts, bool kResident>
 __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int rank) {
-  constexpr int K = kVec<Ts>;
+  constexpr int KV = kVec<Ts>;  // values per 16-byte vector (a.K is the number of top-K slots)
   int64_t begin, end;
   split_range(a.V, a.C, rank, &begin, &end);
   const int64_t n = end - begin;
@@ -725,18 +786,23 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
     kd_fixed_row<Ts>(a, row, rank, ds, n, masked ? 0.f : NAN, masked ? 0.f : NAN, masked ? 0 : 1);
     return;
   }
-  const float inv_t = a.inv_t;
+  const float inv_t = 1.f / a.temperature;
 
   // Phase 0: raw max of the student (its slice goes to shared memory on the way).
   MaxF mx;
   if (a.p0 == 0) {
-    auto f = [&](const float(&v)[K], int64_t, int cnt) {
+    RawMax<Ts> rs;
+    if constexpr (kResident) {
+      load_slice<Ts>(
+          s, int(n), ss, [&](const uint4& raw, int) { rs.vec(raw); }, [&](float x, int) { rs.one(x); });
+    } else {
+      row_visit<Ts>(s, 0, n, [&](const float(&v)[KV], int64_t, int cnt) {
 #pragma unroll
-      for (int k = 0; k < K; ++k)
-        if (k < cnt) mx.m = fmaxf(mx.m, v[k]);
-    };
-    if constexpr (kResident) load_slice<Ts>(s, int(n), ss, f);
-    else row_visit<Ts>(s, 0, n, f);
+        for (int k = 0; k < KV; ++k)
+          if (k < cnt) rs.one(v[k]);
+      });
+    }
+    mx.m = rs.get();
     mx = block_reduce(mx);
   }
   if (!exchange<0>(c, 0, mx, static_cast<MaxF*>(a.ws0))) return;
@@ -746,10 +812,10 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
   SumF sum;
   if (a.p0 <= 1) {
     if (ms != -INFINITY)
-      visit1<Ts, kResident>(s, ss, n, [&](const float(&v)[K], int64_t, int cnt) {
+      visit1<Ts, kResident>(s, ss, n, [&](const float(&v)[KV], int64_t, int cnt) {
 #pragma unroll
-        for (int k = 0; k < K; ++k)
-          if (k < cnt) sum.s += fexp(v[k] * inv_t - ms);
+        for (int k = 0; k < KV; ++k)
+          if (k < cnt) sum.s += fexp(zdiff(v[k], inv_t, ms));
       });
     sum = block_reduce(sum);
   }
@@ -770,7 +836,7 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
       const int64_t id = load_index(a.ids, a.ids64, ib + k);
       if (id >= begin && id < end) {
         float ak;
-        la.loss += term(lp[k] * inv_t - lse_t, s_at(id) * inv_t - lse_s, &ak);
+        la.loss += term(zdiff(lp[k], inv_t, lse_t), zdiff(s_at(id), inv_t, lse_s), &ak);
         la.A += ak;
       }
     }
@@ -786,10 +852,10 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
   // Phase 3: -q_j A everywhere, then (-q_k A + a_k) at the ids (as the CPU), times scale.
   const float scale = kd_grad_scale(a, row), A = la.A;
   auto id_value = [&](int64_t k, int64_t id) {
-    const float zs = s_at(id) * inv_t;
+    const float lq = zdiff(s_at(id), inv_t, lse_s);
     float ak;
-    (void)term(lp[k] * inv_t - lse_t, zs - lse_s, &ak);
-    return -fexp(zs - lse_s) * A + ak;
+    (void)term(zdiff(lp[k], inv_t, lse_t), lq, &ak);
+    return -fexp(lq) * A + ak;
   };
   if constexpr (!kResident) {  // in place, the dense pass overwrites the student: take the ids first
     for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
@@ -798,11 +864,11 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
     }
     __syncthreads();
   }
-  visit1<Ts, kResident>(s, ss, n, [&](const float(&v)[K], int64_t e0, int cnt) {
-    float g[K];
+  visit1<Ts, kResident>(s, ss, n, [&](const float(&v)[KV], int64_t e0, int cnt) {
+    float g[KV];
 #pragma unroll
-    for (int k = 0; k < K; ++k) g[k] = k < cnt ? -fexp(v[k] * inv_t - lse_s) * A * scale : 0.f;
-    store_vals<Ts, K>(ds + e0, g, cnt);
+    for (int k = 0; k < KV; ++k) g[k] = k < cnt ? -fexp(zdiff(v[k], inv_t, lse_s)) * A * scale : 0.f;
+    store_vals<Ts, KV>(ds + e0, g, cnt);
   });
   __syncthreads();  // the dense stores are done before the id values replace them
   for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
@@ -817,7 +883,7 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
 }
 
 template <class Ts, bool kResident>
-__global__ void __launch_bounds__(512, 2) kd_topk_kernel(const KdArgs a) {
+__global__ void __launch_bounds__(kKdThreads, 3) kd_topk_kernel(const KdArgs a) {
   const int rank = int(blockIdx.x % unsigned(a.C));
   const int64_t stride = int64_t(gridDim.x / unsigned(a.C));
   for (int64_t row = blockIdx.x / unsigned(a.C); row < a.N; row += stride) {
@@ -835,7 +901,7 @@ __global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
     Ts* ds = a.ds ? static_cast<Ts*>(a.ds) + row * a.ldd : nullptr;
     const int64_t ib = row * a.ldi;
     const float* lp = a.lp + row * a.ldlp;
-    const float inv_t = a.inv_t;
+    const float inv_t = 1.f / a.temperature;
     bool any_used, any_oob;
     topk_status(a, ib, &any_used, &any_oob);
     const bool masked = !any_used || target_masked(a, row);
@@ -860,7 +926,7 @@ __global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
     if (m.m != -INFINITY)
       for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
         const int64_t id = load_index(a.ids, a.ids64, ib + k);
-        if (id >= 0) sum.s += fexp(to_float(srow[id]) * inv_t - m.m);
+        if (id >= 0) sum.s += fexp(zdiff(to_float(srow[id]), inv_t, m.m));
       }
     sum = block_reduce(sum);
     const float lse_s = m.m == -INFINITY ? -INFINITY : m.m + logf(sum.s);
@@ -870,7 +936,7 @@ __global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
       const int64_t id = load_index(a.ids, a.ids64, ib + k);
       if (id >= 0) {
         float ak;
-        la.loss += term(lp[k] * inv_t - lse_t, to_float(srow[id]) * inv_t - lse_s, &ak);
+        la.loss += term(zdiff(lp[k], inv_t, lse_t), zdiff(to_float(srow[id]), inv_t, lse_s), &ak);
         la.A += ak;
       }
     }
@@ -885,10 +951,10 @@ __global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
       for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
         const int64_t id = load_index(a.ids, a.ids64, ib + k);
         if (id >= 0) {
-          const float zs = to_float(srow[id]) * inv_t;
+          const float lq = zdiff(to_float(srow[id]), inv_t, lse_s);
           float ak;
-          (void)term(lp[k] * inv_t - lse_t, zs - lse_s, &ak);
-          a.slot_val[row * a.K + k] = ak - fexp(zs - lse_s) * A;
+          (void)term(zdiff(lp[k], inv_t, lse_t), lq, &ak);
+          a.slot_val[row * a.K + k] = ak - fexp(lq) * A;
         }
       }
       __syncthreads();
@@ -948,7 +1014,7 @@ RowPlan kd_plan(const fce_handle* h, const KdProblem& p) {
   }
   const int ss = int(dtype_size(p.student.dtype));
   const int st = p.topk() ? 0 : int(dtype_size(p.teacher.dtype));
-  return plan_rows(h, p.student.rows, p.student.cols, ss, st);
+  return plan_rows(h, p.student.rows, p.student.cols, ss, st, kKdThreads);
 }
 
 struct KdWorkspace {
@@ -1047,6 +1113,7 @@ void kd(fce_handle* h, fce_stream_t stream, const KdProblem& p, Workspace w) {
   a.div = div;
   a.beta = p.o.beta;
   a.inv_t = 1.f / p.o.temperature;
+  a.temperature = p.o.temperature;
   a.t2 = p.o.scale_by_t2 ? p.o.temperature * p.o.temperature : 1.f;
   a.N = N;
   a.V = V;

@@ -49,6 +49,7 @@ __device__ __forceinline__ float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ float fexp(float x) { return ex2(x * kLog2e); }
 
 // Unpacks a 16-byte vector of T by whole 32-bit words, so that a vector read from shared memory stays one
 // 16-byte load (reinterpreting it element by element lets the compiler split it into 2-byte loads).
@@ -72,7 +73,6 @@ __device__ __forceinline__ void unpack_words(const uint4& raw, float (&v)[kVec<T
     }
   }
 }
-__device__ __forceinline__ float fexp(float x) { return ex2(x * kLog2e); }
 
 __device__ __forceinline__ void cluster_sync_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -134,20 +134,19 @@ __device__ __forceinline__ bool exchange(const RowCtx& c, int e, P& v, P* ws) {
   return true;
 }
 
-// Copies src[0, n) (a row slice in global memory) to the 16-byte aligned shared buffer dst[0, n) and calls
-// f(v, e, cnt) on the values on the way (e relative to the slice, increasing per thread). Global reads are
-// 16-byte vectors, kLoadUnroll in flight per thread; unaligned head and tail elements are read one by one
-// (never anything outside the slice). A resident slice fits in shared memory, so 32-bit indices do.
-template <class T, class F>
-__device__ __forceinline__ void load_slice(const T* __restrict__ src, int n, T* __restrict__ dst, F&& f) {
+// Copies src[0, n) (a row slice in global memory) to the 16-byte aligned shared buffer dst[0, n) and shows
+// the values on the way: fv(raw, e) for each full 16-byte vector (elements e .. e + kVec - 1, as read) and
+// fs(x, e) for single elements, e relative to the slice and increasing per thread. Global reads are 16-byte
+// vectors, kLoadUnroll in flight per thread; unaligned head and tail elements are read one by one (never
+// anything outside the slice). A resident slice fits in shared memory, so 32-bit indices do.
+template <class T, class FV, class FS>
+__device__ __forceinline__ void load_slice(const T* __restrict__ src, int n, T* __restrict__ dst, FV&& fv, FS&& fs) {
   constexpr int K = kVec<T>;
   const int head = int(unaligned_head(src, nullptr, 0, n));
   for (int e = threadIdx.x; e < head; e += blockDim.x) {
-    float v[K];
     const T x = src[e];
     dst[e] = x;
-    v[0] = to_float(x);
-    f(v, e, 1);
+    fs(to_float(x), e);
   }
   const int nvec = (n - head) / K;
   const uint4* __restrict__ vp = reinterpret_cast<const uint4*>(src + head);
@@ -171,18 +170,14 @@ __device__ __forceinline__ void load_slice(const T* __restrict__ src, int n, T* 
 #pragma unroll
           for (int k = 0; k < K; ++k) dst[e0 + k] = el[k];
         }
-        float v[K];
-        unpack<T>(raw[u], v);
-        f(v, e0, K);
+        fv(raw[u], e0);
       }
     }
   }
   for (int e = head + nvec * K + threadIdx.x; e < n; e += blockDim.x) {
-    float v[K];
     const T x = src[e];
     dst[e] = x;
-    v[0] = to_float(x);
-    f(v, e, 1);
+    fs(to_float(x), e);
   }
 }
 
@@ -280,15 +275,19 @@ int64_t slice_cols(int64_t V, int C) {
   return e - b;
 }
 
-int threads_for(int64_t blocks, int64_t cols, int sm, bool streaming) {
-  if (blocks < sm) return 512;  // few blocks: make each wide
-  if (cols <= 1024) return 64;
-  if (cols <= 4096) return 128;
-  return streaming && cols > 16384 ? 512 : 256;
+// Threads per block: short slices get small blocks; long ones wide blocks when the blocks are few (or when
+// a streamed row is long), 256 otherwise (several blocks per SM overlap their phases).
+int threads_for(int64_t blocks, int64_t cols, int sm, bool streaming, int max_threads) {
+  int t = 256;
+  if (cols <= 1024) t = 64;
+  else if (cols <= 4096) t = 128;
+  else if (blocks < sm || (streaming && cols > 16384)) t = 512;
+  return t < max_threads ? t : max_threads;
 }
 
-// The plan for N rows of V columns whose resident slices take `sa` (+ `sb`) bytes per column.
-RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb) {
+// The plan for N rows of V columns whose resident slices take `sa` (+ `sb`) bytes per column, for a kernel
+// of at most `max_threads` threads per block.
+RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb, int max_threads) {
   const Force force = forced_path();
   const int sm = h->sm_count > 0 ? h->sm_count : 1;
   const size_t budget = h->max_smem_optin > 8192 ? size_t(h->max_smem_optin) - 4096 : 0;  // static smem margin
@@ -305,7 +304,7 @@ RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb) {
       p.C = C;
       p.cluster = C > 1;
       p.resident = true;
-      p.threads = threads_for(N * C, cols, sm, false);
+      p.threads = threads_for(N * C, cols, sm, false, max_threads);
       p.smem = smem;
       return p;
     }
@@ -315,7 +314,7 @@ RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb) {
   if (force == Force::Split && S < 4) S = 4;
   p.C = S;
   p.phased = S > 1 || force == Force::Split;
-  p.threads = threads_for(N * S, slice_cols(V, S), sm, true);
+  p.threads = threads_for(N * S, slice_cols(V, S), sm, true, max_threads);
   return p;
 }
 
@@ -342,6 +341,10 @@ void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& 
   }
   if (p.smem > (size_t(48) << 10))
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem)),
+          "cudaFuncSetAttribute");
+  if (p.resident)  // the slices live in shared memory and nothing is re-read through L1: all of it shared
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared)),
           "cudaFuncSetAttribute");
   check(cudaLaunchKernelEx(&cfg, kernel, a), what);
 }
@@ -409,13 +412,23 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
   // Phase 0: max of the raw logits and its first index (the slice goes to shared memory on the way).
   MaxArg mx;
   if (a.p0 == 0) {
-    auto f = [&](const float(&v)[K], int64_t e0, int cnt) {
+    if constexpr (kResident) {
+      load_slice<T>(
+          x, int(n), sm,
+          [&](const uint4& raw, int e0) {
+            float v[K];
+            unpack<T>(raw, v);
 #pragma unroll
-      for (int k = 0; k < K; ++k)
-        if (k < cnt) mx.add(v[k], begin + e0 + k);
-    };
-    if constexpr (kResident) load_slice<T>(x, int(n), sm, f);
-    else row_visit<T>(x, 0, n, f);
+            for (int k = 0; k < K; ++k) mx.add(v[k], begin + e0 + k);
+          },
+          [&](float xv, int e) { mx.add(xv, begin + e); });
+    } else {
+      row_visit<T>(x, 0, n, [&](const float(&v)[K], int64_t e0, int cnt) {
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+          if (k < cnt) mx.add(v[k], begin + e0 + k);
+      });
+    }
     mx = block_reduce(mx);
   }
   if (!exchange<0>(c, 0, mx, a.ws0)) return;
@@ -514,7 +527,7 @@ SmWorkspace softmax_layout(const RowPlan& pl, int64_t N, void* base) {
 }
 
 RowPlan softmax_plan(const fce_handle* h, const SoftmaxProblem& p) {
-  return plan_rows(h, p.logits.rows, p.logits.cols, int(dtype_size(p.logits.dtype)), 0);
+  return plan_rows(h, p.logits.rows, p.logits.cols, int(dtype_size(p.logits.dtype)), 0, 512);
 }
 
 }  // namespace
