@@ -68,9 +68,12 @@ DType parse_dtype(const DLTensor* t, const char* name, unsigned accept) {
   return r;
 }
 
-char* base_pointer(const DLTensor* t, const char* name) {
+char* base_pointer(const DLTensor* t, const char* name, DType dt) {
   FCE_CHECK(t->data != nullptr, FCE_STATUS_INVALID_ARGUMENT, "%s has a NULL data pointer", name);
-  return static_cast<char*>(t->data) + t->byte_offset;
+  char* p = static_cast<char*>(t->data) + t->byte_offset;
+  FCE_CHECK(reinterpret_cast<uintptr_t>(p) % dtype_size(dt) == 0, FCE_STATUS_UNSUPPORTED_LAYOUT,
+            "%s (data + byte_offset) is not aligned to its %zu-byte elements", name, dtype_size(dt));
+  return p;
 }
 
 }  // namespace
@@ -113,7 +116,7 @@ Mat Validator::matrix(const DLTensor* t, const char* name, unsigned accept) cons
   }
   checked_mul(m.rows, m.ld, name);
   checked_bytes(checked_mul(m.rows, m.ld, name), dtype_size(m.dtype), name);
-  m.data = base_pointer(t, name);
+  m.data = base_pointer(t, name, m.dtype);
   return m;
 }
 
@@ -130,7 +133,7 @@ Vec Validator::vector(const DLTensor* t, const char* name, unsigned accept) cons
     FCE_CHECK(t->strides[0] == 1, FCE_STATUS_UNSUPPORTED_LAYOUT, "%s must have unit stride (has %lld)", name,
               (long long)t->strides[0]);
   checked_bytes(v.n, dtype_size(v.dtype), name);
-  v.data = base_pointer(t, name);
+  v.data = base_pointer(t, name, v.dtype);
   return v;
 }
 
@@ -143,7 +146,7 @@ Vec Validator::scalar(const DLTensor* t, const char* name, unsigned accept) cons
   v.dtype = parse_dtype(t, name, accept);
   v.n = 1;
   v.scalar = true;
-  v.data = base_pointer(t, name);
+  v.data = base_pointer(t, name, v.dtype);
   return v;
 }
 

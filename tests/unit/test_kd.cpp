@@ -177,7 +177,9 @@ void run_case(const KdCase& c) {
         row[j] = x0;
         want = (fp - fm) / (2 * hh) * gscale;
       }
-      ASSERT_TRUE(close(ds.get(i, j), want, rtol, 2e-6)) << "dstudent (" << i << "," << j << ")";
+      // fp32 forms a_j - q_j*A, which cancels when |log q - log p| is large (reverse KL at T = 0.5): an
+      // absolute error of a few 1e-6 is rounding, not a wrong gradient.
+      ASSERT_TRUE(close(ds.get(i, j), want, rtol, 1e-5)) << "dstudent (" << i << "," << j << ")";
     }
   }
 }

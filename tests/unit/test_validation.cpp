@@ -50,6 +50,7 @@ TEST(Validation, CrossEntropyBadInputs) {
   { Fixture f; f.logits.dl()->strides[0] = 5; f.expect(FCE_STATUS_UNSUPPORTED_LAYOUT, "row stride < V"); }
   { Fixture f; f.logits.dl()->device.device_type = kDLCUDA; f.logits.dl()->device.device_type = target().cuda() ? kDLCPU : kDLCUDA; f.expect(FCE_STATUS_DEVICE_MISMATCH, "device"); }
   { Fixture f; f.logits.dl()->data = nullptr; f.expect(FCE_STATUS_INVALID_ARGUMENT, "NULL data"); }
+  { Fixture f; f.logits.dl()->byte_offset = 1; f.expect(FCE_STATUS_UNSUPPORTED_LAYOUT, "misaligned element"); }
   { Fixture f; f.logits.dl()->shape[0] = int64_t(1) << 62; f.targets.dl()->shape[0] = int64_t(1) << 62; f.expect(FCE_STATUS_OVERFLOW, "size overflow"); }
   { Fixture f; f.o.reduction = 7; f.expect(FCE_STATUS_INVALID_ARGUMENT, "reduction"); }
   { Fixture f; f.o.label_smoothing = 1.5f; f.expect(FCE_STATUS_INVALID_ARGUMENT, "label smoothing"); }
