@@ -65,8 +65,9 @@ struct CeGrad {
   }
 };
 
-// x*log(x/y)-style term that is 0 when the weight p is 0, whatever the logs hold (-inf logits give no NaN).
-FCE_HD float xlogratio(float p, float logp, float logq) { return p > 0.f ? p * (logp - logq) : 0.f; }
+// x*log(x/y)-style term that is 0 when the weight p is 0, whatever the logs hold (-inf logits give no NaN);
+// a NaN weight stays NaN.
+FCE_HD float xlogratio(float p, float logp, float logq) { return p == 0.f ? 0.f : p * (logp - logq); }
 
 // log(exp(a) + exp(b)) without overflow; -inf when both are -inf.
 FCE_HD float logaddexp(float a, float b) {
@@ -93,13 +94,13 @@ struct KdTerm {
       return xlogratio(p, logp, logq);
     }
     if (divergence == 1) {  // reverse KL(P_s || P_t)
-      *a = q > 0.f ? q * (logq - logp + 1.f) : 0.f;
+      *a = q == 0.f ? 0.f : q * (logq - logp + 1.f);
       return xlogratio(q, logq, logp);
     }
     // generalized JSD: b*KL(P||M) + (1-b)*KL(Q||M), M = b*P + (1-b)*Q; dL/dq = (1-b)*log(q/M)
     // M = P exactly when P = Q: identical distributions give exactly 0.
     const float logm = logp == logq ? logp : logaddexp(log_beta + logp, log_1mbeta + logq);
-    *a = q > 0.f ? q * (1.f - beta) * (logq - logm) : 0.f;
+    *a = q == 0.f ? 0.f : q * (1.f - beta) * (logq - logm);
     return beta * xlogratio(p, logp, logm) + (1.f - beta) * xlogratio(q, logq, logm);
   }
 };

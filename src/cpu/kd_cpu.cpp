@@ -67,7 +67,7 @@ void kd(const KdProblem& p, Workspace) {
         }
         for (int64_t j = 0; j < V; ++j) {
           const float q = std::exp(zs[size_t(j)] - lse_s);
-          grad[size_t(j)] = q > 0.f ? a[size_t(j)] - q * float(asum) : a[size_t(j)];  // -inf logit: no 0*inf
+          grad[size_t(j)] = q == 0.f ? a[size_t(j)] : a[size_t(j)] - q * float(asum);  // -inf logit: no 0*inf
         }
       } else {
         // Teacher over its K ids: softmax_K(logprobs / T); negative ids are unused slots.

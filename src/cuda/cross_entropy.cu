@@ -29,7 +29,10 @@ struct CeAcc {
   }
   __device__ void merge(const CeAcc& o) {
     const float mn = fmaxf(m, o.m);
-    if (mn != -INFINITY) {
+    if (mn == INFINITY) {  // +inf logits (logsumexp): only the +inf parts count, no inf - inf
+      d = (m == mn ? d : 0.f) + (o.m == mn ? o.d : 0.f);
+      s1 = 0.f;
+    } else if (mn != -INFINITY) {
       const float a = expf(m - mn), b = expf(o.m - mn);
       d = d * a + o.d * b;
       s1 = s1 * a + o.s1 * b;
@@ -96,7 +99,6 @@ template <class T, bool kSoftcap, bool kEntropy, bool kSmooth>
 __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int64_t end, uint4* cache,
                             int64_t cache_vecs) {
   const LogitTransform tf(p.scale, p.softcap);
-  const float c = p.scale * kLog2e;  // z*log2e = x*c without soft-cap
   CeAcc a;
   row_visit<T>(row, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
     float vmax = -INFINITY;
@@ -113,23 +115,22 @@ __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int6
     }
     const float zmax = tf(vmax);
     const float mn = fmaxf(a.m, zmax);
-    if (mn == -INFINITY) return;  // nothing finite yet (keeps NaN out of -inf - -inf)
+    if (mn == -INFINITY) {  // nothing finite yet: only a NaN matters (keeps NaN out of -inf - -inf)
+#pragma unroll
+      for (int k = 0; k < kVec<T>; ++k)
+        if (k < n && isnan(v[k])) a.d = NAN;
+      return;
+    }
     const float r = fast_exp2((a.m - mn) * kLog2e);
     a.d *= r;
     if (kEntropy) a.s1 *= r;
     a.m = mn;
-    const float ml = mn * kLog2e;
 #pragma unroll
     for (int k = 0; k < kVec<T>; ++k) {
       if (k < n) {
-        float e, z;
-        if (kSoftcap) {
-          z = tf(v[k]);
-          e = fast_exp2(fmaf(z, kLog2e, -ml));
-        } else {
-          e = fast_exp2(fmaf(v[k], c, -ml));
-          z = v[k] * p.scale;
-        }
+        // z - max is exact 0 at the maximum, so a single logit gives d = 1 and lse = z exactly.
+        const float z = kSoftcap ? tf(v[k]) : v[k] * p.scale;
+        const float e = fast_exp2((z - mn) * kLog2e);
         a.d += e;
         if (kEntropy && e > 0.f) a.s1 += e * z;
         if (kSmooth && p.eps > 0.f) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z;
@@ -145,16 +146,20 @@ __device__ CeAcc block_stats(const CeParams& p, const T* row, int64_t begin, int
                              int64_t cache_vecs) {
   __shared__ int64_t first_nan;
   CeAcc a = block_reduce(accumulate<T, kSoftcap, kEntropy, kSmooth>(p, row, begin, end, cache, cache_vecs));
-  if (p.full && isnan(a.d)) {  // rare: find the first NaN, which counts as the largest logit
+  if (isnan(a.d)) {  // rare: a NaN logit, or +inf (inf - inf)
     if (threadIdx.x == 0) first_nan = INT64_MAX;
     __syncthreads();
     for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x)
       if (isnan(to_float(row[j]))) atomicMin(reinterpret_cast<unsigned long long*>(&first_nan), (unsigned long long)j);
     __syncthreads();
-    if (first_nan != INT64_MAX) {
+    if (first_nan != INT64_MAX) {  // the first NaN counts as the largest logit
       a.av = NAN;
       a.ai = first_nan;
+    } else if (!p.full) {  // logsumexp of a row holding +inf (and no NaN) is +inf
+      a.m = INFINITY;
+      a.d = 1.f;
     }
+    __syncthreads();
   }
   return a;
 }
@@ -235,15 +240,14 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
   }
   const float W = p.weights ? float(p.prep[1]) : float(p.V);
   const CeGrad grad(g, p.eps, p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse);
-  const float ml = lse * kLog2e;
   if (p.softcap == 0.f && !p.weights) {
     // Common case: z = s*x, dz/dx = s, w = 1. Per element one FMA, one ex2, one FMA.
-    const float c = p.scale * kLog2e, a = p.scale * grad.cp, b = -p.scale * grad.cw, at = p.scale * grad.ct;
+    const float s = p.scale, a = p.scale * grad.cp, b = -p.scale * grad.cw, at = p.scale * grad.ct;
     row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
       const int64_t kt = t - j0;  // the target's position in this vector, if any
 #pragma unroll
       for (int k = 0; k < kVec<T>; ++k) {
-        if (k < n) v[k] = fmaf(a, fast_exp2(fmaf(v[k], c, -ml)), b) - (k == kt ? at : 0.f);
+        if (k < n) v[k] = fmaf(a, fast_exp2((v[k] * s - lse) * kLog2e), b) - (k == kt ? at : 0.f);
       }
     }, cache, cache_vecs);
     return;
@@ -254,7 +258,7 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
       if (k < n) {
         const float z = tf(v[k]);
         const float w = p.weights ? p.weights[j0 + k] : 1.f;
-        v[k] = grad(fast_exp2(fmaf(z, kLog2e, -ml)), w, j0 + k == t) * tf.derivative(z);
+        v[k] = grad(fast_exp2((z - lse) * kLog2e), w, j0 + k == t) * tf.derivative(z);
       }
     }
   }, cache, cache_vecs);

@@ -719,7 +719,7 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
         const float lq = zdiff(vs[k], inv_t, lse_s);
         (void)term(zdiff(vt[k], inv_t, lse_t), lq, &aj);
         const float q = fexp(lq);
-        g[k] = (q > 0.f ? aj - q * A : aj) * scale;  // a -inf logit (q = 0) never forms 0 * inf
+        g[k] = (q == 0.f ? aj : aj - q * A) * scale;  // a -inf logit (q = 0) never forms 0 * inf; NaN stays
       }
     }
     store_vals<Ts, G>(ds + e0, g, cnt);
