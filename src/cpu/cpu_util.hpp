@@ -84,6 +84,14 @@ inline void store(char* p, DType t, float v) {
   }
 }
 
+// v rounded to dtype t and back (round to nearest even).
+inline float round_to(DType t, float v) {
+  if (t == DType::F32) return v;
+  char b[4];
+  store(b, t, v);
+  return load(b, t);
+}
+
 inline int64_t load_index(const char* base, DType t, int64_t i) {
   if (t == DType::I32) { int32_t v; std::memcpy(&v, base + 4 * i, 4); return v; }
   int64_t v; std::memcpy(&v, base + 8 * i, 8); return v;

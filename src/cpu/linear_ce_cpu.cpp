@@ -95,6 +95,9 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       const int64_t i = r0 + r;
       float* x = L + size_t(r * V);
       for (int64_t v = 0; v < int64_t(bias.size()); ++v) x[v] += bias[size_t(v)];
+      // Logits take the inputs' dtype, as torch.nn.functional.linear gives them (the header's contract).
+      if (p.hidden.dtype != DType::F32)
+        for (int64_t j = 0; j < V; ++j) x[j] = round_to(p.hidden.dtype, x[j]);
       const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
       float lse;
       if (bwd) {
@@ -113,7 +116,11 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
           if (p.z_loss) store_f32(p.z_loss, i, cr.z_loss);
         }
       }
-      if (grad) ce_row_grad(c, x, lse, t, c.grad_scale(p.grad_loss, i, denom), x);  // dlogits in place
+      if (grad) {
+        ce_row_grad(c, x, lse, t, c.grad_scale(p.grad_loss, i, denom), x);  // dlogits in place
+        if (p.hidden.dtype != DType::F32)  // and in the inputs' dtype, the backward GEMMs' operand
+          for (int64_t j = 0; j < V; ++j) x[j] = round_to(p.hidden.dtype, x[j]);
+      }
     }
     if (!grad) continue;
     if (p.dhidden) {

@@ -1,7 +1,9 @@
-// CUDA linear cross-entropy: token chunks. For each chunk a cuBLAS GEMM writes the chunk's logits in fp32
-// into the workspace, the cross-entropy rows kernel turns them into losses and dlogits (in the GEMM dtype,
-// formed in fp32 and rounded once), then GEMMs write the chunk's dhidden and add its dweight into an fp32
-// accumulator. 6*N*H*V flops with gradients, 2*N*H*V without; no [N,V] tensor ever exists.
+// CUDA linear cross-entropy: token chunks. For each chunk a cuBLAS GEMM (fp32 accumulation) writes the
+// chunk's logits in the inputs' dtype into the workspace, the cross-entropy rows kernel turns them into
+// losses and, in place, dlogits (formed in fp32, rounded once), then GEMMs write the chunk's dhidden and add
+// its dweight into an fp32 accumulator. 6*N*H*V flops with gradients, 2*N*H*V without; no [N,V] tensor
+// ever exists. Logits in the inputs' dtype (as torch.nn.functional.linear) halve the chunk's bytes, so
+// chunks are twice as long and the fp32 dweight accumulator is streamed half as often.
 #include <algorithm>
 
 #include "cuda/blas.hpp"
@@ -22,14 +24,13 @@ cudaDataType cuda_type(DType t) {
   }
 }
 
-int64_t padded(int64_t V) { return (V + 63) / 64 * 64; }  // 256-byte aligned fp32 rows
+int64_t padded(int64_t V) { return (V + 127) / 128 * 128; }  // 256-byte aligned rows
 
 // Workspace: fixed part (prep, row losses, fp32 accumulators) then per-chunk buffers.
 struct LceLayout {
   double* prep = nullptr;
   float *row_loss = nullptr, *row_zl = nullptr, *dw_acc = nullptr, *db_acc = nullptr;
-  float* logits = nullptr;
-  void* dl = nullptr;  // dlogits in the GEMM dtype (the logits buffer itself for fp32)
+  char* logits = nullptr;  // [C, ldl] in the inputs' dtype; dlogits overwrite it in place
   void* rows = nullptr;
   size_t fixed = 0, per_row = 0, total = 0;
   int64_t C = 0;
@@ -37,8 +38,7 @@ struct LceLayout {
   LceLayout(fce_handle* h, const LinearCeProblem& p, void* base, size_t bytes_or_zero, bool minimum) {
     const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows, ldl = padded(V);
     const bool grad = p.wants_grad(), reduced = !p.saved_lse && p.o.reduction != FCE_REDUCTION_NONE;
-    const bool separate_dl = grad && p.hidden.dtype != DType::F32;
-    per_row = size_t(ldl) * 4 + (separate_dl ? size_t(ldl) * dtype_size(p.hidden.dtype) : 0);
+    per_row = size_t(ldl) * dtype_size(p.hidden.dtype);
     // Fixed part, measured with a dry carve.
     auto carve = [&](void* at, int64_t C_) {
       Carver c(at);
@@ -48,9 +48,7 @@ struct LceLayout {
       dw_acc = (p.dweight && p.dweight.dtype != DType::F32) ? c.take<float>(size_t(V) * size_t(H)) : nullptr;
       db_acc = p.dbias ? c.take<float>(size_t(V)) : nullptr;
       rows = c.take<char>(ce_rows_workspace(h, std::max<int64_t>(C_, 1), V, grad, static_cast<bool>(p.saved_lse)));
-      logits = c.take<float>(size_t(C_) * size_t(ldl));
-      dl = separate_dl ? static_cast<void*>(c.take<char>(size_t(C_) * size_t(ldl) * dtype_size(p.hidden.dtype)))
-                       : static_cast<void*>(logits);
+      logits = c.take<char>(size_t(C_) * per_row);
       return c.used;
     };
     fixed = carve(nullptr, 0);
@@ -74,15 +72,11 @@ struct LceLayout {
 };
 
 // Grid rows stride by gridDim.y: grid.y is capped at 65535.
-__global__ void bias_rows_kernel(float* logits, int64_t rows, int64_t ldl, int64_t V, const void* bias, int bias_type) {
+template <class T>
+__global__ void bias_rows_kernel(T* logits, int64_t rows, int64_t ldl, int64_t V, const T* bias) {
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
-  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < V; j += int64_t(gridDim.x) * blockDim.x) {
-    float b;
-    if (bias_type == 0) b = static_cast<const float*>(bias)[j];
-    else if (bias_type == 1) b = __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[j]);
-    else b = __half2float(static_cast<const __half*>(bias)[j]);
-    logits[r * ldl + j] = b;
-  }
+    for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < V; j += int64_t(gridDim.x) * blockDim.x)
+      logits[r * ldl + j] = bias[j];
 }
 
 // dbias_acc[v] += sum over the chunk's rows of dl[r, v], in row order (deterministic).
@@ -110,8 +104,6 @@ void convert(cudaStream_t s, const float* in, int64_t rows, int64_t cols, int64_
   });
   check_launch("convert kernel");
 }
-
-int bias_code(DType t) { return t == DType::F32 ? 0 : t == DType::BF16 ? 1 : 2; }
 
 }  // namespace
 
@@ -148,19 +140,23 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
     const char* hid = p.hidden.data + size_t(r0) * size_t(p.hidden.ld) * es;
     float beta = 0.f;
     if (p.bias) {
-      bias_rows_kernel<<<dim3(unsigned(std::min<int64_t>((V + 255) / 256, 64)), unsigned(std::min<int64_t>(rows, 65535))),
-                         256, 0, s>>>(lay.logits, rows, ldl, V, p.bias.data, bias_code(p.bias.dtype));
+      const dim3 grid(unsigned(std::min<int64_t>((V + 255) / 256, 64)), unsigned(std::min<int64_t>(rows, 65535)));
+      dispatch_float(dt, [&](auto tag) {
+        using T = decltype(tag);
+        bias_rows_kernel<T><<<grid, 256, 0, s>>>(reinterpret_cast<T*>(lay.logits), rows, ldl, V,
+                                                 reinterpret_cast<const T*>(p.bias.data));
+      });
       check_launch("bias kernel");
       beta = 1.f;
     }
     // logits (col-major V x rows) = W^T (V x H) * hidden^T (H x rows)
     check_blas(api.gemm_ex(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(V), int(rows), int(H), &one, p.weight.data, ct,
-                           int(p.weight.ld), hid, ct, int(p.hidden.ld), &beta, lay.logits, CUDA_R_32F, int(ldl),
+                           int(p.weight.ld), hid, ct, int(p.hidden.ld), &beta, lay.logits, ct, int(ldl),
                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                "logits GEMM");
     CeRows r{};
     r.x = lay.logits;
-    r.xt = DType::F32;
+    r.xt = dt;
     r.ld = ldl;
     r.N = rows;
     r.V = V;
@@ -179,7 +175,7 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
       r.saved_lse = reinterpret_cast<const float*>(p.saved_lse.data) + r0;
     }
     if (grad) {
-      r.dx = lay.dl;
+      r.dx = lay.logits;
       r.dxt = dt;
       r.ldd = ldl;
       r.grad_scalar = p.grad_loss && p.grad_loss.scalar;
@@ -191,7 +187,7 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
       // dhidden (col-major H x rows) = W (H x V, col-major view of [V,H]) * dl (V x rows)
       char* dh = p.dhidden.data + size_t(r0) * size_t(p.dhidden.ld) * dtype_size(p.dhidden.dtype);
       check_blas(api.gemm_ex(blas, CUBLAS_OP_N, CUBLAS_OP_N, int(H), int(rows), int(V), &one, p.weight.data, ct,
-                             int(p.weight.ld), lay.dl, ct, int(ldl), &zero, dh, cuda_type(p.dhidden.dtype),
+                             int(p.weight.ld), lay.logits, ct, int(ldl), &zero, dh, cuda_type(p.dhidden.dtype),
                              int(p.dhidden.ld), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "dhidden GEMM");
     }
@@ -199,14 +195,14 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
       // dW (col-major H x V) += hidden^T (H x rows) * dl^T (rows x V)
       const float b = r0 == 0 ? 0.f : 1.f;
       check_blas(api.gemm_ex(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(rows), &one, hid, ct,
-                             int(p.hidden.ld), lay.dl, ct, int(ldl), &b, dw, CUDA_R_32F, int(lddw), CUBLAS_COMPUTE_32F,
+                             int(p.hidden.ld), lay.logits, ct, int(ldl), &b, dw, CUDA_R_32F, int(lddw), CUBLAS_COMPUTE_32F,
                              CUBLAS_GEMM_DEFAULT),
                  "dweight GEMM");
     }
     if (lay.db_acc) {
       dispatch_float(dt, [&](auto tag) {
         using T = decltype(tag);
-        column_sum_kernel<T><<<unsigned((V + 255) / 256), 256, 0, s>>>(static_cast<const T*>(lay.dl), ldl, rows, V,
+        column_sum_kernel<T><<<unsigned((V + 255) / 256), 256, 0, s>>>(reinterpret_cast<const T*>(lay.logits), ldl, rows, V,
                                                                        lay.db_acc);
       });
       check_launch("dbias kernel");

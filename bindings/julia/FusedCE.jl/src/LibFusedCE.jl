@@ -668,6 +668,9 @@ const fce_linear_ce_outputs_t = fce_linear_ce_outputs
 """
 Linear cross-entropy: logits = hidden @ weight^T (+ bias), then cross-entropy with every option of
 fce_ce_options_t, in token chunks whose size follows from the workspace, never holding [N,V] logits.
+The logits are accumulated in fp32 and rounded once to the inputs' dtype, as torch.nn.functional.linear
+returns them; the cross-entropy statistics are then fp32, and the logits' gradient is likewise rounded to
+the inputs' dtype before the gradient GEMMs (fp32 accumulation). fp32 inputs stay fp32 throughout.
 Gradients requested in `outputs` are computed in the same call (6*N*H*V flops); forward only is
 2*N*H*V. GEMMs go through cuBLAS on the GPU and BLAS (OpenBLAS) on the CPU.
 @param hidden  [N,H] fp32, bf16 or fp16.

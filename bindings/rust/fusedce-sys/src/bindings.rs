@@ -1773,6 +1773,9 @@ pub type fce_linear_ce_outputs_t = fce_linear_ce_outputs;
 extern "C" {
     #[doc = " Linear cross-entropy: logits = hidden @ weight^T (+ bias), then cross-entropy with every option of"]
     #[doc = " fce_ce_options_t, in token chunks whose size follows from the workspace, never holding [N,V] logits."]
+    #[doc = " The logits are accumulated in fp32 and rounded once to the inputs' dtype, as torch.nn.functional.linear"]
+    #[doc = " returns them; the cross-entropy statistics are then fp32, and the logits' gradient is likewise rounded to"]
+    #[doc = " the inputs' dtype before the gradient GEMMs (fp32 accumulation). fp32 inputs stay fp32 throughout."]
     #[doc = " Gradients requested in `outputs` are computed in the same call (6*N*H*V flops); forward only is"]
     #[doc = " 2*N*H*V. GEMMs go through cuBLAS on the GPU and BLAS (OpenBLAS) on the CPU."]
     #[doc = " @param hidden  [N,H] fp32, bf16 or fp16."]

@@ -733,9 +733,17 @@ fn linear_cross_entropy_bf16_weights() {
     };
     let o = CeRef::default();
     let zero = vec![0.0; v];
-    let rows: Vec<f64> = o.rows(&p.logits(&hd, &wd, &zero), v, &p.targets).iter().map(|r| r.loss).collect();
+    // The contract rounds the logits of bf16 inputs to bf16 (as torch's linear does) before the loss.
+    let logits16: Vec<f64> = p
+        .logits(&hd, &wd, &zero)
+        .iter()
+        .map(|&z| bits::bf16_to_f32(bits::f32_to_bf16(z as f32)) as f64)
+        .collect();
+    let rows: Vec<f64> = o.rows(&logits16, v, &p.targets).iter().map(|r| r.loss).collect();
     assert_close("bf16 loss", &widen(&loss), &rows, 1e-5, 1e-5);
     let g = fd_grad(&hd, |y| o.rows(&p.logits(y, &wd, &zero), v, &p.targets).iter().map(|r| r.loss).sum());
     let got: Vec<f64> = dhb.iter().map(|&b| bits::bf16_to_f32(b) as f64).collect();
-    assert_close("bf16 dhidden", &got, &g, 1e-4, 8e-3);
+    // dlogits are rounded to bf16 before the dhidden GEMM, and dhidden to bf16 after: a few bf16 ulps of
+    // sum |dlogits| |w| (about 1e-3 here).
+    assert_close("bf16 dhidden", &got, &g, 3e-3, 8e-3);
 }
