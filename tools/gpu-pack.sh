@@ -25,7 +25,7 @@ mkdir -p $G/compat && cp -L /lib/x86_64-linux-gnu/libstdc++.so.6 $G/compat/
 # Extra files to ship (e.g. tuning builds of the library): GPU_EXTRA="dir=path ..."
 for e in ${GPU_EXTRA:-}; do mkdir -p "$G/${e%%=*}" && cp -L "${e#*=}" "$G/${e%%=*}/"; done
 # The sample data when asked (it compresses to fit one call): GPU_SAMPLE=1
-[ "${GPU_SAMPLE:-0}" = 1 ] && mkdir -p $G/data && cp data/smollm2_kjv_sample.safetensors $G/data/
+if [ "${GPU_SAMPLE:-0}" = 1 ]; then mkdir -p $G/data && cp data/smollm2_kjv_sample.safetensors $G/data/; fi
 mkdir -p .gpu && tar -C $G -cf - . | xz -T2 -6 > .gpu/pack.tar.xz
 rm -rf $G
 du -sh .gpu/pack.tar.xz

@@ -33,7 +33,8 @@ struct LceLayout {
   char* logits = nullptr;  // [C, ldl] in the inputs' dtype; dlogits overwrite it in place
   void* rows = nullptr;
   size_t fixed = 0, per_row = 0, total = 0;
-  int64_t C = 0;
+  int64_t C = 0, C_ws = 0;  // rows per chunk; rows of the chunk buffer held in the workspace
+  bool borrowed = false;    // the chunk buffer lives in the dweight output
 
   LceLayout(fce_handle* h, const LinearCeProblem& p, void* base, size_t bytes_or_zero, bool minimum) {
     const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows, ldl = padded(V);
@@ -47,25 +48,40 @@ struct LceLayout {
       row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
       dw_acc = (p.dweight && p.dweight.dtype != DType::F32) ? c.take<float>(size_t(V) * size_t(H)) : nullptr;
       db_acc = p.dbias ? c.take<float>(size_t(V)) : nullptr;
-      rows = c.take<char>(ce_rows_workspace(h, std::max<int64_t>(C_, 1), V, grad, static_cast<bool>(p.saved_lse)));
+      rows = c.take<char>(ce_rows_workspace(h, std::max<int64_t>(C_ > 0 ? C_ : C, 1), V, grad, static_cast<bool>(p.saved_lse)));
       logits = c.take<char>(size_t(C_) * per_row);
       return c.used;
     };
     fixed = carve(nullptr, 0);
+    // With a bf16/fp16 dweight (accumulated in fp32 in the workspace), the dweight output itself is free
+    // until the final conversion: the chunk buffer borrows it when that gives longer chunks, which
+    // streams the fp32 accumulator fewer times.
+    const bool can_borrow = grad && dw_acc != nullptr && reinterpret_cast<uintptr_t>(p.dweight.data) % 256 == 0;
+    const int64_t borrow_rows = can_borrow ? int64_t(Validator::span(p.dweight) / per_row) : 0;
     if (minimum) {
-      C = 1;
+      C = borrow_rows >= 1 ? 0 : 1;
     } else if (bytes_or_zero) {
       C = bytes_or_zero > fixed ? int64_t((bytes_or_zero - fixed) / per_row) : 0;
       C = std::min(C, N);
-      FCE_CHECK(C >= 1, FCE_STATUS_WORKSPACE_TOO_SMALL, "workspace of %zu bytes holds no token chunk (%zu needed)",
-                bytes_or_zero, fixed + per_row);
+      FCE_CHECK(C >= 1 || borrow_rows >= 1, FCE_STATUS_WORKSPACE_TOO_SMALL,
+                "workspace of %zu bytes holds no token chunk (%zu needed)", bytes_or_zero, fixed + per_row);
     } else {
       C = std::max<int64_t>(1, std::min<int64_t>(N, int64_t(kDefaultChunkBytes / per_row)));
       if (C >= 256) C = C / 128 * 128;
     }
+    if (borrow_rows > C) {
+      int64_t B = std::min(N, borrow_rows);
+      if (B >= 256) B = B / 128 * 128;
+      borrowed = true;
+      C_ws = 0;
+      C = B;
+    } else {
+      C_ws = C;
+    }
     // The split-row scratch depends on C: shrink C until the final carve fits a caller's workspace.
-    while (bytes_or_zero && C > 1 && carve(nullptr, C) > bytes_or_zero) --C;
-    total = carve(base, C);
+    while (!borrowed && bytes_or_zero && C > 1 && carve(nullptr, C) > bytes_or_zero) C_ws = --C;
+    total = carve(base, C_ws);
+    if (borrowed) logits = p.dweight.data;
     FCE_CHECK(!bytes_or_zero || total <= bytes_or_zero, FCE_STATUS_WORKSPACE_TOO_SMALL,
               "workspace of %zu bytes is below the %zu needed", bytes_or_zero, total);
   }
