@@ -283,9 +283,12 @@ __global__ void __launch_bounds__(kRowThreads) row_kernel(CeParams p) {
 #ifndef FCE_CACHED_THREADS
 #define FCE_CACHED_THREADS 1024
 #endif
-constexpr int kCachedThreads = FCE_CACHED_THREADS;
+#ifndef FCE_CACHED_BLOCKS
+#define FCE_CACHED_BLOCKS 1  // blocks per SM, each caching 1/FCE_CACHED_BLOCKS of the shared memory
+#endif
+constexpr int kCachedThreads = FCE_CACHED_THREADS, kCachedBlocks = FCE_CACHED_BLOCKS;
 template <class T, class O>
-__global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_cached(CeParams p, int64_t cache_vecs) {
+__global__ void __launch_bounds__(kCachedThreads, kCachedBlocks) row_kernel_cached(CeParams p, int64_t cache_vecs) {
   extern __shared__ uint4 cache[];
   __shared__ float s_lse;
   const int64_t row = blockIdx.x;
@@ -480,7 +483,7 @@ void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
     } else if (splits == 1 && grad) {
       // Shared memory for as much of the row as fits (16-byte vectors), one block per SM.
       const int64_t row_vecs = r.V * int64_t(sizeof(T)) / 16 + 1;
-      const int64_t max_vecs = (int64_t(h->max_smem_optin) - 2048) / 16;
+      const int64_t max_vecs = (int64_t(h->max_smem_optin) / kCachedBlocks - 2048) / 16;
       const int64_t cache_vecs = row_vecs < max_vecs ? row_vecs : max_vecs;
       const size_t smem = size_t(cache_vecs > 0 ? cache_vecs : 0) * 16;
       check(cudaFuncSetAttribute(row_kernel_cached<T, O>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),

@@ -147,6 +147,11 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
   const bool t64 = p.targets.dtype == DType::I64;
 
   if (lay.prep) ce_prep(s, p.o, p.targets.data, t64, N, V, lay.prep);
+  // The chunk buffer's row padding is never written by the GEMMs but may be read by their vector loads.
+  if (ldl > V)
+    check(cudaMemset2DAsync(lay.logits + size_t(V) * es, size_t(ldl) * es, 0, size_t(ldl - V) * es,
+                            size_t(lay.C), s),
+          "cudaMemset2DAsync");
   if (lay.db_acc) check(cudaMemsetAsync(lay.db_acc, 0, size_t(V) * 4, s), "cudaMemsetAsync");
   float* dw = lay.dw_acc ? lay.dw_acc : (p.dweight ? reinterpret_cast<float*>(p.dweight.data) : nullptr);
   const int64_t lddw = lay.dw_acc ? H : (p.dweight ? p.dweight.ld : 0);
