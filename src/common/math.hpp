@@ -65,6 +65,16 @@ struct CeGrad {
   }
 };
 
+// exp for the per-element terms: the hardware ex2 path on the GPU (a few ulp, -inf gives 0, NaN stays
+// NaN), the accurate one on the CPU.
+FCE_HD float fast_exp(float x) {
+#if defined(__CUDA_ARCH__)
+  return __expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+
 // x*log(x/y)-style term that is 0 when the weight p is 0, whatever the logs hold (-inf logits give no NaN);
 // a NaN weight stays NaN.
 FCE_HD float xlogratio(float p, float logp, float logq) { return p == 0.f ? 0.f : p * (logp - logq); }
@@ -73,7 +83,7 @@ FCE_HD float xlogratio(float p, float logp, float logq) { return p == 0.f ? 0.f 
 FCE_HD float logaddexp(float a, float b) {
   const float m = fmaxf(a, b);
   if (m == -INFINITY) return -INFINITY;
-  return m + log1pf(expf(-fabsf(a - b)));
+  return m + log1pf(fast_exp(-fabsf(a - b)));
 }
 
 // Knowledge distillation per-element terms, given the teacher's and the student's log-probabilities.
@@ -88,7 +98,7 @@ struct KdTerm {
     if (divergence == 2 && b == 1.f) divergence = 1;
   }
   FCE_HD float operator()(float logp, float logq, float* a) const {
-    const float p = expf(logp), q = expf(logq);
+    const float p = fast_exp(logp), q = fast_exp(logq);
     if (divergence == 0) {  // forward KL(P_t || P_s)
       *a = -p;
       return xlogratio(p, logp, logq);
