@@ -3,6 +3,8 @@
 // rows; expected values from float64 arithmetic written here. Tests named DISABLED_* state what the header
 // promises where the library does something else today (docs/numerics.md, "Deviations"); run them with
 // --gtest_also_run_disabled_tests.
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -665,10 +667,27 @@ TEST(Numerics, KdOptionDomain) {
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Determinism: the same call twice writes bitwise identical outputs (rows large enough to be split across
-// threads; every reduction).
+// Determinism: the same call repeated writes bitwise identical outputs (rows large enough to be split across
+// threads; every reduction). On a CPU handle the repeats also change the OpenMP thread count (1, 3 and the
+// default), through the runtime libfusedce loaded (found with dlsym, so the test needs no OpenMP flags).
+
+namespace {
+struct OmpThreads {
+  using set_fn = void (*)(int);
+  using get_fn = int (*)();
+  set_fn set = reinterpret_cast<set_fn>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  get_fn get = reinterpret_cast<get_fn>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
+  int saved = get ? get() : 0;
+  void use(int n) { if (set && !target().cuda()) set(n > 0 ? n : saved); }
+  ~OmpThreads() { if (set) set(saved); }
+};
+}  // namespace
 
 TEST(Numerics, BitwiseRepeatable) {
+  OmpThreads omp;
+  if (!target().cuda()) {
+    EXPECT_TRUE(omp.set != nullptr) << "libfusedce's OpenMP runtime not found";
+  }
   const int64_t N = 67, V = 1031, H = 24, K = 8;
   Handle h;
   Tensor x(DT::BF16, {N, V}), xt(DT::F32, {N, V}), hid(DT::F32, {N, H}), w(DT::F32, {V, H});
@@ -689,7 +708,12 @@ TEST(Numerics, BitwiseRepeatable) {
     SCOPED_TRACE(::testing::Message() << "reduction " << red);
     const std::vector<int64_t> lshape = red == FCE_REDUCTION_NONE ? std::vector<int64_t>{N} : std::vector<int64_t>{};
     std::vector<Tensor> first;
-    for (int run = 0; run < 2; ++run) {
+    for (int run = 0; run < 3; ++run) {
+      const int threads = run == 0 ? 0 : run == 1 ? 1 : 3;
+      omp.use(threads);
+      if (omp.get && threads && !target().cuda()) {
+        ASSERT_EQ(omp.get(), threads);
+      }
       std::vector<Tensor> o;
       o.push_back(poisoned(DT::F32, lshape));  // 0 CE loss
       o.push_back(poisoned(DT::F32, {N}));     // 1 CE lse
@@ -732,7 +756,7 @@ TEST(Numerics, BitwiseRepeatable) {
       for (Tensor& t : o) t.download();
       if (run == 0) first = std::move(o);
       else
-        for (size_t k = 0; k < o.size(); ++k) EXPECT_TRUE(bits_equal(o[k], first[k])) << "output " << k;
+        for (size_t k = 0; k < o.size(); ++k) EXPECT_TRUE(bits_equal(o[k], first[k])) << "output " << k << " run " << run;
     }
   }
 }
