@@ -339,7 +339,7 @@ void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& 
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  if (p.smem > (size_t(48) << 10))
+  if (p.smem > 0)  // static shared memory counts toward the 48 KiB default too: always raise the limit
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem)),
           "cudaFuncSetAttribute");
   if (p.resident)  // the slices live in shared memory and nothing is re-read through L1: all of it shared
