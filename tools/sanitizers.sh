@@ -39,7 +39,8 @@ run_asan() {
   # packaging, not memory.
   local tests
   tests=$(meson test -C "$ASAN_BUILD" --list --no-rebuild --suite unit --suite abi 2>/dev/null |
-          sed -n 's|^\([^:]*\):[^/]* / \(.*\)$|\1:\2|p' | grep -v ':pkgconfig_link$')
+          sed -n 's|^\([^:]*\):[^/]* / \(.*\)$|\1:\2|p' | grep -v ':pkgconfig_link$' || true)
+  [ -n "$tests" ] || { echo "sanitizers.sh: no unit/abi tests listed in $ASAN_BUILD" >&2; exit 1; }
   # GTEST_FILTER: Validation.HandlesStatusesAndVersion expects "cuda" in the NO_DEVICE message, which a
   # -Dcuda=disabled build words "built without the CUDA backend"; it fails in every CUDA-less build,
   # sanitized or not (reported with the findings in docs/reliability.md). It runs under memcheck instead.
