@@ -1,0 +1,334 @@
+// Row machinery shared by the softmax and KD kernels: how C blocks split a row (clusters on Hopper,
+// shared-memory resident slices, or phased launches), the per-call plan, and the launch.
+#pragma once
+#include <cooperative_groups.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "cuda/common.cuh"
+
+namespace fce::cuda {
+namespace {
+
+// ==== row machinery =================================================================================
+
+constexpr int kMaxCluster = 8;                    // portable cluster size
+constexpr size_t kSoftSmem = size_t(64) << 10;    // preferred shared bytes per block (3 blocks per SM)
+constexpr int64_t kMinCols = 4096;                // fewest columns worth one more block for few rows
+constexpr int kLoadUnroll = 8;                    // 16-byte loads in flight per thread loading a slice
+constexpr float kLog2e = 1.4426950408889634f;
+
+extern __shared__ uint4 g_smem[];  // resident row slices
+
+// 2^x by the SFU (relative error ~2^-22; results below 2^-126 flush to 0).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fexp(float x) { return ex2(x * kLog2e); }
+
+// Unpacks a 16-byte vector of T by whole 32-bit words, so that a vector read from shared memory stays one
+// 16-byte load (reinterpreting it element by element lets the compiler split it into 2-byte loads).
+template <class T>
+__device__ __forceinline__ void unpack_words(const uint4& raw, float (&v)[kVec<T>]) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
+      v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+    }
+  }
+}
+
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // never launched as a cluster below sm_90 (see clusters_available)
+#else
+  cooperative_groups::this_cluster().sync();
+#endif
+}
+
+template <class P>
+__device__ __forceinline__ P cluster_peer(P* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+  return *p;
+#else
+  return *cooperative_groups::this_cluster().map_shared_rank(p, rank);
+#endif
+}
+
+// One shared slot per exchange (raw storage: no constructor may run for a __shared__ variable).
+template <class P, int kTag>
+__device__ __forceinline__ P* exchange_slot() {
+  __shared__ alignas(alignof(P)) unsigned char buf[sizeof(P)];
+  return reinterpret_cast<P*>(buf);
+}
+
+// Where this block stands: its row, rank among the C blocks of the row, and the phases [p0, p1] this
+// launch runs (fused launches run all of them).
+struct RowCtx {
+  int64_t row;
+  int C, rank, p0, p1;
+};
+
+// Row total of the block partial `v` (the same in every thread) after phase `e`:
+//  - phase e ran in an earlier launch: merge the C partials it left in `ws`, in rank order;
+//  - this launch ends with phase e: leave the partial in `ws` and return false (the caller returns);
+//  - otherwise the C blocks of the cluster swap partials through distributed shared memory and each
+//    merges them in rank order.
+template <int kTag, class P>
+__device__ __forceinline__ bool exchange(const RowCtx& c, int e, P& v, P* ws) {
+  if (e < c.p0) {
+    const P* w = ws + c.row * c.C;
+    P t = w[0];
+    for (int r = 1; r < c.C; ++r) t.merge(w[r]);
+    v = t;
+    return true;
+  }
+  if (e == c.p1) {
+    if (threadIdx.x == 0) ws[c.row * c.C + c.rank] = v;
+    return false;
+  }
+  if (c.C == 1) return true;
+  P* slot = exchange_slot<P, kTag>();
+  if (threadIdx.x == 0) *slot = v;
+  cluster_sync_all();
+  P t = cluster_peer(slot, 0);
+  for (int r = 1; r < c.C; ++r) t.merge(cluster_peer(slot, r));
+  v = t;
+  return true;
+}
+
+// Copies src[0, n) (a row slice in global memory) to the 16-byte aligned shared buffer dst[0, n) and shows
+// the values on the way: fv(raw, e) for each full 16-byte vector (elements e .. e + kVec - 1, as read) and
+// fs(x, e) for single elements, e relative to the slice and increasing per thread. Global reads are 16-byte
+// vectors, kLoadUnroll in flight per thread; unaligned head and tail elements are read one by one (never
+// anything outside the slice). A resident slice fits in shared memory, so 32-bit indices do.
+template <class T, class FV, class FS>
+__device__ __forceinline__ void load_slice(const T* __restrict__ src, int n, T* __restrict__ dst, FV&& fv, FS&& fs) {
+  constexpr int K = kVec<T>;
+  const int head = int(unaligned_head(src, nullptr, 0, n));
+  for (int e = threadIdx.x; e < head; e += blockDim.x) {
+    const T x = src[e];
+    dst[e] = x;
+    fs(to_float(x), e);
+  }
+  const int nvec = (n - head) / K;
+  const uint4* __restrict__ vp = reinterpret_cast<const uint4*>(src + head);
+  const int step = int(blockDim.x);
+  for (int base = threadIdx.x; base < nvec; base += kLoadUnroll * step) {
+    uint4 raw[kLoadUnroll];
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      const int i = base + u * step;
+      if (i < nvec) raw[u] = __ldg(vp + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      const int i = base + u * step;
+      if (i < nvec) {
+        const int e0 = head + i * K;
+        if (head == 0) {
+          reinterpret_cast<uint4*>(dst)[i] = raw[u];
+        } else {  // the slice starts off a 16-byte boundary: shared memory keeps element e at offset e
+          const T* el = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+          for (int k = 0; k < K; ++k) dst[e0 + k] = el[k];
+        }
+        fv(raw[u], e0);
+      }
+    }
+  }
+  for (int e = head + nvec * K + threadIdx.x; e < n; e += blockDim.x) {
+    const T x = src[e];
+    dst[e] = x;
+    fs(to_float(x), e);
+  }
+}
+
+// Visits a resident slice sm[0, n): f(v, e, cnt) with cnt = kVec (16-byte shared loads) or 1 (tail).
+template <class T, class F>
+__device__ __forceinline__ void smem_visit(const T* sm, int n, F&& f) {
+  constexpr int K = kVec<T>;
+  const int ng = n / K;
+  const uint4* sv = reinterpret_cast<const uint4*>(sm);
+  for (int g = threadIdx.x; g < ng; g += blockDim.x) {
+    float v[K];
+    unpack_words<T>(sv[g], v);
+    f(v, g * K, K);
+  }
+  for (int e = ng * K + threadIdx.x; e < n; e += blockDim.x) {
+    float v[K];
+    v[0] = to_float(sm[e]);
+    f(v, e, 1);
+  }
+}
+
+// Stores v[0, cnt) to out[0, cnt) as O: 16-byte stores for a full group at an aligned address, else one
+// element at a time. Each value is rounded once, here.
+template <class O, int G>
+__device__ __forceinline__ void store_vals(O* out, const float (&v)[G], int cnt) {
+  constexpr int KO = kVec<O>;
+  if constexpr (G % KO == 0) {
+    if (cnt == G && (reinterpret_cast<uintptr_t>(out) & 15u) == 0) {
+#pragma unroll
+      for (int c = 0; c < G / KO; ++c) {
+        float w[KO];
+#pragma unroll
+        for (int k = 0; k < KO; ++k) w[k] = v[c * KO + k];
+        reinterpret_cast<uint4*>(out)[c] = pack<O>(w);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < G; ++k)
+    if (k < cnt) out[k] = from_float<O>(v[k]);
+}
+
+// ---- host side: the plan of a call -----------------------------------------------------------------
+
+__global__ void arch_probe_kernel() {}
+
+// Thread-block clusters need a device that launches them and device code built for sm_90 or later (a
+// build that only JIT-compiles older PTX has no cluster code).
+bool clusters_available(const fce_handle* h) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // 0 unknown, 1 yes, 2 no
+  const int dev = h->device_id;
+  const bool cacheable = dev >= 0 && dev < kMaxDevices;
+  if (cacheable) {
+    const int c = cache[dev].load(std::memory_order_relaxed);
+    if (c) return c == 1;
+  }
+  int launch = 0;
+  bool ok = cudaDeviceGetAttribute(&launch, cudaDevAttrClusterLaunch, dev) == cudaSuccess && launch != 0;
+  if (ok) {
+    cudaFuncAttributes fa{};
+    ok = cudaFuncGetAttributes(&fa, arch_probe_kernel) == cudaSuccess && fa.ptxVersion >= 90;
+  }
+  if (!ok) cudaGetLastError();  // a failed query is an answer, not an error to report later
+  if (cacheable) cache[dev].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
+}
+
+enum class Force { None, NoCluster, Stream, Split };
+
+Force forced_path() {
+  const char* e = std::getenv("FCE_DEBUG_ROWS");
+  if (!e) return Force::None;
+  if (!std::strcmp(e, "nocluster")) return Force::NoCluster;
+  if (!std::strcmp(e, "stream")) return Force::Stream;
+  if (!std::strcmp(e, "split")) return Force::Split;
+  return Force::None;
+}
+
+struct RowPlan {
+  int C = 1;              // blocks per row
+  bool cluster = false;   // fused launch whose C > 1 blocks per row form a cluster
+  bool resident = false;  // slices kept in shared memory
+  bool phased = false;    // one launch per phase, partials through the workspace
+  int threads = 256;
+  size_t smem = 0;        // dynamic shared bytes per block
+};
+
+size_t round16(int64_t bytes) { return size_t((bytes + 15) / 16 * 16); }
+
+int64_t slice_cols(int64_t V, int C) {
+  int64_t b, e;
+  split_range(V, C, 0, &b, &e);  // rank 0 has the widest slice
+  return e - b;
+}
+
+// Threads per block: short slices get small blocks; long ones wide blocks when the blocks are few (or when
+// a streamed row is long), 256 otherwise (several blocks per SM overlap their phases).
+int threads_for(int64_t blocks, int64_t cols, int sm, bool streaming, int max_threads) {
+  int t = 256;
+  if (cols <= 1024) t = 64;
+  else if (cols <= 4096) t = 128;
+  else if (blocks < sm || (streaming && cols > 16384)) t = 512;
+  return t < max_threads ? t : max_threads;
+}
+
+// The plan for N rows of V columns whose resident slices take `sa` (+ `sb`) bytes per column, for a kernel
+// of at most `max_threads` threads per block.
+RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb, int max_threads) {
+  const Force force = forced_path();
+  const int sm = h->sm_count > 0 ? h->sm_count : 1;
+  const size_t budget = h->max_smem_optin > 8192 ? size_t(h->max_smem_optin) - 4096 : 0;  // static smem margin
+  RowPlan p;
+  if (force == Force::None || force == Force::NoCluster) {
+    const int cmax = force == Force::None && clusters_available(h) ? kMaxCluster : 1;
+    for (int C = 1; C <= cmax; C *= 2) {
+      const int64_t cols = slice_cols(V, C);
+      const size_t smem = round16(cols * sa) + (sb ? round16(cols * sb) : 0);
+      if (smem > budget) continue;
+      const bool few = N * C < 2 * int64_t(sm) && cols >= 2 * kMinCols;  // worth splitting further
+      if (C < cmax && (smem > kSoftSmem || few)) continue;
+      if (few && cmax == 1) break;  // no clusters: few long rows go to the phased split
+      p.C = C;
+      p.cluster = C > 1;
+      p.resident = true;
+      p.threads = threads_for(N * C, cols, sm, false, max_threads);
+      p.smem = smem;
+      return p;
+    }
+  }
+  int S = split_count(h, N, V);
+  if (force == Force::Stream) S = 1;
+  if (force == Force::Split && S < 4) S = 4;
+  p.C = S;
+  p.phased = S > 1 || force == Force::Split;
+  p.threads = threads_for(N * S, slice_cols(V, S), sm, true, max_threads);
+  return p;
+}
+
+// Launches N rows of plan `p` (N * C blocks, or fewer that loop over the rows).
+template <class Args>
+void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& a, cudaStream_t s,
+                 const char* what) {
+  constexpr int64_t kMaxGrid = int64_t(1) << 30;
+  int64_t grid = N * p.C;
+  if (grid > kMaxGrid) grid = kMaxGrid / p.C * p.C;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(grid));
+  cfg.blockDim = dim3(unsigned(p.threads));
+  cfg.dynamicSmemBytes = p.smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  if (p.cluster) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(p.C);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  if (p.smem > 0)  // static shared memory counts toward the 48 KiB default too: always raise the limit
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem)),
+          "cudaFuncSetAttribute");
+  if (p.resident)  // the slices live in shared memory and nothing is re-read through L1: all of it shared
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared)),
+          "cudaFuncSetAttribute");
+  check(cudaLaunchKernelEx(&cfg, kernel, a), what);
+}
+
+}  // namespace
+}  // namespace fce::cuda
