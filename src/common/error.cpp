@@ -1,6 +1,7 @@
 #include "common/error.hpp"
 
 #include <cstdio>
+#include <cstring>
 
 namespace fce {
 namespace {
@@ -24,7 +25,10 @@ void clear_error() { t_message.clear(); }
 extern "C" {
 
 FCE_API const char* fce_status_string(fce_status_t status) {
-  switch (status) {
+  // Read as an int: a C caller may pass a code this build does not know, outside the enum's range.
+  int code;
+  std::memcpy(&code, &status, sizeof code);
+  switch (code) {
     case FCE_STATUS_SUCCESS: return "success";
     case FCE_STATUS_INVALID_ARGUMENT: return "invalid argument";
     case FCE_STATUS_SHAPE_MISMATCH: return "shape mismatch";

@@ -48,9 +48,10 @@ FCE_API fce_status_t fce_handle_create(int32_t device_type, int32_t device_id, f
     FCE_CHECK(out != nullptr, FCE_STATUS_INVALID_ARGUMENT, "out is NULL");
     FCE_CHECK(device_type == kDLCPU || device_type == kDLCUDA, FCE_STATUS_INVALID_ARGUMENT,
               "device_type %d is neither kDLCPU (1) nor kDLCUDA (2)", device_type);
+    if (device_type == kDLCUDA)
+      FCE_CHECK(device_id >= 0, FCE_STATUS_INVALID_ARGUMENT, "negative CUDA ordinal %d", device_id);
     auto* h = new fce_handle();
     if (device_type == kDLCUDA) {
-      FCE_CHECK(device_id >= 0, FCE_STATUS_INVALID_ARGUMENT, "negative CUDA ordinal %d", device_id);
       h->backend = fce::Backend::CUDA;
       h->device_id = device_id;
       try {

@@ -169,7 +169,9 @@ void Validator::add(const char* name, const void* begin, size_t bytes, bool is_o
   for (const Range& r : ranges_) {
     if (!is_output && !r.is_output) continue;  // inputs may share memory freely
     if (b < r.end && r.begin < e) {
-      if (exempt && reinterpret_cast<uintptr_t>(exempt) == r.begin && r.begin == b && r.end == e) continue;
+      // Only the in-place partner (an input) is exempt, never another output over the same bytes.
+      if (exempt && !r.is_output && reinterpret_cast<uintptr_t>(exempt) == r.begin && r.begin == b && r.end == e)
+        continue;
       raise(FCE_STATUS_ALIASING, "%s overlaps %s in memory", name, r.name);
     }
   }

@@ -103,12 +103,12 @@ inline CeRow ce_row_forward(const CeContext& c, const float* x, float* z, int64_
 // Gradient of row loss w.r.t. the raw logits, times g, from the transformed logits z and the lse.
 inline void ce_row_grad(const CeContext& c, const float* z, float lse, int64_t target, float g, float* dx) {
   const int64_t V = c.V;
-  if (c.ignored(target) || g == 0.f) {
-    for (int64_t j = 0; j < V; ++j) dx[j] = 0.f;
+  if (!c.ignored(target) && !c.in_range(target)) {  // NaN whatever the upstream gradient (the contract)
+    for (int64_t j = 0; j < V; ++j) dx[j] = NAN;
     return;
   }
-  if (!c.in_range(target)) {
-    for (int64_t j = 0; j < V; ++j) dx[j] = NAN;
+  if (c.ignored(target) || g == 0.f) {
+    for (int64_t j = 0; j < V; ++j) dx[j] = 0.f;
     return;
   }
   const CeGrad grad(g, c.o.label_smoothing, c.weight(target), float(c.W), 1.f / float(V), c.o.z_loss_scale, lse);

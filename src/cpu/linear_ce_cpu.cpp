@@ -2,6 +2,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <vector>
 
@@ -44,6 +45,10 @@ size_t linear_ce_workspace(const LinearCeProblem& p, bool minimum) {
 
 void linear_ce(const LinearCeProblem& p, Workspace ws) {
   const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows;
+  // BLAS takes 32-bit sizes and leading dimensions.
+  for (int64_t d : {N, H, V, p.hidden.ld, p.weight.ld, p.dhidden ? p.dhidden.ld : 0, p.dweight ? p.dweight.ld : 0})
+    FCE_CHECK(d <= INT32_MAX, FCE_STATUS_UNSUPPORTED_LAYOUT,
+              "extents and row strides beyond 2^31 - 1 elements are not supported by the BLAS path");
   // The largest chunk the workspace holds (results do not depend on it beyond fp32 rounding).
   int64_t C = std::min<int64_t>(N, kDefaultChunk * 64);
   while (C > 1 && LceLayout(p, C).total > ws.bytes) C = C > 64 ? C / 2 : C - 1;

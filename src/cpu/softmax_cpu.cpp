@@ -38,7 +38,9 @@ void softmax(const SoftmaxProblem& p, Workspace) {
         double s = 0;
         for (int64_t j = 0; j < V; ++j) {
           const float xj = x[size_t(j)];
-          const float d = xj == -INFINITY ? -INFINITY : (xj - m) * inv_t;
+          // x == max gives exactly 0 (a subnormal T makes inv_t = inf, and 0 * inf would be NaN).
+          // (+inf logits keep inf - inf = NaN, as documented.)
+          const float d = xj == -INFINITY ? -INFINITY : (xj == m && m < INFINITY) ? 0.f : (xj - m) * inv_t;
           logp[size_t(j)] = d;
           s += std::exp(double(d));
         }

@@ -231,7 +231,7 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
   const float g = row_grad_scale(p, row);
   const LogitTransform tf(p.scale, p.softcap);
   if (t == p.ignore_index || g == 0.f || t < 0 || t >= p.V) {
-    const float fill = (t == p.ignore_index || g == 0.f) ? 0.f : NAN;
+    const float fill = (t != p.ignore_index && (t < 0 || t >= p.V)) ? NAN : 0.f;  // out of range: NaN always
     row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t, int n) {
 #pragma unroll
       for (int k = 0; k < kVec<T>; ++k) v[k] = fill;

@@ -134,8 +134,9 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
   const DType dt = p.hidden.dtype;
   FCE_CHECK(!p.dhidden || p.dhidden.dtype == dt || p.dhidden.dtype == DType::F32, FCE_STATUS_NOT_IMPLEMENTED,
             "on CUDA, dhidden must be float32 or hidden's dtype (%s)", dtype_name(dt));
-  FCE_CHECK(N <= INT32_MAX && H <= INT32_MAX && V <= INT32_MAX, FCE_STATUS_NOT_IMPLEMENTED,
-            "extents beyond 2^31 are not supported by the cuBLAS path");
+  for (int64_t d : {N, H, V, p.hidden.ld, p.weight.ld, p.dhidden ? p.dhidden.ld : 0, p.dweight ? p.dweight.ld : 0})
+    FCE_CHECK(d <= INT32_MAX, FCE_STATUS_UNSUPPORTED_LAYOUT,
+              "extents and row strides beyond 2^31 - 1 elements are not supported by the cuBLAS path");
   const LceLayout lay(h, p, w.ptr, w.bytes, false);
   const CublasApi& api = cublas();
   cublasHandle_t blas = cublas_handle(h, s);

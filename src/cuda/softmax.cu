@@ -123,7 +123,10 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
   const float M = mx.m;
   const float inv_t = 1.f / temp;  // T = +inf: 0, the uniform distribution over the finite logits
   // (x - M)/T with the max of the raw logits taken first; -inf logits stay -inf (probability 0).
-  auto scaled = [&](float xv) { return xv == -INFINITY ? -INFINITY : (xv - M) * inv_t; };
+  // x == M gives exactly 0 (a subnormal T makes inv_t = inf, and 0 * inf would be NaN).
+  // (+inf logits keep inf - inf = NaN, as documented.)
+  const float Mf = M < INFINITY ? M : NAN;  // never equal to anything when M = +inf
+  auto scaled = [&](float xv) { return xv == -INFINITY ? -INFINITY : xv == Mf ? 0.f : (xv - M) * inv_t; };
 
   // Phase 1: D = sum exp((x - M)/T).
   SumF sum;
