@@ -41,7 +41,9 @@ SoftmaxProblem softmax_problem(fce_handle* h, const DLTensor* logits, const fce_
   }
   if (logprobs) {
     p.logprobs = prob_output(val, logprobs, "logprobs", p.logits);
-    val.output_allow_exact("logprobs", p.logprobs, p.logits);
+    // In place over the logits only when it is the one output (the header's rule).
+    if (probs) val.output("logprobs", p.logprobs.data, Validator::span(p.logprobs));
+    else val.output_allow_exact("logprobs", p.logprobs, p.logits);
   }
   return p;
 }

@@ -106,6 +106,12 @@ TEST(Validation, OtherOps) {
       << "bf16 probabilities for fp16 logits";
   EXPECT_EQ(fce_temp_softmax(h, test_stream(), x.dl(), &so, nullptr, nullptr, nullptr, 0), FCE_STATUS_INVALID_ARGUMENT);
   EXPECT_EQ(fce_temp_softmax(h, test_stream(), x.dl(), &so, pf.dl(), pf.dl(), nullptr, 0), FCE_STATUS_ALIASING);
+  {  // logprobs may be in place only as the one output (probs elsewhere): the header's rule
+    Tensor x2(DT::F32, {3, 8});
+    DLTensor lp = *x2.dl();
+    EXPECT_EQ(fce_temp_softmax(h, test_stream(), x2.dl(), &so, pf.dl(), &lp, nullptr, 0), FCE_STATUS_ALIASING);
+    EXPECT_EQ(fce_temp_softmax(h, test_stream(), x2.dl(), &so, nullptr, &lp, nullptr, 0), FCE_STATUS_SUCCESS);
+  }
   {  // probs and logprobs both in place over fp16 logits: two outputs over the same bytes
     Tensor x2(DT::F16, {3, 8});
     DLTensor a = *x2.dl(), b = *x2.dl();
