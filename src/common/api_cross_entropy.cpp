@@ -111,7 +111,7 @@ CeProblem ce_forward_problem(fce_handle* h, const DLTensor* logits, const DLTens
     FCE_CHECK(p.dlogits.dtype == p.logits.dtype, FCE_STATUS_UNSUPPORTED_DTYPE,
               "outputs->dlogits is %s; it must have the logits' dtype %s", dtype_name(p.dlogits.dtype),
               dtype_name(p.logits.dtype));
-    val.output_allow_exact("outputs->dlogits", p.dlogits, p.logits);
+    val.output_allow_exact("outputs->dlogits", p.dlogits, p.logits, "logits");
     p.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, N);
   }
   return p;
@@ -136,7 +136,7 @@ CeProblem ce_backward_problem(fce_handle* h, const DLTensor* logits, const DLTen
   expect_shape(p.dlogits, "dlogits", N, V);
   FCE_CHECK(p.dlogits.dtype == p.logits.dtype, FCE_STATUS_UNSUPPORTED_DTYPE,
             "dlogits is %s; it must have the logits' dtype %s", dtype_name(p.dlogits.dtype), dtype_name(p.logits.dtype));
-  val.output_allow_exact("dlogits", p.dlogits, p.logits);
+  val.output_allow_exact("dlogits", p.dlogits, p.logits, "logits");
   return p;
 }
 

@@ -60,7 +60,7 @@ KdProblem kd_problem(fce_handle* h, const DLTensor* student, const fce_kd_teache
     FCE_CHECK(p.dstudent.dtype == p.student.dtype, FCE_STATUS_UNSUPPORTED_DTYPE,
               "outputs->dstudent is %s; it must have the student's dtype %s", dtype_name(p.dstudent.dtype),
               dtype_name(p.student.dtype));
-    val.output_allow_exact("outputs->dstudent", p.dstudent, p.student);
+    val.output_allow_exact("outputs->dstudent", p.dstudent, p.student, "student");
     p.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, N);
   }
   return p;

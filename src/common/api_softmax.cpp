@@ -37,13 +37,13 @@ SoftmaxProblem softmax_problem(fce_handle* h, const DLTensor* logits, const fce_
   FCE_CHECK(probs || logprobs, FCE_STATUS_INVALID_ARGUMENT, "probs and logprobs are both NULL");
   if (probs) {
     p.probs = prob_output(val, probs, "probs", p.logits);
-    val.output_allow_exact("probs", p.probs, p.logits);
+    val.output_allow_exact("probs", p.probs, p.logits, "logits");
   }
   if (logprobs) {
     p.logprobs = prob_output(val, logprobs, "logprobs", p.logits);
     // In place over the logits only when it is the one output (the header's rule).
     if (probs) val.output("logprobs", p.logprobs.data, Validator::span(p.logprobs));
-    else val.output_allow_exact("logprobs", p.logprobs, p.logits);
+    else val.output_allow_exact("logprobs", p.logprobs, p.logits, "logits");
   }
   return p;
 }

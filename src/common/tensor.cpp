@@ -1,5 +1,6 @@
 #include "common/tensor.hpp"
 
+#include <cstring>
 #include <limits>
 
 #include "common/error.hpp"
@@ -164,14 +165,14 @@ size_t Validator::span(const Mat& m) {
 }
 size_t Validator::span(const Vec& v) { return static_cast<size_t>(v.n) * dtype_size(v.dtype); }
 
-void Validator::add(const char* name, const void* begin, size_t bytes, bool is_output, const void* exempt) {
+void Validator::add(const char* name, const void* begin, size_t bytes, bool is_output, const char* exempt) {
   const uintptr_t b = reinterpret_cast<uintptr_t>(begin), e = b + bytes;
   for (const Range& r : ranges_) {
     if (!is_output && !r.is_output) continue;  // inputs may share memory freely
     if (b < r.end && r.begin < e) {
-      // Only the in-place partner (an input) is exempt, never another output over the same bytes.
-      if (exempt && !r.is_output && reinterpret_cast<uintptr_t>(exempt) == r.begin && r.begin == b && r.end == e)
-        continue;
+      // Only the named in-place partner is exempt, and only over exactly its bytes: never another input
+      // or output that happens to share them.
+      if (exempt && !r.is_output && std::strcmp(r.name, exempt) == 0 && r.begin == b && r.end == e) continue;
       raise(FCE_STATUS_ALIASING, "%s overlaps %s in memory", name, r.name);
     }
   }
@@ -180,9 +181,9 @@ void Validator::add(const char* name, const void* begin, size_t bytes, bool is_o
 
 void Validator::output(const char* name, const void* begin, size_t bytes) { add(name, begin, bytes, true, nullptr); }
 void Validator::input(const char* name, const void* begin, size_t bytes) { add(name, begin, bytes, false, nullptr); }
-void Validator::output_allow_exact(const char* name, const Mat& out, const Mat& same) {
+void Validator::output_allow_exact(const char* name, const Mat& out, const Mat& same, const char* same_name) {
   const bool exact = out.data == same.data && out.ld == same.ld && out.dtype == same.dtype;
-  add(name, out.data, span(out), true, exact ? same.data : nullptr);
+  add(name, out.data, span(out), true, exact ? same_name : nullptr);
 }
 
 }  // namespace fce

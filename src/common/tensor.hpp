@@ -63,8 +63,9 @@ class Validator {
   // registered, unless it is exactly `may_equal` (same start, same layout).
   void output(const char* name, const void* begin, size_t bytes);
   void input(const char* name, const void* begin, size_t bytes);
-  // The output may coincide exactly with input `same`; any other overlap is an error.
-  void output_allow_exact(const char* name, const Mat& out, const Mat& same);
+  // The output may coincide exactly with input `same` (registered as `same_name`); any other overlap is an
+  // error.
+  void output_allow_exact(const char* name, const Mat& out, const Mat& same, const char* same_name);
 
   static size_t span(const Mat& m);
   static size_t span(const Vec& v);
@@ -79,7 +80,7 @@ class Validator {
   Backend backend_;
   int device_id_;
   std::vector<Range> ranges_;
-  void add(const char* name, const void* begin, size_t bytes, bool is_output, const void* exempt);
+  void add(const char* name, const void* begin, size_t bytes, bool is_output, const char* exempt);
 };
 
 // Checked 64-bit arithmetic (throws OVERFLOW).

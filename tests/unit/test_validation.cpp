@@ -68,6 +68,27 @@ TEST(Validation, CrossEntropyBadInputs) {
   // Overlaps: lse inside dlogits; dlogits over logits shifted by one row.
   { Fixture f; DLTensor l = *f.lse.dl(); l.data = f.dl.dl()->data; f.out.lse = &l; f.expect(FCE_STATUS_ALIASING, "lse in dlogits"); }
   { Fixture f; DLTensor d = *f.logits.dl(); d.shape = f.dl.dl()->shape; d.byte_offset = 2; f.out.dlogits = &d; f.expect(FCE_STATUS_ALIASING, "partial overlap with logits"); }
+  {  // in-place dlogits is fine, but not when the targets share those very bytes
+    Handle h;
+    Tensor x(DT::F32, {2, 4});
+    fill_logits(x, 1, false);
+    DLTensor t = *x.dl();
+    int64_t ts[1] = {4};
+    t.ndim = 1;
+    t.shape = ts;
+    t.strides = nullptr;
+    t.dtype = {kDLInt, 64, 1};  // 4 x int64 = the logits' 32 bytes
+    Tensor lse(DT::F32, {2});
+    EXPECT_EQ(fce_cross_entropy_bwd(h, test_stream(), x.dl(), &t, lse.dl(), nullptr, nullptr, x.dl(), nullptr, 0),
+              FCE_STATUS_SHAPE_MISMATCH) << "4 targets for 2 rows";
+    ts[0] = 2;
+    t.dtype = {kDLInt, 32, 1};
+    DLTensor x2 = *x.dl();
+    int64_t xs[2] = {2, 1};
+    x2.shape = xs;  // 2 x 1 fp32 logits = 8 bytes = the targets' 2 x int32
+    EXPECT_EQ(fce_cross_entropy_bwd(h, test_stream(), &x2, &t, lse.dl(), nullptr, nullptr, &x2, nullptr, 0),
+              FCE_STATUS_ALIASING);
+  }
 }
 
 TEST(Validation, WorkspaceTooSmallAndQueries) {
