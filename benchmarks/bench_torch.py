@@ -90,22 +90,21 @@ def fusedce_impl(op, a):
 
 
 def liger(op, a):
+    # The ops' autograd functions directly (liger_kernel.ops.<op>), so a peers folder whose ops/__init__.py is
+    # empty (as ../shared/tools/peers_bench.py wants it) works too.
     if op == "ce":
-        from liger_kernel.transformers import LigerCrossEntropyLoss
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
 
-        m = LigerCrossEntropyLoss(ignore_index=-100)
-        return lambda d: m(d["logits"], d["target"])
+        return lambda d: LigerCrossEntropyFunction.apply(d["logits"], d["target"], None, -100, 0.0, 0.0, "mean")[0]
     if op == "linear_ce":
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-        m = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
-        return lambda d: m(d["weight"], d["hidden"], d["target"])
-    from liger_kernel.transformers import LigerJSD  # beta = 0 is forward KL(teacher || student)
+        return lambda d: LigerFusedLinearCrossEntropyFunction.apply(d["hidden"], d["weight"], d["target"])[0]
+    from liger_kernel.ops.jsd import LigerJSDFunction  # beta = 0 is forward KL(teacher || student)
 
-    m = LigerJSD(beta=0.0, ignore_index=-100)
     T = a.temperature
-    return lambda d: m(F.log_softmax(d["student"].float() / T, -1), F.log_softmax(d["teacher"].float() / T, -1),
-                       d["target"])
+    return lambda d: LigerJSDFunction.apply(F.log_softmax(d["student"].float() / T, -1),
+                                            F.log_softmax(d["teacher"].float() / T, -1), d["target"], 0.0, -100)
 
 
 IMPLS = [("torch eager", eager), ("torch.compile", compiled), ("liger-kernel", liger), ("fusedce", fusedce_impl)]
