@@ -288,3 +288,18 @@ TEST(CrossEntropy, FiniteDifferenceSpotCheck) {
     EXPECT_TRUE(close(dl.get(i, j), (f[1] - f[0]) / (2 * eps), 2e-2, 2e-3)) << "element (" << i << "," << j << ")";
   }
 }
+
+// Enough rows that the GPU takes one block per row (no split): the fused-gradient kernel that keeps the row
+// in shared memory between its passes, with rows longer than shared memory holds.
+TEST(CrossEntropy, ManyRowsFusedGradient) {
+  for (DT dt : {DT::BF16, DT::F32}) {
+    CeCase c{300, 129920, dt};
+    c.peaked = true;
+    c.reduction = FCE_REDUCTION_MEAN;
+    run_case(c);
+  }
+  CeCase c{600, 5003, DT::F16};
+  c.eps = 0.1;
+  c.grad_mode = 2;
+  run_case(c);
+}

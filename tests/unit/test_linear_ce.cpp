@@ -165,3 +165,10 @@ TEST(LinearCrossEntropy, SingleToken) {
   lc.ce.ignore_frac = 0;
   run_case(lc);
 }
+
+// A chunk of several hundred rows: on the GPU the CE rows run one block per row (no split).
+TEST(LinearCrossEntropy, ManyRows) {
+  LceCase lc{CeCase{400, 3001, DT::BF16}, 32};
+  lc.grad_dt = DT::BF16;
+  run_case(lc);
+}
