@@ -2,6 +2,10 @@
 // of the same shape in the same run, with the extra device memory the call needs.
 #include <cublas_v2.h>
 
+#include <cmath>
+#include <cstring>
+#include <vector>
+
 #include "bench_util.hpp"
 
 using namespace bench;
@@ -20,15 +24,16 @@ double gemm_tflops(cublasHandle_t blas, cudaStream_t s, int64_t M, int64_t N, in
   return 2.0 * double(M) * double(N) * double(K) / (ms * 1e9);
 }
 
-void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, bool grad, double gemm_rate) {
+void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, bool grad, double gemm_rate,
+              DLDataType dwt = bf16(), bool with_dw = true) {
   Buf hid({N, H}, bf16()), w({V, H}, bf16()), tg({N}, i32()), loss({}, f32());
   fill_random(hid, 1.f, 1, s);
   fill_random(w, 0.02f, 2, s);
   fill_targets(tg, V, 3, s);
-  Buf dh({N, H}, bf16()), dw({V, H}, bf16());
+  Buf dh({N, H}, bf16()), dw({V, H}, dwt);
   fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
   out.loss = loss.dl();
-  if (grad) { out.dhidden = dh.dl(); out.dweight = dw.dl(); }
+  if (grad) { out.dhidden = dh.dl(); out.dweight = with_dw ? dw.dl() : nullptr; }
   size_t wsb = 0;
   ok(fce_linear_cross_entropy_fwd_workspace_size(h, hid.dl(), w.dl(), nullptr, tg.dl(), nullptr, &out, &wsb), "ws");
   void* ws = nullptr;
@@ -38,6 +43,24 @@ void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, b
                                     &out, ws, wsb), "lce");
   }, 5);
   cudaFree(ws);
+  // Sanity: no NaN or inf in the loss and the gradients (bf16 bit patterns with an all-ones exponent).
+  auto nonfinite = [&](Buf& b) {
+    size_t n = 0;
+    if (b.t.dtype.bits == 32) {
+      std::vector<float> hbuf(b.bytes() / 4);
+      ck(cudaMemcpy(hbuf.data(), b.p, b.bytes(), cudaMemcpyDeviceToHost), "copy back");
+      for (float v : hbuf) n += !std::isfinite(v);
+      return n;
+    }
+    std::vector<uint16_t> hbuf(b.bytes() / 2);
+    ck(cudaMemcpy(hbuf.data(), b.p, b.bytes(), cudaMemcpyDeviceToHost), "copy back");
+    for (uint16_t v : hbuf) n += (v & 0x7f80u) == 0x7f80u;
+    return n;
+  };
+  float hl = 0;
+  ck(cudaMemcpy(&hl, loss.p, 4, cudaMemcpyDeviceToHost), "copy back");
+  std::printf("  (loss %.6f; non-finite gradient elements: dhidden %zu, dweight %zu)\n", hl,
+              grad ? nonfinite(dh) : size_t(0), grad && with_dw ? nonfinite(dw) : size_t(0));
   const double flops = (grad ? 6.0 : 2.0) * double(N) * double(H) * double(V);
   const double rate = flops / (ms * 1e9);
   const double acc = grad ? double(V) * double(H) * 4 : 0;  // fp32 dweight accumulator (bf16 dweight)
@@ -49,7 +72,7 @@ void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, b
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   cudaStream_t s;
   ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   cublasHandle_t blas;
@@ -61,6 +84,16 @@ int main() {
   const double g1 = gemm_tflops(blas, s, 8192, 128256, 4096), g2 = gemm_tflops(blas, s, 8192, 256000, 2304);
   std::printf("cuBLAS bf16 GEMM: %.0f TFLOP/s (8192x128256x4096), %.0f TFLOP/s (8192x256000x2304)\n\n", g1, g2);
   std::printf("| op | shape | ms | TFLOP/s | of cuBLAS | extra memory |\n|---|---|---|---|---|---|\n");
+  if (argc > 1 && std::strcmp(argv[1], "--debug") == 0) {  // variants that locate a gradient problem
+    std::printf("fp32 dweight:\n");
+    lce_case(h, s, 8192, 4096, 128256, true, g1, f32());
+    std::printf("dhidden only:\n");
+    lce_case(h, s, 8192, 4096, 128256, true, g1, bf16(), false);
+    std::printf("N=1024:\n");
+    lce_case(h, s, 1024, 4096, 128256, true, g1);
+    std::printf("N=300 H=64 V=3001:\n");
+    lce_case(h, s, 300, 64, 3001, true, g1);
+  }
   lce_case(h, s, 8192, 4096, 128256, true, g1);
   lce_case(h, s, 8192, 4096, 128256, false, g1);
   lce_case(h, s, 8192, 2304, 256000, true, g2);

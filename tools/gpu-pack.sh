@@ -14,7 +14,7 @@ rm -rf $G/lib/*.p
 cp "$BUILD"/tests/gpu_* $G/bin/ 2>/dev/null || true
 rm -rf $G/bin/*.p
 for b in "$BUILD"/benchmarks/bench_* "$BUILD"/examples/demo_real_cuda "$BUILD"/examples/quickstart; do
-  [ -f "$b" ] && [ -x "$b" ] && cp "$b" $G/bin/
+  if [ -f "$b" ] && [ -x "$b" ]; then cp "$b" $G/bin/; fi
 done
 for l in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libcjson.so.1; do
   p=$(ldconfig -p | awk -v l="$l" '$1 == l {print $NF; exit}')

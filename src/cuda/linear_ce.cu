@@ -48,7 +48,12 @@ struct LceLayout {
       row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
       dw_acc = (p.dweight && p.dweight.dtype != DType::F32) ? c.take<float>(size_t(V) * size_t(H)) : nullptr;
       db_acc = p.dbias ? c.take<float>(size_t(V)) : nullptr;
-      rows = c.take<char>(ce_rows_workspace(h, std::max<int64_t>(C_ > 0 ? C_ : C, 1), V, grad, static_cast<bool>(p.saved_lse)));
+      // The rows' scratch (split rows) for a full chunk and for the shorter last one, which may split
+      // where a full chunk does not.
+      const int64_t full = std::max<int64_t>(C_ > 0 ? C_ : C, 1), last = N % full;
+      const bool b = static_cast<bool>(p.saved_lse);
+      rows = c.take<char>(std::max(ce_rows_workspace(h, full, V, grad, b),
+                                   last ? ce_rows_workspace(h, last, V, grad, b) : size_t(0)));
       logits = c.take<char>(size_t(C_) * per_row);
       return c.used;
     };

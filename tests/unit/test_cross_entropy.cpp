@@ -298,6 +298,13 @@ TEST(CrossEntropy, ManyRowsFusedGradient) {
     c.reduction = FCE_REDUCTION_MEAN;
     run_case(c);
   }
+  {  // in place, as linear cross-entropy does with its chunk buffer
+    CeCase c{300, 128256, DT::BF16};
+    c.inplace = true;
+    c.logit_std = 1.3;
+    c.ignore_frac = 0.0;
+    run_case(c);
+  }
   CeCase c{600, 5003, DT::F16};
   c.eps = 0.1;
   c.grad_mode = 2;

@@ -172,3 +172,12 @@ TEST(LinearCrossEntropy, ManyRows) {
   lc.grad_dt = DT::BF16;
   run_case(lc);
 }
+
+// Chunks of ~280 rows and a last one of a few rows, with a vocabulary long enough for the GPU to split
+// those few rows across blocks: the split's scratch must fit the last chunk too.
+TEST(LinearCrossEntropy, ShortLastChunkSplits) {
+  LceCase lc{CeCase{300, 9001, DT::BF16}, 16};
+  lc.ws_rows = 280;
+  lc.grad_dt = DT::F32;
+  run_case(lc);
+}
