@@ -1,5 +1,8 @@
-// GPU-only tests: more than 2^31 elements, bitwise repeatability.
+// GPU-only tests: more than 2^31 elements, bitwise repeatability, CUDA-graph capture, threads.
 #include <cuda_runtime.h>
+
+#include <thread>
+#include <utility>
 
 #include "../common/testing.hpp"
 
@@ -70,5 +73,136 @@ TEST(GpuDeterminism, BitwiseRepeatable) {
     targets.upload();
     const auto a = run_ce_once(N, V, logits, targets), b = run_ce_once(N, V, logits, targets);
     ASSERT_TRUE(a == b) << "N=" << N << ": two runs differ";
+  }
+}
+
+namespace {
+
+// Device buffer copied back as bytes.
+std::vector<uint8_t> bytes_of(const void* p, size_t n) {
+  std::vector<uint8_t> h(n);
+  EXPECT_EQ(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  return h;
+}
+
+struct GraphCase {
+  int64_t N = 64, V = 32003, H = 64;
+  Tensor logits{DT::BF16, {N, V}}, teacher{DT::BF16, {N, V}}, targets{DT::I32, {N}};
+  Tensor hidden{DT::BF16, {N, H}}, weight{DT::BF16, {V, H}};
+  Tensor loss{DT::F32, {}}, lse{DT::F32, {N}}, dl{DT::BF16, {N, V}}, probs{DT::F32, {N, V}};
+  Tensor kdl{DT::F32, {}}, ds{DT::BF16, {N, V}}, lloss{DT::F32, {}}, dh{DT::BF16, {N, H}}, dw{DT::BF16, {V, H}};
+  GraphCase() {
+    fill_logits(logits, 2.0, true);
+    fill_logits(teacher, 2.0, false);
+    fill_logits(hidden, 1.0, false);
+    fill_logits(weight, 0.1, false);
+    for (int64_t i = 0; i < N; ++i) targets.set_int(i, (i * 131) % V);
+    targets.upload();
+  }
+  // Every op once on `stream` with caller workspaces `ws` (no allocation: capturable).
+  void run(fce_handle_t h, cudaStream_t stream, void* ws, size_t wsb) {
+    fce_stream_t s = reinterpret_cast<fce_stream_t>(stream);
+    fce_ce_outputs_t o = FCE_CE_OUTPUTS_INIT;
+    o.loss = loss.dl(); o.lse = lse.dl(); o.dlogits = dl.dl();
+    ASSERT_EQ(fce_cross_entropy_fwd(h, s, logits.dl(), targets.dl(), nullptr, &o, ws, wsb), FCE_STATUS_SUCCESS)
+        << fce_last_error_message();
+    ASSERT_EQ(fce_temp_softmax(h, s, logits.dl(), nullptr, probs.dl(), nullptr, ws, wsb), FCE_STATUS_SUCCESS)
+        << fce_last_error_message();
+    fce_kd_teacher_t t = FCE_KD_TEACHER_INIT;
+    t.logits = teacher.dl();
+    fce_kd_outputs_t ko = FCE_KD_OUTPUTS_INIT;
+    ko.loss = kdl.dl(); ko.dstudent = ds.dl();
+    ASSERT_EQ(fce_kd_loss(h, s, logits.dl(), &t, targets.dl(), nullptr, &ko, ws, wsb), FCE_STATUS_SUCCESS)
+        << fce_last_error_message();
+    fce_linear_ce_outputs_t lo = FCE_LINEAR_CE_OUTPUTS_INIT;
+    lo.loss = lloss.dl(); lo.dhidden = dh.dl(); lo.dweight = dw.dl();
+    ASSERT_EQ(fce_linear_cross_entropy_fwd(h, s, hidden.dl(), weight.dl(), nullptr, targets.dl(), nullptr, &lo, ws, wsb),
+              FCE_STATUS_SUCCESS) << fce_last_error_message();
+  }
+  // Each output's bytes, named.
+  std::vector<std::pair<const char*, std::vector<uint8_t>>> outputs() {
+    std::vector<std::pair<const char*, std::vector<uint8_t>>> all;
+    const char* names[] = {"ce loss", "ce lse", "dlogits", "probs", "kd loss", "dstudent", "lce loss", "dhidden",
+                           "dweight"};
+    int k = 0;
+    for (Tensor* t : {&loss, &lse, &dl, &probs, &kdl, &ds, &lloss, &dh, &dw})
+      all.emplace_back(names[k++], bytes_of(t->dl()->data, t->bytes().size()));
+    return all;
+  }
+};
+
+constexpr size_t kGraphWs = size_t(64) << 20;  // above every op's need at these sizes
+
+}  // namespace
+
+// Every op captured in a CUDA graph and replayed gives the bytes of direct calls.
+TEST(GpuGraph, CaptureReplayMatchesDirectCalls) {
+  GraphCase g;
+  Handle h;
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, kGraphWs), cudaSuccess);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  g.run(h, s, ws, kGraphWs);  // direct (also creates the cuBLAS handle outside capture)
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  const auto direct = g.outputs();
+  for (Tensor* t : {&g.loss, &g.lse, &g.dl, &g.probs, &g.kdl, &g.ds, &g.lloss, &g.dh, &g.dw})
+    // Poison with the pattern the test allocator wrote (0xee), so the tensors' padding compares equal.
+    ASSERT_EQ(cudaMemset(t->dl()->data, 0xee, t->bytes().size()), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the poison lands before the non-blocking stream runs
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  g.run(h, s, ws, kGraphWs);
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int k = 0; k < 2; ++k) ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  const auto replay = g.outputs();
+  for (size_t k = 0; k < direct.size(); ++k)
+    EXPECT_TRUE(replay[k].second == direct[k].second)
+        << direct[k].first << ": graph replay differs from direct calls (first bytes " << int(replay[k].second[0])
+        << "," << int(replay[k].second[1]) << " vs " << int(direct[k].second[0]) << "," << int(direct[k].second[1])
+        << ")";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+  cudaFree(ws);
+}
+
+// Several threads, one handle and one stream each, give the bytes of a serial run.
+TEST(GpuConcurrency, ThreadsWithOwnHandlesMatchSerial) {
+  GraphCase g;
+  std::vector<std::pair<const char*, std::vector<uint8_t>>> serial;
+  {
+    Handle h;
+    g.run(h, nullptr, nullptr, 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    serial = g.outputs();
+  }
+  constexpr int kThreads = 4;
+  std::vector<GraphCase> cases(kThreads);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < kThreads; ++k) {
+    // Same inputs as the serial run.
+    for (auto pr : {std::make_pair(&g.logits, &cases[k].logits), std::make_pair(&g.teacher, &cases[k].teacher),
+                    std::make_pair(&g.hidden, &cases[k].hidden), std::make_pair(&g.weight, &cases[k].weight)})
+      ASSERT_EQ(cudaMemcpy(pr.second->dl()->data, pr.first->dl()->data, pr.first->bytes().size(),
+                           cudaMemcpyDeviceToDevice), cudaSuccess);
+  }
+  for (int k = 0; k < kThreads; ++k)
+    threads.emplace_back([&cases, k] {
+      Handle h;
+      cudaStream_t s;
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      cases[k].run(h, s, nullptr, 0);
+      cudaStreamSynchronize(s);
+      cudaStreamDestroy(s);
+    });
+  for (auto& t : threads) t.join();
+  for (int k = 0; k < kThreads; ++k) {
+    const auto got = cases[k].outputs();
+    for (size_t j = 0; j < serial.size(); ++j)
+      EXPECT_TRUE(got[j].second == serial[j].second) << "thread " << k << ": " << serial[j].first << " differs";
   }
 }
