@@ -70,7 +70,8 @@ int main(int argc, char** argv) {
   fce_handle_t h;
   ok(fce_handle_create(kDLCUDA, 0, &h), "handle");
   const double copy = copy_bandwidth_gbs(s);
-  std::printf("device: %s\ncopy bandwidth (read+write): %.0f GB/s\n\n", device_name().c_str(), copy);
+  std::printf("device: %s\ncopy bandwidth (read+write): %.0f GB/s\n", device_name().c_str(), copy);
+  std::printf("timing floor (an empty kernel, same harness): %.1f us\n\n", launch_floor_us(s));
   ce_case(h, s, 8192, 128256, bf16(), false, copy, 0.90);
   ce_case(h, s, 8192, 128256, bf16(), true, copy, 0.85);
   ce_case(h, s, 16384, 151936, bf16(), false, copy, 0.90);

@@ -168,7 +168,8 @@ int main() {
   fce_handle_t h = nullptr;
   ok(fce_handle_create(kDLCUDA, 0, &h), "fce_handle_create");
   g_copy = copy_bandwidth_gbs(s);
-  std::printf("device: %s\ncopy bandwidth (bytes read + written): %.0f GB/s\n\n", device_name().c_str(), g_copy);
+  std::printf("device: %s\ncopy bandwidth (bytes read + written): %.0f GB/s\n", device_name().c_str(), g_copy);
+  std::printf("timing floor (an empty kernel, same harness): %.1f us\n\n", launch_floor_us(s));
 
   bench_softmax(h, s, 1, 128256, 6, 0);
   bench_softmax(h, s, 16, 151936, 10, 0);

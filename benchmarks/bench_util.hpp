@@ -106,5 +106,7 @@ inline std::string device_name() {
 // Fills a bf16/fp16/fp32 buffer with pseudo-random normal-ish values * scale (device-side generator).
 void fill_random(Buf& b, float scale, unsigned seed, cudaStream_t s);
 void fill_targets(Buf& b, int64_t V, unsigned seed, cudaStream_t s);
+// The timing floor of this harness: an empty kernel timed like an op (event, launch, event; L2 flushed).
+double launch_floor_us(cudaStream_t s);
 
 }  // namespace bench

@@ -74,7 +74,9 @@ __device__ __forceinline__ int64_t unaligned_head(const T* row, const void* out,
 // With `cache`, the first `cache_vecs` 16-byte vectors are also stored to shared memory, for a later
 // row_map over the same range to read instead of global memory (the same thread handles vector i in
 // both: i % blockDim.x == threadIdx.x).
-template <class T, int kUnroll = FCE_ROW_UNROLL, class F>
+// With kFromCache, the first `cache_vecs` vectors are already in `cache` (put there by cp_async16) and are
+// read from it instead.
+template <class T, int kUnroll = FCE_ROW_UNROLL, bool kFromCache = false, class F>
 __device__ __forceinline__ void row_visit(const T* __restrict__ row, int64_t begin, int64_t end, F&& f,
                                           uint4* cache = nullptr, int64_t cache_vecs = 0) {
   constexpr int K = kVec<T>;
@@ -92,8 +94,12 @@ __device__ __forceinline__ void row_visit(const T* __restrict__ row, int64_t beg
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + int64_t(u) * blockDim.x;
       if (i < nvec) {
-        raw[u] = __ldg(vp + i);
-        if (i < cache_vecs) cache[i] = raw[u];
+        if (kFromCache && i < cache_vecs) {
+          raw[u] = cache[i];
+        } else {
+          raw[u] = __ldg(vp + i);
+          if (!kFromCache && i < cache_vecs) cache[i] = raw[u];
+        }
       }
     }
 #pragma unroll
@@ -119,13 +125,23 @@ template <> struct VecOf<16> { using type = uint4; };
 template <> struct VecOf<8> { using type = uint2; };
 template <> struct VecOf<4> { using type = unsigned; };
 
+// 16-byte asynchronous copy global -> shared (L1 bypassed), and waiting for this thread's copies.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // Like row_visit, but f rewrites v in place and the result is stored to out[begin, end) as type O
 // (kVec<T> values of O per vector, so fp32 in / bf16 out stores 8 bytes). `in` and `out` may be the same
 // memory when T == O (in-place). Vector stores need `out` at the same alignment phase as `in`; otherwise
-// the whole range goes the scalar way.
+// the whole range goes the scalar way. With `next`, a cached vector's slot is refilled, once used, with
+// vector i of `next` (the next row) by cp_async16: the copy overlaps this row's stores.
 template <class T, class O, int kUnroll = 2, class F>
 __device__ __forceinline__ void row_map(const T* in, O* out, int64_t begin, int64_t end, F&& f,
-                                        const uint4* cache = nullptr, int64_t cache_vecs = 0) {
+                                        uint4* cache = nullptr, int64_t cache_vecs = 0,
+                                        const uint4* next = nullptr) {
   constexpr int K = kVec<T>;
   constexpr int kOutBytes = K * int(sizeof(O));
   using OV = typename VecOf<kOutBytes>::type;
@@ -160,6 +176,7 @@ __device__ __forceinline__ void row_map(const T* in, O* out, int64_t begin, int6
 #pragma unroll
         for (int k = 0; k < K; ++k) e[k] = from_float<O>(v[k]);
         op[i] = o;
+        if (next && i < cache_vecs) cp_async16(cache + i, next + i);
       }
     }
   }

@@ -8,6 +8,7 @@
 // kernel in a fixed order: no float atomics, bitwise repeatable, no host sync.
 #include "cuda/ce_internal.hpp"
 #include "cuda/common.cuh"
+#include "cuda/row_plan.cuh"
 
 #include <type_traits>
 
@@ -84,23 +85,17 @@ struct CeParams {
   const float* saved_lse;
 };
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Accumulates row slice [begin, end) into a thread's CeAcc. Per 16-byte vector: the raw max (the
 // transform is increasing, so max z = tf(max x)), one rescale, then one FMA + ex2 per element in base 2.
 // The argmax is updated only when a vector holds a new maximum. A NaN makes d NaN; the caller then finds
 // the first NaN for the argmax on a slow path.
-template <class T, bool kSoftcap, bool kEntropy, bool kSmooth>
+template <class T, bool kSoftcap, bool kEntropy, bool kSmooth, bool kFromCache>
 __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int64_t end, uint4* cache,
                             int64_t cache_vecs) {
   const LogitTransform tf(p.scale, p.softcap);
   CeAcc a;
-  row_visit<T>(row, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
+  row_visit<T, FCE_ROW_UNROLL, kFromCache>(row, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
     float vmax = -INFINITY;
 #pragma unroll
     for (int k = 0; k < kVec<T>; ++k)
@@ -121,7 +116,7 @@ __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int6
         if (k < n && isnan(v[k])) a.d = NAN;
       return;
     }
-    const float r = fast_exp2((a.m - mn) * kLog2e);
+    const float r = ex2((a.m - mn) * kLog2e);
     a.d *= r;
     if (kEntropy) a.s1 *= r;
     a.m = mn;
@@ -130,7 +125,7 @@ __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int6
       if (k < n) {
         // z - max is exact 0 at the maximum, so a single logit gives d = 1 and lse = z exactly.
         const float z = kSoftcap ? tf(v[k]) : v[k] * p.scale;
-        const float e = fast_exp2((z - mn) * kLog2e);
+        const float e = ex2((z - mn) * kLog2e);
         a.d += e;
         if (kEntropy && e > 0.f) a.s1 += e * z;
         if (kSmooth && p.eps > 0.f) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z;
@@ -141,11 +136,10 @@ __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int6
 }
 
 // Block-wide statistics of row slice [begin, end), with the NaN slow path for the argmax.
-template <class T, bool kSoftcap, bool kEntropy, bool kSmooth>
-__device__ CeAcc block_stats(const CeParams& p, const T* row, int64_t begin, int64_t end, uint4* cache,
-                             int64_t cache_vecs) {
+template <class T>
+__device__ CeAcc finish_stats(const CeParams& p, const T* row, int64_t begin, int64_t end, CeAcc a) {
   __shared__ int64_t first_nan;
-  CeAcc a = block_reduce(accumulate<T, kSoftcap, kEntropy, kSmooth>(p, row, begin, end, cache, cache_vecs));
+  a = block_reduce(a);
   if (isnan(a.d)) {  // rare: a NaN logit, or +inf (inf - inf)
     if (threadIdx.x == 0) first_nan = INT64_MAX;
     __syncthreads();
@@ -164,16 +158,24 @@ __device__ CeAcc block_stats(const CeParams& p, const T* row, int64_t begin, int
   return a;
 }
 
+template <class T, bool kSoftcap, bool kEntropy, bool kSmooth, bool kFromCache>
+__device__ CeAcc block_stats(const CeParams& p, const T* row, int64_t begin, int64_t end, uint4* cache,
+                             int64_t cache_vecs) {
+  return finish_stats<T>(
+      p, row, begin, end, accumulate<T, kSoftcap, kEntropy, kSmooth, kFromCache>(p, row, begin, end, cache, cache_vecs));
+}
+
 // Statistics with the call's feature flags resolved at compile time (entropy and smoothing share one).
-template <class T>
+// kFromCache: the first cache_vecs vectors are read from `cache` (filled by cp_async16) rather than stored to it.
+template <class T, bool kFromCache = false>
 __device__ CeAcc row_stats(const CeParams& p, const T* x, int64_t b, int64_t e, uint4* cache = nullptr,
                            int64_t cache_vecs = 0) {
   const bool sc = p.softcap > 0.f, extra = p.full && (p.entropy || p.eps > 0.f);
   if (sc)
-    return extra ? block_stats<T, true, true, true>(p, x, b, e, cache, cache_vecs)
-                 : block_stats<T, true, false, false>(p, x, b, e, cache, cache_vecs);
-  return extra ? block_stats<T, false, true, true>(p, x, b, e, cache, cache_vecs)
-               : block_stats<T, false, false, false>(p, x, b, e, cache, cache_vecs);
+    return extra ? block_stats<T, true, true, true, kFromCache>(p, x, b, e, cache, cache_vecs)
+                 : block_stats<T, true, false, false, kFromCache>(p, x, b, e, cache, cache_vecs);
+  return extra ? block_stats<T, false, true, true, kFromCache>(p, x, b, e, cache, cache_vecs)
+               : block_stats<T, false, false, false, kFromCache>(p, x, b, e, cache, cache_vecs);
 }
 
 __device__ float row_grad_scale(const CeParams& p, int64_t row) {
@@ -185,9 +187,25 @@ __device__ float row_grad_scale(const CeParams& p, int64_t row) {
   return g;
 }
 
+// Per-row values loaded ahead of need (the pipelined kernel loads them before the statistics pass, so
+// that their latency hides behind it): target, gradient scale, target logit (NaN if out of range).
+struct RowHints {
+  int64_t t;
+  float g, xt;
+};
+
+template <class T>
+__device__ RowHints row_hints(const CeParams& p, int64_t row) {
+  RowHints h;
+  h.t = load_index(p.targets, p.t64, row);
+  h.g = p.dx ? row_grad_scale(p, row) : 0.f;
+  h.xt = h.t >= 0 && h.t < p.V ? to_float(static_cast<const T*>(p.x)[row * p.ld + h.t]) : NAN;
+  return h;
+}
+
 // Writes row outputs from the merged statistics (one thread); returns the row's lse.
 template <class T>
-__device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& a) {
+__device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& a, const RowHints* hint = nullptr) {
   const float lse = a.m == -INFINITY ? -INFINITY : a.m + logf(a.d);
   if (!p.full) {
     p.lse[row] = lse;
@@ -200,7 +218,7 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
     if (p.a64) static_cast<int64_t*>(p.argmax)[row] = ai;
     else static_cast<int32_t*>(p.argmax)[row] = int32_t(ai);
   }
-  const int64_t t = load_index(p.targets, p.t64, row);
+  const int64_t t = hint ? hint->t : load_index(p.targets, p.t64, row);
   float loss = 0.f, zl = 0.f;
   if (t != p.ignore_index) {
     if (t < 0 || t >= p.V) {
@@ -208,7 +226,7 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
     } else {
       const LogitTransform tf(p.scale, p.softcap);
       const T* x = static_cast<const T*>(p.x) + row * p.ld;
-      const float zt = tf(to_float(x[t]));
+      const float zt = tf(hint ? hint->xt : to_float(x[t]));
       const float wt = p.weights ? p.weights[t] : 1.f;
       const float W = p.weights ? float(p.prep[1]) : float(p.V);
       zl = p.zq * lse * lse;
@@ -222,20 +240,22 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
 }
 
 // dlogits for row slice [begin, end), formed in fp32 and rounded once to O.
+// With `next`, the cached slots are refilled with the next row as they are used (row_map).
 template <class T, class O>
 __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_t end, float lse,
-                           const uint4* cache = nullptr, int64_t cache_vecs = 0) {
+                           uint4* cache = nullptr, int64_t cache_vecs = 0, const uint4* next = nullptr,
+                           const RowHints* hint = nullptr) {
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
   O* dx = static_cast<O*>(p.dx) + row * p.ldd;
-  const int64_t t = load_index(p.targets, p.t64, row);
-  const float g = row_grad_scale(p, row);
+  const int64_t t = hint ? hint->t : load_index(p.targets, p.t64, row);
+  const float g = hint ? hint->g : row_grad_scale(p, row);
   const LogitTransform tf(p.scale, p.softcap);
   if (t == p.ignore_index || g == 0.f || t < 0 || t >= p.V) {
     const float fill = (t != p.ignore_index && (t < 0 || t >= p.V)) ? NAN : 0.f;  // out of range: NaN always
     row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t, int n) {
 #pragma unroll
       for (int k = 0; k < kVec<T>; ++k) v[k] = fill;
-    });
+    }, cache, cache_vecs, next);
     return;
   }
   const float W = p.weights ? float(p.prep[1]) : float(p.V);
@@ -247,9 +267,9 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
       const int64_t kt = t - j0;  // the target's position in this vector, if any
 #pragma unroll
       for (int k = 0; k < kVec<T>; ++k) {
-        if (k < n) v[k] = fmaf(a, fast_exp2((v[k] * s - lse) * kLog2e), b) - (k == kt ? at : 0.f);
+        if (k < n) v[k] = fmaf(a, ex2((v[k] * s - lse) * kLog2e), b) - (k == kt ? at : 0.f);
       }
-    }, cache, cache_vecs);
+    }, cache, cache_vecs, next);
     return;
   }
   row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
@@ -258,10 +278,10 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
       if (k < n) {
         const float z = tf(v[k]);
         const float w = p.weights ? p.weights[j0 + k] : 1.f;
-        v[k] = grad(fast_exp2((z - lse) * kLog2e), w, j0 + k == t) * tf.derivative(z);
+        v[k] = grad(ex2((z - lse) * kLog2e), w, j0 + k == t) * tf.derivative(z);
       }
     }
-  }, cache, cache_vecs);
+  }, cache, cache_vecs, next);
 }
 
 // One block per row: statistics, outputs, and the gradient.
@@ -299,6 +319,157 @@ __global__ void __launch_bounds__(kCachedThreads, kCachedBlocks) row_kernel_cach
   write_grad<T, O>(p, row, 0, p.V, s_lse, cache, cache_vecs);
 }
 
+// Forward with the fused gradient, rows aligned to 16 bytes: persistent blocks (one per SM), each looping
+// over rows. The first cache_vecs vectors of a row are brought into shared memory by asynchronous copies
+// issued while the previous row's gradient is being written, slot by slot as each slot is used, so the
+// loads of row r + 1 overlap the stores of row r; the statistics pass then reads shared memory, and the
+// rest of the row (re-read by the gradient pass) was prefetched into L2 the same way.
+// The part of row r past its cached vectors into L2 (one bulk prefetch of a 16-byte multiple, sm_90).
+template <class T>
+__device__ __forceinline__ void prefetch_rest(const CeParams& p, int64_t r, int64_t cache_vecs) {
+  const T* x = static_cast<const T*>(p.x) + r * p.ld + cache_vecs * kVec<T>;
+  const int64_t bytes = (p.V - cache_vecs * kVec<T>) * int64_t(sizeof(T)) / 16 * 16;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0 && bytes > 0)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(x), "r"(unsigned(bytes)) : "memory");
+#else
+  (void)x;
+  (void)bytes;  // no bulk prefetch before sm_90: the gradient pass re-reads the rest through L2 anyway
+#endif
+}
+
+// The first row of a persistent block: its cached vectors (this thread's slots) and the rest into L2.
+template <class T>
+__device__ __forceinline__ void pipe_start(const CeParams& p, int64_t row, uint4* cache, int64_t cache_vecs) {
+  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + row * p.ld);
+  for (int64_t i = threadIdx.x; i < cache_vecs; i += blockDim.x) cp_async16(cache + i, src + i);
+  cp_async_commit();
+  prefetch_rest<T>(p, row, cache_vecs);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe(CeParams p, int64_t cache_vecs) {
+  extern __shared__ uint4 cache[];
+  __shared__ float s_lse;
+  int64_t row = blockIdx.x;
+  if (row >= p.N) return;
+  pipe_start<T>(p, row, cache, cache_vecs);
+  for (; row < p.N; row += gridDim.x) {
+    const RowHints hint = row_hints<T>(p, row);
+    cp_async_wait_all();  // this thread's slots (only it reads them in either pass)
+    const T* x = static_cast<const T*>(p.x) + row * p.ld;
+    const int64_t next = row + gridDim.x;
+    const CeAcc a = row_stats<T, true>(p, x, 0, p.V, cache, cache_vecs);
+    if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, &hint);
+    __syncthreads();
+    if (next < p.N) prefetch_rest<T>(p, next, cache_vecs);
+    write_grad<T, T>(p, row, 0, p.V, s_lse, cache, cache_vecs,
+                     next < p.N ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + next * p.ld) : nullptr,
+                     &hint);
+    cp_async_commit();
+  }
+}
+
+// Plain rows (no soft-cap, class weights, smoothing, entropy or argmax: the usual training call): the same
+// pipeline, lean, in base 2 with 32-bit indices within the row (~4 instructions per logit per pass).
+template <class T>
+__global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CeParams p, int64_t cache_vecs) {
+  extern __shared__ uint4 cache[];
+  __shared__ float s_lse;
+  constexpr int K = kVec<T>, kThreads = kCachedThreads;
+  const int nv = int(p.V / K), cvec = int(cache_vecs);
+  const float sl = p.scale * kLog2e;
+  int64_t row = blockIdx.x;
+  if (row >= p.N) return;
+  pipe_start<T>(p, row, cache, cache_vecs);
+  for (; row < p.N; row += gridDim.x) {
+    const RowHints hint = row_hints<T>(p, row);
+    cp_async_wait_all();  // this thread's slots (only it reads them in either pass)
+    const T* x = static_cast<const T*>(p.x) + row * p.ld;
+    const uint4* vp = reinterpret_cast<const uint4*>(x);
+    const int64_t next = row + gridDim.x;
+    float m2 = -INFINITY, d = 0.f;  // max of x s log2(e), sum of 2^(x s log2(e) - m2)
+    auto add = [&](const float* v, int n) {
+      float vm = v[0];
+      for (int k = 1; k < n; ++k) vm = fmaxf(vm, v[k]);
+      const float mn = fmaxf(m2, vm * sl);
+      if (mn == -INFINITY) {  // nothing finite yet: only a NaN matters
+        for (int k = 0; k < n; ++k)
+          if (isnan(v[k])) d = NAN;
+        return;
+      }
+      d *= ex2(m2 - mn);
+      m2 = mn;
+      for (int k = 0; k < n; ++k) d += ex2(fmaf(v[k], sl, -mn));
+    };
+    for (int i = threadIdx.x; i < cvec; i += kThreads) {
+      float v[K];
+      unpack_words<T>(cache[i], v);
+      add(v, K);
+    }
+    for (int base = cvec + threadIdx.x; base < nv; base += 4 * kThreads) {
+      uint4 raw[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (base + u * kThreads < nv) raw[u] = __ldg(vp + base + u * kThreads);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (base + u * kThreads < nv) {
+          float v[K];
+          unpack_words<T>(raw[u], v);
+          add(v, K);
+        }
+    }
+    for (int64_t j = int64_t(nv) * K + threadIdx.x; j < p.V; j += kThreads) {
+      const float v = to_float(x[j]);
+      add(&v, 1);
+    }
+    CeAcc a;
+    a.m = m2 * (1.f / kLog2e);
+    a.d = d;
+    a = finish_stats<T>(p, x, 0, p.V, a);
+    if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, &hint);
+    __syncthreads();
+    if (next < p.N) prefetch_rest<T>(p, next, cache_vecs);
+    // dz_j = s [g (1 + 2 zq lse) p_j - g [j == t]]; a whole row of `fill` when the row has no gradient.
+    const float lse = s_lse;
+    const int64_t t = hint.t;
+    const bool none = t == p.ignore_index || hint.g == 0.f || t < 0 || t >= p.V;
+    const float fill = (t != p.ignore_index && (t < 0 || t >= p.V)) ? NAN : 0.f;
+    const CeGrad cg(hint.g, 0.f, 1.f, float(p.V), p.inv_v, p.zq, lse);
+    const float ga = p.scale * cg.cp, gt = p.scale * cg.ct, nl = -lse * kLog2e;
+    const int tl = none ? -1 : int(t);
+    T* dx = static_cast<T*>(p.dx) + row * p.ldd;
+    uint4* dv = reinterpret_cast<uint4*>(dx);
+    auto grad_vec = [&](const uint4& raw, int e0) {
+      float v[K];
+      unpack_words<T>(raw, v);
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] = none ? fill : ga * ex2(fmaf(v[k], sl, nl)) - (e0 + k == tl ? gt : 0.f);
+      return pack<T>(v);
+    };
+    const uint4* nsrc = next < p.N ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + next * p.ld) : nullptr;
+    for (int i = threadIdx.x; i < cvec; i += kThreads) {
+      dv[i] = grad_vec(cache[i], i * K);
+      if (nsrc) cp_async16(cache + i, nsrc + i);
+    }
+    for (int base = cvec + threadIdx.x; base < nv; base += 2 * kThreads) {
+      uint4 raw[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (base + u * kThreads < nv) raw[u] = vp[base + u * kThreads];  // plain loads: in place allowed
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (base + u * kThreads < nv) dv[base + u * kThreads] = grad_vec(raw[u], (base + u * kThreads) * K);
+    }
+    for (int64_t j = int64_t(nv) * K + threadIdx.x; j < p.V; j += kThreads) {
+      const float v = to_float(x[j]);
+      dx[j] = from_float<T>(none ? fill : ga * ex2(fmaf(v, sl, nl)) - (j == tl ? gt : 0.f));
+    }
+    cp_async_commit();
+  }
+}
+
 // Split rows, phase 1: statistics of split blockIdx.x of row blockIdx.y.
 template <class T>
 __global__ void __launch_bounds__(kRowThreads) partial_kernel(CeParams p) {
@@ -328,6 +499,70 @@ __global__ void __launch_bounds__(kRowThreads) grad_kernel(CeParams p) {
   int64_t b, e;
   split_range(p.V, p.splits, blockIdx.x, &b, &e);
   write_grad<T, O>(p, row, b, e, p.saved_lse ? p.saved_lse[row] : p.row_lse[row]);
+}
+
+// Few rows of logsumexp in one launch: C blocks per row (a cluster), each holding its slice in registers,
+// partials merged in rank order through distributed shared memory (plan_regs).
+struct LseAcc {  // max of z2 = x * scale * log2(e), sum of 2^(z2 - max); NaN and +inf seen
+  float m, d;
+  int nan, inf;
+  __device__ LseAcc() : m(-INFINITY), d(0.f), nan(0), inf(0) {}
+  __device__ void merge(const LseAcc& o) {
+    const float mn = fmaxf(m, o.m);
+    if (mn != -INFINITY && mn != INFINITY)
+      d = (m == mn ? d : d * ex2(m - mn)) + (o.m == mn ? o.d : o.d * ex2(o.m - mn));
+    m = mn;
+    nan |= o.nan;
+    inf |= o.inf;
+  }
+  __device__ LseAcc shfl_down(unsigned off) const {
+    LseAcc r;
+    r.m = __shfl_down_sync(0xffffffffu, m, off);
+    r.d = __shfl_down_sync(0xffffffffu, d, off);
+    r.nan = __shfl_down_sync(0xffffffffu, nan, off);
+    r.inf = __shfl_down_sync(0xffffffffu, inf, off);
+    return r;
+  }
+};
+
+template <class T, int R>
+__global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
+  constexpr int K = kVec<T>;
+  const int C = p.splits;
+  const int rank = int(blockIdx.x % unsigned(C));
+  const int64_t row = blockIdx.x / unsigned(C);
+  int64_t begin, end;
+  split_range(p.V, C, rank, &begin, &end);
+  const int n = int(end - begin);
+  uint4 raw[R];
+  reg_load<T, R>(static_cast<const T*>(p.x) + row * p.ld + begin, n, raw);
+  const float c = p.scale * kLog2e;
+  LseAcc a;
+  float mx = -INFINITY;
+  reg_visit<T, R>(raw, n, [&](const float(&v)[K], int64_t, int cnt) {
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (k < cnt) {
+        mx = fmaxf(mx, v[k]);
+        a.nan |= isnan(v[k]);
+      }
+  });
+  a.inf = mx == INFINITY;
+  a.m = mx * c;  // the raw max first, then the scale (scale > 0)
+  if (mx != -INFINITY && mx != INFINITY)
+    reg_visit<T, R>(raw, n, [&](const float(&v)[K], int64_t, int cnt) {
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if (k < cnt) a.d += ex2(fmaf(v[k], c, -a.m));
+    });
+  a = block_reduce(a);
+  const RowCtx ctx{row, C, rank, 0, 1};
+  exchange<0>(ctx, 0, a, static_cast<LseAcc*>(nullptr));
+  if (rank == 0 && threadIdx.x == 0) {
+    constexpr float kLn2 = 0.6931471805599453f;
+    p.lse[row] = a.nan ? NAN : a.inf ? INFINITY : a.m == -INFINITY ? -INFINITY : (a.m + log2f(a.d)) * kLn2;
+  }
+  if (C > 1) cluster_sync_all();  // peers read this block's partial until here
 }
 
 struct SumD {
@@ -469,6 +704,19 @@ size_t ce_rows_workspace(fce_handle* h, int64_t N, int64_t V, bool grad, bool ba
   return backward ? 0 : RowsScratch(nullptr, N, split_count(h, N, V), grad).bytes;
 }
 
+// The pipelined kernel wants logits and dlogits of one dtype, both with 16-byte aligned rows, and rows
+// long enough to fill a good part of shared memory. FCE_DEBUG_CE=cached forces the older cached kernel.
+bool pipe_ok(const fce_handle* h, const CeRows& r, size_t xs, size_t os) {
+  static const bool off = [] {
+    const char* e = std::getenv("FCE_DEBUG_CE");
+    return e && !std::strcmp(e, "cached");
+  }();
+  if (off || xs != os || h->sm_count <= 0) return false;
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(r.x) | reinterpret_cast<uintptr_t>(r.dx) |
+                         uintptr_t(r.ld * int64_t(xs)) | uintptr_t(r.ldd * int64_t(os));
+  return (bits & 15u) == 0 && r.V * int64_t(xs) >= 16 * 1024;
+}
+
 void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
   const int splits = split_count(h, r.N, r.V);
   const bool grad = r.dx != nullptr;
@@ -480,6 +728,18 @@ void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
     using O = decltype(to);
     if (r.saved_lse) {
       grad_kernel<T, O><<<dim3(unsigned(splits), N), kRowThreads, 0, s>>>(k);
+    } else if (splits == 1 && grad && pipe_ok(h, r, sizeof(T), sizeof(O))) {
+      // Shared memory for as much of the row as fits (16-byte vectors), one persistent block per SM.
+      const int64_t row_vecs = r.V * int64_t(sizeof(T)) / 16;
+      const int64_t max_vecs = pipe_smem(h) / 16;
+      const int64_t cache_vecs = row_vecs < max_vecs ? row_vecs : max_vecs;
+      const size_t smem = size_t(cache_vecs) * 16;
+      const int64_t grid = r.N < h->sm_count ? r.N : h->sm_count;
+      const bool plain = k.softcap == 0.f && !k.weights && k.eps == 0.f && !k.entropy && !k.argmax;
+      auto kernel = plain ? row_kernel_pipe_plain<T> : row_kernel_pipe<T>;
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+            "cudaFuncSetAttribute");
+      kernel<<<unsigned(grid), kCachedThreads, smem, s>>>(k, cache_vecs);
     } else if (splits == 1 && grad) {
       // Shared memory for as much of the row as fits (16-byte vectors), one block per SM.
       const int64_t row_vecs = r.V * int64_t(sizeof(T)) / 16 + 1;
@@ -582,9 +842,15 @@ void lse(fce_handle* h, fce_stream_t stream, const LseProblem& p, Workspace w) {
   k.lse = reinterpret_cast<float*>(p.lse.data);
   k.splits = splits;
   k.partial = ws.partial;
+  const RegPlan rp = plan_regs(h, N, p.x.cols, int(dtype_size(p.x.dtype)), p.x.data, p.x.ld);
   dispatch_float(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (splits == 1) {
+    if (rp.C > 0 && splits > 1) {
+      k.splits = rp.C;
+      dispatch_regs(rp.R, [&](auto r) {
+        launch_rows(lse_regs_kernel<T, decltype(r)::value>, as_row_plan(rp), N, k, s, "logsumexp kernel");
+      });
+    } else if (splits == 1) {
       row_kernel<T, T><<<unsigned(N), kRowThreads, 0, s>>>(k);
     } else {
       partial_kernel<T><<<dim3(unsigned(splits), unsigned(N)), kRowThreads, 0, s>>>(k);

@@ -422,6 +422,233 @@ __global__ void __launch_bounds__(kKdThreads, 3) kd_full_kernel(const KdArgs a) 
   }
 }
 
+// ---- forward only, one pass (forward or reverse KL, many rows) --------------------------------------
+// KL(P || Q) = sum_j p_j (z^P_j - z^Q_j) - lse_P + lse_Q (z = logits / T, sum p = 1), so forward and reverse
+// KL need no normalized probability per element: one online-softmax pass (Milakov & Gimelshein 2018) over
+// both rows keeps (max, sum of e^(z - max)) of each and W = sum_j e^(z^P_j - max P) (z^P_j - z^Q_j), rescaled
+// with the P sum. Each row is read once from DRAM, as for a cross-entropy forward. Elements with p_j = 0 add
+// nothing (no 0 * inf); identical inputs give W = 0 and equal lse's: exactly 0.
+// Running max m and sum d of 2^(z2 - m) of one row. Every operation is explicitly rounded (no contraction),
+// so two equal rows give bitwise-equal states whichever side of KlAcc they are on.
+struct Lse2 {
+  float m, d;
+  __device__ Lse2() : m(-INFINITY), d(0.f) {}
+  __device__ static float rescale(float m, float mn) { return m == mn ? 1.f : ex2(__fsub_rn(m, mn)); }
+  __device__ float shift(float mn) {  // to the new max mn (finite or +inf); returns the factor
+    const float r = rescale(m, mn);
+    d = __fmul_rn(d, r);
+    m = mn;
+    return r;
+  }
+  __device__ void merge(const Lse2& o) {
+    const float mn = fmaxf(m, o.m);
+    if (mn == -INFINITY) return;
+    d = __fadd_rn(__fmul_rn(d, rescale(m, mn)), __fmul_rn(o.d, rescale(o.m, mn)));
+    m = mn;
+  }
+  // Adds n values (the group max g first), calling on_e(k, 2^(z_k - m)) for each; NaN propagates. Returns
+  // the factor the earlier sum was rescaled by (1 when nothing finite has been seen).
+  template <int G, class F>
+  __device__ __forceinline__ float add(const float (&z)[G], int n, F&& on_e) {
+    float g = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < G; ++k)
+      if (k < n) g = fmaxf(g, z[k]);
+    const float mn = fmaxf(m, g);
+    if (mn == -INFINITY) {
+#pragma unroll
+      for (int k = 0; k < G; ++k)
+        if (k < n && isnan(z[k])) d = NAN;
+      return 1.f;
+    }
+    const float r = shift(mn);
+#pragma unroll
+    for (int k = 0; k < G; ++k)
+      if (k < n) {
+        const float e = ex2(__fsub_rn(z[k], mn));
+        d = __fadd_rn(d, e);
+        on_e(k, e);
+      }
+    return r;
+  }
+  template <int G>
+  __device__ __forceinline__ void add(const float (&z)[G], int n) {
+    add<G>(z, n, [](int, float) {});
+  }
+  __device__ float log2sum() const { return m == -INFINITY ? -INFINITY : __fadd_rn(m, log2f(d)); }
+  __device__ Lse2 shfl_down(unsigned off) const {
+    Lse2 r;
+    r.m = __shfl_down_sync(0xffffffffu, m, off);
+    r.d = __shfl_down_sync(0xffffffffu, d, off);
+    return r;
+  }
+};
+
+struct KlAcc {  // P and Q states, and W = sum 2^(zP - mP) (zP - zQ) at P's max
+  Lse2 p, q;
+  float w;
+  __device__ KlAcc() : w(0.f) {}
+  __device__ void merge(const KlAcc& o) {
+    const float np = fmaxf(p.m, o.p.m);
+    if (np != -INFINITY) w = __fadd_rn(__fmul_rn(w, Lse2::rescale(p.m, np)), __fmul_rn(o.w, Lse2::rescale(o.p.m, np)));
+    p.merge(o.p);
+    q.merge(o.q);
+  }
+  __device__ KlAcc shfl_down(unsigned off) const {
+    KlAcc r;
+    r.p = p.shfl_down(off);
+    r.q = q.shfl_down(off);
+    r.w = __shfl_down_sync(0xffffffffu, w, off);
+    return r;
+  }
+  template <int G>
+  __device__ __forceinline__ void add(const float (&zp)[G], const float (&zq)[G], int n) {
+    float wk = 0.f;  // this group's part, at the new max
+    const float r = p.add<G>(zp, n, [&](int k, float e) {
+      if (e != 0.f) wk = fmaf(e, zp[k] - zq[k], wk);
+    });
+    w = __fadd_rn(__fmul_rn(w, r), wk);
+    q.add<G>(zq, n);
+  }
+};
+
+// One block per row; DIV is forward KL (P = teacher) or reverse KL (P = student).
+template <class Ts, class Tt, int DIV>
+__global__ void __launch_bounds__(kKdThreads) kd_kl_onepass_kernel(const KdArgs a) {
+  constexpr int G = kGroup<Ts, Tt>;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float c = kLog2e / a.temperature;  // z2 = x * log2(e) / T
+  for (int64_t row = blockIdx.x; row < a.N; row += gridDim.x) {
+    if (target_masked(a, row)) {
+      if (threadIdx.x == 0) {
+        a.row_loss[row] = 0.f;
+        if (a.row_used) a.row_used[row] = 0;
+      }
+      continue;
+    }
+    const Ts* s = static_cast<const Ts*>(a.s) + row * a.lds;
+    const Tt* t = static_cast<const Tt*>(a.t) + row * a.ldt;
+    KlAcc acc;
+    visit2<Ts, Tt, false>(s, t, nullptr, nullptr, a.V, [&](const float(&vs)[G], const float(&vt)[G], int64_t, int cnt) {
+      float zs[G], zt[G];
+#pragma unroll
+      for (int k = 0; k < G; ++k) {
+        zs[k] = __fmul_rn(vs[k], c);
+        zt[k] = __fmul_rn(vt[k], c);
+      }
+      if constexpr (DIV == FCE_KD_FORWARD_KL) acc.add<G>(zt, zs, cnt);
+      else acc.add<G>(zs, zt, cnt);
+    });
+    acc = block_reduce(acc);
+    if (threadIdx.x == 0) {
+      // lse_P and lse_Q in base 2; every P and Q step mirrors the other, so equal rows give equal values.
+      const float lp = acc.p.log2sum(), lq = acc.q.log2sum();
+      const float loss = (acc.w / acc.p.d + (lq - lp)) * kLn2;
+      a.row_loss[row] = loss * a.t2;
+      if (a.row_used) a.row_used[row] = 1;
+    }
+  }
+}
+
+
+// ---- with the gradient, forward or reverse KL (many rows, one dtype, 16-byte aligned rows) -------------
+// Two passes per row: the statistics (KlAcc), then dstudent. With P = teacher for forward KL and P = student
+// for reverse KL, a_j sums in closed form (A = -1, and A = KL + 1), so the gradient needs no third pass:
+//   forward KL  dL/dz_j = q_j - p_j                        reverse KL  dL/dz_j = q_j (log q_j - log p_j - KL)
+// Persistent blocks, one per SM: the first cache_vecs 16-byte vectors of both rows sit in shared memory,
+// brought there by asynchronous copies issued as the previous row's gradient pass frees each slot, so the
+// loads of row r + 1 overlap the stores of row r; the rest of the rows is re-read from L2.
+template <class T, int DIV>
+__global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a, int64_t cache_vecs) {
+  extern __shared__ uint4 cache[];  // [0, cache_vecs) student, [cache_vecs, 2 cache_vecs) teacher
+  constexpr int K = kVec<T>;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float c = kLog2e / a.temperature;
+  const int64_t nvec = a.V / K;
+  auto srow = [&](int64_t r) { return static_cast<const T*>(a.s) + r * a.lds; };
+  auto trow = [&](int64_t r) { return static_cast<const T*>(a.t) + r * a.ldt; };
+  auto fetch = [&](int64_t r, int64_t i) {  // slot i of row r into shared memory
+    cp_async16(cache + i, reinterpret_cast<const uint4*>(srow(r)) + i);
+    cp_async16(cache + cache_vecs + i, reinterpret_cast<const uint4*>(trow(r)) + i);
+  };
+  int64_t row = blockIdx.x;
+  if (row >= a.N) return;
+  for (int64_t i = threadIdx.x; i < cache_vecs; i += blockDim.x) fetch(row, i);
+  cp_async_commit();
+  for (; row < a.N; row += gridDim.x) {
+    const bool masked = target_masked(a, row);
+    const T* s = srow(row);
+    const T* t = trow(row);
+    const uint4* sv = reinterpret_cast<const uint4*>(s);
+    const uint4* tv = reinterpret_cast<const uint4*>(t);
+    cp_async_wait_all();  // this thread's slots (only it reads them)
+    // z2 = x log2(e) / T of student and teacher, in (P, Q) order.
+    auto zpair = [&](const float (&vs)[K], const float (&vt)[K], float (&zp)[K], float (&zq)[K]) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const float zs = __fmul_rn(vs[k], c), zt = __fmul_rn(vt[k], c);
+        zp[k] = DIV == FCE_KD_FORWARD_KL ? zt : zs;
+        zq[k] = DIV == FCE_KD_FORWARD_KL ? zs : zt;
+      }
+    };
+    KlAcc acc;
+    if (!masked) {
+      for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+        const bool hit = i < cache_vecs;
+        const uint4 rs = hit ? cache[i] : __ldg(sv + i);
+        const uint4 rt = hit ? cache[cache_vecs + i] : __ldg(tv + i);
+        float vs[K], vt[K], zp[K], zq[K];
+        unpack_words<T>(rs, vs);
+        unpack_words<T>(rt, vt);
+        zpair(vs, vt, zp, zq);
+        acc.add<K>(zp, zq, K);
+      }
+      for (int64_t j = nvec * K + threadIdx.x; j < a.V; j += blockDim.x) {
+        float vs[K], vt[K], zp[K], zq[K];
+        vs[0] = to_float(s[j]);
+        vt[0] = to_float(t[j]);
+        zpair(vs, vt, zp, zq);
+        acc.add<K>(zp, zq, 1);
+      }
+    }
+    acc = block_reduce(acc);
+    const float lp = acc.p.log2sum(), lq = acc.q.log2sum();
+    const float kl2 = acc.w / acc.p.d + (lq - lp);  // KL / ln 2
+    if (threadIdx.x == 0) {
+      a.row_loss[row] = masked ? 0.f : kl2 * kLn2 * a.t2;
+      if (a.row_used) a.row_used[row] = masked ? 0 : 1;
+    }
+    const float scale = masked ? 0.f : kd_grad_scale(a, row);
+    const float ls = DIV == FCE_KD_FORWARD_KL ? lq : lp, lt = DIV == FCE_KD_FORWARD_KL ? lp : lq;  // log2 sums
+    auto grad = [&](float xs, float xt) {
+      const float l2q = __fmul_rn(xs, c) - ls, l2p = __fmul_rn(xt, c) - lt;  // log2 of q_j and p_j
+      const float q = ex2(l2q);
+      if (DIV == FCE_KD_FORWARD_KL) return (q - ex2(l2p)) * scale;
+      return q == 0.f ? 0.f : q * ((l2q - l2p) - kl2) * kLn2 * scale;  // a -inf student logit: exactly 0
+    };
+    T* ds = static_cast<T*>(a.ds) + row * a.ldd;
+    const int64_t next = row + gridDim.x;
+    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+      const bool hit = i < cache_vecs;
+      const uint4 rs = hit ? cache[i] : sv[i];  // plain loads: dstudent may be the student (in place)
+      const uint4 rt = hit ? cache[cache_vecs + i] : tv[i];
+      float vs[K], vt[K], g[K];
+      unpack_words<T>(rs, vs);
+      unpack_words<T>(rt, vt);
+#pragma unroll
+      for (int k = 0; k < K; ++k) g[k] = masked ? 0.f : grad(vs[k], vt[k]);
+      reinterpret_cast<uint4*>(ds)[i] = pack<T>(g);
+      if (hit && next < a.N) fetch(next, i);
+    }
+    for (int64_t j = nvec * K + threadIdx.x; j < a.V; j += blockDim.x) {
+      const float xs = to_float(s[j]), xt = to_float(t[j]);
+      ds[j] = from_float<T>(masked ? 0.f : grad(xs, xt));
+    }
+    cp_async_commit();
+  }
+}
+
+
 // ---- top-K teacher ---------------------------------------------------------------------------------
 
 // Used slots (id >= 0) and ids out of range (id >= V) of a row, the same in every thread.
@@ -578,6 +805,54 @@ __global__ void __launch_bounds__(kKdThreads, 3) kd_topk_kernel(const KdArgs a) 
   }
 }
 
+// Forward only with full-vocabulary normalization (many rows): one block per row streams the student row once
+// for its lse (online softmax in base 2), then takes the K terms at the ids (the row is still in L2).
+template <class Ts>
+__global__ void __launch_bounds__(kKdThreads) kd_topk_onepass_kernel(const KdArgs a) {
+  constexpr int KV = kVec<Ts>;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float inv_t = 1.f / a.temperature, c = kLog2e * inv_t;
+  const KdTerm term(a.div, a.beta);
+  for (int64_t row = blockIdx.x; row < a.N; row += gridDim.x) {
+    const Ts* srow = static_cast<const Ts*>(a.s) + row * a.lds;
+    const int64_t ib = row * a.ldi;
+    const float* lp = a.lp + row * a.ldlp;
+    bool any_used, any_oob;
+    topk_status(a, ib, &any_used, &any_oob);
+    const bool masked = !any_used || target_masked(a, row);
+    if (masked || any_oob) {
+      if (threadIdx.x == 0) {
+        a.row_loss[row] = masked ? 0.f : NAN;
+        if (a.row_used) a.row_used[row] = masked ? 0 : 1;
+      }
+      continue;
+    }
+    Lse2 acc;
+    row_visit<Ts>(srow, 0, a.V, [&](const float(&v)[KV], int64_t, int cnt) {
+      float z[KV];
+#pragma unroll
+      for (int k = 0; k < KV; ++k) z[k] = v[k] * c;
+      acc.add<KV>(z, cnt);
+    });
+    acc = block_reduce(acc);
+    const float lse_s = acc.log2sum() * kLn2;
+    const float lse_t = topk_teacher_lse(a, ib, lp);
+    LossA la;
+    for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+      const int64_t id = load_index(a.ids, a.ids64, ib + k);
+      if (id >= 0) {
+        float ak;
+        la.loss += term(zdiff(lp[k], inv_t, lse_t), zdiff(to_float(srow[id]), inv_t, lse_s), &ak);
+      }
+    }
+    la = block_reduce(la);
+    if (threadIdx.x == 0) {
+      a.row_loss[row] = la.loss * a.t2;
+      if (a.row_used) a.row_used[row] = 1;
+    }
+  }
+}
+
 // Renormalized over the K: one block per row; only the student logits at the ids are read.
 template <class Ts>
 __global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
@@ -691,8 +966,41 @@ __global__ void __launch_bounds__(1024) kd_finalize_kernel(const float* row_loss
 
 bool renormalized(const KdProblem& p) { return p.topk() && p.o.topk_norm == FCE_KD_TOPK_RENORMALIZE; }
 
+// Generalized JSD at beta 0 / 1 is exactly forward / reverse KL (KdTerm's convention), decided here so
+// the kernels specialize on it.
+int effective_div(const KdProblem& p) {
+  int div = p.o.divergence;
+  if (div == FCE_KD_JSD && p.o.beta == 0.f) div = FCE_KD_FORWARD_KL;
+  if (div == FCE_KD_JSD && p.o.beta == 1.f) div = FCE_KD_REVERSE_KL;
+  return div;
+}
+
+// Forward only, with rows enough to fill the GPU one block each, and a divergence that needs no
+// normalized probability per element: one streaming pass (kd_kl_onepass_kernel, kd_topk_onepass_kernel).
+// With dstudent: forward or reverse KL, student, teacher and dstudent of one dtype with 16-byte aligned rows,
+// rows enough to fill the GPU, rows long enough to be worth the pipeline: kd_kl_grad_pipe_kernel.
+bool kd_grad_pipe(const fce_handle* h, const KdProblem& p) {
+  if (!p.dstudent || p.topk() || forced_path() != Force::None) return false;
+  if (p.student.rows < int64_t(h->sm_count > 0 ? h->sm_count : 1)) return false;
+  const int div = effective_div(p);
+  if (div != FCE_KD_FORWARD_KL && div != FCE_KD_REVERSE_KL) return false;
+  if (p.teacher.dtype != p.student.dtype || p.dstudent.dtype != p.student.dtype) return false;
+  const size_t es = dtype_size(p.student.dtype);
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(p.student.data) | reinterpret_cast<uintptr_t>(p.teacher.data) |
+                         reinterpret_cast<uintptr_t>(p.dstudent.data) | uintptr_t(p.student.ld * int64_t(es)) |
+                         uintptr_t(p.teacher.ld * int64_t(es)) | uintptr_t(p.dstudent.ld * int64_t(es));
+  return (bits & 15u) == 0 && p.student.cols * int64_t(es) >= 16 * 1024;
+}
+
+bool kd_onepass(const fce_handle* h, const KdProblem& p) {
+  if (p.dstudent || renormalized(p) || forced_path() != Force::None) return false;
+  if (p.student.rows < 2 * int64_t(h->sm_count > 0 ? h->sm_count : 1)) return false;
+  const int div = effective_div(p);
+  return p.topk() || div == FCE_KD_FORWARD_KL || div == FCE_KD_REVERSE_KL;
+}
+
 RowPlan kd_plan(const fce_handle* h, const KdProblem& p) {
-  if (renormalized(p)) {
+  if (renormalized(p) || kd_onepass(h, p) || kd_grad_pipe(h, p)) {
     RowPlan r;
     r.threads = 128;
     return r;
@@ -790,11 +1098,7 @@ void kd(fce_handle* h, fce_stream_t stream, const KdProblem& p, Workspace w) {
   a.row_used = ws.row_used;
   a.slot_val = ws.slot_val;
   a.reduction = p.o.reduction;
-  // Generalized JSD at beta 0 / 1 is exactly forward / reverse KL (KdTerm's convention), decided here so
-  // the kernels specialize on it.
-  int div = p.o.divergence;
-  if (div == FCE_KD_JSD && p.o.beta == 0.f) div = FCE_KD_FORWARD_KL;
-  if (div == FCE_KD_JSD && p.o.beta == 1.f) div = FCE_KD_REVERSE_KL;
+  const int div = effective_div(p);
   a.div = div;
   a.beta = p.o.beta;
   a.inv_t = 1.f / p.o.temperature;
@@ -816,10 +1120,32 @@ void kd(fce_handle* h, fce_stream_t stream, const KdProblem& p, Workspace w) {
   }
   dispatch_float(p.student.dtype, [&](auto stag) {
     using Ts = decltype(stag);
+    const unsigned grid = unsigned(N < (int64_t(1) << 30) ? N : (int64_t(1) << 30));
     if (renormalized(p)) {
-      const int64_t grid = N < (int64_t(1) << 30) ? N : (int64_t(1) << 30);
-      kd_topk_renorm_kernel<Ts><<<unsigned(grid), pl.threads, 0, s>>>(a);
+      kd_topk_renorm_kernel<Ts><<<grid, pl.threads, 0, s>>>(a);
       check_launch("KD top-K kernel");
+    } else if (kd_onepass(h, p) && p.topk()) {
+      kd_topk_onepass_kernel<Ts><<<grid, kKdThreads, 0, s>>>(a);
+      check_launch("KD top-K kernel");
+    } else if (kd_grad_pipe(h, p)) {
+      const int64_t vecs = V * int64_t(sizeof(Ts)) / 16;
+      const int64_t fit = pipe_smem(h) / 32;  // both rows' slots
+      const int64_t cache_vecs = vecs < fit ? vecs : fit;
+      const size_t smem = size_t(cache_vecs) * 32;
+      const int64_t g = N < h->sm_count ? N : h->sm_count;
+      auto kernel = div == FCE_KD_FORWARD_KL ? kd_kl_grad_pipe_kernel<Ts, FCE_KD_FORWARD_KL>
+                                             : kd_kl_grad_pipe_kernel<Ts, FCE_KD_REVERSE_KL>;
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+            "cudaFuncSetAttribute");
+      kernel<<<unsigned(g), 1024, smem, s>>>(a, cache_vecs);
+      check_launch("KD kernel");
+    } else if (kd_onepass(h, p)) {
+      dispatch_float(p.teacher.dtype, [&](auto ttag) {
+        using Tt = decltype(ttag);
+        if (div == FCE_KD_FORWARD_KL) kd_kl_onepass_kernel<Ts, Tt, FCE_KD_FORWARD_KL><<<grid, kKdThreads, 0, s>>>(a);
+        else kd_kl_onepass_kernel<Ts, Tt, FCE_KD_REVERSE_KL><<<grid, kKdThreads, 0, s>>>(a);
+      });
+      check_launch("KD kernel");
     } else if (p.topk()) {
       if (pl.resident) run_phases(kd_topk_kernel<Ts, true>, pl, N, a, s, "KD top-K kernel");
       else run_phases(kd_topk_kernel<Ts, false>, pl, N, a, s, "KD top-K kernel");

@@ -180,6 +180,51 @@ __device__ __forceinline__ void smem_visit(const T* sm, int n, F&& f) {
   }
 }
 
+// ---- register-resident slices (few rows) -------------------------------------------------------------
+// A thread holds R 16-byte vectors of its block's slice in registers: slot r is vector threadIdx.x + r *
+// blockDim.x of the slice. The slice must start 16-byte aligned; a last partial vector is read element by
+// element and padded with -inf (which changes no max, sum or first index), and its count says what is real.
+template <class T>
+__device__ __forceinline__ T neg_inf_of() {
+  if constexpr (std::is_same_v<T, float>) return -INFINITY;
+  else if constexpr (std::is_same_v<T, __half>) return __ushort_as_half(0xfc00u);
+  else return __ushort_as_bfloat16(0xff80u);
+}
+
+template <class T, int R>
+__device__ __forceinline__ void reg_load(const T* __restrict__ src, int n, uint4 (&raw)[R]) {
+  constexpr int K = kVec<T>;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int e0 = int(threadIdx.x + r * blockDim.x) * K;
+    if (e0 + K <= n) {
+      raw[r] = __ldg(reinterpret_cast<const uint4*>(src + e0));
+    } else {
+      alignas(16) T el[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        el[k] = e0 + k < n ? src[e0 + k] : neg_inf_of<T>();
+      }
+      raw[r] = *reinterpret_cast<const uint4*>(el);
+    }
+  }
+}
+
+// Visits the slots: f(v, e0, cnt), e0 relative to the slice, cnt = real values (kVec, or fewer at the end).
+template <class T, int R, class F>
+__device__ __forceinline__ void reg_visit(const uint4 (&raw)[R], int n, F&& f) {
+  constexpr int K = kVec<T>;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int e0 = int(threadIdx.x + r * blockDim.x) * K;
+    if (e0 < n) {
+      float v[K];
+      unpack_words<T>(raw[r], v);
+      f(v, int64_t(e0), n - e0 < K ? n - e0 : K);
+    }
+  }
+}
+
 // Stores v[0, cnt) to out[0, cnt) as O: 16-byte stores for a full group at an aligned address, else one
 // element at a time. Each value is rounded once, here.
 template <class O, int G>
@@ -228,7 +273,7 @@ bool clusters_available(const fce_handle* h) {
   return ok;
 }
 
-enum class Force { None, NoCluster, Stream, Split };
+enum class Force { None, NoCluster, Stream, Split, NoRegs };
 
 Force forced_path() {
   const char* e = std::getenv("FCE_DEBUG_ROWS");
@@ -236,6 +281,7 @@ Force forced_path() {
   if (!std::strcmp(e, "nocluster")) return Force::NoCluster;
   if (!std::strcmp(e, "stream")) return Force::Stream;
   if (!std::strcmp(e, "split")) return Force::Split;
+  if (!std::strcmp(e, "noregs")) return Force::NoRegs;
   return Force::None;
 }
 
@@ -273,8 +319,8 @@ RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb, int
   const int sm = h->sm_count > 0 ? h->sm_count : 1;
   const size_t budget = h->max_smem_optin > 8192 ? size_t(h->max_smem_optin) - 4096 : 0;  // static smem margin
   RowPlan p;
-  if (force == Force::None || force == Force::NoCluster) {
-    const int cmax = force == Force::None && clusters_available(h) ? kMaxCluster : 1;
+  if (force == Force::None || force == Force::NoCluster || force == Force::NoRegs) {
+    const int cmax = force != Force::NoCluster && clusters_available(h) ? kMaxCluster : 1;
     for (int C = 1; C <= cmax; C *= 2) {
       const int64_t cols = slice_cols(V, C);
       const size_t smem = round16(cols * sa) + (sb ? round16(cols * sb) : 0);
@@ -298,6 +344,57 @@ RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb, int
   p.threads = threads_for(N * S, slice_cols(V, S), sm, true, max_threads);
   return p;
 }
+
+// Register-resident plan for decode batches (C blocks per row, a cluster when C > 1, R vectors per thread),
+// or C = 0 when the rows do not fit (R > kMaxRegVecs: more would spill), are not 16-byte aligned, are more
+// than kMaxRegRows, or a path is forced. C grows until the GPU has about a block per SM or the slices fit.
+constexpr int kMaxRegVecs = 4;
+constexpr int64_t kMaxRegRows = 64;
+struct RegPlan {
+  int C = 0, R = 0, threads = 512;
+};
+
+RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const void* data, int64_t ld) {
+  RegPlan p;
+  const int sm = h->sm_count > 0 ? h->sm_count : 1;
+  if (forced_path() != Force::None || N > kMaxRegRows) return p;
+  if (((reinterpret_cast<uintptr_t>(data)) | uintptr_t(ld * esize)) & 15u) return p;
+  const int K = 16 / esize;
+  const int cmax = clusters_available(h) ? kMaxCluster : 1;
+  for (int C = 1; C <= cmax; C *= 2) {
+    const int64_t cols = slice_cols(V, C);
+    const int threads = cols > 2048 * K ? 1024 : cols >= 1024 * K ? 512 : cols >= 256 * K ? 256 : 128;
+    const int64_t R = (cols + int64_t(threads) * K - 1) / (int64_t(threads) * K);
+    if (R > kMaxRegVecs || (C < cmax && N * C < sm && cols >= 2 * kMinCols)) continue;
+    p.C = C;
+    p.threads = threads;
+    p.R = R <= 1 ? 1 : R <= 2 ? 2 : 4;
+    return p;
+  }
+  return p;
+}
+
+RowPlan as_row_plan(const RegPlan& r) {
+  RowPlan p;
+  p.C = r.C;
+  p.cluster = r.C > 1;
+  p.threads = r.threads;
+  return p;
+}
+
+// Calls body(std::integral_constant<int, R>) for R in {1, 2, 4}.
+template <class F>
+void dispatch_regs(int R, F&& body) {
+  switch (R) {
+    case 1: body(std::integral_constant<int, 1>{}); break;
+    case 2: body(std::integral_constant<int, 2>{}); break;
+    default: body(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// Dynamic shared bytes per block of the persistent pipelined row kernels (CE with dlogits, KD with
+// dstudent; one block per SM), leaving a margin for static shared memory.
+int64_t pipe_smem(const fce_handle* h) { return int64_t(h->max_smem_optin) - 4096; }
 
 // Launches N rows of plan `p` (N * C blocks, or fewer that loop over the rows).
 template <class Args>

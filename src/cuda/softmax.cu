@@ -77,13 +77,17 @@ struct SmArgs {
   SumF* ws1;
 };
 
-template <class T, bool kResident, class F>
-__device__ __forceinline__ void sm_visit(const T* x, const T* sm, int64_t n, F&& f) {
-  if constexpr (kResident) smem_visit<T>(sm, int(n), f);
+// Where a block's slice lives between the phases.
+enum Mode { kGlobal, kShared, kRegs };
+
+template <class T, int kMode, int R, class F>
+__device__ __forceinline__ void sm_visit(const T* x, const T* sm, const uint4 (&regs)[R], int64_t n, F&& f) {
+  if constexpr (kMode == kRegs) reg_visit<T, R>(regs, int(n), f);
+  else if constexpr (kMode == kShared) smem_visit<T>(sm, int(n), f);
   else row_visit<T>(x, 0, n, f);
 }
 
-template <class T, bool kResident>
+template <class T, int kMode, int R>
 __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int rank) {
   constexpr int K = kVec<T>;
   int64_t begin, end;
@@ -96,8 +100,16 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
 
   // Phase 0: max of the raw logits and its first index (the slice goes to shared memory on the way).
   MaxArg mx;
+  uint4 regs[R];
   if (a.p0 == 0) {
-    if constexpr (kResident) {
+    if constexpr (kMode == kRegs) {
+      reg_load<T, R>(x, int(n), regs);
+      reg_visit<T, R>(regs, int(n), [&](const float(&v)[K], int64_t e0, int cnt) {
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+          if (k < cnt) mx.add(v[k], begin + e0 + k);
+      });
+    } else if constexpr (kMode == kShared) {
       load_slice<T>(
           x, int(n), sm,
           [&](const uint4& raw, int e0) {
@@ -132,7 +144,7 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
   SumF sum;
   if (a.p0 <= 1) {
     if (!bad && !greedy) {
-      sm_visit<T, kResident>(x, sm, n, [&](const float(&v)[K], int64_t, int cnt) {
+      sm_visit<T, kMode, R>(x, sm, regs, n, [&](const float(&v)[K], int64_t, int cnt) {
 #pragma unroll
         for (int k = 0; k < K; ++k)
           if (k < cnt) sum.s += fexp(scaled(v[k]));
@@ -157,7 +169,7 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
     if (a.logp_f32) lf = static_cast<float*>(a.logp) + row * a.ldl + begin;
     else lt = static_cast<T*>(a.logp) + row * a.ldl + begin;
   }
-  sm_visit<T, kResident>(x, sm, n, [&](const float(&v)[K], int64_t e0, int cnt) {
+  sm_visit<T, kMode, R>(x, sm, regs, n, [&](const float(&v)[K], int64_t e0, int cnt) {
     float d[K], o[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) d[k] = k < cnt ? scaled(v[k]) : 0.f;
@@ -184,12 +196,12 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
   });
 }
 
-template <class T, bool kResident>
-__global__ void __launch_bounds__(512, 2) softmax_kernel(const SmArgs a) {
+template <class T, int kMode, int R>
+__global__ void __launch_bounds__(kMode == kRegs ? 1024 : 512, kMode == kRegs ? 1 : 2) softmax_kernel(const SmArgs a) {
   const int rank = int(blockIdx.x % unsigned(a.C));
   const int64_t stride = int64_t(gridDim.x / unsigned(a.C));
   for (int64_t row = blockIdx.x / unsigned(a.C); row < a.N; row += stride) {
-    softmax_row<T, kResident>(a, row, rank);
+    softmax_row<T, kMode, R>(a, row, rank);
     // The next row may reuse the shared memory only once every thread (and every peer of the cluster)
     // is done with it.
     if (a.cluster) cluster_sync_all();
@@ -249,18 +261,27 @@ void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Worksp
   a.cluster = pl.cluster;
   a.ws0 = ws.ws0;
   a.ws1 = ws.ws1;
+  const RegPlan rp = plan_regs(h, N, p.logits.cols, int(dtype_size(p.logits.dtype)), p.logits.data, p.logits.ld);
   dispatch_float(p.logits.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (pl.phased) {
+    if (rp.C > 0) {
+      a.p0 = 0;
+      a.p1 = 2;
+      a.C = rp.C;
+      a.cluster = rp.C > 1;
+      dispatch_regs(rp.R, [&](auto r) {
+        launch_rows(softmax_kernel<T, kRegs, decltype(r)::value>, as_row_plan(rp), N, a, s, "softmax kernel");
+      });
+    } else if (pl.phased) {
       for (int ph = 0; ph <= 2; ++ph) {
         a.p0 = a.p1 = ph;
-        launch_rows(softmax_kernel<T, false>, pl, N, a, s, "softmax kernel (split rows)");
+        launch_rows(softmax_kernel<T, kGlobal, 1>, pl, N, a, s, "softmax kernel (split rows)");
       }
     } else {
       a.p0 = 0;
       a.p1 = 2;
-      if (pl.resident) launch_rows(softmax_kernel<T, true>, pl, N, a, s, "softmax kernel");
-      else launch_rows(softmax_kernel<T, false>, pl, N, a, s, "softmax kernel");
+      if (pl.resident) launch_rows(softmax_kernel<T, kShared, 1>, pl, N, a, s, "softmax kernel");
+      else launch_rows(softmax_kernel<T, kGlobal, 1>, pl, N, a, s, "softmax kernel");
     }
   });
 }

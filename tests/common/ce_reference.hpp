@@ -20,6 +20,8 @@ struct CeCase {
   double logit_std = 2.0;
   int grad_mode = 1;  // 0 none, 1 default upstream (1), 2 explicit upstream
   bool inplace = false;
+  bool lean = false;  // only loss, z-loss, lse and dlogits asked for (no entropy, no argmax)
+  int64_t dpad = -1;  // dlogits row stride V + dpad (-1: V + pad + 1, a stride unlike the logits')
 };
 
 struct Ref {

@@ -21,6 +21,9 @@ struct KdCase {
   bool neg_inf = false;   // some -inf logits in student and teacher
   bool identical = false; // teacher == student
   int64_t grad_checks = -1;  // elements per row to check by finite differences (-1 = all)
+  bool fwd_only = false;     // no dstudent (the GPU's one-pass path when rows are many)
+  bool same_dtype = false;   // teacher in the student's dtype (else mixed on purpose)
+  int64_t pad = 0;           // row stride V + pad for student, teacher and dstudent
 };
 
 std::vector<double> log_softmax(const double* z, int64_t n) {
@@ -80,7 +83,8 @@ void run_case(const KdCase& c) {
   Handle h;
   const int64_t N = c.N, V = c.V;
   // Mixed student/teacher dtypes on purpose, except where the two must be identical.
-  Tensor s(c.dt, {N, V}), t(c.identical ? c.dt : c.dt == DT::F32 ? DT::BF16 : DT::F32, {N, V});
+  Tensor s(c.dt, {N, V}, V + c.pad),
+      t(c.identical || c.same_dtype ? c.dt : c.dt == DT::F32 ? DT::BF16 : DT::F32, {N, V}, V + c.pad);
   fill_logits(s, 2.0, false);
   fill_logits(t, 2.0, true, 6.0);
   if (c.identical) {
@@ -136,11 +140,11 @@ void run_case(const KdCase& c) {
   else teacher.logits = t.dl();
   const bool none = c.reduction == FCE_REDUCTION_NONE;
   Tensor loss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
-  Tensor ds(c.dt, {N, V});
+  Tensor ds(c.dt, {N, V}, V + c.pad);
   loss.poison(); loss.upload(); ds.poison(); ds.upload();
   fce_kd_outputs_t out = FCE_KD_OUTPUTS_INIT;
   out.loss = loss.dl();
-  out.dstudent = ds.dl();
+  if (!c.fwd_only) out.dstudent = ds.dl();
   FCE_OK(fce_kd_loss(h, test_stream(), s.dl(), &teacher, c.mask ? targets.dl() : nullptr, &o, &out, nullptr, 0));
   loss.download(); ds.download();
 
@@ -157,6 +161,10 @@ void run_case(const KdCase& c) {
   if (none) for (int64_t i = 0; i < N; ++i) ASSERT_TRUE(close(loss.get(i), rl[i], 1e-4, 2e-6)) << "loss row " << i;
   else ASSERT_TRUE(close(loss.get(0), total, 1e-4, 2e-6)) << "reduced loss";
   if (c.identical && !c.K) ASSERT_EQ(loss.get(0), 0.0);
+  if (c.fwd_only) {  // dstudent was not asked for: untouched
+    for (int64_t i = 0; i < N; ++i) ASSERT_TRUE(std::isnan(ds.get(i, 0)) || ds.get(i, 0) == ds.get(0, 0));
+    return;
+  }
 
   // Gradient: central differences of the float64 reference.
   const double gscale = c.reduction == FCE_REDUCTION_MEAN ? 1.0 / std::max<int64_t>(used, 1) : 1.0;
@@ -214,6 +222,74 @@ TEST(KdLoss, LargeVocabularies) {
   f.mask = false;
   f.grad_checks = 8;
   run_case(f);
+}
+
+// Loss only, with rows enough (300 > 2 x 132 SMs) for the GPU's one-pass kernels: forward and reverse KL
+// (and JSD at beta 0 / 1), the top-K teacher normalized over the full vocabulary; JSD 0.5 and the
+// renormalized top-K take the other paths.
+TEST(KdLoss, ForwardOnlyManyRows) {
+  for (DT dt : {DT::F32, DT::BF16, DT::F16})
+    for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD}) {
+      KdCase c{300, 1009, dt, div, div == FCE_KD_JSD ? 1.0 : 0.5, dt == DT::F16 ? 0.5 : dt == DT::BF16 ? 4.0 : 1.0};
+      c.fwd_only = true;
+      c.t2 = dt == DT::BF16;
+      c.reduction = dt == DT::F32 ? FCE_REDUCTION_NONE : dt == DT::BF16 ? FCE_REDUCTION_SUM : FCE_REDUCTION_MEAN;
+      run_case(c);
+    }
+  for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) {
+    KdCase c{300, 640, DT::F32, div};  // -inf logits, and identical rows (exactly 0)
+    c.fwd_only = true;
+    c.neg_inf = true;
+    c.reduction = FCE_REDUCTION_NONE;
+    run_case(c);
+    KdCase z{300, 4096, DT::BF16, div};
+    z.fwd_only = true;
+    z.identical = true;
+    z.mask = false;
+    run_case(z);
+  }
+  KdCase j{300, 333, DT::BF16, FCE_KD_JSD, 0.5, 2.0};
+  j.fwd_only = true;
+  run_case(j);
+  for (bool renorm : {false, true})
+    for (int div : {FCE_KD_FORWARD_KL, FCE_KD_JSD}) {
+      KdCase t{300, 2053, DT::BF16, div, 0.5, 2.0};
+      t.K = 16;
+      t.renorm = renorm;
+      t.fwd_only = true;
+      run_case(t);
+    }
+  KdCase big{270, 129920, DT::BF16, FCE_KD_FORWARD_KL};
+  big.fwd_only = true;
+  run_case(big);
+}
+
+// With dstudent, rows enough for the GPU's pipelined kernel (>= 132 rows of >= 16 KiB, one dtype, 16-byte
+// aligned rows): forward and reverse KL, masked rows, every reduction, -inf logits, identical rows, a padded
+// stride with a partial last vector.
+TEST(KdLoss, GradientManyRows) {
+  for (DT dt : {DT::BF16, DT::F32})
+    for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) {
+      KdCase c{150, dt == DT::BF16 ? 8200 : 4100, dt, div, 0.5, div == FCE_KD_FORWARD_KL ? 2.0 : 0.7};
+      c.same_dtype = true;
+      c.t2 = dt == DT::BF16;
+      c.reduction = div == FCE_KD_FORWARD_KL ? FCE_REDUCTION_MEAN : dt == DT::BF16 ? FCE_REDUCTION_SUM : FCE_REDUCTION_NONE;
+      c.grad_checks = 6;
+      run_case(c);
+    }
+  for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) {
+    KdCase n{140, 8197, DT::BF16, div};
+    n.same_dtype = true;
+    n.pad = 3;
+    n.neg_inf = true;
+    n.grad_checks = 6;
+    run_case(n);
+    KdCase z{140, 8192, DT::F16, div};
+    z.identical = true;
+    z.mask = false;
+    z.grad_checks = 4;
+    run_case(z);
+  }
 }
 
 TEST(KdLoss, NegativeInfinityLogitsGiveNoNaN) {

@@ -45,6 +45,16 @@ TEST(Logsumexp, ShapesAndDtypes) {
   check_lse(5, 1000, DT::BF16, 3.0, 1, false);
 }
 
+// Few rows whose rows start 16-byte aligned but end inside a 16-byte vector (the GPU's register-resident
+// path reads that last vector element by element), at decode shapes.
+TEST(Logsumexp, FewAlignedRowsWithPartialLastVector) {
+  check_lse(1, 151939, DT::BF16, 1.0, 5, false);
+  check_lse(16, 151939, DT::F32, 0.5, 5, true);
+  check_lse(7, 128253, DT::F16, 1.0, 3, false);
+  check_lse(1, 128256, DT::BF16, 1.0, 0, true);
+  check_lse(64, 1001, DT::BF16, 2.0, 7, false);
+}
+
 TEST(Logsumexp, InfinitiesAndNaN) {
   Handle h;
   Tensor x(DT::F32, {3, 5});
@@ -69,6 +79,7 @@ struct SmCase {
   bool inplace = false;
   double std = 3.0;
   bool peaked = false;
+  int64_t pad = 0;  // row stride V + pad
 };
 
 void check_softmax(const SmCase& c) {
@@ -76,7 +87,7 @@ void check_softmax(const SmCase& c) {
                                     << " T0=" << c.temps[0] << " inplace=" << c.inplace);
   Handle h;
   const int64_t N = c.N, V = c.V;
-  Tensor x(c.dt, {N, V});
+  Tensor x(c.dt, {N, V}, V + c.pad);
   fill_logits(x, c.std, c.peaked);
   const std::vector<double> v = values(x);
   const DT odt = c.fp32_out ? DT::F32 : c.dt;
@@ -130,6 +141,24 @@ TEST(TempSoftmax, ScalarTemperatures) {
   check_softmax({1, 129920, DT::BF16, true, {0.7}, true, false, 3.0, true});
   check_softmax({257, 7, DT::F16, true, {1.0}});
   check_softmax({2, 1, DT::F32, true, {1.0}});
+}
+
+// Decode shapes: rows aligned to 16 bytes whose last vector is partial, per-row temperatures with greedy and
+// bad rows, fp32 and input-dtype outputs, in place.
+TEST(TempSoftmax, FewAlignedRowsWithPartialLastVector) {
+  std::vector<double> t16;
+  for (int i = 0; i < 16; ++i) t16.push_back(i == 3 ? 0.0 : i == 9 ? -1.0 : 0.5 + 0.25 * i);
+  SmCase a{16, 151939, DT::BF16, true, t16};
+  a.pad = 5;
+  check_softmax(a);
+  SmCase b{1, 128253, DT::F16, false, {0.7}};
+  b.pad = 3;
+  check_softmax(b);
+  SmCase c{3, 4093, DT::F32, true, {1.3}, true, true};
+  c.pad = 3;
+  check_softmax(c);
+  SmCase d{2, 129920, DT::BF16, false, {0.0}, false, true};
+  check_softmax(d);
 }
 
 TEST(TempSoftmax, TinyTemperatureFp16NeverNaN) {
