@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/handle.hpp"
 #include "common/math.hpp"
@@ -124,6 +125,60 @@ template <int kBytes> struct VecOf;
 template <> struct VecOf<16> { using type = uint4; };
 template <> struct VecOf<8> { using type = uint2; };
 template <> struct VecOf<4> { using type = unsigned; };
+
+// Unpacks a 16-byte vector of T by whole 32-bit words, so that a vector read from shared memory stays one
+// 16-byte load (reinterpreting it element by element lets the compiler split it into 2-byte loads).
+template <class T>
+__device__ __forceinline__ void unpack_words(const uint4& raw, float (&v)[kVec<T>]) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
+      v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+    }
+  }
+}
+
+// Max of a 16-byte vector's values (NaN ignored unless all are NaN, as fmaxf): packed pairs for 16-bit types.
+template <class T>
+__device__ __forceinline__ float vec_max(const uint4& raw) {
+  if constexpr (sizeof(T) == 4) {
+    return fmaxf(fmaxf(__uint_as_float(raw.x), __uint_as_float(raw.y)),
+                 fmaxf(__uint_as_float(raw.z), __uint_as_float(raw.w)));
+  } else {
+    auto mx = [](unsigned a, unsigned b) {
+      unsigned r;
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        const __nv_bfloat162 m = __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                         *reinterpret_cast<const __nv_bfloat162*>(&b));
+        r = *reinterpret_cast<const unsigned*>(&m);
+      } else {
+        const __half2 m = __hmax2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+        r = *reinterpret_cast<const unsigned*>(&m);
+      }
+      return r;
+    };
+    const unsigned w = mx(mx(raw.x, raw.y), mx(raw.z, raw.w));
+    float v[kVec<T>];
+    unpack_words<T>(make_uint4(w, w, w, w), v);
+    return fmaxf(v[0], v[1]);
+  }
+}
+
+// 16-byte store with the evict-first (streaming) cache hint: output read by nobody in this kernel.
+__device__ __forceinline__ void store_stream(uint4* p, const uint4& v) {
+  __stcs(reinterpret_cast<int4*>(p), make_int4(int(v.x), int(v.y), int(v.z), int(v.w)));
+}
 
 // 16-byte asynchronous copy global -> shared (L1 bypassed), and waiting for this thread's copies.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {

@@ -389,9 +389,8 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
     const uint4* vp = reinterpret_cast<const uint4*>(x);
     const int64_t next = row + gridDim.x;
     float m2 = -INFINITY, d = 0.f;  // max of x s log2(e), sum of 2^(x s log2(e) - m2)
-    auto add = [&](const float* v, int n) {
-      float vm = v[0];
-      for (int k = 1; k < n; ++k) vm = fmaxf(vm, v[k]);
+    // vm: the max of the n values v (computed by the caller on packed pairs for a 16-bit vector).
+    auto add_max = [&](const float* v, int n, float vm) {
       const float mn = fmaxf(m2, vm * sl);
       if (mn == -INFINITY) {  // nothing finite yet: only a NaN matters
         for (int k = 0; k < n; ++k)
@@ -402,11 +401,12 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
       m2 = mn;
       for (int k = 0; k < n; ++k) d += ex2(fmaf(v[k], sl, -mn));
     };
-    for (int i = threadIdx.x; i < cvec; i += kThreads) {
+    auto add = [&](const uint4& raw) {
       float v[K];
-      unpack_words<T>(cache[i], v);
-      add(v, K);
-    }
+      unpack_words<T>(raw, v);
+      add_max(v, K, vec_max<T>(raw));
+    };
+    for (int i = threadIdx.x; i < cvec; i += kThreads) add(cache[i]);
     for (int base = cvec + threadIdx.x; base < nv; base += 4 * kThreads) {
       uint4 raw[4];
 #pragma unroll
@@ -414,15 +414,11 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
         if (base + u * kThreads < nv) raw[u] = __ldg(vp + base + u * kThreads);
 #pragma unroll
       for (int u = 0; u < 4; ++u)
-        if (base + u * kThreads < nv) {
-          float v[K];
-          unpack_words<T>(raw[u], v);
-          add(v, K);
-        }
+        if (base + u * kThreads < nv) add(raw[u]);
     }
     for (int64_t j = int64_t(nv) * K + threadIdx.x; j < p.V; j += kThreads) {
       const float v = to_float(x[j]);
-      add(&v, 1);
+      add_max(&v, 1, v);
     }
     CeAcc a;
     a.m = m2 * (1.f / kLog2e);
@@ -445,12 +441,18 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
       float v[K];
       unpack_words<T>(raw, v);
 #pragma unroll
-      for (int k = 0; k < K; ++k) v[k] = none ? fill : ga * ex2(fmaf(v[k], sl, nl)) - (e0 + k == tl ? gt : 0.f);
+      for (int k = 0; k < K; ++k) v[k] = none ? fill : ga * ex2(fmaf(v[k], sl, nl));
+      const unsigned kt = unsigned(tl - e0);  // the target's place in this vector, if it is here
+      if (kt < unsigned(K)) {
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+          if (k == int(kt)) v[k] -= gt;
+      }
       return pack<T>(v);
     };
     const uint4* nsrc = next < p.N ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + next * p.ld) : nullptr;
     for (int i = threadIdx.x; i < cvec; i += kThreads) {
-      dv[i] = grad_vec(cache[i], i * K);
+      store_stream(dv + i, grad_vec(cache[i], i * K));
       if (nsrc) cp_async16(cache + i, nsrc + i);
     }
     for (int base = cvec + threadIdx.x; base < nv; base += 2 * kThreads) {
@@ -460,7 +462,7 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
         if (base + u * kThreads < nv) raw[u] = vp[base + u * kThreads];  // plain loads: in place allowed
 #pragma unroll
       for (int u = 0; u < 2; ++u)
-        if (base + u * kThreads < nv) dv[base + u * kThreads] = grad_vec(raw[u], (base + u * kThreads) * K);
+        if (base + u * kThreads < nv) store_stream(dv + base + u * kThreads, grad_vec(raw[u], (base + u * kThreads) * K));
     }
     for (int64_t j = int64_t(nv) * K + threadIdx.x; j < p.V; j += kThreads) {
       const float v = to_float(x[j]);

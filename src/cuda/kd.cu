@@ -582,35 +582,69 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
     const uint4* sv = reinterpret_cast<const uint4*>(s);
     const uint4* tv = reinterpret_cast<const uint4*>(t);
     cp_async_wait_all();  // this thread's slots (only it reads them)
-    // z2 = x log2(e) / T of student and teacher, in (P, Q) order.
-    auto zpair = [&](const float (&vs)[K], const float (&vt)[K], float (&zp)[K], float (&zq)[K]) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const float zs = __fmul_rn(vs[k], c), zt = __fmul_rn(vt[k], c);
-        zp[k] = DIV == FCE_KD_FORWARD_KL ? zt : zs;
-        zq[k] = DIV == FCE_KD_FORWARD_KL ? zs : zt;
+    // Per thread: P and Q states in base 2 (max of x c, sum of 2^(x c - max)) and W in raw units, each
+    // side updated by the same explicitly rounded steps (equal rows give bitwise-equal states).
+    float pm = -INFINITY, pd = 0.f, qm = -INFINITY, qd = 0.f, w = 0.f;
+    auto add = [&](const float* xp, const float* xq, int n, float vmp, float vmq) {
+      const float np = fmaxf(pm, vmp * c), nq = fmaxf(qm, vmq * c);
+      if (np == -INFINITY) {
+        for (int k = 0; k < n; ++k)
+          if (isnan(xp[k])) pd = NAN;
+      } else {
+        const float r = ex2(pm - np);
+        pd = __fmul_rn(pd, r);
+        w = __fmul_rn(w, r);
+        pm = np;
+        for (int k = 0; k < n; ++k) {
+          const float e = ex2(fmaf(xp[k], c, -np));
+          pd = __fadd_rn(pd, e);
+          if (e != 0.f) w = fmaf(e, xp[k] - xq[k], w);
+        }
+      }
+      if (nq == -INFINITY) {
+        for (int k = 0; k < n; ++k)
+          if (isnan(xq[k])) qd = NAN;
+      } else {
+        qd = __fmul_rn(qd, ex2(qm - nq));
+        qm = nq;
+        for (int k = 0; k < n; ++k) qd = __fadd_rn(qd, ex2(fmaf(xq[k], c, -nq)));
       }
     };
-    KlAcc acc;
+    auto add_vec = [&](const uint4& rs, const uint4& rt) {
+      float vs[K], vt[K];
+      unpack_words<T>(rs, vs);
+      unpack_words<T>(rt, vt);
+      const float ms = vec_max<T>(rs), mt = vec_max<T>(rt);
+      if constexpr (DIV == FCE_KD_FORWARD_KL) add(vt, vs, K, mt, ms);
+      else add(vs, vt, K, ms, mt);
+    };
+    const int nv = int(nvec), cv = int(cache_vecs);
     if (!masked) {
-      for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-        const bool hit = i < cache_vecs;
-        const uint4 rs = hit ? cache[i] : __ldg(sv + i);
-        const uint4 rt = hit ? cache[cache_vecs + i] : __ldg(tv + i);
-        float vs[K], vt[K], zp[K], zq[K];
-        unpack_words<T>(rs, vs);
-        unpack_words<T>(rt, vt);
-        zpair(vs, vt, zp, zq);
-        acc.add<K>(zp, zq, K);
+      for (int i = threadIdx.x; i < cv; i += blockDim.x) add_vec(cache[i], cache[cache_vecs + i]);
+      for (int base = cv + threadIdx.x; base < nv; base += 2 * blockDim.x) {
+        uint4 rs[2], rt[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+          if (base + u * int(blockDim.x) < nv) {
+            rs[u] = __ldg(sv + base + u * blockDim.x);
+            rt[u] = __ldg(tv + base + u * blockDim.x);
+          }
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+          if (base + u * int(blockDim.x) < nv) add_vec(rs[u], rt[u]);
       }
       for (int64_t j = nvec * K + threadIdx.x; j < a.V; j += blockDim.x) {
-        float vs[K], vt[K], zp[K], zq[K];
-        vs[0] = to_float(s[j]);
-        vt[0] = to_float(t[j]);
-        zpair(vs, vt, zp, zq);
-        acc.add<K>(zp, zq, 1);
+        const float xs = to_float(s[j]), xt = to_float(t[j]);
+        if constexpr (DIV == FCE_KD_FORWARD_KL) add(&xt, &xs, 1, xt, xs);
+        else add(&xs, &xt, 1, xs, xt);
       }
     }
+    KlAcc acc;
+    acc.p.m = pm;
+    acc.p.d = pd;
+    acc.q.m = qm;
+    acc.q.d = qd;
+    acc.w = w * c;
     acc = block_reduce(acc);
     const float lp = acc.p.log2sum(), lq = acc.q.log2sum();
     const float kl2 = acc.w / acc.p.d + (lq - lp);  // KL / ln 2
@@ -620,25 +654,47 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
     }
     const float scale = masked ? 0.f : kd_grad_scale(a, row);
     const float ls = DIV == FCE_KD_FORWARD_KL ? lq : lp, lt = DIV == FCE_KD_FORWARD_KL ? lp : lq;  // log2 sums
+    const float rscale = kLn2 * scale;
     auto grad = [&](float xs, float xt) {
-      const float l2q = __fmul_rn(xs, c) - ls, l2p = __fmul_rn(xt, c) - lt;  // log2 of q_j and p_j
+      const float l2q = fmaf(xs, c, -ls), l2p = fmaf(xt, c, -lt);  // log2 of q_j and p_j
       const float q = ex2(l2q);
       if (DIV == FCE_KD_FORWARD_KL) return (q - ex2(l2p)) * scale;
-      return q == 0.f ? 0.f : q * ((l2q - l2p) - kl2) * kLn2 * scale;  // a -inf student logit: exactly 0
+      return q == 0.f ? 0.f : q * ((l2q - l2p) - kl2) * rscale;  // a -inf student logit: exactly 0
     };
     T* ds = static_cast<T*>(a.ds) + row * a.ldd;
+    uint4* dv = reinterpret_cast<uint4*>(ds);
     const int64_t next = row + gridDim.x;
-    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-      const bool hit = i < cache_vecs;
-      const uint4 rs = hit ? cache[i] : sv[i];  // plain loads: dstudent may be the student (in place)
-      const uint4 rt = hit ? cache[cache_vecs + i] : tv[i];
+    auto grad_vec = [&](const uint4& rs, const uint4& rt) {
       float vs[K], vt[K], g[K];
       unpack_words<T>(rs, vs);
       unpack_words<T>(rt, vt);
 #pragma unroll
       for (int k = 0; k < K; ++k) g[k] = masked ? 0.f : grad(vs[k], vt[k]);
-      reinterpret_cast<uint4*>(ds)[i] = pack<T>(g);
-      if (hit && next < a.N) fetch(next, i);
+      return pack<T>(g);
+    };
+    // The uncached part first and backwards, the most recently read (still in L2) first; then the cached
+    // slots, each refilled with the next row as soon as it is used. dstudent is stored evict-first, so that
+    // it does not push the rows out of L2.
+    const int nu = nv - cv;
+    for (int base = threadIdx.x; base < nu; base += 2 * blockDim.x) {
+      uint4 rs[2], rt[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (base + u * int(blockDim.x) < nu) {
+          const int i = nv - 1 - (base + u * int(blockDim.x));
+          rs[u] = sv[i];  // plain loads: dstudent may be the student (in place)
+          rt[u] = tv[i];
+        }
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (base + u * int(blockDim.x) < nu) {
+          const int i = nv - 1 - (base + u * int(blockDim.x));
+          store_stream(dv + i, grad_vec(rs[u], rt[u]));
+        }
+    }
+    for (int i = threadIdx.x; i < cv; i += blockDim.x) {
+      store_stream(dv + i, grad_vec(cache[i], cache[cache_vecs + i]));
+      if (next < a.N) fetch(next, i);
     }
     for (int64_t j = nvec * K + threadIdx.x; j < a.V; j += blockDim.x) {
       const float xs = to_float(s[j]), xt = to_float(t[j]);

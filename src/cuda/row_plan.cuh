@@ -32,29 +32,6 @@ __device__ __forceinline__ float ex2(float x) {
 }
 __device__ __forceinline__ float fexp(float x) { return ex2(x * kLog2e); }
 
-// Unpacks a 16-byte vector of T by whole 32-bit words, so that a vector read from shared memory stays one
-// 16-byte load (reinterpreting it element by element lets the compiler split it into 2-byte loads).
-template <class T>
-__device__ __forceinline__ void unpack_words(const uint4& raw, float (&v)[kVec<T>]) {
-  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-  if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = __uint_as_float(w[i] << 16);
-      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
-      v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
-    }
-  }
-}
-
 __device__ __forceinline__ void cluster_sync_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // never launched as a cluster below sm_90 (see clusters_available)
