@@ -379,6 +379,8 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
   constexpr int K = kVec<T>, kThreads = kCachedThreads;
   const int nv = int(p.V / K), cvec = int(cache_vecs);
   const float sl = p.scale * kLog2e;
+  // L2 policies: the uncached rest is read twice (keep), the second read and the cached slots once.
+  const unsigned long long keep = l2_policy_evict_last(), once = l2_policy_evict_first();
   int64_t row = blockIdx.x;
   if (row >= p.N) return;
   pipe_start<T>(p, row, cache, cache_vecs);
@@ -411,7 +413,7 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
       uint4 raw[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u)
-        if (base + u * kThreads < nv) raw[u] = __ldg(vp + base + u * kThreads);
+        if (base + u * kThreads < nv) raw[u] = ld_hint_nc(vp + base + u * kThreads, keep);  // read again
 #pragma unroll
       for (int u = 0; u < 4; ++u)
         if (base + u * kThreads < nv) add(raw[u]);
@@ -453,13 +455,13 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
     const uint4* nsrc = next < p.N ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + next * p.ld) : nullptr;
     for (int i = threadIdx.x; i < cvec; i += kThreads) {
       store_stream(dv + i, grad_vec(cache[i], i * K));
-      if (nsrc) cp_async16(cache + i, nsrc + i);
+      if (nsrc) cp_async16_first(cache + i, nsrc + i, once);
     }
     for (int base = cvec + threadIdx.x; base < nv; base += 2 * kThreads) {
       uint4 raw[2];
 #pragma unroll
       for (int u = 0; u < 2; ++u)
-        if (base + u * kThreads < nv) raw[u] = vp[base + u * kThreads];  // plain loads: in place allowed
+        if (base + u * kThreads < nv) raw[u] = ld_hint(vp + base + u * kThreads, once);  // in place allowed
 #pragma unroll
       for (int u = 0; u < 2; ++u)
         if (base + u * kThreads < nv) store_stream(dv + base + u * kThreads, grad_vec(raw[u], (base + u * kThreads) * K));
@@ -736,7 +738,7 @@ void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
       const int64_t max_vecs = pipe_smem(h) / 16;
       const int64_t cache_vecs = row_vecs < max_vecs ? row_vecs : max_vecs;
       const size_t smem = size_t(cache_vecs) * 16;
-      const int64_t grid = r.N < h->sm_count ? r.N : h->sm_count;
+      const int64_t grid = pipe_grid(h, r.N);
       const bool plain = k.softcap == 0.f && !k.weights && k.eps == 0.f && !k.entropy && !k.argmax;
       auto kernel = plain ? row_kernel_pipe_plain<T> : row_kernel_pipe<T>;
       check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),

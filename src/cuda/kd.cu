@@ -567,9 +567,10 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
   const int64_t nvec = a.V / K;
   auto srow = [&](int64_t r) { return static_cast<const T*>(a.s) + r * a.lds; };
   auto trow = [&](int64_t r) { return static_cast<const T*>(a.t) + r * a.ldt; };
-  auto fetch = [&](int64_t r, int64_t i) {  // slot i of row r into shared memory
-    cp_async16(cache + i, reinterpret_cast<const uint4*>(srow(r)) + i);
-    cp_async16(cache + cache_vecs + i, reinterpret_cast<const uint4*>(trow(r)) + i);
+  const unsigned long long once = l2_policy_evict_first(), keep = l2_policy_evict_last();
+  auto fetch = [&](int64_t r, int64_t i) {  // slot i of row r into shared memory (read once: evict first)
+    cp_async16_first(cache + i, reinterpret_cast<const uint4*>(srow(r)) + i, once);
+    cp_async16_first(cache + cache_vecs + i, reinterpret_cast<const uint4*>(trow(r)) + i, once);
   };
   int64_t row = blockIdx.x;
   if (row >= a.N) return;
@@ -626,8 +627,8 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
 #pragma unroll
         for (int u = 0; u < 2; ++u)
           if (base + u * int(blockDim.x) < nv) {
-            rs[u] = __ldg(sv + base + u * blockDim.x);
-            rt[u] = __ldg(tv + base + u * blockDim.x);
+            rs[u] = ld_hint_nc(sv + base + u * blockDim.x, keep);  // read again by the gradient pass
+            rt[u] = ld_hint_nc(tv + base + u * blockDim.x, keep);
           }
 #pragma unroll
         for (int u = 0; u < 2; ++u)
@@ -682,8 +683,8 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
       for (int u = 0; u < 2; ++u)
         if (base + u * int(blockDim.x) < nu) {
           const int i = nv - 1 - (base + u * int(blockDim.x));
-          rs[u] = sv[i];  // plain loads: dstudent may be the student (in place)
-          rt[u] = tv[i];
+          rs[u] = ld_hint(sv + i, once);  // coherent loads (dstudent may be the student), last use
+          rt[u] = ld_hint(tv + i, once);
         }
 #pragma unroll
       for (int u = 0; u < 2; ++u)
@@ -1188,7 +1189,7 @@ void kd(fce_handle* h, fce_stream_t stream, const KdProblem& p, Workspace w) {
       const int64_t fit = pipe_smem(h) / 32;  // both rows' slots
       const int64_t cache_vecs = vecs < fit ? vecs : fit;
       const size_t smem = size_t(cache_vecs) * 32;
-      const int64_t g = N < h->sm_count ? N : h->sm_count;
+      const int64_t g = pipe_grid(h, N);
       auto kernel = div == FCE_KD_FORWARD_KL ? kd_kl_grad_pipe_kernel<Ts, FCE_KD_FORWARD_KL>
                                              : kd_kl_grad_pipe_kernel<Ts, FCE_KD_REVERSE_KL>;
       check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),

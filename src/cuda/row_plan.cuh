@@ -373,6 +373,15 @@ void dispatch_regs(int R, F&& body) {
 // dstudent; one block per SM), leaving a margin for static shared memory.
 int64_t pipe_smem(const fce_handle* h) { return int64_t(h->max_smem_optin) - 4096; }
 
+// Persistent blocks for N rows: as few as give the same rows per block as one per SM (4096 rows on 132 SMs:
+// 128 blocks of 32 rows, not 4 blocks finishing a 32nd row alone while the rest idle).
+int64_t pipe_grid(const fce_handle* h, int64_t N) {
+  const int64_t sm = h->sm_count > 0 ? h->sm_count : 1;
+  if (N <= sm) return N;
+  const int64_t per = (N + sm - 1) / sm;
+  return (N + per - 1) / per;
+}
+
 // Launches N rows of plan `p` (N * C blocks, or fewer that loop over the rows).
 template <class Args>
 void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& a, cudaStream_t s,
