@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .gpu/ (tools/gpu-pack.sh) carried: the gpu
-# suite, compute-sanitizer, and the benchmarks. Logs go to $OUT. Usage: gpu-session.sh [tests|sanitize|bench|peers|demo]...
+# suite, compute-sanitizer, and the benchmarks. Logs go to $OUT. Usage: gpu-session.sh [tests|fallbacks|sanitize|bench|peers|demo]...
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -26,6 +26,19 @@ for step in $steps; do
         summary+=("$name $r $(( $(date +%s) - start ))s")
         [ $rc -ne 0 ] && [ $rc -ne 77 ] && tail -30 "$OUT/$name.log"
       done ;;
+    fallbacks)  # the paths the planner would not pick at these shapes, forced
+      for f in nocluster stream split noregs; do
+        for t in gpu_logsumexp_softmax gpu_kd; do
+          FCE_DEBUG_ROWS=$f .gpu/bin/$t --gtest_brief=1 > "$OUT/fallback_${f}_$t.log" 2>&1
+          rc=$?
+          case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+          summary+=("FCE_DEBUG_ROWS=$f $t $r")
+        done
+      done
+      FCE_DEBUG_CE=cached .gpu/bin/gpu_cross_entropy --gtest_brief=1 > "$OUT/fallback_cached_ce.log" 2>&1
+      rc=$?
+      case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+      summary+=("FCE_DEBUG_CE=cached gpu_cross_entropy $r") ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
         filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows'

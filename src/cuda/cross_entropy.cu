@@ -1,11 +1,16 @@
 // CUDA cross-entropy (forward, fused gradient, backward) and logsumexp.
 //
 // Rows are one block each when there are enough rows to fill the GPU: the block computes the row's
-// online-softmax statistics in one pass, its outputs, and (when asked) the gradient in a second pass
-// that re-reads the row while it is still in L2. With few rows, each row is split across blocks: a
-// partial kernel writes per-split statistics, a merge kernel combines them in a fixed order, and a
-// gradient kernel writes each split's slice. Reductions over rows go through a single-block finalize
-// kernel in a fixed order: no float atomics, bitwise repeatable, no host sync.
+// online-softmax statistics in one pass and its outputs. With the fused gradient and 16-byte aligned rows,
+// persistent blocks (one per SM) pipeline the rows: the next row's first ~225 KiB go to shared memory by
+// asynchronous copies while the current row's gradient is written (row_kernel_pipe, and a lean variant for
+// calls without soft-cap, weights, smoothing, entropy or argmax); otherwise the gradient pass re-reads the
+// row with its prefix cached in shared memory (row_kernel_cached). With few rows, each row is split across
+// blocks: logsumexp of up to 64 aligned rows is one launch of register-resident slices merged through a
+// thread-block cluster (lse_regs_kernel); otherwise a partial kernel writes per-split statistics, a merge
+// kernel combines them in a fixed order, and a gradient kernel writes each split's slice. Reductions over
+// rows go through a single-block finalize kernel in a fixed order: no float atomics, bitwise repeatable,
+// no host sync. FCE_DEBUG_CE=cached forces the non-pipelined gradient kernel (comparisons).
 #include "cuda/ce_internal.hpp"
 #include "cuda/common.cuh"
 #include "cuda/row_plan.cuh"

@@ -35,7 +35,13 @@
 // counts them (integer atomics: exact), and SUM/MEAN go through a single-block finalize that sums the
 // per-row losses in a fixed order in fp64 (and counts the rows' unmasked flags for MEAN). No float atomics, no host sync, no allocation: bitwise
 // repeatable and capturable in a CUDA graph.
-// FCE_DEBUG_ROWS=nocluster|stream|split in the environment forces a fallback (to test those paths).
+// Faster paths when rows fill the GPU (at least one block per SM): forward only, forward and reverse KL and
+// the full-vocabulary top-K need no normalized probability per element, so one streaming pass computes the
+// loss (kd_kl_onepass_kernel, kd_topk_onepass_kernel: each row read once); with dstudent, forward and
+// reverse KL of one dtype with aligned rows use persistent blocks that pipeline the rows through shared
+// memory (kd_kl_grad_pipe_kernel: two passes, A known in closed form).
+// FCE_DEBUG_ROWS=nocluster|stream|split|noregs in the environment forces a fallback (to test those paths;
+// any of them also turns the faster paths off).
 #include <cooperative_groups.h>
 
 #include <atomic>

@@ -331,10 +331,11 @@ struct RegPlan {
   int C = 0, R = 0, threads = 512;
 };
 
-RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const void* data, int64_t ld) {
+RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const void* data, int64_t ld,
+                  int64_t max_rows = kMaxRegRows) {
   RegPlan p;
   const int sm = h->sm_count > 0 ? h->sm_count : 1;
-  if (forced_path() != Force::None || N > kMaxRegRows) return p;
+  if (forced_path() != Force::None || N > max_rows) return p;
   if (((reinterpret_cast<uintptr_t>(data)) | uintptr_t(ld * esize)) & 15u) return p;
   const int K = 16 / esize;
   const int cmax = clusters_available(h) ? kMaxCluster : 1;

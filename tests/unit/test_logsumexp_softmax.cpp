@@ -159,6 +159,9 @@ TEST(TempSoftmax, FewAlignedRowsWithPartialLastVector) {
   check_softmax(c);
   SmCase d{2, 129920, DT::BF16, false, {0.0}, false, true};
   check_softmax(d);
+  SmCase e{4, 151939, DT::BF16, true, {0.0, 0.7, -1.0, 2.0}};
+  e.pad = 5;
+  check_softmax(e);
 }
 
 TEST(TempSoftmax, TinyTemperatureFp16NeverNaN) {
