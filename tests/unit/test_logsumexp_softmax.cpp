@@ -164,6 +164,22 @@ TEST(TempSoftmax, FewAlignedRowsWithPartialLastVector) {
   check_softmax(e);
 }
 
+// Rows enough for the GPU's persistent pipelined kernel (>= 132 rows longer than 64 KiB, 16-byte aligned):
+// per-row temperatures with greedy and bad rows, both outputs, fp32 and input-dtype outputs, in place.
+TEST(TempSoftmax, ManyLongAlignedRows) {
+  std::vector<double> t140;
+  for (int i = 0; i < 140; ++i) t140.push_back(i % 17 == 3 ? 0.0 : i % 23 == 9 ? -1.0 : 0.4 + 0.05 * (i % 13));
+  SmCase a{140, 40003, DT::BF16, true, t140};
+  a.pad = 5;
+  a.peaked = true;
+  check_softmax(a);
+  SmCase b{133, 16389, DT::F32, true, {0.9}, false, true};
+  b.pad = 3;
+  check_softmax(b);
+  SmCase c{134, 33000, DT::F16, false, {1.7}};
+  check_softmax(c);
+}
+
 TEST(TempSoftmax, TinyTemperatureFp16NeverNaN) {
   check_softmax({4, 1000, DT::F16, true, {1e-5}, true, false, 10.0});
   check_softmax({4, 1000, DT::F16, false, {1e-5}, true, false, 10.0});
