@@ -83,12 +83,18 @@ __device__ __forceinline__ bool exchange(const RowCtx& c, int e, P& v, P* ws) {
     return false;
   }
   if (c.C == 1) return true;
+  // Thread 0 reads the C partials (C remote loads, not C per thread) and hands the merge to its block.
   P* slot = exchange_slot<P, kTag>();
+  P* merged = exchange_slot<P, kTag + 64>();
   if (threadIdx.x == 0) *slot = v;
   cluster_sync_all();
-  P t = cluster_peer(slot, 0);
-  for (int r = 1; r < c.C; ++r) t.merge(cluster_peer(slot, r));
-  v = t;
+  if (threadIdx.x == 0) {
+    P t = cluster_peer(slot, 0);
+    for (int r = 1; r < c.C; ++r) t.merge(cluster_peer(slot, r));
+    *merged = t;
+  }
+  __syncthreads();
+  v = *merged;
   return true;
 }
 
