@@ -740,6 +740,24 @@ __device__ __forceinline__ float topk_teacher_lse(const KdArgs& a, int64_t ib, c
   return m.m == -INFINITY ? -INFINITY : m.m + logf(sum.s);
 }
 
+// The divergence terms at the used top-K slots of a row (a block-wide sum, loss and A), from the teacher's
+// and the student's lse; student logits gathered from srow.
+template <class Ts>
+__device__ __forceinline__ LossA topk_terms(const KdArgs& a, int64_t ib, const float* lp, const Ts* srow, float inv_t,
+                                            float lse_t, float lse_s) {
+  const KdTerm term(a.div, a.beta);
+  LossA la;
+  for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+    const int64_t id = load_index(a.ids, a.ids64, ib + k);
+    if (id >= 0) {
+      float ak;
+      la.loss += term(zdiff(lp[k], inv_t, lse_t), zdiff(to_float(srow[id]), inv_t, lse_s), &ak);
+      la.A += ak;
+    }
+  }
+  return block_reduce(la);
+}
+
 // Full-vocabulary normalization of the student.
 template <class Ts, bool kResident>
 __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int rank) {
@@ -875,7 +893,6 @@ __global__ void __launch_bounds__(kKdThreads) kd_topk_onepass_kernel(const KdArg
   constexpr int KV = kVec<Ts>;
   constexpr float kLn2 = 0.6931471805599453f;
   const float inv_t = 1.f / a.temperature, c = kLog2e * inv_t;
-  const KdTerm term(a.div, a.beta);
   for (int64_t row = blockIdx.x; row < a.N; row += gridDim.x) {
     const Ts* srow = static_cast<const Ts*>(a.s) + row * a.lds;
     const int64_t ib = row * a.ldi;
@@ -899,16 +916,7 @@ __global__ void __launch_bounds__(kKdThreads) kd_topk_onepass_kernel(const KdArg
     });
     acc = block_reduce(acc);
     const float lse_s = acc.log2sum() * kLn2;
-    const float lse_t = topk_teacher_lse(a, ib, lp);
-    LossA la;
-    for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
-      const int64_t id = load_index(a.ids, a.ids64, ib + k);
-      if (id >= 0) {
-        float ak;
-        la.loss += term(zdiff(lp[k], inv_t, lse_t), zdiff(to_float(srow[id]), inv_t, lse_s), &ak);
-      }
-    }
-    la = block_reduce(la);
+    const LossA la = topk_terms<Ts>(a, ib, lp, srow, inv_t, topk_teacher_lse(a, ib, lp), lse_s);
     if (threadIdx.x == 0) {
       a.row_loss[row] = la.loss * a.t2;
       if (a.row_used) a.row_used[row] = 1;
@@ -954,16 +962,7 @@ __global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
     sum = block_reduce(sum);
     const float lse_s = m.m == -INFINITY ? -INFINITY : m.m + logf(sum.s);
     const KdTerm term(a.div, a.beta);
-    LossA la;
-    for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
-      const int64_t id = load_index(a.ids, a.ids64, ib + k);
-      if (id >= 0) {
-        float ak;
-        la.loss += term(zdiff(lp[k], inv_t, lse_t), zdiff(to_float(srow[id]), inv_t, lse_s), &ak);
-        la.A += ak;
-      }
-    }
-    la = block_reduce(la);
+    const LossA la = topk_terms<Ts>(a, ib, lp, srow, inv_t, lse_t, lse_s);
     if (threadIdx.x == 0) {
       a.row_loss[row] = la.loss * a.t2;
       if (a.row_used) a.row_used[row] = 1;
