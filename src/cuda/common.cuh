@@ -149,6 +149,19 @@ __device__ __forceinline__ void unpack_words(const uint4& raw, float (&v)[kVec<T
   }
 }
 
+// Pairwise max of two packed 16-bit T's (like fmaxf, a NaN loses to a number).
+template <class T>
+__device__ __forceinline__ unsigned hmax2_bits(unsigned a, unsigned b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 r =
+        __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const unsigned*>(&r);
+  } else {
+    const __half2 r = __hmax2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<const unsigned*>(&r);
+  }
+}
+
 // Max of a 16-byte vector's values (NaN ignored unless all are NaN, as fmaxf): packed pairs for 16-bit types.
 template <class T>
 __device__ __forceinline__ float vec_max(const uint4& raw) {
@@ -156,19 +169,7 @@ __device__ __forceinline__ float vec_max(const uint4& raw) {
     return fmaxf(fmaxf(__uint_as_float(raw.x), __uint_as_float(raw.y)),
                  fmaxf(__uint_as_float(raw.z), __uint_as_float(raw.w)));
   } else {
-    auto mx = [](unsigned a, unsigned b) {
-      unsigned r;
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        const __nv_bfloat162 m = __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                                         *reinterpret_cast<const __nv_bfloat162*>(&b));
-        r = *reinterpret_cast<const unsigned*>(&m);
-      } else {
-        const __half2 m = __hmax2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-        r = *reinterpret_cast<const unsigned*>(&m);
-      }
-      return r;
-    };
-    const unsigned w = mx(mx(raw.x, raw.y), mx(raw.z, raw.w));
+    const unsigned w = hmax2_bits<T>(hmax2_bits<T>(raw.x, raw.y), hmax2_bits<T>(raw.z, raw.w));
     float v[kVec<T>];
     unpack_words<T>(make_uint4(w, w, w, w), v);
     return fmaxf(v[0], v[1]);

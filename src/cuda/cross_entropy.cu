@@ -204,7 +204,8 @@ __device__ RowHints row_hints(const CeParams& p, int64_t row) {
   RowHints h;
   h.t = load_index(p.targets, p.t64, row);
   h.g = p.dx ? row_grad_scale(p, row) : 0.f;
-  h.xt = h.t >= 0 && h.t < p.V ? to_float(static_cast<const T*>(p.x)[row * p.ld + h.t]) : NAN;
+  // The target logit is used by thread 0 alone (write_row_outputs).
+  h.xt = threadIdx.x == 0 && h.t >= 0 && h.t < p.V ? to_float(static_cast<const T*>(p.x)[row * p.ld + h.t]) : NAN;
   return h;
 }
 
@@ -568,7 +569,6 @@ __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
   const RowCtx ctx{row, C, rank, 0, 1};
   exchange<0>(ctx, 0, a, static_cast<LseAcc*>(nullptr));
   if (rank == 0 && threadIdx.x == 0) {
-    constexpr float kLn2 = 0.6931471805599453f;
     p.lse[row] = a.nan ? NAN : a.inf ? INFINITY : a.m == -INFINITY ? -INFINITY : (a.m + log2f(a.d)) * kLn2;
   }
   if (C > 1) cluster_sync_all();  // peers read this block's partial until here

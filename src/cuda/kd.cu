@@ -164,19 +164,6 @@ constexpr int kGroup = kVec<Ts> > kVec<Tt> ? kVec<Ts> : kVec<Tt>;
 // log-probabilities whatever the compiler would have contracted (identical distributions give 0 exactly).
 __device__ __forceinline__ float zdiff(float x, float inv_t, float c) { return __fmaf_rn(x, inv_t, -c); }
 
-// Pairwise max of two packed 16-bit T's (like fmaxf, a NaN loses to a number).
-template <class T>
-__device__ __forceinline__ unsigned hmax2_bits(unsigned a, unsigned b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 r =
-        __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
-    return *reinterpret_cast<const unsigned*>(&r);
-  } else {
-    const __half2 r = __hmax2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-    return *reinterpret_cast<const unsigned*>(&r);
-  }
-}
-
 // Running max of raw values (NaN ignored, as fmaxf). 16-bit types compare packed pairs, so a 16-byte
 // vector costs 4 instructions, and are converted to fp32 once at the end (the max is exact in any format).
 template <class T>
@@ -522,7 +509,6 @@ struct KlAcc {  // P and Q states, and W = sum 2^(zP - mP) (zP - zQ) at P's max
 template <class Ts, class Tt, int DIV>
 __global__ void __launch_bounds__(kKdThreads) kd_kl_onepass_kernel(const KdArgs a) {
   constexpr int G = kGroup<Ts, Tt>;
-  constexpr float kLn2 = 0.6931471805599453f;
   const float c = kLog2e / a.temperature;  // z2 = x * log2(e) / T
   for (int64_t row = blockIdx.x; row < a.N; row += gridDim.x) {
     if (target_masked(a, row)) {
@@ -568,7 +554,6 @@ template <class T, int DIV>
 __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a, int64_t cache_vecs) {
   extern __shared__ uint4 cache[];  // [0, cache_vecs) student, [cache_vecs, 2 cache_vecs) teacher
   constexpr int K = kVec<T>;
-  constexpr float kLn2 = 0.6931471805599453f;
   const float c = kLog2e / a.temperature;
   const int64_t nvec = a.V / K;
   auto srow = [&](int64_t r) { return static_cast<const T*>(a.s) + r * a.lds; };
@@ -891,7 +876,6 @@ __global__ void __launch_bounds__(kKdThreads, 3) kd_topk_kernel(const KdArgs a) 
 template <class Ts>
 __global__ void __launch_bounds__(kKdThreads) kd_topk_onepass_kernel(const KdArgs a) {
   constexpr int KV = kVec<Ts>;
-  constexpr float kLn2 = 0.6931471805599453f;
   const float inv_t = 1.f / a.temperature, c = kLog2e * inv_t;
   for (int64_t row = blockIdx.x; row < a.N; row += gridDim.x) {
     const Ts* srow = static_cast<const Ts*>(a.s) + row * a.lds;

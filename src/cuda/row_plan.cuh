@@ -21,6 +21,7 @@ constexpr size_t kSoftSmem = size_t(64) << 10;    // preferred shared bytes per 
 constexpr int64_t kMinCols = 4096;                // fewest columns worth one more block for few rows
 constexpr int kLoadUnroll = 8;                    // 16-byte loads in flight per thread loading a slice
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 extern __shared__ uint4 g_smem[];  // resident row slices
 
