@@ -40,13 +40,14 @@ struct LceLayout {
     const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows, ldl = padded(V);
     const bool grad = p.wants_grad(), reduced = !p.saved_lse && p.o.reduction != FCE_REDUCTION_NONE;
     per_row = size_t(ldl) * dtype_size(p.hidden.dtype);
+    const bool acc = p.dweight && p.dweight.dtype != DType::F32;  // dweight accumulates in fp32 here
     // Fixed part, measured with a dry carve.
     auto carve = [&](void* at, int64_t C_) {
       Carver c(at);
       prep = ce_needs_prep(p.o) ? c.take<double>(2) : nullptr;
       row_loss = reduced ? c.take<float>(size_t(N)) : nullptr;
       row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
-      dw_acc = (p.dweight && p.dweight.dtype != DType::F32) ? c.take<float>(size_t(V) * size_t(H)) : nullptr;
+      dw_acc = acc ? c.take<float>(size_t(V) * size_t(H)) : nullptr;
       db_acc = p.dbias ? c.take<float>(size_t(V)) : nullptr;
       // The rows' scratch (split rows) for a full chunk and for the shorter last one, which may split
       // where a full chunk does not.
@@ -61,7 +62,8 @@ struct LceLayout {
     // With a bf16/fp16 dweight (accumulated in fp32 in the workspace), the dweight output itself is free
     // until the final conversion: the chunk buffer borrows it when that gives longer chunks, which
     // streams the fp32 accumulator fewer times.
-    const bool can_borrow = grad && dw_acc != nullptr && reinterpret_cast<uintptr_t>(p.dweight.data) % 256 == 0;
+    // (Decided from the problem: a dry carve leaves dw_acc and every other pointer null.)
+    const bool can_borrow = grad && acc && reinterpret_cast<uintptr_t>(p.dweight.data) % 256 == 0;
     const int64_t borrow_rows = can_borrow ? int64_t(Validator::span(p.dweight) / per_row) : 0;
     if (minimum) {
       C = borrow_rows >= 1 ? 0 : 1;

@@ -158,6 +158,14 @@ TEST(LinearCrossEntropy, ChunkSizesAgree) {
       lc.bias = true;
       run_case(lc);
     }
+  // More rows than the bf16 dweight holds (32 chunk rows of 384 padded columns): several borrowed chunks
+  // and a short last one, summed in the fp32 accumulator.
+  for (int ws_rows : {0, 1}) {
+    LceCase lc{CeCase{100, 257, DT::BF16}, 48};
+    lc.ws_rows = ws_rows;
+    lc.grad_dt = DT::BF16;
+    run_case(lc);
+  }
 }
 
 TEST(LinearCrossEntropy, SingleToken) {
