@@ -77,7 +77,7 @@ struct LceLayout {
       if (C >= 256) C = C / 128 * 128;
     }
     if (borrow_rows > C) {
-      int64_t B = std::min(N, borrow_rows);
+      int64_t B = minimum ? 1 : std::min(N, borrow_rows);
       if (B >= 256) B = B / 128 * 128;
       borrowed = true;
       C_ws = 0;
@@ -86,7 +86,10 @@ struct LceLayout {
       C_ws = C;
     }
     // The split-row scratch depends on C: shrink C until the final carve fits a caller's workspace.
-    while (!borrowed && bytes_or_zero && C > 1 && carve(nullptr, C) > bytes_or_zero) C_ws = --C;
+    while (bytes_or_zero && C > 1 && carve(nullptr, C_ws) > bytes_or_zero) {
+      --C;
+      if (!borrowed) C_ws = C;
+    }
     total = carve(base, C_ws);
     if (borrowed) logits = p.dweight.data;
     FCE_CHECK(!bytes_or_zero || total <= bytes_or_zero, FCE_STATUS_WORKSPACE_TOO_SMALL,
