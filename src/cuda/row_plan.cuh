@@ -7,6 +7,8 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <vector>
 #include <type_traits>
 
 #include "cuda/common.cuh"
@@ -164,10 +166,13 @@ __device__ __forceinline__ void smem_visit(const T* sm, int n, F&& f) {
   }
 }
 
-// ---- register-resident slices (few rows) -------------------------------------------------------------
+// ---- few rows: register-resident slices, one cluster of C blocks per row ------------------------------
 // A thread holds R 16-byte vectors of its block's slice in registers: slot r is vector threadIdx.x + r *
-// blockDim.x of the slice. The slice must start 16-byte aligned; a last partial vector is read element by
-// element and padded with -inf (which changes no max, sum or first index), and its count says what is real.
+// blockDim.x of the slice. The slice starts 16-byte aligned; a last partial vector is read element by
+// element and padded with -inf (which changes no max or sum), as are the slots past the slice.
+// Decode-sized calls are latency-bound: these kernels keep to one __syncthreads and one cluster barrier
+// (the partials are pushed, not pulled), nothing on the stack, 32-bit slice arithmetic and the partial
+// vector read out of line (H100, 1x128256 bf16 logsumexp: 9.5 us before, 7.3 us now, 3.1 us an empty kernel).
 template <class T>
 __device__ __forceinline__ T neg_inf_of() {
   if constexpr (std::is_same_v<T, float>) return -INFINITY;
@@ -175,38 +180,180 @@ __device__ __forceinline__ T neg_inf_of() {
   else return __ushort_as_bfloat16(0xff80u);
 }
 
+struct FewCtx {
+  int rank, n;     // block rank in the row's cluster, columns in its slice
+  int64_t row, begin;
+};
+
+// C blocks per row (1..8); slices as split_range (multiples of 64 columns, so 16-byte aligned starts); the
+// slices of a register-resident row fit 32-bit indices (plan_regs).
+__device__ __forceinline__ FewCtx few_ctx(int64_t V, int C) {
+  FewCtx f;
+  f.rank = int(blockIdx.x % unsigned(C));
+  f.row = int64_t(blockIdx.x / unsigned(C));
+  const int v = int(V);
+  const int chunk = ((v + C - 1) / C + 63) & ~63;
+  const int b = min(chunk * f.rank, v);
+  f.begin = b;
+  f.n = min(b + chunk, v) - b;
+  return f;
+}
+
+// The last, partial vector of a slice (cnt < kVec values), padded with -inf. Out of line: one thread of a
+// row at most runs it.
+template <class T>
+__device__ __noinline__ uint4 load_partial_vec(const T* __restrict__ src, int cnt) {
+  alignas(16) T el[kVec<T>];
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) el[k] = k < cnt ? src[k] : neg_inf_of<T>();
+  return *reinterpret_cast<const uint4*>(el);
+}
+
+// reg_load for the lean kernels: slots past the slice hold -inf vectors.
 template <class T, int R>
-__device__ __forceinline__ void reg_load(const T* __restrict__ src, int n, uint4 (&raw)[R]) {
+__device__ __forceinline__ void reg_load_lean(const T* __restrict__ src, int n, uint4 (&raw)[R]) {
   constexpr int K = kVec<T>;
+  unsigned w;  // -inf in every element of a 32-bit word
+  if constexpr (sizeof(T) == 4) {
+    w = __float_as_uint(-INFINITY);
+  } else {
+    const T ninf = neg_inf_of<T>();
+    const unsigned short nb = *reinterpret_cast<const unsigned short*>(&ninf);
+    w = unsigned(nb) << 16 | nb;
+  }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int e0 = int(threadIdx.x + r * blockDim.x) * K;
-    if (e0 + K <= n) {
-      raw[r] = __ldg(reinterpret_cast<const uint4*>(src + e0));
-    } else {
-      alignas(16) T el[K];
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        el[k] = e0 + k < n ? src[e0 + k] : neg_inf_of<T>();
-      }
-      raw[r] = *reinterpret_cast<const uint4*>(el);
-    }
+    if (e0 + K <= n) raw[r] = __ldg(reinterpret_cast<const uint4*>(src + e0));
+    else if (e0 < n) raw[r] = load_partial_vec<T>(src + e0, n - e0);
+    else raw[r] = make_uint4(w, w, w, w);
   }
 }
 
-// Visits the slots: f(v, e0, cnt), e0 relative to the slice, cnt = real values (kVec, or fewer at the end).
-template <class T, int R, class F>
-__device__ __forceinline__ void reg_visit(const uint4 (&raw)[R], int n, F&& f) {
-  constexpr int K = kVec<T>;
+// Any NaN among a thread's register slots (its rare path: none of its values is finite).
+template <class T, int R>
+__device__ __forceinline__ bool regs_have_nan(const uint4 (&raw)[R]) {
+  bool nan = false;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int e0 = int(threadIdx.x + r * blockDim.x) * K;
-    if (e0 < n) {
+    float v[kVec<T>];
+    unpack_words<T>(raw[r], v);
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k) nan |= isnan(v[k]);
+  }
+  return nan;
+}
+
+// A partial of the statistics: raw max m and d = sum 2^((x - m) c). A part whose max is not finite holds
+// d = NaN if it saw a NaN, else 0.
+struct MaxSum {
+  float m, d;
+};
+
+// Merge of two partials; commutative bit for bit (so butterfly shuffles leave every lane the same value).
+__device__ __forceinline__ MaxSum merge_ms(MaxSum a, MaxSum b, float c) {
+  const float M = fmaxf(a.m, b.m);
+  const float ta = a.m == M ? a.d : a.d * ex2((a.m - M) * c);  // a NaN d survives the * 0 of a -inf part
+  const float tb = b.m == M ? b.d : b.d * ex2((b.m - M) * c);
+  return {M, ta + tb};
+}
+
+__device__ __forceinline__ MaxSum warp_ms_all(MaxSum v, float c) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    v = merge_ms(v, {__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.d, o)}, c);
+  return v;
+}
+
+// Block merge of the threads' partials in a fixed order, in every thread (one __syncthreads).
+__device__ __forceinline__ MaxSum block_ms_all(MaxSum v, float c) {
+  __shared__ float2 sh[32];
+  v = warp_ms_all(v, c);
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) sh[threadIdx.x >> 5] = make_float2(v.m, v.d);
+  __syncthreads();
+  const float2 w = lane < (int(blockDim.x) >> 5) ? sh[lane] : make_float2(-INFINITY, 0.f);
+  return warp_ms_all({w.x, w.y}, c);
+}
+
+// Row statistics from the blocks' partials: raw max m and d = sum 2^((x - m) c) of each slice.
+struct FewStats {
+  float m, d;  // row max (raw) and sum 2^((x - m) c) over the row
+  bool nan;    // a NaN logit somewhere in the row
+};
+
+// A block may write into a peer's shared memory only once the peer runs: every thread arrives on the
+// cluster barrier first thing (few_arrive) and waits just before the push (few_merge), by when the peers
+// have long arrived, so the wait costs nothing.
+__device__ __forceinline__ void few_arrive(int C) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (C > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+// Lanes 0..C-1 of warp 0 push this block's partial (m, d) into slot `rank` of every block of the cluster;
+// one cluster barrier; every thread then merges the C slots in rank order (bitwise the same in every block).
+// A slice whose max is not finite reports d = NaN if it holds a NaN, else 0. Call from every thread, after
+// few_arrive.
+__device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int rank) {
+  const float m = part.m, d = part.d;
+  __shared__ float2 slot[kMaxCluster];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (C > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+  if (threadIdx.x < unsigned(C)) {
+    const float2 v = make_float2(m, d);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (C > 1) cooperative_groups::this_cluster().map_shared_rank(slot, int(threadIdx.x))[rank] = v;
+    else slot[0] = v;
+#else
+    slot[0] = v;
+#endif
+  }
+  if (C > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+  } else {
+    __syncthreads();
+  }
+  FewStats t;
+  t.m = slot[0].x;
+  for (int r = 1; r < C; ++r) t.m = fmaxf(t.m, slot[r].x);
+  t.d = 0.f;
+  t.nan = false;
+  for (int r = 0; r < C; ++r) {
+    const float2 v = slot[r];
+    t.nan |= isnan(v.y);
+    if (v.x > -INFINITY && v.x < INFINITY) t.d += v.x == t.m ? v.y : v.y * ex2((v.x - t.m) * c);
+  }
+  return t;
+}
+
+// This block's partial over its register slots (the slice's n values): every thread takes the max and the
+// sum over its own values (no block-wide max to wait for), then the block merges the threads' partials.
+template <class T, int R>
+__device__ __forceinline__ MaxSum few_partial(const uint4 (&raw)[R], int n, float c) {
+  constexpr int K = kVec<T>;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int r = 0; r < R; ++r) mx = fmaxf(mx, vec_max<T>(raw[r]));  // -inf padding changes nothing
+  float d = 0.f;
+  if (mx > -INFINITY && mx < INFINITY) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (int(threadIdx.x + r * blockDim.x) * K >= n) break;  // slots past the slice: no exponentials
       float v[K];
       unpack_words<T>(raw[r], v);
-      f(v, int64_t(e0), n - e0 < K ? n - e0 : K);
+#pragma unroll
+      for (int k = 0; k < K; ++k) d += ex2((v[k] - mx) * c);  // -inf padding adds 0
     }
+  } else if (regs_have_nan<T, R>(raw)) {
+    d = NAN;
   }
+  return block_ms_all({mx, d}, c);
 }
 
 // Stores v[0, cnt) to out[0, cnt) as O: 16-byte stores for a full group at an aligned address, else one
@@ -329,9 +476,44 @@ RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb, int
   return p;
 }
 
+// Clusters of C blocks of `threads` threads of `kernel` that the handle's device holds at once (0 when the
+// runtime cannot say), cached per device: a plan costs no query after the first. Clusters of C blocks
+// must fit in one GPC each, so fewer fit than SMs / C (H100: 14 of 8 blocks of 1024 threads, not 16).
+int max_active_clusters(const fce_handle* h, const void* kernel, int C, int threads) {
+  struct Entry {
+    int dev;
+    const void* kernel;
+    int C, threads, n;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& e : cache)
+    if (e.dev == h->device_id && e.kernel == kernel && e.C == C && e.threads == threads) return e.n;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(C));
+  cfg.blockDim = dim3(unsigned(threads));
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(C);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    cudaGetLastError();  // no answer is not an error of the call
+    n = 0;
+  }
+  cache.push_back({h->device_id, kernel, C, threads, n});
+  return n;
+}
+
 // Register-resident plan for decode batches (C blocks per row, a cluster when C > 1, R vectors per thread),
 // or C = 0 when the rows do not fit (R > kMaxRegVecs: more would spill), are not 16-byte aligned, are more
-// than kMaxRegRows, or a path is forced. C grows until the GPU has about a block per SM or the slices fit.
+// than max_rows, or a path is forced. C grows until the GPU has about a block per SM or the slices fit; then
+// it shrinks while the N clusters would not all be resident at once (a second wave of clusters costs a
+// whole kernel's latency). `kernel` is the one to launch (for the residency query).
 constexpr int kMaxRegVecs = 4;
 constexpr int64_t kMaxRegRows = 64;
 struct RegPlan {
@@ -339,24 +521,36 @@ struct RegPlan {
 };
 
 RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const void* data, int64_t ld,
-                  int64_t max_rows = kMaxRegRows) {
+                  const void* kernel, int64_t max_rows = kMaxRegRows) {
   RegPlan p;
   const int sm = h->sm_count > 0 ? h->sm_count : 1;
   if (forced_path() != Force::None || N > max_rows) return p;
   if (((reinterpret_cast<uintptr_t>(data)) | uintptr_t(ld * esize)) & 15u) return p;
   const int K = 16 / esize;
   const int cmax = clusters_available(h) ? kMaxCluster : 1;
-  for (int C = 1; C <= cmax; C *= 2) {
+  auto plan = [&](int C, RegPlan* out) {
     const int64_t cols = slice_cols(V, C);
     const int threads = cols > 2048 * K ? 1024 : cols >= 1024 * K ? 512 : cols >= 256 * K ? 256 : 128;
     const int64_t R = (cols + int64_t(threads) * K - 1) / (int64_t(threads) * K);
-    if (R > kMaxRegVecs || (C < cmax && N * C < sm && cols >= 2 * kMinCols)) continue;
-    p.C = C;
-    p.threads = threads;
-    p.R = R <= 1 ? 1 : R <= 2 ? 2 : 4;
-    return p;
+    out->C = C;
+    out->threads = threads;
+    out->R = R <= 1 ? 1 : R <= 2 ? 2 : 4;
+    return R <= kMaxRegVecs;
+  };
+  int C = 1;
+  for (; C <= cmax; ++C) {
+    if (!plan(C, &p)) continue;
+    if (C < cmax && N * C < sm && slice_cols(V, C) >= 2 * kMinCols) continue;
+    break;
   }
-  return p;
+  if (C > cmax) return RegPlan{};
+  for (int c = C; c > 1; --c) {
+    RegPlan q;
+    if (!plan(c, &q)) break;
+    const int n = max_active_clusters(h, kernel, c, q.threads);
+    if (n == 0 || N <= n) return q;
+  }
+  return p;  // no smaller cluster fits in one wave either: the first choice
 }
 
 RowPlan as_row_plan(const RegPlan& r) {

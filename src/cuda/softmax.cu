@@ -19,8 +19,9 @@
 //             split order.
 // Every reduction has a fixed order (block_reduce trees, rank-ordered merges): bitwise repeatable.
 // No float atomics, no host synchronization, no allocation; capturable in a CUDA graph.
-//   registers up to 4 rows, 16-byte aligned: the slices live in registers (plan_regs), one launch,
-//             clusters of up to 8 blocks per row.
+//   registers up to 64 rows, 16-byte aligned, probabilities only: the slices live in registers
+//             (plan_regs), one launch, clusters of up to 8 blocks per row, one cluster barrier
+//             (softmax_regs_kernel); rows needing the special cases fall back to the global-memory code.
 // FCE_DEBUG_ROWS=nocluster|stream|split|noregs in the environment forces a fallback (to test those paths).
 #include <cooperative_groups.h>
 
@@ -80,16 +81,22 @@ struct SmArgs {
 };
 
 // Where a block's slice lives between the phases.
-enum Mode { kGlobal, kShared, kRegs };
+enum Mode { kGlobal, kShared };
 
-template <class T, int kMode, int R, class F>
-__device__ __forceinline__ void sm_visit(const T* x, const T* sm, const uint4 (&regs)[R], int64_t n, F&& f) {
-  if constexpr (kMode == kRegs) reg_visit<T, R>(regs, int(n), f);
-  else if constexpr (kMode == kShared) smem_visit<T>(sm, int(n), f);
+// Rows up to which the register-resident kernel is used (when they fit, see plan_regs); a tuning macro.
+// H100, bf16 -> fp32: 16x151936 16.7 us against 20.7 (shared-memory clusters), 64x128256 39.4 against 42.3.
+#ifndef FCE_SOFTMAX_REG_ROWS
+#define FCE_SOFTMAX_REG_ROWS 64
+#endif
+constexpr int64_t kSoftmaxRegRows = FCE_SOFTMAX_REG_ROWS;
+
+template <class T, int kMode, class F>
+__device__ __forceinline__ void sm_visit(const T* x, const T* sm, int64_t n, F&& f) {
+  if constexpr (kMode == kShared) smem_visit<T>(sm, int(n), f);
   else row_visit<T>(x, 0, n, f);
 }
 
-template <class T, int kMode, int R>
+template <class T, int kMode>
 __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int rank) {
   constexpr int K = kVec<T>;
   int64_t begin, end;
@@ -102,16 +109,8 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
 
   // Phase 0: max of the raw logits and its first index (the slice goes to shared memory on the way).
   MaxArg mx;
-  uint4 regs[R];
   if (a.p0 == 0) {
-    if constexpr (kMode == kRegs) {
-      reg_load<T, R>(x, int(n), regs);
-      reg_visit<T, R>(regs, int(n), [&](const float(&v)[K], int64_t e0, int cnt) {
-#pragma unroll
-        for (int k = 0; k < K; ++k)
-          if (k < cnt) mx.add(v[k], begin + e0 + k);
-      });
-    } else if constexpr (kMode == kShared) {
+    if constexpr (kMode == kShared) {
       load_slice<T>(
           x, int(n), sm,
           [&](const uint4& raw, int e0) {
@@ -146,7 +145,7 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
   SumF sum;
   if (a.p0 <= 1) {
     if (!bad && !greedy) {
-      sm_visit<T, kMode, R>(x, sm, regs, n, [&](const float(&v)[K], int64_t, int cnt) {
+      sm_visit<T, kMode>(x, sm, n, [&](const float(&v)[K], int64_t, int cnt) {
 #pragma unroll
         for (int k = 0; k < K; ++k)
           if (k < cnt) sum.s += fexp(scaled(v[k]));
@@ -171,7 +170,7 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
     if (a.logp_f32) lf = static_cast<float*>(a.logp) + row * a.ldl + begin;
     else lt = static_cast<T*>(a.logp) + row * a.ldl + begin;
   }
-  sm_visit<T, kMode, R>(x, sm, regs, n, [&](const float(&v)[K], int64_t e0, int cnt) {
+  sm_visit<T, kMode>(x, sm, n, [&](const float(&v)[K], int64_t e0, int cnt) {
     float d[K], o[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) d[k] = k < cnt ? scaled(v[k]) : 0.f;
@@ -198,16 +197,58 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
   });
 }
 
-template <class T, int kMode, int R>
-__global__ void __launch_bounds__(kMode == kRegs ? 1024 : 512, kMode == kRegs ? 1 : 2) softmax_kernel(const SmArgs a) {
+template <class T, int kMode>
+__global__ void __launch_bounds__(512, 2) softmax_kernel(const SmArgs a) {
   const int rank = int(blockIdx.x % unsigned(a.C));
   const int64_t stride = int64_t(gridDim.x / unsigned(a.C));
   for (int64_t row = blockIdx.x / unsigned(a.C); row < a.N; row += stride) {
-    softmax_row<T, kMode, R>(a, row, rank);
+    softmax_row<T, kMode>(a, row, rank);
     // The next row may reuse the shared memory only once every thread (and every peer of the cluster)
     // is done with it.
     if (a.cluster) cluster_sync_all();
     else __syncthreads();
+  }
+}
+
+// The general code for a row of the few-row kernel (out of line: its registers stay out of the lean path).
+template <class T>
+__device__ __noinline__ void softmax_row_general(const SmArgs& a, int64_t row, int rank) {
+  softmax_row<T, kGlobal>(a, row, rank);
+  if (a.C > 1) cluster_sync_all();  // peers read this block's partials until here
+}
+
+// Few rows, probabilities only: one cluster of C blocks per row, the slices in registers, one cluster
+// barrier (few_merge), then the probabilities from the registers. Rows that are not plain (a zero, negative,
+// NaN, subnormal or infinite temperature; a NaN or infinite logit; no finite logit) take the general code,
+// which re-reads the slice: every block of the row agrees, as all hold bitwise the same statistics.
+template <class T, class O, int R>
+__global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constant__ SmArgs a) {
+  constexpr int K = kVec<T>;
+  few_arrive(a.C);
+  const FewCtx f = few_ctx(a.V, a.C);
+  const float temp = a.temps ? a.temps[f.row] : a.temperature;
+  const T* x = static_cast<const T*>(a.x) + f.row * a.ldx + f.begin;
+  O* out = static_cast<O*>(a.probs) + f.row * a.ldp + f.begin;
+  uint4 raw[R];
+  reg_load_lean<T, R>(x, f.n, raw);
+  const float c = (1.f / temp) * kLog2e;  // (x - max) / T in base 2: the raw max first, then the scale
+  const MaxSum part = few_partial<T, R>(raw, f.n, c);
+  const FewStats t = few_merge(part, c, a.C, f.rank);
+  if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
+    softmax_row_general<T>(a, f.row, f.rank);
+    return;
+  }
+  const float inv_d = 1.f / t.d;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int e0 = int(threadIdx.x + r * blockDim.x) * K;
+    if (e0 < f.n) {
+      float v[K];
+      unpack_words<T>(raw[r], v);
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] = ex2((v[k] - t.m) * c) * inv_d;
+      store_vals<O, K>(out + e0, v, min(K, f.n - e0));
+    }
   }
 }
 
@@ -263,30 +304,34 @@ void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Worksp
   a.cluster = pl.cluster;
   a.ws0 = ws.ws0;
   a.ws1 = ws.ws1;
-  // Register-resident rows only up to 4 (measured on H100: faster than the shared-memory cluster path at 1
-  // row, 16.4 vs 22.9 us; slower at 16 rows, 36 vs 22-30 us, where the fp32 output's stores dominate).
-  const RegPlan rp =
-      plan_regs(h, N, p.logits.cols, int(dtype_size(p.logits.dtype)), p.logits.data, p.logits.ld, 4);
   dispatch_float(p.logits.dtype, [&](auto tag) {
     using T = decltype(tag);
+    // Register-resident rows (probabilities only, 16-byte aligned rows): the lean few-row kernel.
+    const RegPlan rp =
+        a.probs && !a.logp
+            ? plan_regs(h, N, p.logits.cols, int(dtype_size(p.logits.dtype)), p.logits.data, p.logits.ld,
+                        reinterpret_cast<const void*>(softmax_regs_kernel<T, float, 4>), kSoftmaxRegRows)
+            : RegPlan{};
     if (rp.C > 0) {
       a.p0 = 0;
       a.p1 = 2;
       a.C = rp.C;
       a.cluster = rp.C > 1;
       dispatch_regs(rp.R, [&](auto r) {
-        launch_rows(softmax_kernel<T, kRegs, decltype(r)::value>, as_row_plan(rp), N, a, s, "softmax kernel");
+        constexpr int R = decltype(r)::value;
+        if (a.probs_f32) launch_rows(softmax_regs_kernel<T, float, R>, as_row_plan(rp), N, a, s, "softmax kernel");
+        else launch_rows(softmax_regs_kernel<T, T, R>, as_row_plan(rp), N, a, s, "softmax kernel");
       });
     } else if (pl.phased) {
       for (int ph = 0; ph <= 2; ++ph) {
         a.p0 = a.p1 = ph;
-        launch_rows(softmax_kernel<T, kGlobal, 1>, pl, N, a, s, "softmax kernel (split rows)");
+        launch_rows(softmax_kernel<T, kGlobal>, pl, N, a, s, "softmax kernel (split rows)");
       }
     } else {
       a.p0 = 0;
       a.p1 = 2;
-      if (pl.resident) launch_rows(softmax_kernel<T, kShared, 1>, pl, N, a, s, "softmax kernel");
-      else launch_rows(softmax_kernel<T, kGlobal, 1>, pl, N, a, s, "softmax kernel");
+      if (pl.resident) launch_rows(softmax_kernel<T, kShared>, pl, N, a, s, "softmax kernel");
+      else launch_rows(softmax_kernel<T, kGlobal>, pl, N, a, s, "softmax kernel");
     }
   });
 }

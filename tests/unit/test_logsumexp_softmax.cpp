@@ -55,6 +55,40 @@ TEST(Logsumexp, FewAlignedRowsWithPartialLastVector) {
   check_lse(64, 1001, DT::BF16, 2.0, 7, false);
 }
 
+// Special values in rows that take the GPU's register-resident path (few rows, 16-byte aligned, long enough
+// for several blocks per row): a slice whose max is -inf or +inf, a NaN alone in a slice of -inf.
+TEST(Logsumexp, FewAlignedRowsSpecialValues) {
+  for (DT dt : {DT::BF16, DT::F32}) {
+    SCOPED_TRACE(dt_name(dt));
+    Handle h;
+    const int64_t N = 7, V = 40000;
+    Tensor x(dt, {N, V});
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < V; ++j) x.set(i, j, i == 6 ? 0.001 * double(j % 1000) : -INFINITY);
+    for (int64_t j = 0; j < V; j += 3) { x.set(1, j, 0.5); x.set(2, j, 0.25); x.set(3, j, -1.0); }
+    x.set(1, 777, INFINITY);           // +inf: +inf
+    x.set(2, 39000, NAN);              // NaN in the last slice of a finite row: NaN
+    x.set(3, 5, INFINITY);             // +inf and NaN: NaN
+    x.set(3, 39999, NAN);
+    x.set(4, V - 1, NAN);              // NaN among -inf: NaN
+    x.set(5, V - 2, 2.5);              // one finite value in the last slice: that value
+    x.upload();
+    Tensor lse(DT::F32, {N});
+    lse.poison();
+    lse.upload();
+    FCE_OK(fce_logsumexp(h, test_stream(), x.dl(), nullptr, lse.dl(), nullptr, 0));
+    lse.download();
+    EXPECT_EQ(lse.get(0), -INFINITY);
+    EXPECT_EQ(lse.get(1), INFINITY);
+    EXPECT_TRUE(std::isnan(lse.get(2)));
+    EXPECT_TRUE(std::isnan(lse.get(3)));
+    EXPECT_TRUE(std::isnan(lse.get(4)));
+    EXPECT_TRUE(close(lse.get(5), 2.5, 1e-6, 1e-6));
+    const std::vector<double> v = values(x);
+    EXPECT_TRUE(close(lse.get(6), ref_lse(v, 6, V, 1.0), 2e-6, 2e-5));
+  }
+}
+
 TEST(Logsumexp, InfinitiesAndNaN) {
   Handle h;
   Tensor x(DT::F32, {3, 5});
@@ -125,10 +159,14 @@ void check_softmax(const SmCase& c) {
       else { wantlog = (v[size_t(i * V + j)] - m) / T - std::log(s); want = std::exp(wantlog); }
       ASSERT_TRUE(close(got, want, rtol, 1e-7)) << "p(" << i << "," << j << ")";
       if (odt == DT::F16) wantlog = from_f16(to_f16(float(wantlog)));  // may round to -inf
-      if (c.logprobs) ASSERT_TRUE(close(logp.get(i, j), wantlog, rtol, rtol * (1 + std::fabs(std::log(s))) + 1e-6))
-          << "logp(" << i << "," << j << ")";
+      if (c.logprobs) {
+        ASSERT_TRUE(close(logp.get(i, j), wantlog, rtol, rtol * (1 + std::fabs(std::log(s))) + 1e-6))
+            << "logp(" << i << "," << j << ")";
+      }
     }
-    if (T >= 0 && c.fp32_out) ASSERT_TRUE(close(psum, 1.0, 0, 1e-5)) << "row sum " << i;
+    if (T >= 0 && c.fp32_out) {
+      ASSERT_TRUE(close(psum, 1.0, 0, 1e-5)) << "row sum " << i;
+    }
   }
 }
 
@@ -162,6 +200,57 @@ TEST(TempSoftmax, FewAlignedRowsWithPartialLastVector) {
   SmCase e{4, 151939, DT::BF16, true, {0.0, 0.7, -1.0, 2.0}};
   e.pad = 5;
   check_softmax(e);
+}
+
+// The decode shapes above with probabilities only: the GPU's lean register-resident kernel (a call that
+// wants log-probabilities takes the general path), greedy and bad rows falling back inside it, in place.
+TEST(TempSoftmax, FewRowsProbabilitiesOnly) {
+  std::vector<double> t16;
+  for (int i = 0; i < 16; ++i) t16.push_back(i == 3 ? 0.0 : i == 9 ? -1.0 : 0.5 + 0.25 * i);
+  SmCase a{16, 151939, DT::BF16, true, t16, false};
+  a.pad = 5;
+  check_softmax(a);
+  SmCase b{1, 128253, DT::F16, false, {0.7}, false};
+  b.pad = 3;
+  check_softmax(b);
+  SmCase c{3, 4093, DT::F32, true, {1.3}, false, true};
+  c.pad = 3;
+  check_softmax(c);
+  SmCase e{4, 151939, DT::BF16, true, {0.0, 0.7, -1.0, 2.0}, false};
+  e.pad = 5;
+  check_softmax(e);
+  SmCase f{64, 32768, DT::BF16, false, {0.9}, false};
+  f.peaked = true;
+  check_softmax(f);
+  check_softmax({5, 129920, DT::F16, true, {1e-5}, false, false, 10.0});
+}
+
+// Special values on the lean path: a NaN anywhere or no finite logit gives a NaN row; -inf logits get 0;
+// a single finite logit gets probability 1.
+TEST(TempSoftmax, FewRowsProbabilitiesOnlySpecialValues) {
+  Handle h;
+  const int64_t N = 4, V = 40000;
+  Tensor x(DT::BF16, {N, V});
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < V; ++j) x.set(i, j, i == 0 ? 0.01 * double(j % 100) : -INFINITY);
+  x.set(0, 38001, NAN);   // NaN in the last slice
+  x.set(2, 12345, 4.0);   // the only finite logit
+  x.set(3, 10, 1.0);      // two finite logits, the rest -inf
+  x.set(3, 39990, 1.0);
+  x.upload();
+  Tensor p(DT::F32, {N, V});
+  p.poison();
+  p.upload();
+  fce_softmax_options_t o = FCE_SOFTMAX_OPTIONS_INIT;
+  o.temperature = 0.8f;
+  FCE_OK(fce_temp_softmax(h, test_stream(), x.dl(), &o, p.dl(), nullptr, nullptr, 0));
+  p.download();
+  for (int64_t j = 0; j < V; ++j) {
+    ASSERT_TRUE(std::isnan(p.get(0, j))) << j;
+    ASSERT_TRUE(std::isnan(p.get(1, j))) << j;
+    ASSERT_EQ(p.get(2, j), j == 12345 ? 1.0 : 0.0) << j;
+    ASSERT_EQ(p.get(3, j), j == 10 || j == 39990 ? 0.5 : 0.0) << j;
+  }
 }
 
 // Rows enough for the GPU's persistent pipelined kernel (>= 132 rows longer than 64 KiB, 16-byte aligned):
