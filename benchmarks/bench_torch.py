@@ -3,6 +3,7 @@
 
     python3 benchmarks/bench_torch.py                       # defaults: 8192 tokens, Llama-3 vocab, bf16
     python3 benchmarks/bench_torch.py --ops ce,linear_ce --tokens 16384 --vocab 49152 --hidden 576
+    python3 benchmarks/bench_torch.py --ops linear_ce --real data/smollm2_kjv_sample.safetensors  # real data
     FUSEDCE_LIBRARY=build/libfusedce.so python3 benchmarks/bench_torch.py --json out.json
 
 For each op (cross-entropy on [N, V] logits, linear cross-entropy from [N, H] hidden states and a [V, H]
@@ -12,6 +13,11 @@ inputs hold, and checks the loss and gradient against PyTorch eager in fp32. An 
 missing (Liger not installed) or fails (e.g. the library's CUDA backend reporting
 FCE_STATUS_NOT_IMPLEMENTED, or an out-of-memory) is reported as n/a with the reason; nothing is skipped
 silently. Prints a markdown table; --json also writes the rows.
+
+--real takes linear CE's inputs from the sample file (tools/make_sample.py): SmolLM2's final hidden states
+and targets, tiled to --tokens rows, and its LM head (V and H from the file). Cut Cross-Entropy (when
+importable) joins linear CE: its gradient skips blocks whose softmax is small, so its time depends on the
+data, which is why real hidden states are measured next to random ones.
 """
 import argparse
 import json
@@ -31,7 +37,33 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # ---- implementations: each returns (loss, [grads]) for fresh leaf inputs ---------------------------
 
+def read_safetensors(path, names):
+    """The named tensors of a safetensors file (u64 header length, JSON header, little-endian data)."""
+    kinds = {"F32": torch.float32, "BF16": torch.bfloat16, "I32": torch.int32}
+    with open(path, "rb") as fh:
+        blob = fh.read()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    out = {}
+    for name in names:
+        t = header[name]
+        b, e = t["data_offsets"]
+        out[name] = torch.frombuffer(bytearray(blob[8 + n + b:8 + n + e]), dtype=kinds[t["dtype"]]).reshape(t["shape"])
+    return out
+
+
+def real_linear_ce(a, dtype, device):
+    t = read_safetensors(a.real, ["hidden", "lm_head", "targets"])
+    reps = -(-a.tokens // t["hidden"].shape[0])
+    hid = t["hidden"].repeat(reps, 1)[: a.tokens].to(device=device, dtype=dtype).contiguous()
+    tgt = t["targets"].repeat(reps)[: a.tokens].to(device=device, dtype=torch.int64)
+    w = t["lm_head"].to(device=device, dtype=dtype).contiguous()
+    return dict(hidden=hid, weight=w, target=tgt)
+
+
 def make_inputs(op, a, dtype, device, seed=0):
+    if op == "linear_ce" and a.real:
+        return real_linear_ce(a, dtype, device)
     g = torch.Generator(device=device).manual_seed(seed)
     n, v, h = a.tokens, a.vocab, a.hidden
     tgt = torch.randint(0, v, (n,), device=device, generator=g)
@@ -107,7 +139,16 @@ def liger(op, a):
                                             F.log_softmax(d["teacher"].float() / T, -1), d["target"], 0.0, -100)
 
 
-IMPLS = [("torch eager", eager), ("torch.compile", compiled), ("liger-kernel", liger), ("fusedce", fusedce_impl)]
+def cce(op, a):
+    if op != "linear_ce":
+        raise ImportError("Cut Cross-Entropy has linear cross-entropy only")
+    from cut_cross_entropy import linear_cross_entropy
+
+    return lambda d: linear_cross_entropy(d["hidden"], d["weight"], d["target"])
+
+
+IMPLS = [("torch eager", eager), ("torch.compile", compiled), ("liger-kernel", liger), ("cut-cross-entropy", cce),
+         ("fusedce", fusedce_impl)]
 
 
 # ---- measurement ----------------------------------------------------------------------------------
@@ -163,7 +204,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--impls", default=",".join(n for n, _ in IMPLS))
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--real", help="linear CE on this sample file's hidden states, targets and LM head")
     a = ap.parse_args()
+    if a.real:  # the random-data rows use the same shape
+        a.vocab, a.hidden = read_safetensors(a.real, ["lm_head"])["lm_head"].shape
     if not torch.cuda.is_available():
         sys.exit("bench_torch.py: needs a CUDA device (torch.cuda.is_available() is False)")
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference is true fp32
@@ -171,8 +215,9 @@ def main():
     wanted = set(a.impls.split(","))
     rows = []
     dev = torch.cuda.get_device_name()
-    print("# bench_torch.py on %s, torch %s, %s, N=%d V=%d H=%d\n" % (dev, torch.__version__, a.dtype, a.tokens,
-                                                                       a.vocab, a.hidden))
+    print("# bench_torch.py on %s, torch %s, %s, N=%d V=%d H=%d%s\n" % (dev, torch.__version__, a.dtype, a.tokens,
+                                                                         a.vocab, a.hidden,
+                                                                         ", linear CE on " + a.real if a.real else ""))
     print("| op | implementation | fwd+bwd ms | peak extra MiB | loss err vs eager fp32 | grad max err | note |")
     print("|---|---|---|---|---|---|---|")
     for op in a.ops.split(","):
