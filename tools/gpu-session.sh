@@ -41,9 +41,9 @@ for step in $steps; do
       summary+=("FCE_DEBUG_CE=cached gpu_cross_entropy $r") ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
-        filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows'
-        [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:CrossEntropy.ManyRowsFusedGradient:Logsumexp.InfinitiesAndNaN:Logsumexp.FewAlignedRowsWithPartialLastVector:TempSoftmax.PerRowTemperaturesMixedGreedy:TempSoftmax.FewAlignedRowsWithPartialLastVector:TempSoftmax.ManyLongAlignedRows:KdLoss.NegativeInfinityLogitsGiveNoNaN:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows'
-        for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd; do
+        filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.*'
+        [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:CrossEntropy.ManyRowsFusedGradient:Logsumexp.InfinitiesAndNaN:Logsumexp.FewAligned*:TempSoftmax.PerRowTemperaturesMixedGreedy:TempSoftmax.FewAligned*:TempSoftmax.FewRows*:TempSoftmax.ManyLongAlignedRows:KdLoss.NegativeInfinityLogitsGiveNoNaN:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.ChunkSizesAgree:LinearCrossEntropy.ShortLastChunkSplits'
+        for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce; do
           compute-sanitizer --tool $tool --error-exitcode 9 .gpu/bin/$t --gtest_brief=1 --gtest_filter="$filter" \
             > "$OUT/san_${tool}_$t.log" 2>&1
           rc=$?
