@@ -213,8 +213,8 @@ __device__ RowHints row_hints(const CeParams& p, int64_t row) {
 template <class T>
 __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& a, const RowHints* hint = nullptr) {
   const float lse = a.m == -INFINITY ? -INFINITY : a.m + logf(a.d);
-  if (!p.full) {
-    p.lse[row] = lse;
+  if (!p.full) {  // logsumexp: a NaN anywhere in the row (finish_stats marks it in av) wins over +-inf
+    p.lse[row] = isnan(a.av) ? NAN : lse;
     return lse;
   }
   if (p.lse) p.lse[row] = lse;

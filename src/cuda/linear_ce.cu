@@ -77,11 +77,16 @@ struct LceLayout {
       if (C >= 256) C = C / 128 * 128;
     }
     if (borrow_rows > C) {
-      int64_t B = minimum ? 1 : std::min(N, borrow_rows);
+      int64_t B = std::min(N, borrow_rows);
       if (B >= 256) B = B / 128 * 128;
       borrowed = true;
       C_ws = 0;
       C = B;
+      if (minimum) {  // the smaller of a full borrowed chunk and one row (few rows may need split scratch)
+        const size_t full = carve(nullptr, 0);
+        C = 1;
+        if (carve(nullptr, 0) > full) C = B;
+      }
     } else {
       C_ws = C;
     }
