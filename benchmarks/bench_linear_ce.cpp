@@ -38,10 +38,16 @@ void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, b
   ok(fce_linear_cross_entropy_fwd_workspace_size(h, hid.dl(), w.dl(), nullptr, tg.dl(), nullptr, &out, &wsb), "ws");
   void* ws = nullptr;
   ck(cudaMalloc(&ws, wsb), "ws");
+  // Device memory the calls take beyond the caller's buffers (the library's cuBLAS handle and its
+  // workspace, on the first call of the process), by the driver's count of free memory.
+  size_t free0 = 0, free1 = 0, total = 0;
+  ck(cudaDeviceSynchronize(), "sync");
+  ck(cudaMemGetInfo(&free0, &total), "cudaMemGetInfo");
   const double ms = time_ms(s, [&] {
     ok(fce_linear_cross_entropy_fwd(h, reinterpret_cast<fce_stream_t>(s), hid.dl(), w.dl(), nullptr, tg.dl(), nullptr,
                                     &out, ws, wsb), "lce");
   }, 5);
+  ck(cudaMemGetInfo(&free1, &total), "cudaMemGetInfo");
   cudaFree(ws);
   // Sanity: no NaN or inf in the loss and the gradients (bf16 bit patterns with an all-ones exponent).
   auto nonfinite = [&](Buf& b) {
@@ -59,6 +65,8 @@ void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, b
   };
   float hl = 0;
   ck(cudaMemcpy(&hl, loss.p, 4, cudaMemcpyDeviceToHost), "copy back");
+  std::printf("  (device memory taken by the calls beyond the caller's buffers, cudaMemGetInfo: %.1f MiB)\n",
+              (double(free0) - double(free1)) / 1048576.0);
   std::printf("  (loss %.6f; non-finite gradient elements: dhidden %zu, dweight %zu)\n", hl,
               grad ? nonfinite(dh) : size_t(0), grad && with_dw ? nonfinite(dw) : size_t(0));
   const double flops = (grad ? 6.0 : 2.0) * double(N) * double(H) * double(V);
