@@ -26,7 +26,9 @@
  * Workspace: each op has a `_workspace_size` query taking the same arguments. Pass a buffer of at least
  * that many bytes on the handle's device, aligned to 256 bytes, or NULL to let the handle allocate and
  * cache one (allocation happens on the first call that needs more; never during graph capture is safe
- * only with a caller workspace).
+ * only with a caller workspace). The cached workspace is one buffer per handle: calls with NULL on
+ * different streams of one handle would share it, so pass workspaces (or use one stream per handle) when
+ * a handle's calls may run concurrently on several streams.
  * Errors: every function returns an fce_status_t. On failure a per-thread message is available from
  * fce_last_error_message(), and no output tensor has been written (validation precedes all writes).
  * Determinism: results are bitwise identical run to run on the same device and library build (fixed-order
