@@ -42,7 +42,7 @@ for step in $steps; do
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
         filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.*'
-        [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:CrossEntropy.ManyRowsFusedGradient:Logsumexp.InfinitiesAndNaN:Logsumexp.FewAligned*:TempSoftmax.PerRowTemperaturesMixedGreedy:TempSoftmax.FewAligned*:TempSoftmax.FewRows*:TempSoftmax.ManyLongAlignedRows:KdLoss.NegativeInfinityLogitsGiveNoNaN:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.ChunkSizesAgree:LinearCrossEntropy.ShortLastChunkSplits'
+        [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:CrossEntropy.ManyRowsFusedGradient:Logsumexp.InfinitiesAndNaN:Logsumexp.FewAligned*:TempSoftmax.PerRowTemperaturesMixedGreedy:TempSoftmax.FewAligned*:TempSoftmax.FewRows*:TempSoftmax.ManyRowsProbabilitiesOnly:TempSoftmax.ManyLongAlignedRows:KdLoss.NegativeInfinityLogitsGiveNoNaN:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.ChunkSizesAgree:LinearCrossEntropy.ShortLastChunkSplits'
         for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce; do
           compute-sanitizer --tool $tool --error-exitcode 9 .gpu/bin/$t --gtest_brief=1 --gtest_filter="$filter" \
             > "$OUT/san_${tool}_$t.log" 2>&1

@@ -253,6 +253,42 @@ TEST(TempSoftmax, FewRowsProbabilitiesOnlySpecialValues) {
   }
 }
 
+// Many rows with probabilities only: the GPU's lean shared-memory kernel (greedy and bad rows falling back
+// inside it), fp32 and input-dtype outputs; special values on rows past the register path's 64.
+TEST(TempSoftmax, ManyRowsProbabilitiesOnly) {
+  std::vector<double> t140;
+  for (int i = 0; i < 140; ++i) t140.push_back(i % 17 == 3 ? 0.0 : i % 23 == 9 ? -1.0 : 0.4 + 0.05 * (i % 13));
+  SmCase a{140, 40003, DT::BF16, true, t140, false};
+  a.pad = 5;
+  a.peaked = true;
+  check_softmax(a);
+  SmCase c{134, 33000, DT::F16, false, {1.7}, false};
+  check_softmax(c);
+  Handle h;
+  const int64_t N = 70, V = 20000;
+  Tensor x(DT::BF16, {N, V});
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < V; ++j) x.set(i, j, i == 1 || i == 2 ? -INFINITY : 0.01 * double((i + j) % 100));
+  x.set(0, 19001, NAN);  // NaN: the row is NaN
+  x.set(2, 12345, 4.0);  // the only finite logit: probability 1
+  x.upload();
+  Tensor p(DT::F32, {N, V});
+  p.poison();
+  p.upload();
+  fce_softmax_options_t o = FCE_SOFTMAX_OPTIONS_INIT;
+  o.temperature = 0.8f;
+  FCE_OK(fce_temp_softmax(h, test_stream(), x.dl(), &o, p.dl(), nullptr, nullptr, 0));
+  p.download();
+  double sum = 0;
+  for (int64_t j = 0; j < V; ++j) {
+    ASSERT_TRUE(std::isnan(p.get(0, j))) << j;
+    ASSERT_TRUE(std::isnan(p.get(1, j))) << j;
+    ASSERT_EQ(p.get(2, j), j == 12345 ? 1.0 : 0.0) << j;
+    sum += p.get(69, j);
+  }
+  EXPECT_TRUE(close(sum, 1.0, 0, 1e-5));
+}
+
 // Rows enough for the GPU's persistent pipelined kernel (>= 132 rows longer than 64 KiB, 16-byte aligned):
 // per-row temperatures with greedy and bad rows, both outputs, fp32 and input-dtype outputs, in place.
 TEST(TempSoftmax, ManyLongAlignedRows) {
