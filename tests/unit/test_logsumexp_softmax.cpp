@@ -225,52 +225,21 @@ TEST(TempSoftmax, FewRowsProbabilitiesOnly) {
   check_softmax({5, 129920, DT::F16, true, {1e-5}, false, false, 10.0});
 }
 
-// Special values on the lean path: a NaN anywhere or no finite logit gives a NaN row; -inf logits get 0;
-// a single finite logit gets probability 1.
-TEST(TempSoftmax, FewRowsProbabilitiesOnlySpecialValues) {
-  Handle h;
-  const int64_t N = 4, V = 40000;
-  Tensor x(DT::BF16, {N, V});
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t j = 0; j < V; ++j) x.set(i, j, i == 0 ? 0.01 * double(j % 100) : -INFINITY);
-  x.set(0, 38001, NAN);   // NaN in the last slice
-  x.set(2, 12345, 4.0);   // the only finite logit
-  x.set(3, 10, 1.0);      // two finite logits, the rest -inf
-  x.set(3, 39990, 1.0);
-  x.upload();
-  Tensor p(DT::F32, {N, V});
-  p.poison();
-  p.upload();
-  fce_softmax_options_t o = FCE_SOFTMAX_OPTIONS_INIT;
-  o.temperature = 0.8f;
-  FCE_OK(fce_temp_softmax(h, test_stream(), x.dl(), &o, p.dl(), nullptr, nullptr, 0));
-  p.download();
-  for (int64_t j = 0; j < V; ++j) {
-    ASSERT_TRUE(std::isnan(p.get(0, j))) << j;
-    ASSERT_TRUE(std::isnan(p.get(1, j))) << j;
-    ASSERT_EQ(p.get(2, j), j == 12345 ? 1.0 : 0.0) << j;
-    ASSERT_EQ(p.get(3, j), j == 10 || j == 39990 ? 0.5 : 0.0) << j;
-  }
-}
+// Special values with probabilities only (the GPU's lean kernels): a NaN anywhere or no finite logit gives a
+// NaN row; -inf logits get 0; a single finite logit gets probability 1, two equal ones 1/2 each; other rows
+// sum to 1. Row 0: a NaN in the last slice; 1: all -inf; 2 and 3: finite logits among -inf; then plain rows.
+namespace {
 
-// Many rows with probabilities only: the GPU's lean shared-memory kernel (greedy and bad rows falling back
-// inside it), fp32 and input-dtype outputs; special values on rows past the register path's 64.
-TEST(TempSoftmax, ManyRowsProbabilitiesOnly) {
-  std::vector<double> t140;
-  for (int i = 0; i < 140; ++i) t140.push_back(i % 17 == 3 ? 0.0 : i % 23 == 9 ? -1.0 : 0.4 + 0.05 * (i % 13));
-  SmCase a{140, 40003, DT::BF16, true, t140, false};
-  a.pad = 5;
-  a.peaked = true;
-  check_softmax(a);
-  SmCase c{134, 33000, DT::F16, false, {1.7}, false};
-  check_softmax(c);
+void check_probs_only_special_values(int64_t N, int64_t V) {
+  SCOPED_TRACE(::testing::Message() << "N=" << N << " V=" << V);
   Handle h;
-  const int64_t N = 70, V = 20000;
   Tensor x(DT::BF16, {N, V});
   for (int64_t i = 0; i < N; ++i)
-    for (int64_t j = 0; j < V; ++j) x.set(i, j, i == 1 || i == 2 ? -INFINITY : 0.01 * double((i + j) % 100));
-  x.set(0, 19001, NAN);  // NaN: the row is NaN
-  x.set(2, 12345, 4.0);  // the only finite logit: probability 1
+    for (int64_t j = 0; j < V; ++j) x.set(i, j, i >= 1 && i <= 3 ? -INFINITY : 0.01 * double((i + j) % 100));
+  x.set(0, V - 999, NAN);
+  x.set(2, 12345, 4.0);
+  x.set(3, 10, 1.0);
+  x.set(3, V - 10, 1.0);
   x.upload();
   Tensor p(DT::F32, {N, V});
   p.poison();
@@ -284,9 +253,28 @@ TEST(TempSoftmax, ManyRowsProbabilitiesOnly) {
     ASSERT_TRUE(std::isnan(p.get(0, j))) << j;
     ASSERT_TRUE(std::isnan(p.get(1, j))) << j;
     ASSERT_EQ(p.get(2, j), j == 12345 ? 1.0 : 0.0) << j;
-    sum += p.get(69, j);
+    ASSERT_EQ(p.get(3, j), j == 10 || j == V - 10 ? 0.5 : 0.0) << j;
+    sum += p.get(N - 1, j);
   }
   EXPECT_TRUE(close(sum, 1.0, 0, 1e-5));
+}
+
+}  // namespace
+
+TEST(TempSoftmax, FewRowsProbabilitiesOnlySpecialValues) { check_probs_only_special_values(5, 40000); }
+
+// Many rows with probabilities only: the GPU's lean shared-memory kernel (greedy and bad rows falling back
+// inside it), fp32 and input-dtype outputs; special values on rows past the register path's 64.
+TEST(TempSoftmax, ManyRowsProbabilitiesOnly) {
+  std::vector<double> t140;
+  for (int i = 0; i < 140; ++i) t140.push_back(i % 17 == 3 ? 0.0 : i % 23 == 9 ? -1.0 : 0.4 + 0.05 * (i % 13));
+  SmCase a{140, 40003, DT::BF16, true, t140, false};
+  a.pad = 5;
+  a.peaked = true;
+  check_softmax(a);
+  SmCase c{134, 33000, DT::F16, false, {1.7}, false};
+  check_softmax(c);
+  check_probs_only_special_values(70, 20000);  // rows past the register path's 64
 }
 
 // Rows enough for the GPU's persistent pipelined kernel (>= 132 rows longer than 64 KiB, 16-byte aligned):
