@@ -10,6 +10,7 @@
 #include <mutex>
 #include <vector>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/common.cuh"
 
@@ -19,6 +20,7 @@ namespace {
 // ==== row machinery =================================================================================
 
 constexpr int kMaxCluster = 8;                    // portable cluster size
+constexpr int kMaxFewCluster = 16;                // register-resident rows: non-portable clusters where allowed
 constexpr size_t kSoftSmem = size_t(64) << 10;    // preferred shared bytes per block (3 blocks per SM)
 constexpr int64_t kMinCols = 4096;                // fewest columns worth one more block for few rows
 constexpr int kLoadUnroll = 8;                    // 16-byte loads in flight per thread loading a slice
@@ -185,8 +187,8 @@ struct FewCtx {
   int64_t row, begin;
 };
 
-// C blocks per row (1..8); slices as split_range (multiples of 64 columns, so 16-byte aligned starts); the
-// slices of a register-resident row fit 32-bit indices (plan_regs).
+// C blocks per row (1..kMaxFewCluster); slices as split_range (multiples of 64 columns, so 16-byte aligned
+// starts); the slices of a register-resident row fit 32-bit indices (plan_regs).
 __device__ __forceinline__ FewCtx few_ctx(int64_t V, int C) {
   FewCtx f;
   f.rank = int(blockIdx.x % unsigned(C));
@@ -250,19 +252,17 @@ struct MaxSum {
   float m, d;
 };
 
-// Merge of two partials; commutative bit for bit (so butterfly shuffles leave every lane the same value).
-__device__ __forceinline__ MaxSum merge_ms(MaxSum a, MaxSum b, float c) {
-  const float M = fmaxf(a.m, b.m);
-  const float ta = a.m == M ? a.d : a.d * ex2((a.m - M) * c);  // a NaN d survives the * 0 of a -inf part
-  const float tb = b.m == M ? b.d : b.d * ex2((b.m - M) * c);
-  return {M, ta + tb};
-}
-
+// Warp merge, the result bitwise the same in every lane: the max first (exact), then each lane's d rescaled
+// once to it and summed by a butterfly (commutative adds). Half the latency of five pairwise (max, sum)
+// merges, whose exponentials sit on the chain (H100, 1x128256 logsumexp: three of these per call).
 __device__ __forceinline__ MaxSum warp_ms_all(MaxSum v, float c) {
+  float M = v.m;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    v = merge_ms(v, {__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.d, o)}, c);
-  return v;
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  float d = v.m == M ? v.d : v.d * ex2((v.m - M) * c);  // a NaN d survives (NaN * 0), -inf parts add 0
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+  return {M, d};
 }
 
 // Block merge of the threads' partials in a fixed order, in every thread (one __syncthreads).
@@ -292,12 +292,13 @@ __device__ __forceinline__ void few_arrive(int C) {
 }
 
 // Lanes 0..C-1 of warp 0 push this block's partial (m, d) into slot `rank` of every block of the cluster;
-// one cluster barrier; every thread then merges the C slots in rank order (bitwise the same in every block).
+// one cluster barrier; every warp then merges the C slots in a fixed butterfly (bitwise the same in every
+// thread of every block).
 // A slice whose max is not finite reports d = NaN if it holds a NaN, else 0. Call from every thread, after
 // few_arrive.
 __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int rank) {
   const float m = part.m, d = part.d;
-  __shared__ float2 slot[kMaxCluster];
+  __shared__ float2 slot[kMaxFewCluster];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (C > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
@@ -319,16 +320,15 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
   } else {
     __syncthreads();
   }
+  // Lane r of every warp takes slot r and the warp merges them in a butterfly (the same in every lane and
+  // every block); a serial loop over the C slots cost ~1 us at C = 8..16 (H100, 1x128256 logsumexp).
+  const int lane = int(threadIdx.x & 31u);
+  const float2 v = lane < C ? slot[lane] : make_float2(-INFINITY, 0.f);
+  const MaxSum s = warp_ms_all({v.x, v.y}, c);
   FewStats t;
-  t.m = slot[0].x;
-  for (int r = 1; r < C; ++r) t.m = fmaxf(t.m, slot[r].x);
-  t.d = 0.f;
-  t.nan = false;
-  for (int r = 0; r < C; ++r) {
-    const float2 v = slot[r];
-    t.nan |= isnan(v.y);
-    if (v.x > -INFINITY && v.x < INFINITY) t.d += v.x == t.m ? v.y : v.y * ex2((v.x - t.m) * c);
-  }
+  t.m = s.m;
+  t.d = s.d;
+  t.nan = isnan(s.d);  // a NaN partial survives the merge (warp_ms_all); +inf and -inf parts give none
   return t;
 }
 
@@ -476,23 +476,52 @@ RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb, int
   return p;
 }
 
-// Clusters of C blocks of `threads` threads of `kernel` that the handle's device holds at once (0 when the
-// runtime cannot say), cached per device: a plan costs no query after the first. Clusters of C blocks
-// must fit in one GPC each, so fewer fit than SMs / C (H100: 14 of 8 blocks of 1024 threads, not 16).
-int max_active_clusters(const fce_handle* h, const void* kernel, int C, int threads) {
+// Clusters larger than the portable 8 blocks need a per-kernel, per-device opt-in: true once `kernel` may
+// launch clusters of C blocks on the current device (set once, then cached).
+bool allow_cluster(const void* kernel, int C) {
+  if (C <= kMaxCluster) return true;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
   struct Entry {
     int dev;
     const void* kernel;
-    int C, threads, n;
+    bool ok;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> done;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& d : done)
+    if (d.dev == dev && d.kernel == kernel) return d.ok;
+  const bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
+  if (!ok) cudaGetLastError();  // no opt-in: the caller stays at 8
+  done.push_back({dev, kernel, ok});
+  return ok;
+}
+
+// Clusters of C blocks of `threads` threads of `kernel` that the handle's device holds at once (0 when the
+// runtime cannot say), cached per device: a plan costs no query after the first. Clusters of C blocks
+// must fit in one GPC each, so fewer fit than SMs / C (H100: 15 of 8 blocks of 1024 threads, not 16).
+int max_active_clusters(const fce_handle* h, const void* kernel, int C, int threads, size_t smem = 0) {
+  struct Entry {
+    int dev;
+    const void* kernel;
+    int C, threads;
+    size_t smem;
+    int n;
   };
   static std::mutex mu;
   static std::vector<Entry> cache;
   std::lock_guard<std::mutex> lock(mu);
   for (const Entry& e : cache)
-    if (e.dev == h->device_id && e.kernel == kernel && e.C == C && e.threads == threads) return e.n;
+    if (e.dev == h->device_id && e.kernel == kernel && e.C == C && e.threads == threads && e.smem == smem)
+      return e.n;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(unsigned(C));
   cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = smem;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = unsigned(C);
@@ -501,11 +530,11 @@ int max_active_clusters(const fce_handle* h, const void* kernel, int C, int thre
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+  if (!allow_cluster(kernel, C) || cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
     cudaGetLastError();  // no answer is not an error of the call
     n = 0;
   }
-  cache.push_back({h->device_id, kernel, C, threads, n});
+  cache.push_back({h->device_id, kernel, C, threads, smem, n});
   return n;
 }
 
@@ -527,7 +556,10 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
   if (forced_path() != Force::None || N > max_rows) return p;
   if (((reinterpret_cast<uintptr_t>(data)) | uintptr_t(ld * esize)) & 15u) return p;
   const int K = 16 / esize;
-  const int cmax = clusters_available(h) ? kMaxCluster : 1;
+  // Non-portable clusters (9..16 blocks) only where the device reports room for all N of them at once.
+  const int cmax = !clusters_available(h)                  ? 1
+                   : allow_cluster(kernel, kMaxFewCluster) ? kMaxFewCluster
+                                                           : kMaxCluster;
   auto plan = [&](int C, RegPlan* out) {
     const int64_t cols = slice_cols(V, C);
     const int threads = cols > 2048 * K ? 1024 : cols >= 1024 * K ? 512 : cols >= 256 * K ? 256 : 128;
@@ -548,8 +580,9 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
     RegPlan q;
     if (!plan(c, &q)) break;
     const int n = max_active_clusters(h, kernel, c, q.threads);
-    if (n == 0 || N <= n) return q;
+    if ((n == 0 && c <= kMaxCluster) || N <= n) return q;
   }
+  if (p.C > kMaxCluster) return RegPlan{};  // no non-portable cluster fits: not this path
   return p;  // no smaller cluster fits in one wave either: the first choice
 }
 
@@ -584,13 +617,10 @@ int64_t pipe_grid(const fce_handle* h, int64_t N) {
   return (N + per - 1) / per;
 }
 
-// Launches N rows of plan `p` (N * C blocks, or fewer that loop over the rows).
-template <class Args>
-void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& a, cudaStream_t s,
-                 const char* what) {
-  constexpr int64_t kMaxGrid = int64_t(1) << 30;
-  int64_t grid = N * p.C;
-  if (grid > kMaxGrid) grid = kMaxGrid / p.C * p.C;
+// Launches `grid` blocks of plan `p` (threads, dynamic shared memory, clusters of C when p.cluster).
+template <class... P, class... A>
+void launch_grid(void (*kernel)(P...), const RowPlan& p, int64_t grid, cudaStream_t s, const char* what,
+                 A&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(unsigned(grid));
   cfg.blockDim = dim3(unsigned(p.threads));
@@ -598,6 +628,8 @@ void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& 
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
   if (p.cluster) {
+    if (!allow_cluster(reinterpret_cast<const void*>(kernel), p.C))
+      raise(FCE_STATUS_INTERNAL_ERROR, "cluster size above 8 not allowed for this kernel");
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = unsigned(p.C);
     attr[0].val.clusterDim.y = 1;
@@ -605,6 +637,16 @@ void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& 
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
+  check(cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...), what);
+}
+
+// Launches N rows of plan `p` (N * C blocks, or fewer that loop over the rows).
+template <class Args>
+void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& a, cudaStream_t s,
+                 const char* what) {
+  constexpr int64_t kMaxGrid = int64_t(1) << 30;
+  int64_t grid = N * p.C;
+  if (grid > kMaxGrid) grid = kMaxGrid / p.C * p.C;
   if (p.smem > 0)  // static shared memory counts toward the 48 KiB default too: always raise the limit
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem)),
           "cudaFuncSetAttribute");
@@ -612,7 +654,7 @@ void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& 
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared)),
           "cudaFuncSetAttribute");
-  check(cudaLaunchKernelEx(&cfg, kernel, a), what);
+  launch_grid(kernel, p, grid, s, what, a);
 }
 
 }  // namespace

@@ -23,7 +23,7 @@
 // the two above and no first-maximum index per element: softmax_smem_kernel where the resident mode applies
 // (H100, 256x151936 bf16 -> fp32: 106 us against 128 us), and
 //   registers up to 64 rows, 16-byte aligned, probabilities only: the slices live in registers
-//             (plan_regs), one launch, clusters of up to 8 blocks per row, one cluster barrier
+//             (plan_regs), one launch, clusters of up to 16 blocks per row, one cluster barrier
 //             (softmax_regs_kernel); rows needing the special cases fall back to the global-memory code.
 // FCE_DEBUG_ROWS=nocluster|stream|split|noregs in the environment forces a fallback (to test those paths).
 #include <cooperative_groups.h>
@@ -266,30 +266,31 @@ __global__ void __launch_bounds__(512, 2) softmax_smem_kernel(const __grid_const
   const FewCtx f = few_ctx(a.V, a.C);
   const float temp = a.temps ? a.temps[f.row] : a.temperature;
   T* sm = reinterpret_cast<T*>(g_smem);
-  load_slice<T>(static_cast<const T*>(a.x) + f.row * a.ldx + f.begin, f.n, sm, [](const uint4&, int) {},
-                [](float, int) {});
-  __syncthreads();
   const float c = (1.f / temp) * kLog2e;  // (x - max) / T in base 2: the raw max first, then the scale
-  float mx = -INFINITY;
-  smem_visit<T>(sm, f.n, [&](const float(&v)[K], int, int cnt) {
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-      if (k < cnt) mx = fmaxf(mx, v[k]);
-  });
-  float d = 0.f;
-  if (mx > -INFINITY && mx < INFINITY) {
-    smem_visit<T>(sm, f.n, [&](const float(&v)[K], int, int cnt) {
-#pragma unroll
-      for (int k = 0; k < K; ++k)
-        if (k < cnt) d += ex2((v[k] - mx) * c);
-    });
-  } else {  // rare: no finite value here; only a NaN matters
-    smem_visit<T>(sm, f.n, [&](const float(&v)[K], int, int cnt) {
-#pragma unroll
-      for (int k = 0; k < K; ++k)
-        if (k < cnt && isnan(v[k])) d = NAN;
-    });
-  }
+  // Per-thread max and sum, online, as the slice streams into shared memory (the values are in registers
+  // then): the max of each 16-byte vector first, one rescale when it raises the thread's max.
+  float mx = -INFINITY, d = 0.f;
+  auto add = [&](const float* v, int cnt, float vm) {
+    if (vm > mx) {
+      d *= ex2((mx - vm) * c);  // 0 from -inf (a NaN d stays NaN)
+      mx = vm;
+    }
+    if (mx > -INFINITY && mx < INFINITY) {
+      for (int k = 0; k < cnt; ++k) d += ex2((v[k] - mx) * c);  // a NaN value makes d NaN
+    } else {  // nothing finite yet (or +inf: the row falls back): only a NaN matters
+      for (int k = 0; k < cnt; ++k)
+        if (isnan(v[k])) d = NAN;
+    }
+  };
+  load_slice<T>(
+      static_cast<const T*>(a.x) + f.row * a.ldx + f.begin, f.n, sm,
+      [&](const uint4& raw, int) {
+        float v[K];
+        unpack_words<T>(raw, v);
+        add(v, K, vec_max<T>(raw));
+      },
+      [&](float xv, int) { add(&xv, 1, xv); });
+  // block_ms_all's barrier also orders the slice's shared-memory writes before the reads below
   const FewStats t = few_merge(block_ms_all({mx, d}, c), c, a.C, f.rank);
   if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
     softmax_row_general<T>(a, f.row, f.rank);
