@@ -35,6 +35,10 @@ for step in $steps; do
           summary+=("FCE_DEBUG_ROWS=$f $t $r")
         done
       done
+      FCE_DEBUG_KD=c1 .gpu/bin/gpu_kd --gtest_brief=1 > "$OUT/fallback_kd_c1.log" 2>&1
+      rc=$?
+      case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+      summary+=("FCE_DEBUG_KD=c1 gpu_kd $r")
       FCE_DEBUG_CE=cached .gpu/bin/gpu_cross_entropy --gtest_brief=1 > "$OUT/fallback_cached_ce.log" 2>&1
       rc=$?
       case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac

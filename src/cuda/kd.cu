@@ -38,10 +38,11 @@
 // Faster paths when rows fill the GPU (at least one block per SM): forward only, forward and reverse KL and
 // the full-vocabulary top-K need no normalized probability per element, so one streaming pass computes the
 // loss (kd_kl_onepass_kernel, kd_topk_onepass_kernel: each row read once); with dstudent, forward and
-// reverse KL of one dtype with aligned rows use persistent blocks that pipeline the rows through shared
-// memory (kd_kl_grad_pipe_kernel: two passes, A known in closed form).
+// reverse KL of one dtype with aligned rows use persistent blocks (or clusters of two for long rows) that
+// pipeline the rows through shared memory (kd_kl_grad_pipe_kernel: two passes, A known in closed form).
 // FCE_DEBUG_ROWS=nocluster|stream|split|noregs in the environment forces a fallback (to test those paths;
-// any of them also turns the faster paths off).
+// any of them also turns the faster paths off); FCE_DEBUG_KD=c1 keeps the pipelined kernel to one block per
+// row pair.
 #include <cooperative_groups.h>
 
 #include <atomic>
@@ -505,6 +506,58 @@ struct KlAcc {  // P and Q states, and W = sum 2^(zP - mP) (zP - zQ) at P's max
   }
 };
 
+// Warp merge of KlAcc partials, the result bitwise the same in every lane: the maxima first (exact), then
+// each lane's sums rescaled once and added by butterflies, P and Q by the same explicitly rounded steps
+// (equal rows give equal states). Shorter than five pairwise merges, whose exponentials sit on the chain.
+__device__ __forceinline__ KlAcc kl_warp_all(const KlAcc& v) {
+  float pm = v.p.m, qm = v.q.m;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    pm = fmaxf(pm, __shfl_xor_sync(0xffffffffu, pm, o));
+    qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, o));
+  }
+  const float rp = Lse2::rescale(v.p.m, pm), rq = Lse2::rescale(v.q.m, qm);  // a NaN sum stays NaN
+  float pd = __fmul_rn(v.p.d, rp), qd = __fmul_rn(v.q.d, rq), w = __fmul_rn(v.w, rp);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    pd = __fadd_rn(pd, __shfl_xor_sync(0xffffffffu, pd, o));
+    qd = __fadd_rn(qd, __shfl_xor_sync(0xffffffffu, qd, o));
+    w = __fadd_rn(w, __shfl_xor_sync(0xffffffffu, w, o));
+  }
+  KlAcc r;
+  r.p.m = pm;
+  r.p.d = pd;
+  r.q.m = qm;
+  r.q.d = qd;
+  r.w = w;
+  return r;
+}
+
+// Block merge with kl_warp_all, in every thread (one __syncthreads; the caller separates two calls by a
+// barrier).
+__device__ __forceinline__ KlAcc kl_block_all(const KlAcc& v) {
+  __shared__ float sh[5][32];
+  const KlAcc t = kl_warp_all(v);
+  const int lane = int(threadIdx.x & 31u), warp = int(threadIdx.x >> 5);
+  if (lane == 0) {
+    sh[0][warp] = t.p.m;
+    sh[1][warp] = t.p.d;
+    sh[2][warp] = t.q.m;
+    sh[3][warp] = t.q.d;
+    sh[4][warp] = t.w;
+  }
+  __syncthreads();
+  KlAcc u;  // -inf maxima and zero sums past the last warp
+  if (lane < int(blockDim.x >> 5)) {
+    u.p.m = sh[0][lane];
+    u.p.d = sh[1][lane];
+    u.q.m = sh[2][lane];
+    u.q.d = sh[3][lane];
+    u.w = sh[4][lane];
+  }
+  return kl_warp_all(u);
+}
+
 // One block per row; DIV is forward KL (P = teacher) or reverse KL (P = student).
 template <class Ts, class Tt, int DIV>
 __global__ void __launch_bounds__(kKdThreads) kd_kl_onepass_kernel(const KdArgs a) {
@@ -547,33 +600,44 @@ __global__ void __launch_bounds__(kKdThreads) kd_kl_onepass_kernel(const KdArgs 
 // Two passes per row: the statistics (KlAcc), then dstudent. With P = teacher for forward KL and P = student
 // for reverse KL, a_j sums in closed form (A = -1, and A = KL + 1), so the gradient needs no third pass:
 //   forward KL  dL/dz_j = q_j - p_j                        reverse KL  dL/dz_j = q_j (log q_j - log p_j - KL)
-// Persistent blocks, one per SM: the first cache_vecs 16-byte vectors of both rows sit in shared memory,
-// brought there by asynchronous copies issued as the previous row's gradient pass frees each slot, so the
-// loads of row r + 1 overlap the stores of row r; the rest of the rows is re-read from L2.
-template <class T, int DIV>
+// Persistent clusters of C = 1 or 2 blocks (one block per SM), block `rank` owning a C-th of every row pair
+// (16-byte vectors; the last rank also the scalar tail): the first cache_vecs vectors of its slice of both rows sit in
+// shared memory, brought there by asynchronous copies issued as the previous row's gradient pass frees each
+// slot, so the loads of row r + 1 overlap the stores of row r; the rest of the slice is re-read from L2.
+// Splitting a row pair over C SMs keeps most of it in shared memory (bf16, V = 128256: 45% of a row pair
+// fits one SM, 88% of a half), instead of re-reading it through an L2 that keeps only part of it. The C
+// blocks swap their row statistics through distributed shared memory (double-buffered slots: one cluster
+// barrier per row) and merge them in rank order, so every block holds bitwise the same statistics.
+template <class T, int DIV, int C>
 __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a, int64_t cache_vecs) {
   extern __shared__ uint4 cache[];  // [0, cache_vecs) student, [cache_vecs, 2 cache_vecs) teacher
   constexpr int K = kVec<T>;
   const float c = kLog2e / a.temperature;
   const int64_t nvec = a.V / K;
+  const int rank = C > 1 ? int(blockIdx.x % unsigned(C)) : 0;
+  const int64_t per = (nvec + C - 1) / C;
+  const int v0 = int(per * rank < nvec ? per * rank : nvec);  // this block's vectors [v0, v1) of each row
+  const int v1 = int(per * (rank + 1) < nvec ? per * (rank + 1) : nvec);
+  const bool tail = rank == C - 1;  // the scalar tail past the last full vector
+  const int cv = int(cache_vecs < v1 - v0 ? cache_vecs : v1 - v0);
   auto srow = [&](int64_t r) { return static_cast<const T*>(a.s) + r * a.lds; };
   auto trow = [&](int64_t r) { return static_cast<const T*>(a.t) + r * a.ldt; };
   const unsigned long long once = l2_policy_evict_first(), keep = l2_policy_evict_last();
-  auto fetch = [&](int64_t r, int64_t i) {  // slot i of row r into shared memory (read once: evict first)
-    cp_async16_first(cache + i, reinterpret_cast<const uint4*>(srow(r)) + i, once);
-    cp_async16_first(cache + cache_vecs + i, reinterpret_cast<const uint4*>(trow(r)) + i, once);
+  auto fetch = [&](int64_t r, int i) {  // slot i of row r into shared memory (read once: evict first)
+    cp_async16_first(cache + i, reinterpret_cast<const uint4*>(srow(r)) + v0 + i, once);
+    cp_async16_first(cache + cache_vecs + i, reinterpret_cast<const uint4*>(trow(r)) + v0 + i, once);
   };
-  int64_t row = blockIdx.x;
-  if (row >= a.N) return;
-  for (int64_t i = threadIdx.x; i < cache_vecs; i += blockDim.x) fetch(row, i);
+  const int64_t stride = int64_t(gridDim.x / unsigned(C));
+  int64_t row = int64_t(blockIdx.x / unsigned(C));
+  if (row >= a.N) return;  // every block of the cluster alike
+  for (int i = int(threadIdx.x); i < cv; i += int(blockDim.x)) fetch(row, i);
   cp_async_commit();
-  for (; row < a.N; row += gridDim.x) {
+  for (int it = 0; row < a.N; row += stride, ++it) {
     const bool masked = target_masked(a, row);
     const T* s = srow(row);
     const T* t = trow(row);
     const uint4* sv = reinterpret_cast<const uint4*>(s);
     const uint4* tv = reinterpret_cast<const uint4*>(t);
-    cp_async_wait_all();  // this thread's slots (only it reads them)
     // Per thread: P and Q states in base 2 (max of x c, sum of 2^(x c - max)) and W in raw units, each
     // side updated by the same explicitly rounded steps (equal rows give bitwise-equal states).
     float pm = -INFINITY, pd = 0.f, qm = -INFINITY, qd = 0.f, w = 0.f;
@@ -610,37 +674,56 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
       if constexpr (DIV == FCE_KD_FORWARD_KL) add(vt, vs, K, mt, ms);
       else add(vs, vt, K, ms, mt);
     };
-    const int nv = int(nvec), cv = int(cache_vecs);
+    // The uncached part first: its loads need no wait, and the slots' copies issued at the end of the
+    // previous row land meanwhile (H100, bf16 4096x128256, C = 2: 84.2% of copy bandwidth against 83.2%).
     if (!masked) {
-      for (int i = threadIdx.x; i < cv; i += blockDim.x) add_vec(cache[i], cache[cache_vecs + i]);
-      for (int base = cv + threadIdx.x; base < nv; base += 2 * blockDim.x) {
+      for (int base = v0 + cv + int(threadIdx.x); base < v1; base += 2 * int(blockDim.x)) {
         uint4 rs[2], rt[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u)
-          if (base + u * int(blockDim.x) < nv) {
+          if (base + u * int(blockDim.x) < v1) {
             rs[u] = ld_hint_nc(sv + base + u * blockDim.x, keep);  // read again by the gradient pass
             rt[u] = ld_hint_nc(tv + base + u * blockDim.x, keep);
           }
 #pragma unroll
         for (int u = 0; u < 2; ++u)
-          if (base + u * int(blockDim.x) < nv) add_vec(rs[u], rt[u]);
+          if (base + u * int(blockDim.x) < v1) add_vec(rs[u], rt[u]);
       }
-      for (int64_t j = nvec * K + threadIdx.x; j < a.V; j += blockDim.x) {
-        const float xs = to_float(s[j]), xt = to_float(t[j]);
-        if constexpr (DIV == FCE_KD_FORWARD_KL) add(&xt, &xs, 1, xt, xs);
-        else add(&xs, &xt, 1, xs, xt);
-      }
+      if (tail)
+        for (int64_t j = nvec * K + threadIdx.x; j < a.V; j += blockDim.x) {
+          const float xs = to_float(s[j]), xt = to_float(t[j]);
+          if constexpr (DIV == FCE_KD_FORWARD_KL) add(&xt, &xs, 1, xt, xs);
+          else add(&xs, &xt, 1, xs, xt);
+        }
     }
+    cp_async_wait_all();  // this thread's slots (only it reads them); a masked row's too, before refilling
+    if (!masked)
+      for (int i = int(threadIdx.x); i < cv; i += int(blockDim.x)) add_vec(cache[i], cache[cache_vecs + i]);
     KlAcc acc;
     acc.p.m = pm;
     acc.p.d = pd;
     acc.q.m = qm;
     acc.q.d = qd;
     acc.w = w * c;
-    acc = block_reduce(acc);
+    acc = kl_block_all(acc);
+    if constexpr (C > 1) {  // the row's C partials, merged in rank order in every block
+      KlAcc* slot = exchange_slot<KlAcc[2], 0>()[0];
+      KlAcc* merged = exchange_slot<KlAcc, 1>();
+      if (threadIdx.x == 0) slot[it & 1] = acc;
+      cluster_sync_all();
+      if (threadIdx.x == 0) {
+        KlAcc m = cluster_peer(slot + (it & 1), 0);
+        for (int r = 1; r < C; ++r) m.merge(cluster_peer(slot + (it & 1), r));
+        *merged = m;
+      }
+      __syncthreads();
+      acc = *merged;
+    } else {
+      __syncthreads();  // kl_block_all's shared memory is rewritten by the next row
+    }
     const float lp = acc.p.log2sum(), lq = acc.q.log2sum();
     const float kl2 = acc.w / acc.p.d + (lq - lp);  // KL / ln 2
-    if (threadIdx.x == 0) {
+    if (rank == 0 && threadIdx.x == 0) {
       a.row_loss[row] = masked ? 0.f : kl2 * kLn2 * a.t2;
       if (a.row_used) a.row_used[row] = masked ? 0 : 1;
     }
@@ -655,7 +738,7 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
     };
     T* ds = static_cast<T*>(a.ds) + row * a.ldd;
     uint4* dv = reinterpret_cast<uint4*>(ds);
-    const int64_t next = row + gridDim.x;
+    const int64_t next = row + stride;
     auto grad_vec = [&](const uint4& rs, const uint4& rt) {
       float vs[K], vt[K], g[K];
       unpack_words<T>(rs, vs);
@@ -667,33 +750,35 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
     // The uncached part first and backwards, the most recently read (still in L2) first; then the cached
     // slots, each refilled with the next row as soon as it is used. dstudent is stored evict-first, so that
     // it does not push the rows out of L2.
-    const int nu = nv - cv;
-    for (int base = threadIdx.x; base < nu; base += 2 * blockDim.x) {
+    const int nu = v1 - v0 - cv;
+    for (int base = int(threadIdx.x); base < nu; base += 2 * int(blockDim.x)) {
       uint4 rs[2], rt[2];
 #pragma unroll
       for (int u = 0; u < 2; ++u)
         if (base + u * int(blockDim.x) < nu) {
-          const int i = nv - 1 - (base + u * int(blockDim.x));
+          const int i = v1 - 1 - (base + u * int(blockDim.x));
           rs[u] = ld_hint(sv + i, once);  // coherent loads (dstudent may be the student), last use
           rt[u] = ld_hint(tv + i, once);
         }
 #pragma unroll
       for (int u = 0; u < 2; ++u)
         if (base + u * int(blockDim.x) < nu) {
-          const int i = nv - 1 - (base + u * int(blockDim.x));
+          const int i = v1 - 1 - (base + u * int(blockDim.x));
           store_stream(dv + i, grad_vec(rs[u], rt[u]));
         }
     }
-    for (int i = threadIdx.x; i < cv; i += blockDim.x) {
-      store_stream(dv + i, grad_vec(cache[i], cache[cache_vecs + i]));
+    for (int i = int(threadIdx.x); i < cv; i += int(blockDim.x)) {
+      store_stream(dv + v0 + i, grad_vec(cache[i], cache[cache_vecs + i]));
       if (next < a.N) fetch(next, i);
     }
-    for (int64_t j = nvec * K + threadIdx.x; j < a.V; j += blockDim.x) {
-      const float xs = to_float(s[j]), xt = to_float(t[j]);
-      ds[j] = from_float<T>(masked ? 0.f : grad(xs, xt));
-    }
+    if (tail)
+      for (int64_t j = nvec * K + threadIdx.x; j < a.V; j += blockDim.x) {
+        const float xs = to_float(s[j]), xt = to_float(t[j]);
+        ds[j] = from_float<T>(masked ? 0.f : grad(xs, xt));
+      }
     cp_async_commit();
   }
+  if constexpr (C > 1) cluster_sync_all();  // peers may read this block's slots until here
 }
 
 
@@ -1038,6 +1123,15 @@ bool kd_grad_pipe(const fce_handle* h, const KdProblem& p) {
   return (bits & 15u) == 0 && p.student.cols * int64_t(es) >= 16 * 1024;
 }
 
+// Blocks per row pair of kd_kl_grad_pipe_kernel: 2 (a cluster) when the pair does not fit one SM's shared
+// memory, else 1. H100, bf16 4096x128256 forward KL + dstudent: 84.2% of copy bandwidth with 2, 80.3% with
+// 1, 56.6% with 4 (per-row costs four times over). FCE_DEBUG_KD=c1 forces 1 (tests and measurements).
+int kd_pipe_blocks(const fce_handle* h, int64_t vecs, int64_t fit) {
+  const char* e = std::getenv("FCE_DEBUG_KD");
+  if ((e && !std::strcmp(e, "c1")) || vecs <= fit || !clusters_available(h)) return 1;
+  return 2;
+}
+
 bool kd_onepass(const fce_handle* h, const KdProblem& p) {
   if (p.dstudent || renormalized(p) || forced_path() != Force::None) return false;
   if (p.student.rows < 2 * int64_t(h->sm_count > 0 ? h->sm_count : 1)) return false;
@@ -1176,15 +1270,33 @@ void kd(fce_handle* h, fce_stream_t stream, const KdProblem& p, Workspace w) {
     } else if (kd_grad_pipe(h, p)) {
       const int64_t vecs = V * int64_t(sizeof(Ts)) / 16;
       const int64_t fit = pipe_smem(h) / 32;  // both rows' slots
-      const int64_t cache_vecs = vecs < fit ? vecs : fit;
+      const int C = kd_pipe_blocks(h, vecs, fit);
+      const int64_t slice = (vecs + C - 1) / C;
+      const int64_t cache_vecs = slice < fit ? slice : fit;
       const size_t smem = size_t(cache_vecs) * 32;
-      const int64_t g = pipe_grid(h, N);
-      auto kernel = div == FCE_KD_FORWARD_KL ? kd_kl_grad_pipe_kernel<Ts, FCE_KD_FORWARD_KL>
-                                             : kd_kl_grad_pipe_kernel<Ts, FCE_KD_REVERSE_KL>;
+      void (*kernel)(const KdArgs, int64_t) = nullptr;
+      auto pick = [&](auto cc) {
+        constexpr int CC = decltype(cc)::value;
+        kernel = div == FCE_KD_FORWARD_KL ? kd_kl_grad_pipe_kernel<Ts, FCE_KD_FORWARD_KL, CC>
+                                          : kd_kl_grad_pipe_kernel<Ts, FCE_KD_REVERSE_KL, CC>;
+      };
+      if (C == 2) pick(std::integral_constant<int, 2>{});
+      else pick(std::integral_constant<int, 1>{});
       check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
             "cudaFuncSetAttribute");
-      kernel<<<unsigned(g), 1024, smem, s>>>(a, cache_vecs);
-      check_launch("KD kernel");
+      // Persistent clusters (blocks when C = 1): as few as give the same rows each as all that fit at once.
+      const int sm = h->sm_count > 0 ? h->sm_count : 1;
+      int64_t groups = C > 1 ? max_active_clusters(h, reinterpret_cast<const void*>(kernel), C, 1024, smem) : sm;
+      if (groups <= 0) groups = sm / C > 0 ? sm / C : 1;
+      const int64_t rows_each = (N + groups - 1) / groups;
+      const int64_t g = (N + rows_each - 1) / rows_each;
+      RowPlan lp;
+      lp.C = C;
+      lp.cluster = C > 1;
+      lp.threads = 1024;
+      lp.smem = smem;
+      lp.resident = false;
+      launch_grid(kernel, lp, g * C, s, "KD kernel", a, cache_vecs);
     } else if (kd_onepass(h, p)) {
       dispatch_float(p.teacher.dtype, [&](auto ttag) {
         using Tt = decltype(ttag);

@@ -294,6 +294,20 @@ TEST(KdLoss, GradientManyRows) {
     z.mask = false;
     z.grad_checks = 4;
     run_case(z);
+    // Row pairs longer than one SM's shared memory (the GPU splits each over a cluster of two blocks, the
+    // scalar tail on the second): -inf logits, and identical rows (loss and gradient exactly 0). Rows
+    // enough for that path on the GPU; three on the CPU, whose reference check is the slow part.
+    KdCase l{target().cuda() ? 140 : 3, 70001, DT::BF16, div, 0.5, 1.5};
+    l.same_dtype = true;
+    l.pad = 7;
+    l.grad_checks = 6;
+    if (div == FCE_KD_FORWARD_KL) {
+      l.neg_inf = true;
+    } else {
+      l.identical = true;
+      l.mask = false;
+    }
+    run_case(l);
   }
 }
 
