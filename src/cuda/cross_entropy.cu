@@ -525,8 +525,8 @@ __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
   uint4 raw[R];
   reg_load_lean<T, R>(x, f.n, raw);
   const float c = p.scale * kLog2e;  // the raw max first, then the scale (scale > 0)
-  const MaxSum part = few_partial<T, R>(raw, f.n, c);
-  const FewStats t = few_merge(part, c, p.splits, f.rank);
+  const MaxSum part = few_partial<T, R, false>(raw, f.n, c);
+  const FewStats t = few_merge<false>(part, c, p.splits, f.rank);
   if (f.rank == 0 && threadIdx.x == 0)
     p.lse[f.row] = t.nan ? NAN : t.m == INFINITY ? INFINITY : t.m == -INFINITY ? -INFINITY : (t.m * c + log2f(t.d)) * kLn2;
 }
