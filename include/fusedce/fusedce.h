@@ -449,8 +449,10 @@ FCE_API fce_status_t fce_linear_cross_entropy_fwd(fce_handle_t handle, fce_strea
                                                   const fce_ce_options_t* options,
                                                   const fce_linear_ce_outputs_t* outputs, void* workspace,
                                                   size_t workspace_bytes);
-/** Workspace bytes fce_linear_cross_entropy_fwd needs for a chunk of the default size (the minimum it
- *  accepts is that of one token; a larger workspace means larger chunks). */
+/** Workspace bytes fce_linear_cross_entropy_fwd needs for a chunk of the default size. A caller's
+ *  workspace may be smaller, down to that of one-token chunks for the same N (not this query at N = 1: on
+ *  a GPU a reduced loss also keeps two fp32 values per row); FCE_STATUS_WORKSPACE_TOO_SMALL's message
+ *  states the bytes needed. A larger workspace means larger chunks. */
 FCE_API fce_status_t fce_linear_cross_entropy_fwd_workspace_size(
     fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
     const DLTensor* targets, const fce_ce_options_t* options, const fce_linear_ce_outputs_t* outputs,

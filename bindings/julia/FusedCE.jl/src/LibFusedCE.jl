@@ -684,8 +684,10 @@ function fce_linear_cross_entropy_fwd(handle, stream, hidden, weight, bias, targ
 end
 
 """
-Workspace bytes fce_linear_cross_entropy_fwd needs for a chunk of the default size (the minimum it
- accepts is that of one token; a larger workspace means larger chunks).
+Workspace bytes fce_linear_cross_entropy_fwd needs for a chunk of the default size. A caller's
+ workspace may be smaller, down to that of one-token chunks for the same N (not this query at N = 1: on
+ a GPU a reduced loss also keeps two fp32 values per row); FCE_STATUS_WORKSPACE_TOO_SMALL's message
+ states the bytes needed. A larger workspace means larger chunks.
 """
 function fce_linear_cross_entropy_fwd_workspace_size(handle, hidden, weight, bias, targets, options, outputs, bytes)
     @ccall $(_fptr_fce_linear_cross_entropy_fwd_workspace_size[])(handle::fce_handle_t, hidden::Ptr{DLTensor}, weight::Ptr{DLTensor}, bias::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_linear_ce_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t

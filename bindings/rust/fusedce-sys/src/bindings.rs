@@ -1797,8 +1797,10 @@ extern "C" {
     ) -> fce_status_t;
 }
 extern "C" {
-    #[doc = " Workspace bytes fce_linear_cross_entropy_fwd needs for a chunk of the default size (the minimum it"]
-    #[doc = "  accepts is that of one token; a larger workspace means larger chunks)."]
+    #[doc = " Workspace bytes fce_linear_cross_entropy_fwd needs for a chunk of the default size. A caller's"]
+    #[doc = "  workspace may be smaller, down to that of one-token chunks for the same N (not this query at N = 1: on"]
+    #[doc = "  a GPU a reduced loss also keeps two fp32 values per row); FCE_STATUS_WORKSPACE_TOO_SMALL's message"]
+    #[doc = "  states the bytes needed. A larger workspace means larger chunks."]
     pub fn fce_linear_cross_entropy_fwd_workspace_size(
         handle: fce_handle_t,
         hidden: *const DLTensor,

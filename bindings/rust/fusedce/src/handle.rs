@@ -601,8 +601,10 @@ impl Handle {
         self.lce_impl(hidden, weight, bias, targets, None, options, &mut out, Call::Run)
     }
 
-    /// Workspace bytes [`Handle::linear_cross_entropy_fwd`] needs for a chunk of the default size
-    /// (the minimum it accepts is that of one token; a larger workspace means larger chunks).
+    /// Workspace bytes [`Handle::linear_cross_entropy_fwd`] needs for a chunk of the default size. A
+    /// caller's workspace may be smaller, down to that of one-token chunks for the same N (not this query
+    /// at N = 1: on a GPU a reduced loss also keeps two fp32 values per row); a `WORKSPACE_TOO_SMALL`
+    /// error's message states the bytes needed. A larger workspace means larger chunks.
     pub fn linear_cross_entropy_fwd_workspace_size(
         &self,
         hidden: &TensorRef<'_>,
