@@ -528,7 +528,10 @@ __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
   const MaxSum part = few_partial<T, R, false>(raw, f.n, c);
   const FewStats t = few_merge<false>(part, c, p.splits, f.rank);
   if (f.rank == 0 && threadIdx.x == 0)
-    p.lse[f.row] = t.nan ? NAN : t.m == INFINITY ? INFINITY : t.m == -INFINITY ? -INFINITY : (t.m * c + log2f(t.d)) * kLn2;
+    p.lse[f.row] = t.nan                ? NAN
+                   : t.m == INFINITY     ? INFINITY
+                   : t.m == -INFINITY    ? -INFINITY
+                                         : (t.m * c + log2f(t.d)) * kLn2;
 }
 
 struct SumD {

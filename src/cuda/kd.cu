@@ -488,13 +488,6 @@ struct KlAcc {  // P and Q states, and W = sum 2^(zP - mP) (zP - zQ) at P's max
     p.merge(o.p);
     q.merge(o.q);
   }
-  __device__ KlAcc shfl_down(unsigned off) const {
-    KlAcc r;
-    r.p = p.shfl_down(off);
-    r.q = q.shfl_down(off);
-    r.w = __shfl_down_sync(0xffffffffu, w, off);
-    return r;
-  }
   template <int G>
   __device__ __forceinline__ void add(const float (&zp)[G], const float (&zq)[G], int n) {
     float wk = 0.f;  // this group's part, at the new max
@@ -533,8 +526,8 @@ __device__ __forceinline__ KlAcc kl_warp_all(const KlAcc& v) {
   return r;
 }
 
-// Block merge with kl_warp_all, in every thread (one __syncthreads; the caller separates two calls by a
-// barrier).
+// Block merge with kl_warp_all, in every thread; the block reduction of every KlAcc (the shared scratch is
+// free again on return, as with block_reduce).
 __device__ __forceinline__ KlAcc kl_block_all(const KlAcc& v) {
   __shared__ float sh[5][32];
   const KlAcc t = kl_warp_all(v);
@@ -555,7 +548,9 @@ __device__ __forceinline__ KlAcc kl_block_all(const KlAcc& v) {
     u.q.d = sh[3][lane];
     u.w = sh[4][lane];
   }
-  return kl_warp_all(u);
+  u = kl_warp_all(u);
+  __syncthreads();  // every warp has read sh
+  return u;
 }
 
 // One block per row; DIV is forward KL (P = teacher) or reverse KL (P = student).
@@ -584,7 +579,7 @@ __global__ void __launch_bounds__(kKdThreads) kd_kl_onepass_kernel(const KdArgs 
       if constexpr (DIV == FCE_KD_FORWARD_KL) acc.add<G>(zt, zs, cnt);
       else acc.add<G>(zs, zt, cnt);
     });
-    acc = block_reduce(acc);
+    acc = kl_block_all(acc);
     if (threadIdx.x == 0) {
       // lse_P and lse_Q in base 2; every P and Q step mirrors the other, so equal rows give equal values.
       const float lp = acc.p.log2sum(), lq = acc.q.log2sum();
@@ -600,14 +595,14 @@ __global__ void __launch_bounds__(kKdThreads) kd_kl_onepass_kernel(const KdArgs 
 // Two passes per row: the statistics (KlAcc), then dstudent. With P = teacher for forward KL and P = student
 // for reverse KL, a_j sums in closed form (A = -1, and A = KL + 1), so the gradient needs no third pass:
 //   forward KL  dL/dz_j = q_j - p_j                        reverse KL  dL/dz_j = q_j (log q_j - log p_j - KL)
-// Persistent clusters of C = 1 or 2 blocks (one block per SM), block `rank` owning a C-th of every row pair
-// (16-byte vectors; the last rank also the scalar tail): the first cache_vecs vectors of its slice of both rows sit in
-// shared memory, brought there by asynchronous copies issued as the previous row's gradient pass frees each
-// slot, so the loads of row r + 1 overlap the stores of row r; the rest of the slice is re-read from L2.
-// Splitting a row pair over C SMs keeps most of it in shared memory (bf16, V = 128256: 45% of a row pair
-// fits one SM, 88% of a half), instead of re-reading it through an L2 that keeps only part of it. The C
-// blocks swap their row statistics through distributed shared memory (double-buffered slots: one cluster
-// barrier per row) and merge them in rank order, so every block holds bitwise the same statistics.
+// Persistent clusters of C = 1 or 2 blocks (one block per SM), block `rank` owning a C-th of every row
+// pair (16-byte vectors; the last rank also the scalar tail): the first cache_vecs vectors of its slice of
+// both rows sit in shared memory, brought there by asynchronous copies issued as the previous row's gradient
+// pass frees each slot, so the loads of row r + 1 overlap the stores of row r; the rest of the slice is
+// re-read from L2. Splitting a row pair over C SMs keeps most of it in shared memory (bf16, V = 128256: 45%
+// of a row pair fits one SM, 88% of a half), instead of re-reading it through an L2 that keeps only part of
+// it. The C blocks swap their row statistics through distributed shared memory (double-buffered slots: one
+// cluster barrier per row) and merge them in rank order, so every block holds bitwise the same statistics.
 template <class T, int DIV, int C>
 __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a, int64_t cache_vecs) {
   extern __shared__ uint4 cache[];  // [0, cache_vecs) student, [cache_vecs, 2 cache_vecs) teacher
@@ -718,8 +713,6 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
       }
       __syncthreads();
       acc = *merged;
-    } else {
-      __syncthreads();  // kl_block_all's shared memory is rewritten by the next row
     }
     const float lp = acc.p.log2sum(), lq = acc.q.log2sum();
     const float kl2 = acc.w / acc.p.d + (lq - lp);  // KL / ln 2
