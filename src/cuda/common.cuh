@@ -126,27 +126,37 @@ template <> struct VecOf<16> { using type = uint4; };
 template <> struct VecOf<8> { using type = uint2; };
 template <> struct VecOf<4> { using type = unsigned; };
 
-// Unpacks a 16-byte vector of T by whole 32-bit words, so that a vector read from shared memory stays one
-// 16-byte load (reinterpreting it element by element lets the compiler split it into 2-byte loads).
-template <class T>
-__device__ __forceinline__ void unpack_words(const uint4& raw, float (&v)[kVec<T>]) {
-  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+// Unpacks W 32-bit words of packed T's (16-bit types: the low half first), word by word, so that a vector read
+// from shared memory stays one wide load (reinterpreting it element by element lets the compiler split it
+// into 2-byte loads).
+template <class T, int W>
+__device__ __forceinline__ void unpack_word_array(const unsigned (&w)[W], float (&v)[W * 4 / int(sizeof(T))]) {
   if constexpr (sizeof(T) == 4) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
+    for (int i = 0; i < W; ++i) v[i] = __uint_as_float(w[i]);
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < W; ++i) {
       v[2 * i] = __uint_as_float(w[i] << 16);
       v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < W; ++i) {
       v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
       v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
     }
   }
+}
+template <class T>
+__device__ __forceinline__ void unpack_words(const uint4& raw, float (&v)[kVec<T>]) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+  unpack_word_array<T, 4>(w, v);
+}
+template <class T>
+__device__ __forceinline__ void unpack_words(const uint2& raw, float (&v)[kVec<T> / 2]) {
+  const unsigned w[2] = {raw.x, raw.y};
+  unpack_word_array<T, 2>(w, v);
 }
 
 // Pairwise max of two packed 16-bit T's (like fmaxf, a NaN loses to a number).

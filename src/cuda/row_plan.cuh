@@ -150,27 +150,29 @@ __device__ __forceinline__ void load_slice(const T* __restrict__ src, int n, T* 
   }
 }
 
-// Visits a resident slice sm[0, n): f(v, e, cnt) with cnt = kVec (16-byte shared loads) or 1 (tail).
-template <class T, class F>
+// Visits a resident slice sm[0, n): f(v, e, cnt) with cnt = G (G consecutive values, one shared load of
+// G * sizeof(T) bytes: 16, or 8 where the caller stores G fp32 values of 16-bit T as one 16-byte vector)
+// or 1 (tail).
+template <class T, int G = kVec<T>, class F>
 __device__ __forceinline__ void smem_visit(const T* sm, int n, F&& f) {
-  constexpr int K = kVec<T>;
-  const int ng = n / K;
-  const uint4* sv = reinterpret_cast<const uint4*>(sm);
+  using V = typename VecOf<G * int(sizeof(T))>::type;
+  const int ng = n / G;
+  const V* sv = reinterpret_cast<const V*>(sm);
   for (int g = threadIdx.x; g < ng; g += blockDim.x) {
-    float v[K];
+    float v[G];
     unpack_words<T>(sv[g], v);
-    f(v, g * K, K);
+    f(v, g * G, G);
   }
-  for (int e = ng * K + threadIdx.x; e < n; e += blockDim.x) {
-    float v[K];
+  for (int e = ng * G + threadIdx.x; e < n; e += blockDim.x) {
+    float v[G];
     v[0] = to_float(sm[e]);
     f(v, e, 1);
   }
 }
 
 // ---- few rows: register-resident slices, one cluster of C blocks per row ------------------------------
-// A thread holds R 16-byte vectors of its block's slice in registers: slot r is vector threadIdx.x + r *
-// blockDim.x of the slice. The slice starts 16-byte aligned; a last partial vector is read element by
+// A thread holds R 16-byte slots of its block's slice in registers (slot_col: one vector each, or two half
+// vectors for fp32 output). The slice starts 16-byte aligned; a last partial vector is read element by
 // element and padded with -inf (which changes no max or sum), as are the slots past the slice.
 // Decode-sized calls are latency-bound: these kernels keep to one __syncthreads and one cluster barrier
 // (the partials are pushed, not pulled), nothing on the stack, 32-bit slice arithmetic and the partial
@@ -212,8 +214,20 @@ __device__ __noinline__ uint4 load_partial_vec(const T* __restrict__ src, int cn
   return *reinterpret_cast<const uint4*>(el);
 }
 
-// reg_load for the lean kernels: slots past the slice hold -inf vectors.
-template <class T, int R>
+// Register slot layout of the lean kernels. kHalf = false: slot r is the 16-byte vector threadIdx.x + r *
+// blockDim.x of the slice. kHalf = true: slot r holds two 8-byte half vectors, numbers threadIdx.x + (2r + h) *
+// blockDim.x (h = 0, 1) in 8-byte units, so that writing a half's values as fp32 is one 16-byte store and a
+// warp's store covers 512 contiguous bytes (two 16-byte stores 32 bytes apart per thread leave each store
+// instruction half of every sector it touches: H100, bf16 -> fp32 of 256x151936, 114 against 87 us).
+// First column of half h of slot r (h = 0 only without kHalf).
+template <class T, bool kHalf>
+__device__ __forceinline__ int slot_col(int r, int h) {
+  if constexpr (kHalf) return int(threadIdx.x + (2 * r + h) * blockDim.x) * (kVec<T> / 2);
+  else return int(threadIdx.x + r * blockDim.x) * kVec<T>;
+}
+
+// reg_load for the lean kernels: slots (halves) past the slice hold -inf.
+template <class T, int R, bool kHalf = false>
 __device__ __forceinline__ void reg_load_lean(const T* __restrict__ src, int n, uint4 (&raw)[R]) {
   constexpr int K = kVec<T>;
   unsigned w;  // -inf in every element of a 32-bit word
@@ -226,10 +240,27 @@ __device__ __forceinline__ void reg_load_lean(const T* __restrict__ src, int n, 
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int e0 = int(threadIdx.x + r * blockDim.x) * K;
-    if (e0 + K <= n) raw[r] = __ldg(reinterpret_cast<const uint4*>(src + e0));
-    else if (e0 < n) raw[r] = load_partial_vec<T>(src + e0, n - e0);
-    else raw[r] = make_uint4(w, w, w, w);
+    if constexpr (kHalf) {
+      uint2 h[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int e0 = slot_col<T, true>(r, i);
+        if (e0 + K / 2 <= n) {
+          h[i] = __ldg(reinterpret_cast<const uint2*>(src + e0));
+        } else if (e0 < n) {
+          const uint4 p = load_partial_vec<T>(src + e0, n - e0);
+          h[i] = make_uint2(p.x, p.y);
+        } else {
+          h[i] = make_uint2(w, w);
+        }
+      }
+      raw[r] = make_uint4(h[0].x, h[0].y, h[1].x, h[1].y);
+    } else {
+      const int e0 = slot_col<T, false>(r, 0);
+      if (e0 + K <= n) raw[r] = __ldg(reinterpret_cast<const uint4*>(src + e0));
+      else if (e0 < n) raw[r] = load_partial_vec<T>(src + e0, n - e0);
+      else raw[r] = make_uint4(w, w, w, w);
+    }
   }
 }
 
@@ -348,7 +379,7 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
 // This block's (kWarpParts: this warp's) partial over its register slots (the slice's n values): every
 // thread takes the max and the sum over its own values (no block-wide max to wait for), then the block (the
 // warp) merges the threads' partials, for few_merge<kWarpParts>.
-template <class T, int R, bool kWarpParts>
+template <class T, int R, bool kWarpParts, bool kHalf = false>
 __device__ __forceinline__ MaxSum few_partial(const uint4 (&raw)[R], int n, float c) {
   constexpr int K = kVec<T>;
   float mx = -INFINITY;
@@ -358,7 +389,7 @@ __device__ __forceinline__ MaxSum few_partial(const uint4 (&raw)[R], int n, floa
   if (mx > -INFINITY && mx < INFINITY) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      if (int(threadIdx.x + r * blockDim.x) * K >= n) break;  // slots past the slice: no exponentials
+      if (slot_col<T, kHalf>(r, 0) >= n) break;  // slots past the slice: no exponentials
       float v[K];
       unpack_words<T>(raw[r], v);
 #pragma unroll

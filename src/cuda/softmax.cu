@@ -227,15 +227,17 @@ __device__ __noinline__ void softmax_row_general(const SmArgs& a, int64_t row, i
 template <class T, class O, int R>
 __global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constant__ SmArgs a) {
   constexpr int K = kVec<T>;
+  constexpr bool kHalf = sizeof(T) == 2 && sizeof(O) == 4;  // fp32 out of 16-bit in: half-vector slots
+  constexpr int G = kHalf ? K / 2 : K;                        // values per store
   few_arrive(a.C);
   const FewCtx f = few_ctx(a.V, a.C);
   const float temp = a.temps ? a.temps[f.row] : a.temperature;
   const T* x = static_cast<const T*>(a.x) + f.row * a.ldx + f.begin;
   O* out = static_cast<O*>(a.probs) + f.row * a.ldp + f.begin;
   uint4 raw[R];
-  reg_load_lean<T, R>(x, f.n, raw);
+  reg_load_lean<T, R, kHalf>(x, f.n, raw);
   const float c = (1.f / temp) * kLog2e;  // (x - max) / T in base 2: the raw max first, then the scale
-  const MaxSum part = few_partial<T, R, true>(raw, f.n, c);
+  const MaxSum part = few_partial<T, R, true, kHalf>(raw, f.n, c);
   const FewStats t = few_merge<true>(part, c, a.C, f.rank);
   if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
     softmax_row_general<T>(a, f.row, f.rank);
@@ -244,13 +246,17 @@ __global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constan
   const float inv_d = 1.f / t.d;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int e0 = int(threadIdx.x + r * blockDim.x) * K;
-    if (e0 < f.n) {
-      float v[K];
-      unpack_words<T>(raw[r], v);
+    float v[K];
+    unpack_words<T>(raw[r], v);
 #pragma unroll
-      for (int k = 0; k < K; ++k) v[k] = ex2((v[k] - t.m) * c) * inv_d;
-      store_vals<O, K>(out + e0, v, min(K, f.n - e0));
+    for (int h = 0; h < K / G; ++h) {
+      const int e0 = slot_col<T, kHalf>(r, h);
+      if (e0 < f.n) {
+        float o[G];
+#pragma unroll
+        for (int k = 0; k < G; ++k) o[k] = ex2((v[h * G + k] - t.m) * c) * inv_d;
+        store_vals<O, G>(out + e0, o, min(G, f.n - e0));
+      }
     }
   }
 }
@@ -298,11 +304,13 @@ __global__ void __launch_bounds__(512, 2) softmax_smem_kernel(const __grid_const
   }
   const float inv_d = 1.f / t.d;
   O* out = static_cast<O*>(a.probs) + f.row * a.ldp + f.begin;
-  smem_visit<T>(sm, f.n, [&](const float(&v)[K], int e0, int cnt) {
-    float o[K];
+  // fp32 out of 16-bit in: 8-byte shared loads, so that each thread stores one 16-byte vector (see slot_col)
+  constexpr int G = sizeof(T) == 2 && sizeof(O) == 4 ? K / 2 : K;
+  smem_visit<T, G>(sm, f.n, [&](const float(&v)[G], int e0, int cnt) {
+    float o[G];
 #pragma unroll
-    for (int k = 0; k < K; ++k) o[k] = ex2((v[k] - t.m) * c) * inv_d;
-    store_vals<O, K>(out + e0, o, cnt);
+    for (int k = 0; k < G; ++k) o[k] = ex2((v[k] - t.m) * c) * inv_d;
+    store_vals<O, G>(out + e0, o, cnt);
   });
 }
 
