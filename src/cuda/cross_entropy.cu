@@ -516,17 +516,18 @@ __global__ void __launch_bounds__(kRowThreads) grad_kernel(CeParams p) {
 constexpr int64_t kLseRegRows = 16;
 
 // Few rows of logsumexp in one launch: C blocks per row (a cluster of up to 16), each holding its slice in
-// registers; the blocks' (max, sum) partials are pushed to every block and merged in a fixed order (few_merge).
+// registers; the blocks' (max, sum) partials are pushed to rank 0, which merges them in a fixed order
+// (few_merge) and writes the row's logsumexp.
 template <class T, int R>
 __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
-  few_arrive(p.splits);
+  few_arrive<false>(p.splits);
   const FewCtx f = few_ctx(p.V, p.splits);
   const T* x = static_cast<const T*>(p.x) + f.row * p.ld + f.begin;
   uint4 raw[R];
   reg_load_lean<T, R>(x, f.n, raw);
   const float c = p.scale * kLog2e;  // the raw max first, then the scale (scale > 0)
   const MaxSum part = few_partial<T, R, false>(raw, f.n, c);
-  const FewStats t = few_merge<false>(part, c, p.splits, f.rank);
+  const FewStats t = few_merge<false, false>(part, c, p.splits, f.rank);  // rank 0 writes the result
   if (f.rank == 0 && threadIdx.x == 0)
     p.lse[f.row] = t.nan                ? NAN
                    : t.m == INFINITY     ? INFINITY

@@ -319,55 +319,88 @@ struct FewStats {
   bool nan;    // a NaN logit somewhere in the row
 };
 
-// A block may write into a peer's shared memory only once the peer runs: every thread arrives on the
-// cluster barrier first thing (few_arrive) and waits just before the push (few_merge), by when the peers
-// have long arrived, so the wait costs nothing.
+// The cluster exchange of the few-row kernels. Each block's partials go straight into the shared memory of
+// the blocks that need them (every block of the row, or only rank 0 where one block writes the result) by
+// st.async, whose arrival counts on the receiver's mbarrier (complete_tx): a receiver waits on its own
+// mbarrier for the bytes of all C blocks, and nobody waits on a cluster-wide barrier after the push (H100,
+// micro-benchmark of 1x128256 logsumexp: 5.8 us with a cluster barrier, 5.3 us so; softmax 6.5 -> 6.1 us).
+// A receiver leaves only once everything sent to it has arrived, so no block writes into one that has left.
+// Senders must not write before the receivers have initialized their mbarriers: every thread arrives on the
+// cluster barrier first thing (few_arrive, after the initialization) and waits just before the push
+// (few_merge), by when the peers have long arrived, so the wait costs nothing.
+__device__ __forceinline__ unsigned long long* few_mbar() {
+  __shared__ alignas(8) unsigned long long bar;
+  return &bar;
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// kAll: every block receives the partials; otherwise rank 0 only.
+template <bool kAll>
 __device__ __forceinline__ void few_arrive(int C) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (C > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  if (C > 1) {
+    if (threadIdx.x == 0 && (kAll || blockIdx.x % unsigned(C) == 0)) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(few_mbar())) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  }
 #endif
 }
 
 // The row statistics from the cluster's partials. kWarpParts = false: the block's partial (the same in
-// every thread), pushed by threads 0..C-1 into slot `rank` of every block of the cluster; true: each warp's
-// partial, pushed by its lanes 0..C-1 into slot (rank, warp) (no block merge before the push: one barrier
-// and one warp merge less on the chain, more slots after it; H100, 1x128256 softmax 8.0 -> 7.6 us,
-// logsumexp 6.2 -> 6.6 us). One cluster barrier (a __syncthreads without a cluster); then each lane merges
-// every 32nd slot and the warp merges the lanes, the same fixed order in every block (bitwise the same
-// statistics everywhere). A slice whose max is not finite reports d = NaN if it holds a NaN, else 0. Call
-// from every thread, after few_arrive.
-template <bool kWarpParts>
+// every thread), pushed by threads 0..C-1 into slot `rank` of each receiver; true: each warp's partial,
+// pushed by its lanes into slot (rank, warp) (no block merge before the push: one barrier and one warp merge
+// less on the chain, more slots after it). Each lane of a receiver then merges every 32nd slot and the warp
+// merges the lanes, the same fixed order in every block (bitwise the same statistics everywhere). A slice
+// whose max is not finite reports d = NaN if it holds a NaN, else 0. Call from every thread, after
+// few_arrive<kAll>; without kAll, blocks other than rank 0 get no statistics (the result is meaningless
+// there) and must not use them.
+template <bool kWarpParts, bool kAll = true>
 __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int rank) {
   __shared__ float2 slot[kMaxFewCluster * (kWarpParts ? 32 : 1)];
   const int lane = int(threadIdx.x & 31u);
   const int P = kWarpParts ? int(blockDim.x >> 5) : 1;  // partials per block
-  const int to = kWarpParts ? lane : int(threadIdx.x);  // the peer this thread pushes to, if < C
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (C > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-#endif
-  if (to < C) {
-    const float2 v = make_float2(part.m, part.d);
-    const int i = rank * P + (kWarpParts ? int(threadIdx.x >> 5) : 0);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (C > 1) cooperative_groups::this_cluster().map_shared_rank(slot, to)[i] = v;
-    else slot[i] = v;
-#else
-    slot[i] = v;
-#endif
-  }
+  const int to = kWarpParts ? lane : int(threadIdx.x);  // the receiver this thread pushes to, if < receivers
+  const float2 v = make_float2(part.m, part.d);
+  const int i = rank * P + (kWarpParts ? int(threadIdx.x >> 5) : 0);
   if (C > 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    const bool receiver = kAll || rank == 0;
+    const unsigned bar = smem_addr(few_mbar());
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    if (receiver && threadIdx.x == 0)  // the block's one arrival, and the bytes to expect
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(unsigned(C * P * 8))
+                   : "memory");
+    if (to < (kAll ? C : 1)) {
+      unsigned rs, rb;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rs) : "r"(smem_addr(slot + i)), "r"(to));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(bar), "r"(to));
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(rs),
+                   "f"(v.x), "f"(v.y), "r"(rb)
+                   : "memory");
+    }
+    if (!receiver) return FewStats{};
+    asm volatile(
+        "{\n\t.reg .pred p;\n"
+        "FEW_WAIT_%=:\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], 0;\n\t"
+        "@!p bra FEW_WAIT_%=;\n\t}" ::"r"(bar)
+        : "memory");
 #else
     __trap();
 #endif
   } else {
+    if (to < 1) slot[i] = v;
     __syncthreads();
   }
   const int n = C * P;
   float m = -INFINITY, d = 0.f;
-  for (int i = lane; i < n; i += 32) m = fmaxf(m, slot[i].x);
-  for (int i = lane; i < n; i += 32) d += sum_at({slot[i].x, slot[i].y}, m, c);
+  for (int k = lane; k < n; k += 32) m = fmaxf(m, slot[k].x);
+  for (int k = lane; k < n; k += 32) d += sum_at({slot[k].x, slot[k].y}, m, c);
   const MaxSum s = warp_ms_all({m, d}, c);
   FewStats t;
   t.m = s.m;

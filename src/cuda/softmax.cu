@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constan
   constexpr int K = kVec<T>;
   constexpr bool kHalf = sizeof(T) == 2 && sizeof(O) == 4;  // fp32 out of 16-bit in: half-vector slots
   constexpr int G = kHalf ? K / 2 : K;                        // values per store
-  few_arrive(a.C);
+  few_arrive<true>(a.C);
   const FewCtx f = few_ctx(a.V, a.C);
   const float temp = a.temps ? a.temps[f.row] : a.temperature;
   const T* x = static_cast<const T*>(a.x) + f.row * a.ldx + f.begin;
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constan
 template <class T, class O>
 __global__ void __launch_bounds__(512, 2) softmax_smem_kernel(const __grid_constant__ SmArgs a) {
   constexpr int K = kVec<T>;
-  few_arrive(a.C);
+  few_arrive<true>(a.C);
   const FewCtx f = few_ctx(a.V, a.C);
   const float temp = a.temps ? a.temps[f.row] : a.temperature;
   T* sm = reinterpret_cast<T*>(g_smem);
