@@ -526,8 +526,8 @@ __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
   uint4 raw[R];
   reg_load_lean<T, R>(x, f.n, raw);
   const float c = p.scale * kLog2e;  // the raw max first, then the scale (scale > 0)
-  const MaxSum part = few_partial<T, R, false>(raw, f.n, c);
-  const FewStats t = few_merge<false, false>(part, c, p.splits, f.rank);  // rank 0 writes the result
+  const MaxSum part = few_partial<T, R>(raw, f.n, c);
+  const FewStats t = few_merge<false>(part, c, p.splits, f.rank);  // rank 0 writes the result
   if (f.rank == 0 && threadIdx.x == 0)
     p.lse[f.row] = t.nan                ? NAN
                    : t.m == INFINITY     ? INFINITY

@@ -3,6 +3,7 @@
 #pragma once
 #include <cooperative_groups.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdlib>
@@ -351,34 +352,30 @@ __device__ __forceinline__ void few_arrive(int C) {
 #endif
 }
 
-// The row statistics from the cluster's partials. kWarpParts = false: the block's partial (the same in
-// every thread), pushed by threads 0..C-1 into slot `rank` of each receiver; true: each warp's partial,
-// pushed by its lanes into slot (rank, warp) (no block merge before the push: one barrier and one warp merge
-// less on the chain, more slots after it). Each lane of a receiver then merges every 32nd slot and the warp
-// merges the lanes, the same fixed order in every block (bitwise the same statistics everywhere). A slice
+// The row statistics from the cluster's partials: the block's partial (the same in every thread) goes from
+// threads 0..C-1 into slot `rank` of each receiver; then lane i of every warp of a receiver takes slot i and
+// the warp merges them, the same fixed order in every block (bitwise the same statistics everywhere). A slice
 // whose max is not finite reports d = NaN if it holds a NaN, else 0. Call from every thread, after
 // few_arrive<kAll>; without kAll, blocks other than rank 0 get no statistics (the result is meaningless
 // there) and must not use them.
-template <bool kWarpParts, bool kAll = true>
+template <bool kAll>
 __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int rank) {
-  __shared__ float2 slot[kMaxFewCluster * (kWarpParts ? 32 : 1)];
+  static_assert(kMaxFewCluster <= 32, "one slot per lane");
+  __shared__ float2 slot[kMaxFewCluster];
   const int lane = int(threadIdx.x & 31u);
-  const int P = kWarpParts ? int(blockDim.x >> 5) : 1;  // partials per block
-  const int to = kWarpParts ? lane : int(threadIdx.x);  // the receiver this thread pushes to, if < receivers
   const float2 v = make_float2(part.m, part.d);
-  const int i = rank * P + (kWarpParts ? int(threadIdx.x >> 5) : 0);
   if (C > 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const bool receiver = kAll || rank == 0;
     const unsigned bar = smem_addr(few_mbar());
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
     if (receiver && threadIdx.x == 0)  // the block's one arrival, and the bytes to expect
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(unsigned(C * P * 8))
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(unsigned(C * 8))
                    : "memory");
-    if (to < (kAll ? C : 1)) {
+    if (int(threadIdx.x) < (kAll ? C : 1)) {  // thread i sends to block i
       unsigned rs, rb;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rs) : "r"(smem_addr(slot + i)), "r"(to));
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(bar), "r"(to));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rs) : "r"(smem_addr(slot + rank)), "r"(threadIdx.x));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(bar), "r"(threadIdx.x));
       asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(rs),
                    "f"(v.x), "f"(v.y), "r"(rb)
                    : "memory");
@@ -394,14 +391,11 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
     __trap();
 #endif
   } else {
-    if (to < 1) slot[i] = v;
+    if (threadIdx.x == 0) slot[0] = v;
     __syncthreads();
   }
-  const int n = C * P;
-  float m = -INFINITY, d = 0.f;
-  for (int k = lane; k < n; k += 32) m = fmaxf(m, slot[k].x);
-  for (int k = lane; k < n; k += 32) d += sum_at({slot[k].x, slot[k].y}, m, c);
-  const MaxSum s = warp_ms_all({m, d}, c);
+  const float2 w = lane < C ? slot[lane] : make_float2(-INFINITY, 0.f);
+  const MaxSum s = warp_ms_all({w.x, w.y}, c);
   FewStats t;
   t.m = s.m;
   t.d = s.d;
@@ -409,10 +403,9 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
   return t;
 }
 
-// This block's (kWarpParts: this warp's) partial over its register slots (the slice's n values): every
-// thread takes the max and the sum over its own values (no block-wide max to wait for), then the block (the
-// warp) merges the threads' partials, for few_merge<kWarpParts>.
-template <class T, int R, bool kWarpParts, bool kHalf = false>
+// This block's partial over its register slots (the slice's n values): every thread takes the max and the
+// sum over its own values (no block-wide max to wait for), then the block merges the threads' partials.
+template <class T, int R, bool kHalf = false>
 __device__ __forceinline__ MaxSum few_partial(const uint4 (&raw)[R], int n, float c) {
   constexpr int K = kVec<T>;
   float mx = -INFINITY;
@@ -431,7 +424,7 @@ __device__ __forceinline__ MaxSum few_partial(const uint4 (&raw)[R], int n, floa
   } else if (regs_have_nan<T, R>(raw)) {
     d = NAN;
   }
-  return kWarpParts ? warp_ms_all({mx, d}, c) : block_ms_all({mx, d}, c);
+  return block_ms_all({mx, d}, c);
 }
 
 // Stores v[0, cnt) to out[0, cnt) as O: 16-byte stores for a full group at an aligned address, else one
@@ -617,7 +610,8 @@ int max_active_clusters(const fce_handle* h, const void* kernel, int C, int thre
 }
 
 // Register-resident plan for decode batches (C blocks per row, a cluster when C > 1, R vectors per thread),
-// or C = 0 when the rows do not fit (R > kMaxRegVecs: more would spill), are not 16-byte aligned, are more
+// or C = 0 when the rows do not fit (more than kMaxRegVecs vectors for 1024 threads would spill), are not
+// 16-byte aligned, are more
 // than max_rows, or a path is forced. C grows until the GPU has about a block per SM or the slices fit; then
 // it shrinks while the N clusters would not all be resident at once (a second wave of clusters costs a
 // whole kernel's latency). `kernel` is the one to launch (for the residency query).
@@ -638,14 +632,15 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
   const int cmax = !clusters_available(h)                  ? 1
                    : allow_cluster(kernel, kMaxFewCluster) ? kMaxFewCluster
                                                            : kMaxCluster;
+  // Threads sized to the slice (two or four vectors each, a multiple of a warp), so that no slot is idle.
   auto plan = [&](int C, RegPlan* out) {
-    const int64_t cols = slice_cols(V, C);
-    const int threads = cols > 2048 * K ? 1024 : cols >= 1024 * K ? 512 : cols >= 256 * K ? 256 : 128;
-    const int64_t R = (cols + int64_t(threads) * K - 1) / (int64_t(threads) * K);
+    const int64_t vecs = (slice_cols(V, C) + K - 1) / K;
+    const int64_t R = vecs <= 64 ? 1 : vecs <= 2 * 1024 ? 2 : kMaxRegVecs;
+    const int64_t threads = std::max<int64_t>(64, ((vecs + R - 1) / R + 31) / 32 * 32);
     out->C = C;
-    out->threads = threads;
-    out->R = R <= 1 ? 1 : R <= 2 ? 2 : 4;
-    return R <= kMaxRegVecs;
+    out->threads = int(std::min<int64_t>(threads, 1024));
+    out->R = int(R);
+    return threads <= 1024;
   };
   int C = 1;
   for (; C <= cmax; ++C) {

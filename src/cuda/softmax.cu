@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constan
   uint4 raw[R];
   reg_load_lean<T, R, kHalf>(x, f.n, raw);
   const float c = (1.f / temp) * kLog2e;  // (x - max) / T in base 2: the raw max first, then the scale
-  const MaxSum part = few_partial<T, R, true, kHalf>(raw, f.n, c);
+  const MaxSum part = few_partial<T, R, kHalf>(raw, f.n, c);
   const FewStats t = few_merge<true>(part, c, a.C, f.rank);
   if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
     softmax_row_general<T>(a, f.row, f.rank);
@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(512, 2) softmax_smem_kernel(const __grid_const
       },
       [&](float xv, int) { add(&xv, 1, xv); });
   // block_ms_all's barrier also orders the slice's shared-memory writes before the reads below
-  const FewStats t = few_merge<false>(block_ms_all({mx, d}, c), c, a.C, f.rank);
+  const FewStats t = few_merge<true>(block_ms_all({mx, d}, c), c, a.C, f.rank);
   if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
     softmax_row_general<T>(a, f.row, f.rank);
     return;
