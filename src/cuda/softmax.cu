@@ -173,31 +173,42 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
     if (a.logp_f32) lf = static_cast<float*>(a.logp) + row * a.ldl + begin;
     else lt = static_cast<T*>(a.logp) + row * a.ldl + begin;
   }
-  sm_visit<T, kMode>(x, sm, n, [&](const float(&v)[K], int64_t e0, int cnt) {
-    float d[K], o[K];
+  // f(v, e0, cnt) for G = kVec or kVec / 2 values at a time
+  auto write = [&](const auto& v, int64_t e0, int cnt) {
+    constexpr int G = int(std::extent_v<std::remove_reference_t<decltype(v)>>);
+    float d[G], o[G];
 #pragma unroll
-    for (int k = 0; k < K; ++k) d[k] = k < cnt ? scaled(v[k]) : 0.f;
+    for (int k = 0; k < G; ++k) d[k] = k < cnt ? scaled(v[k]) : 0.f;
     if (pf || pt) {
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
+      for (int k = 0; k < G; ++k) {
         if (bad) o[k] = NAN;
         else if (greedy) o[k] = begin + e0 + k == am ? 1.f : 0.f;  // one-hot at the first maximum
         else o[k] = fexp(d[k]) * inv_d;
       }
-      if (pf) store_vals<float, K>(pf + e0, o, cnt);
-      else store_vals<T, K>(pt + e0, o, cnt);
+      if (pf) store_vals<float, G>(pf + e0, o, cnt);
+      else store_vals<T, G>(pt + e0, o, cnt);
     }
     if (lf || lt) {
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
+      for (int k = 0; k < G; ++k) {
         if (bad) o[k] = NAN;
         else if (greedy) o[k] = begin + e0 + k == am ? 0.f : -INFINITY;
         else o[k] = d[k] - log_d;
       }
-      if (lf) store_vals<float, K>(lf + e0, o, cnt);
-      else store_vals<T, K>(lt + e0, o, cnt);
+      if (lf) store_vals<float, G>(lf + e0, o, cnt);
+      else store_vals<T, G>(lt + e0, o, cnt);
     }
-  });
+  };
+  // A resident slice written as fp32 from 16-bit logits: 8-byte shared loads, so that each thread stores
+  // 16 contiguous bytes (see slot_col in row_plan.cuh).
+  if constexpr (kMode == kShared && sizeof(T) == 2) {
+    if (pf || lf) {
+      smem_visit<T, K / 2>(sm, int(n), write);
+      return;
+    }
+  }
+  sm_visit<T, kMode>(x, sm, n, write);
 }
 
 template <class T, int kMode>
