@@ -511,8 +511,9 @@ __global__ void __launch_bounds__(kRowThreads) grad_kernel(CeParams p) {
   write_grad<T, O>(p, row, b, e, p.saved_lse ? p.saved_lse[row] : p.row_lse[row]);
 }
 
-// Rows up to which logsumexp keeps rows in registers (H100: 16x151936 10.2 us against 20.9 split; at
-// 64x128256 the split path is faster, 19.1 against 20.7 us, the register path's clusters taking 3 waves).
+// Rows up to which logsumexp keeps rows in registers (H100, when chosen: 16x151936 10.2 us against 20.9
+// split; at 64x128256 the split path is faster, 19.1 against 20.7 us, the register path's clusters taking
+// 3 waves).
 constexpr int64_t kLseRegRows = 16;
 
 // Few rows of logsumexp in one launch: C blocks per row (a cluster of up to 16), each holding its slice in

@@ -175,10 +175,10 @@ __device__ __forceinline__ void smem_visit(const T* sm, int n, F&& f) {
 // A thread holds R 16-byte slots of its block's slice in registers (slot_col: one vector each, or two half
 // vectors for fp32 output). The slice starts 16-byte aligned; a last partial vector is read element by
 // element and padded with -inf (which changes no max or sum), as are the slots past the slice.
-// Decode-sized calls are latency-bound: these kernels keep to one __syncthreads and one cluster barrier
-// (the partials are pushed, not pulled), nothing on the stack, 32-bit slice arithmetic and the partial
-// vector read out of line (H100, 1x128256 bf16 logsumexp: 9.5 us with the first version, 6.2 us now, 3.2 us
-// an empty kernel).
+// Decode-sized calls are latency-bound: these kernels keep to one __syncthreads and one exchange (the
+// partials are pushed, not pulled; few_merge), 32-bit slice arithmetic and the partial vector read out of
+// line (H100, 1x128256 bf16 logsumexp: 9.5 us with the first version, 5.6-5.9 us now, 3.1 us an empty
+// kernel).
 template <class T>
 __device__ __forceinline__ T neg_inf_of() {
   if constexpr (std::is_same_v<T, float>) return -INFINITY;
@@ -611,10 +611,9 @@ int max_active_clusters(const fce_handle* h, const void* kernel, int C, int thre
 
 // Register-resident plan for decode batches (C blocks per row, a cluster when C > 1, R vectors per thread),
 // or C = 0 when the rows do not fit (more than kMaxRegVecs vectors for 1024 threads would spill), are not
-// 16-byte aligned, are more
-// than max_rows, or a path is forced. C grows until the GPU has about a block per SM or the slices fit; then
-// it shrinks while the N clusters would not all be resident at once (a second wave of clusters costs a
-// whole kernel's latency). `kernel` is the one to launch (for the residency query).
+// 16-byte aligned, are more than max_rows, or a path is forced. C grows until the GPU has about a block per
+// SM or the slices fit; then it shrinks while the N clusters would not all be resident at once (a second
+// wave of clusters costs a whole kernel's latency). `kernel` is the one to launch (for the residency query).
 constexpr int kMaxRegVecs = 4;
 constexpr int64_t kMaxRegRows = 64;
 struct RegPlan {

@@ -21,10 +21,11 @@
 // No float atomics, no host synchronization, no allocation; capturable in a CUDA graph.
 // Calls that want probabilities only take lean kernels with one exchange of (max, sum) per row instead of
 // the two above and no first-maximum index per element: softmax_smem_kernel where the resident mode applies
-// (H100, 256x151936 bf16 -> fp32: 106 us against 128 us), and
+// (H100, 256x151936 bf16 -> fp32: 106 us against 128 us when it came; 88 us now), and
 //   registers up to 64 rows, 16-byte aligned, probabilities only: the slices live in registers
-//             (plan_regs), one launch, clusters of up to 16 blocks per row, one cluster barrier
+//             (plan_regs), one launch, clusters of up to 16 blocks per row, one exchange of (max, sum)
 //             (softmax_regs_kernel); rows needing the special cases fall back to the global-memory code.
+// fp32 output of 16-bit logits is stored 16 contiguous bytes per thread (slot_col in row_plan.cuh).
 // FCE_DEBUG_ROWS=nocluster|stream|split|noregs in the environment forces a fallback (to test those paths).
 #include <cooperative_groups.h>
 
@@ -87,7 +88,8 @@ struct SmArgs {
 enum Mode { kGlobal, kShared };
 
 // Rows up to which the register-resident kernel is used (when they fit, see plan_regs); a tuning macro.
-// H100, bf16 -> fp32: 16x151936 16.7 us against 20.7 (shared-memory clusters), 64x128256 39.4 against 42.3.
+// H100, bf16 -> fp32, when chosen: 16x151936 16.7 us against 20.7 (shared-memory clusters), 64x128256 39.4
+// against 42.3.
 #ifndef FCE_SOFTMAX_REG_ROWS
 #define FCE_SOFTMAX_REG_ROWS 64
 #endif
