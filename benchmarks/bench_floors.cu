@@ -1,0 +1,124 @@
+// Floors of the benchmark harness at the issue-5/issue-4 few-row and many-row shapes: kernels that move the
+// same bytes as logsumexp (read the bf16 logits once) or the temperature softmax (read them, write fp32)
+// with no dependency between blocks, timed exactly like the ops (bench_util.hpp: events, median of 20, L2
+// flushed by a 256 MiB memset). What an op spends above these is its reduction across blocks and its
+// arithmetic. Also times the two fp32 store patterns of a thread that converts a 16-byte vector of bf16:
+// two 16-byte stores 32 bytes apart (each warp store instruction fills half of every sector it touches) or
+// one 16-byte store of four values (a warp writes 512 contiguous bytes).
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "bench_util.hpp"
+
+using namespace bench;
+
+namespace {
+
+constexpr int kUnroll = 4;
+
+__device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Reads n 16-byte vectors once (an xor keeps the loads).
+__global__ void read_once(const uint4* __restrict__ in, long n, unsigned* sink) {
+  const long step = long(gridDim.x) * blockDim.x;
+  unsigned s = 0;
+  for (long i0 = blockIdx.x * long(blockDim.x) + threadIdx.x; i0 < n; i0 += kUnroll * step) {
+    uint4 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * step < n) r[u] = __ldg(in + i0 + u * step);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * step < n) s ^= r[u].x ^ r[u].w;
+  }
+  if (s == 0x9e3779b9u) *sink = s;  // never true for the inputs used here
+}
+
+// bf16 -> fp32, one 8-byte load and one 16-byte store per element group (n2 groups of four).
+__global__ void convert_contiguous(const uint2* __restrict__ in, float4* __restrict__ out, long n2) {
+  const long step = long(gridDim.x) * blockDim.x;
+  for (long i0 = blockIdx.x * long(blockDim.x) + threadIdx.x; i0 < n2; i0 += kUnroll * step) {
+    uint2 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * step < n2) r[u] = __ldg(in + i0 + u * step);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * step < n2) out[i0 + u * step] = make_float4(lo(r[u].x), hi(r[u].x), lo(r[u].y), hi(r[u].y));
+  }
+}
+
+// bf16 -> fp32, one 16-byte load and two 16-byte stores 32 bytes apart per thread (n groups of eight).
+__global__ void convert_split(const uint4* __restrict__ in, float4* __restrict__ out, long n) {
+  const long step = long(gridDim.x) * blockDim.x;
+  for (long i0 = blockIdx.x * long(blockDim.x) + threadIdx.x; i0 < n; i0 += kUnroll * step) {
+    uint4 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * step < n) r[u] = __ldg(in + i0 + u * step);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * step < n) {
+        const long i = i0 + u * step;
+        out[2 * i] = make_float4(lo(r[u].x), hi(r[u].x), lo(r[u].y), hi(r[u].y));
+        out[2 * i + 1] = make_float4(lo(r[u].z), hi(r[u].z), lo(r[u].w), hi(r[u].w));
+      }
+  }
+}
+
+__global__ void empty_kernel() {}
+
+int grid_for(long items, int sms) {
+  const long blocks = (items + 256L * kUnroll - 1) / (256L * kUnroll);
+  return int(blocks < 8L * sms ? (blocks > 0 ? blocks : 1) : 8L * sms);
+}
+
+}  // namespace
+
+int main() {
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  int sms = 0;
+  ck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "attribute");
+  const double copy = copy_bandwidth_gbs(s);
+  std::printf("device: %s\ncopy bandwidth (bytes read + written): %.0f GB/s\n", device_name().c_str(), copy);
+  std::printf("empty kernel (the timing floor): %.2f us\n\n", 1e3 * time_ms(s, [&] { empty_kernel<<<1, 32, 0, s>>>(); }));
+  unsigned* sink = nullptr;
+  ck(cudaMalloc(&sink, 4), "cudaMalloc");
+  std::printf("%-12s %-44s %10s %9s %8s\n", "shape", "kernel (same bytes as the op)", "time(us)", "GB/s", "of copy");
+  const long shapes[][2] = {{1, 128256}, {16, 151936}, {256, 151936}};
+  for (const auto& sh : shapes) {
+    const long N = sh[0], V = sh[1];
+    Buf x({N, V}, bf16()), y({N, V}, f32()), z({N, V * 3 / 4}, f32());  // z: half the bytes of x plus y
+    fill_random(x, 3.f, 5, s);
+    ck(cudaMemsetAsync(z.p, 1, z.bytes(), s), "memset");
+    const long n = N * V / 8;  // 16-byte vectors of x (V is a multiple of 8 here)
+    const uint4* in = static_cast<const uint4*>(x.p);
+    float4* out = static_cast<float4*>(y.p);
+    char shape[32];
+    std::snprintf(shape, sizeof shape, "%ldx%ld", N, V);
+    auto row = [&](const char* what, double ms, double bytes) {
+      const double gbs = bytes / (ms * 1e6);
+      std::printf("%-12s %-44s %10.2f %9.0f %7.1f%%\n", shape, what, ms * 1e3, gbs, 100 * gbs / copy);
+    };
+    row("read once (logsumexp's bytes)", time_ms(s, [&] { read_once<<<grid_for(n, sms), 256, 0, s>>>(in, n, sink); }),
+        double(x.bytes()));
+    row("bf16 -> fp32, one 16-byte store per thread",
+        time_ms(s, [&] {
+          convert_contiguous<<<grid_for(2 * n, sms), 256, 0, s>>>(reinterpret_cast<const uint2*>(in), out, 2 * n);
+        }),
+        double(x.bytes() + y.bytes()));
+    row("bf16 -> fp32, two 16-byte stores 32 B apart",
+        time_ms(s, [&] { convert_split<<<grid_for(n, sms), 256, 0, s>>>(in, out, n); }), double(x.bytes() + y.bytes()));
+    row("copy of the same bytes (cudaMemcpyAsync)",
+        time_ms(s, [&] { ck(cudaMemcpyAsync(y.p, z.p, z.bytes(), cudaMemcpyDeviceToDevice, s), "copy"); }),
+        double(2 * z.bytes()));
+    ck(cudaGetLastError(), "kernels");
+  }
+  ck(cudaStreamSynchronize(s), "sync");
+  cudaFree(sink);
+  cudaStreamDestroy(s);
+  return 0;
+}
