@@ -338,13 +338,18 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// kAll: every block receives the partials; otherwise rank 0 only.
+// kAll: every block receives the partials; otherwise rank 0 only. A receiver's mbarrier is initialized and
+// armed with its one arrival and the C partials' bytes before the block arrives on the cluster barrier, so
+// before any peer can send.
 template <bool kAll>
 __device__ __forceinline__ void few_arrive(int C) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (C > 1) {
     if (threadIdx.x == 0 && (kAll || blockIdx.x % unsigned(C) == 0)) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(few_mbar())) : "memory");
+      const unsigned bar = smem_addr(few_mbar());
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(unsigned(C * 8))
+                   : "memory");
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -368,10 +373,7 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const bool receiver = kAll || rank == 0;
     const unsigned bar = smem_addr(few_mbar());
-    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-    if (receiver && threadIdx.x == 0)  // the block's one arrival, and the bytes to expect
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(unsigned(C * 8))
-                   : "memory");
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // every receiver is armed (few_arrive)
     if (int(threadIdx.x) < (kAll ? C : 1)) {  // thread i sends to block i
       unsigned rs, rb;
       asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rs) : "r"(smem_addr(slot + rank)), "r"(threadIdx.x));
