@@ -220,6 +220,11 @@ __device__ __noinline__ uint4 load_partial_vec(const T* __restrict__ src, int cn
 // blockDim.x (h = 0, 1) in 8-byte units, so that writing a half's values as fp32 is one 16-byte store and a
 // warp's store covers 512 contiguous bytes (two 16-byte stores 32 bytes apart per thread leave each store
 // instruction half of every sector it touches: H100, bf16 -> fp32 of 256x151936, 114 against 87 us).
+// Values per store when T is written as O: a 16-byte vector of the narrower type (half a vector of T for
+// fp32 out of 16-bit in, which the kernels then read 8 bytes at a time; see above).
+template <class T, class O>
+constexpr int kStoreGroup = kVec<T> < kVec<O> ? kVec<T> : kVec<O>;
+
 // First column of half h of slot r (h = 0 only without kHalf).
 template <class T, bool kHalf>
 __device__ __forceinline__ int slot_col(int r, int h) {

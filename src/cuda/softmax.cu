@@ -204,9 +204,9 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
   };
   // A resident slice written as fp32 from 16-bit logits: 8-byte shared loads, so that each thread stores
   // 16 contiguous bytes (see slot_col in row_plan.cuh).
-  if constexpr (kMode == kShared && sizeof(T) == 2) {
+  if constexpr (kMode == kShared && kStoreGroup<T, float> < K) {
     if (pf || lf) {
-      smem_visit<T, K / 2>(sm, int(n), write);
+      smem_visit<T, kStoreGroup<T, float>>(sm, int(n), write);
       return;
     }
   }
@@ -240,8 +240,8 @@ __device__ __noinline__ void softmax_row_general(const SmArgs& a, int64_t row, i
 template <class T, class O, int R>
 __global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constant__ SmArgs a) {
   constexpr int K = kVec<T>;
-  constexpr bool kHalf = sizeof(T) == 2 && sizeof(O) == 4;  // fp32 out of 16-bit in: half-vector slots
-  constexpr int G = kHalf ? K / 2 : K;                        // values per store
+  constexpr int G = kStoreGroup<T, O>;  // values per store
+  constexpr bool kHalf = G < K;         // fp32 out of 16-bit in: half-vector slots
   few_arrive<true>(a.C);
   const FewCtx f = few_ctx(a.V, a.C);
   const float temp = a.temps ? a.temps[f.row] : a.temperature;
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(512, 2) softmax_smem_kernel(const __grid_const
   const float inv_d = 1.f / t.d;
   O* out = static_cast<O*>(a.probs) + f.row * a.ldp + f.begin;
   // fp32 out of 16-bit in: 8-byte shared loads, so that each thread stores one 16-byte vector (see slot_col)
-  constexpr int G = sizeof(T) == 2 && sizeof(O) == 4 ? K / 2 : K;
+  constexpr int G = kStoreGroup<T, O>;
   smem_visit<T, G>(sm, f.n, [&](const float(&v)[G], int e0, int cnt) {
     float o[G];
 #pragma unroll
