@@ -618,9 +618,10 @@ int max_active_clusters(const fce_handle* h, const void* kernel, int C, int thre
 
 // Register-resident plan for decode batches (C blocks per row, a cluster when C > 1, R vectors per thread),
 // or C = 0 when the rows do not fit (more than kMaxRegVecs vectors for 1024 threads would spill), are not
-// 16-byte aligned, are more than max_rows, or a path is forced. C grows until the GPU has about a block per
-// SM or the slices fit; then it shrinks while the N clusters would not all be resident at once (a second
-// wave of clusters costs a whole kernel's latency). `kernel` is the one to launch (for the residency query).
+// 16-byte aligned, are more than max_rows, or a path is forced. C grows while the N * C blocks stay within
+// 3/4 of the SMs and the slices are long; then it shrinks while the N clusters would not all be resident at
+// once (a second wave of clusters costs a whole kernel's latency). `kernel` is the one to launch (for the
+// residency query).
 constexpr int kMaxRegVecs = 4;
 constexpr int64_t kMaxRegRows = 64;
 struct RegPlan {
@@ -648,10 +649,14 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
     out->R = int(R);
     return threads <= 1024;
   };
+  // Blocks for up to 3/4 of the SMs, so that the clusters fit at once with room to spare (H100, 16x151936
+  // bf16: clusters of 7 or 8 blocks, which the occupancy query accepts, were at times placed in two waves,
+  // the last ones starting 5-7 us late; clusters of 6 never were).
+  const int64_t limit = int64_t(sm) * 3 / 4;
   int C = 1;
   for (; C <= cmax; ++C) {
     if (!plan(C, &p)) continue;
-    if (C < cmax && N * C < sm && slice_cols(V, C) >= 2 * kMinCols) continue;
+    if (C < cmax && N * (C + 1) <= limit && slice_cols(V, C) >= 2 * kMinCols) continue;
     break;
   }
   if (C > cmax) return RegPlan{};
