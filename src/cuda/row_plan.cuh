@@ -621,7 +621,7 @@ int max_active_clusters(const fce_handle* h, const void* kernel, int C, int thre
 // 16-byte aligned, are more than max_rows, or a path is forced. C grows while the N * C blocks stay within
 // 3/4 of the SMs and the slices are long; then it shrinks while the N clusters would not all be resident at
 // once (a second wave of clusters costs a whole kernel's latency). `kernel` is the one to launch (for the
-// residency query).
+// residency query). Plans of more than 5/4 of a block per SM are refused (see `capped`).
 constexpr int kMaxRegVecs = 4;
 constexpr int64_t kMaxRegRows = 64;
 struct RegPlan {
@@ -660,14 +660,19 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
     break;
   }
   if (C > cmax) return RegPlan{};
+  // At most 5/4 of a block per SM: beyond that, these one-shot clusters run in waves whose packing varies
+  // from process to process (H100, softmax bf16 -> fp32: 48x151936 in 26 or 43 us, 40x151936 in 21 or 41.5
+  // us, by process; 64x151936 50.6 us against 43.0 for the shared-memory kernel); the callers' other paths
+  // overlap their blocks.
+  auto capped = [&](const RegPlan& r) { return int64_t(r.C) * N > int64_t(sm) * 5 / 4 ? RegPlan{} : r; };
   for (int c = C; c > 1; --c) {
     RegPlan q;
     if (!plan(c, &q)) break;
     const int n = max_active_clusters(h, kernel, c, q.threads);
-    if ((n == 0 && c <= kMaxCluster) || N <= n) return q;
+    if ((n == 0 && c <= kMaxCluster) || N <= n) return capped(q);
   }
   if (p.C > kMaxCluster) return RegPlan{};  // no non-portable cluster fits: not this path
-  return p;  // no smaller cluster fits in one wave either: the first choice
+  return capped(p);  // no smaller cluster fits in one wave either: the first choice
 }
 
 RowPlan as_row_plan(const RegPlan& r) {
