@@ -176,6 +176,22 @@ void run_case(const KdCase& c) {
   const double rtol = dtype_rtol(c.dt) + 2e-4;
   for (int64_t i = 0; i < N; ++i) {
     std::vector<double> row(sv.begin() + i * V, sv.begin() + (i + 1) * V);
+    // The reverse-KL and JSD gradients are q_j (u_j - A) / T with log-ratios u_j = log q_j - log p_j and their
+    // mean A, which reach tens at T = 0.5 against a peaked teacher: fp32 rounds them to a few ulps of their
+    // size, so the error to allow grows with q_j (|u_j| + |A|) / T (seen: 1.07e-5 on 8.3e-4, f32, V = 97).
+    std::vector<double> cancel(size_t(V), 0.0);
+    if (!c.K && c.div != FCE_KD_FORWARD_KL) {
+      std::vector<double> zs(static_cast<size_t>(V)), zt(static_cast<size_t>(V));
+      for (int64_t j = 0; j < V; ++j) zs[j] = row[j] / c.T, zt[j] = tv[size_t(i * V + j)] / c.T;
+      const std::vector<double> lq = log_softmax(zs.data(), V), lpt = log_softmax(zt.data(), V);
+      double A = 0;
+      for (int64_t j = 0; j < V; ++j)
+        if (std::isfinite(lq[j]) && std::isfinite(lpt[j])) A += std::exp(lq[j]) * std::fabs(lq[j] - lpt[j]);
+      for (int64_t j = 0; j < V; ++j)
+        if (std::isfinite(lq[j]) && std::isfinite(lpt[j]))
+          cancel[j] = 16 * 0x1p-24 * std::exp(lq[j]) * (std::fabs(lq[j] - lpt[j]) + A) / c.T * gscale *
+                      (c.t2 ? c.T * c.T : 1.0);
+    }
     const int64_t checks = c.grad_checks < 0 ? V : c.grad_checks;
     for (int64_t k = 0; k < checks; ++k) {
       int64_t j = c.grad_checks < 0 ? k : (k * 7919) % V;
@@ -190,9 +206,8 @@ void run_case(const KdCase& c) {
         row[j] = x0;
         want = (fp - fm) / (2 * hh) * gscale;
       }
-      // fp32 forms a_j - q_j*A, which cancels when |log q - log p| is large (reverse KL at T = 0.5): an
-      // absolute error of a few 1e-6 is rounding, not a wrong gradient.
-      ASSERT_TRUE(close(ds.get(i, j), want, rtol, 1e-5)) << "dstudent (" << i << "," << j << ")";
+      ASSERT_TRUE(close(ds.get(i, j), want, rtol, 1e-5 + cancel[size_t(j)]))
+          << "dstudent (" << i << "," << j << ")";
     }
   }
 }
