@@ -1,0 +1,230 @@
+// Where the few-row register kernels' time goes (a diagnostic, not part of the build or of CI).
+//
+// A copy of the logsumexp / softmax few-row kernel structure built from the library's own device code
+// (src/cuda/row_plan.cuh), with probes: every block records %globaltimer at entry and exit, and the block
+// maximum over its threads of clock64 when the thread's data have landed (all its slots), when its
+// exponentials are done, after the block merge, after the cluster exchange (row statistics) and after its
+// stores were issued. Prints, per plan, the event time without and with the probes, the spread of the
+// blocks' start times (a second wave of clusters shows here), the span from the first start to the last
+// exit, and the phases (mean / max over blocks, ns at the nominal clock). Same harness as the benchmarks:
+// 256 MiB memset before each run, events, median of 20.
+//
+// Build and run on the GPU machine from the repository root:
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc tools/probe_few_rows.cu -o probe_few_rows
+//   ./probe_few_rows
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "cuda/row_plan.cuh"
+
+using namespace fce::cuda;
+using T = __nv_bfloat16;
+
+namespace probe {
+
+constexpr int kPhases = 5;  // data, exps, block, stats, stores
+__device__ long long g_phase[4096][kPhases];
+__device__ unsigned long long g_span[4096][2];
+
+__device__ __forceinline__ unsigned long long gtime() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// kSoft: softmax (every block receives the statistics, fp32 probabilities) or logsumexp (rank 0 receives).
+template <int R, bool kSoft, bool kProbe>
+__global__ void __launch_bounds__(1024) few_rows(const T* x, float* out, float* lse, int V, int C, float c) {
+  __shared__ unsigned long long ph[kPhases];
+  const unsigned long long g0 = kProbe ? gtime() : 0;
+  const long long c0 = clock64();
+  if (kProbe && threadIdx.x < kPhases) ph[threadIdx.x] = 0;
+  auto mark = [&](int i, float dep) {  // dep: a value the phase produced, so the clock reads after it
+    if (kProbe) {
+      asm volatile("" ::"f"(dep));
+      atomicMax(&ph[i], static_cast<unsigned long long>(clock64() - c0));
+    }
+  };
+  few_arrive<kSoft>(C);
+  const FewCtx f = few_ctx(V, C);
+  uint4 raw[R];
+  reg_load_lean<T, R, kSoft>(x + f.row * V + f.begin, f.n, raw);
+  float mx = -INFINITY;
+#pragma unroll
+  for (int r = 0; r < R; ++r) mx = fmaxf(mx, vec_max<T>(raw[r]));
+  mark(0, mx);
+  float d = 0.f;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float v[8];
+    unpack_words<T>(raw[r], v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) d += ex2((v[k] - mx) * c);
+  }
+  mark(1, d);
+  const MaxSum part = block_ms_all({mx, d}, c);
+  mark(2, part.d);
+  const FewStats t = few_merge<kSoft>(part, c, C, f.rank);
+  if (kSoft || f.rank == 0) mark(3, t.d);
+  if (!kSoft) {
+    if (f.rank == 0 && threadIdx.x == 0) lse[f.row] = (t.m * c + log2f(t.d)) * kLn2;
+  } else {
+    float* o = out + f.row * V + f.begin;
+    const float inv_d = 1.f / t.d;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v[8];
+      unpack_words<T>(raw[r], v);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int e0 = slot_col<T, true>(r, h);
+        if (e0 < f.n) {
+          float w[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) w[k] = ex2((v[h * 4 + k] - t.m) * c) * inv_d;
+          store_vals<float, 4>(o + e0, w, min(4, f.n - e0));
+        }
+      }
+    }
+    mark(4, inv_d);
+  }
+  if (kProbe) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < kPhases; ++i) g_phase[blockIdx.x][i] = static_cast<long long>(ph[i]);
+      g_span[blockIdx.x][0] = g0;
+      g_span[blockIdx.x][1] = gtime();
+    }
+  }
+}
+
+__global__ void empty_kernel(int) {}
+
+void* g_flush;
+
+template <class F>
+float median_us(F&& launch) {
+  std::vector<float> v;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < 23; ++i) {
+    cudaMemsetAsync(g_flush, i, size_t(256) << 20);
+    cudaEventRecord(a);
+    launch();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    if (i >= 3) v.push_back(ms * 1000);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <class K, class... A>
+void launch_clusters(K kernel, int grid, int C, int threads, A... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(threads);
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeClusterDimension;
+  at[0].val.clusterDim.x = C;
+  at[0].val.clusterDim.y = 1;
+  at[0].val.clusterDim.z = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = C > 1;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (e != cudaSuccess) {
+    std::printf("launch: %s\n", cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+struct Plan {
+  const char* name;
+  int N, V, C, R, threads;
+  bool soft;
+};
+
+template <int R, bool kSoft>
+void run_plan(const Plan& q, const T* x, float* out, float* lse, double ghz) {
+  const int grid = q.N * q.C;
+  const float c = kLog2e;
+  auto run = [&](auto kernel) { launch_clusters(kernel, grid, q.C, q.threads, x, out, lse, q.V, q.C, c); };
+  const float plain = median_us([&] { run(few_rows<R, kSoft, false>); });
+  const float probed = median_us([&] { run(few_rows<R, kSoft, true>); });
+  const float empty = median_us([&] { launch_clusters(empty_kernel, grid, q.C, q.threads, 0); });
+  std::vector<long long> ph(size_t(grid) * kPhases);
+  std::vector<unsigned long long> sp(size_t(grid) * 2);
+  cudaMemcpyFromSymbol(ph.data(), g_phase, ph.size() * sizeof(long long));
+  cudaMemcpyFromSymbol(sp.data(), g_span, sp.size() * sizeof(unsigned long long));
+  unsigned long long s0 = ~0ull, s1 = 0, e1 = 0;
+  double mean[kPhases] = {}, mx[kPhases] = {};
+  for (int b = 0; b < grid; ++b) {
+    s0 = std::min(s0, sp[b * 2]);
+    s1 = std::max(s1, sp[b * 2]);
+    e1 = std::max(e1, sp[b * 2 + 1]);
+    for (int i = 0; i < kPhases; ++i) {
+      mean[i] += double(ph[b * kPhases + i]) / grid;
+      mx[i] = std::max(mx[i], double(ph[b * kPhases + i]));
+    }
+  }
+  std::printf("%-24s %6.2f us (probed %6.2f, empty clusters %5.2f) | start skew %5.0f ns, span %5.0f ns |",
+              q.name, plain, probed, empty, double(s1 - s0), double(e1 - s0));
+  const char* names[kPhases] = {"data", "exps", "block", "stats", "stores"};
+  for (int i = 0; i < kPhases; ++i)
+    if (mx[i] > 0) std::printf(" %s %.0f/%.0f", names[i], mean[i] / ghz, mx[i] / ghz);
+  std::printf("\n");
+}
+
+}  // namespace probe
+
+using namespace probe;
+
+int main() {
+  cudaMalloc(&g_flush, size_t(256) << 20);
+  int khz = 0;
+  cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
+  const double ghz = khz / 1e6;
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("%s, nominal clock %.3f GHz; phases: mean/max over blocks of the block's last thread, ns since the "
+              "block started\n", prop.name, ghz);
+  const size_t n = size_t(16) * 151936;
+  T* x;
+  float *out, *lse;
+  cudaMalloc(&x, n * sizeof(T));
+  cudaMalloc(&out, n * sizeof(float));
+  cudaMalloc(&lse, 64 * sizeof(float));
+  std::vector<unsigned short> h(n);
+  unsigned s = 1;
+  for (auto& v : h) {  // uniform in [-3, 3), as bf16 bits
+    s = s * 1664525u + 1013904223u;
+    const float f = ((s >> 8) / 16777216.f - 0.5f) * 6;
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    v = static_cast<unsigned short>(u >> 16);
+  }
+  cudaMemcpy(x, h.data(), n * sizeof(T), cudaMemcpyHostToDevice);
+  const Plan plans[] = {
+      {"softmax 1x128256 C=16", 1, 128256, 16, 2, 512, true},  {"lse 1x128256 C=16", 1, 128256, 16, 2, 512, false},
+      {"softmax 16x151936 C=6", 16, 151936, 6, 4, 800, true},  {"lse 16x151936 C=6", 16, 151936, 6, 4, 800, false},
+      {"softmax 16x151936 C=7", 16, 151936, 7, 4, 704, true},  {"lse 16x151936 C=7", 16, 151936, 7, 4, 704, false},
+      {"softmax 16x151936 C=8", 16, 151936, 8, 4, 608, true},  {"lse 16x151936 C=8", 16, 151936, 8, 4, 608, false},
+  };
+  for (int rep = 0; rep < 2; ++rep)
+    for (const Plan& q : plans) {
+      if (q.R == 2) q.soft ? run_plan<2, true>(q, x, out, lse, ghz) : run_plan<2, false>(q, x, out, lse, ghz);
+      else q.soft ? run_plan<4, true>(q, x, out, lse, ghz) : run_plan<4, false>(q, x, out, lse, ghz);
+    }
+  const cudaError_t e = cudaDeviceSynchronize();
+  std::printf("%s\n", cudaGetErrorString(e));
+  return e == cudaSuccess ? 0 : 1;
+}
