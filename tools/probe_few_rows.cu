@@ -6,18 +6,19 @@
 // exponentials are done, after the block merge, after the cluster exchange (row statistics) and after its
 // stores were issued. Prints, per plan, the event time without and with the probes, the spread of the
 // blocks' start times (a second wave of clusters shows here), the span from the first start to the last
-// exit, and the phases (mean / max over blocks, ns at the nominal clock). Same harness as the benchmarks:
-// 256 MiB memset before each run, events, median of 20.
+// exit, and the phases (mean / max over blocks, ns at the nominal clock). The benchmarks' harness
+// (bench::time_ms: 256 MiB memset before each run, events, median of 20).
 //
 // Build and run on the GPU machine from the repository root:
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc tools/probe_few_rows.cu -o probe_few_rows
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -Ibenchmarks tools/probe_few_rows.cu \
+//     -o probe_few_rows
 //   ./probe_few_rows
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "cuda/row_plan.cuh"
 
 using namespace fce::cuda;
@@ -103,30 +104,6 @@ __global__ void __launch_bounds__(1024) few_rows(const T* x, float* out, float* 
 
 __global__ void empty_kernel(int) {}
 
-void* g_flush;
-
-template <class F>
-float median_us(F&& launch) {
-  std::vector<float> v;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < 23; ++i) {
-    cudaMemsetAsync(g_flush, i, size_t(256) << 20);
-    cudaEventRecord(a);
-    launch();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    if (i >= 3) v.push_back(ms * 1000);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 template <class K, class... A>
 void launch_clusters(K kernel, int grid, int C, int threads, A... args) {
   cudaLaunchConfig_t cfg{};
@@ -140,11 +117,7 @@ void launch_clusters(K kernel, int grid, int C, int threads, A... args) {
   cfg.attrs = at;
   cfg.numAttrs = C > 1;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
-  if (e != cudaSuccess) {
-    std::printf("launch: %s\n", cudaGetErrorString(e));
-    std::exit(1);
-  }
+  bench::ck(cudaLaunchKernelEx(&cfg, kernel, args...), "launch");
 }
 
 struct Plan {
@@ -158,9 +131,10 @@ void run_plan(const Plan& q, const T* x, float* out, float* lse, double ghz) {
   const int grid = q.N * q.C;
   const float c = kLog2e;
   auto run = [&](auto kernel) { launch_clusters(kernel, grid, q.C, q.threads, x, out, lse, q.V, q.C, c); };
-  const float plain = median_us([&] { run(few_rows<R, kSoft, false>); });
-  const float probed = median_us([&] { run(few_rows<R, kSoft, true>); });
-  const float empty = median_us([&] { launch_clusters(empty_kernel, grid, q.C, q.threads, 0); });
+  auto us = [](const std::function<void()>& f) { return 1e3 * bench::time_ms(nullptr, f); };
+  const double plain = us([&] { run(few_rows<R, kSoft, false>); });
+  const double probed = us([&] { run(few_rows<R, kSoft, true>); });
+  const double empty = us([&] { launch_clusters(empty_kernel, grid, q.C, q.threads, 0); });
   std::vector<long long> ph(size_t(grid) * kPhases);
   std::vector<unsigned long long> sp(size_t(grid) * 2);
   cudaMemcpyFromSymbol(ph.data(), g_phase, ph.size() * sizeof(long long));
@@ -189,7 +163,6 @@ void run_plan(const Plan& q, const T* x, float* out, float* lse, double ghz) {
 using namespace probe;
 
 int main() {
-  cudaMalloc(&g_flush, size_t(256) << 20);
   int khz = 0;
   cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
   const double ghz = khz / 1e6;

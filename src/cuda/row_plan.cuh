@@ -651,7 +651,7 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
   };
   // Blocks for up to 3/4 of the SMs, so that the clusters fit at once with room to spare (H100, 16x151936
   // bf16: clusters of 7 or 8 blocks, which the occupancy query accepts, were at times placed in two waves,
-  // the last ones starting 5-7 us late; clusters of 6 never were).
+  // the last ones starting 4.6-9.2 us late; clusters of 6 never were).
   const int64_t limit = int64_t(sm) * 3 / 4;
   int C = 1;
   for (; C <= cmax; ++C) {
