@@ -295,16 +295,36 @@ __device__ __forceinline__ float sum_at(MaxSum v, float M, float c) {
   return v.m == M ? v.d : v.d * ex2((v.m - M) * c);
 }
 
-// Warp merge, the result bitwise the same in every lane: the max first (exact), then each lane's d rescaled
-// once to it and summed by a butterfly (commutative adds). Half the latency of five pairwise (max, sum)
-// merges, whose exponentials sit on the chain (H100, 1x128256 logsumexp: three of these per call).
-__device__ __forceinline__ MaxSum warp_ms_all(MaxSum v, float c) {
-  float M = v.m;
+// Warp max in every lane of partial maxima, which are never NaN (fmaxf drops NaNs; the sums carry them): one
+// redux on integer keys ordered as the floats (sm_80 and later) instead of five shuffles. Exact either way.
+__device__ __forceinline__ float warp_max_all(float m) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  int k = __float_as_int(m);
+  k ^= (k >> 31) & 0x7fffffff;  // sign-magnitude to two's complement order
+  k = __reduce_max_sync(0xffffffffu, k);
+  return __int_as_float(k ^ ((k >> 31) & 0x7fffffff));
+#else
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+#endif
+}
+
+// Lanes in a group of a warp merge: the next power of two >= n (n <= 32 partials). Lane l takes partial
+// l % group, so every group holds all of them and the butterfly needs log2(group) steps; the dropped steps
+// would only add zeros, so the sums are bitwise those of five steps.
+__device__ __forceinline__ int merge_group(int n) { return n <= 1 ? 1 : 1 << (32 - __clz(n - 1)); }
+
+// Warp merge, the result bitwise the same in every lane: the max first (exact), then each lane's d rescaled
+// once to it and summed by a butterfly (commutative adds) over groups of `group` lanes that each hold every
+// partial. Half the latency of five pairwise (max, sum) merges, whose exponentials sit on the chain (H100,
+// 1x128256 logsumexp: three of these per call).
+__device__ __forceinline__ MaxSum warp_ms_all(MaxSum v, float c, int group = 32) {
+  const float M = warp_max_all(v.m);
   float d = sum_at(v, M, c);
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+  for (int o = 16; o > 0; o >>= 1)
+    if (o < group) d += __shfl_xor_sync(0xffffffffu, d, o);
   return {M, d};
 }
 
@@ -315,8 +335,9 @@ __device__ __forceinline__ MaxSum block_ms_all(MaxSum v, float c) {
   const int lane = threadIdx.x & 31;
   if (lane == 0) sh[threadIdx.x >> 5] = make_float2(v.m, v.d);
   __syncthreads();
-  const float2 w = lane < (int(blockDim.x) >> 5) ? sh[lane] : make_float2(-INFINITY, 0.f);
-  return warp_ms_all({w.x, w.y}, c);
+  const int nw = int(blockDim.x) >> 5, g = merge_group(nw), i = lane & (g - 1);
+  const float2 w = i < nw ? sh[i] : make_float2(-INFINITY, 0.f);
+  return warp_ms_all({w.x, w.y}, c, g);
 }
 
 // Row statistics from the blocks' partials: raw max m and d = sum 2^((x - m) c) of each slice.
@@ -401,8 +422,9 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
     if (threadIdx.x == 0) slot[0] = v;
     __syncthreads();
   }
-  const float2 w = lane < C ? slot[lane] : make_float2(-INFINITY, 0.f);
-  const MaxSum s = warp_ms_all({w.x, w.y}, c);
+  const int g = merge_group(C), i = lane & (g - 1);
+  const float2 w = i < C ? slot[i] : make_float2(-INFINITY, 0.f);
+  const MaxSum s = warp_ms_all({w.x, w.y}, c, g);
   FewStats t;
   t.m = s.m;
   t.d = s.d;
