@@ -57,19 +57,17 @@ inline DLDataType bf16() { return {kDLBfloat, 16, 1}; }
 inline DLDataType f16() { return {kDLFloat, 16, 1}; }
 inline DLDataType i32() { return {kDLInt, 32, 1}; }
 
-// Median time in ms of `fn` over `reps` runs (after warm-up), by CUDA events on `stream`; the L2 is
-// flushed before each run so every op reads from DRAM.
-inline double time_ms(cudaStream_t stream, const std::function<void()>& fn, int reps = 20) {
-  static void* flush = nullptr;
-  const size_t flush_bytes = size_t(256) << 20;
-  if (!flush) ck(cudaMalloc(&flush, flush_bytes), "flush buffer");
+// Median time in ms of `fn` over `reps` runs (after warm-up), by CUDA events on `stream`, with `prep` enqueued
+// before each run, outside the timing.
+inline double time_ms_after(cudaStream_t stream, const std::function<void()>& prep, const std::function<void()>& fn,
+                            int reps = 20) {
   for (int i = 0; i < 3; ++i) fn();
   std::vector<float> ms;
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
   for (int i = 0; i < reps; ++i) {
-    ck(cudaMemsetAsync(flush, i, flush_bytes, stream), "flush");
+    prep();
     cudaEventRecord(a, stream);
     fn();
     cudaEventRecord(b, stream);
@@ -82,6 +80,36 @@ inline double time_ms(cudaStream_t stream, const std::function<void()>& fn, int 
   cudaEventDestroy(b);
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+
+// The L2 flush before each timed run: a 256 MiB memset (as triton.testing.do_bench; it leaves L2 full of
+// dirty lines).
+inline void flush_l2(cudaStream_t stream) {
+  static void* flush = nullptr;
+  static int value = 0;
+  const size_t flush_bytes = size_t(256) << 20;
+  if (!flush) ck(cudaMalloc(&flush, flush_bytes), "flush buffer");
+  ck(cudaMemsetAsync(flush, value++ & 0xff, flush_bytes, stream), "flush");
+}
+
+// Median time in ms of `fn` over `reps` runs (after warm-up), by CUDA events on `stream`; the L2 is
+// flushed before each run so every op reads from DRAM.
+inline double time_ms(cudaStream_t stream, const std::function<void()>& fn, int reps = 20) {
+  return time_ms_after(stream, [&] { flush_l2(stream); }, fn, reps);
+}
+
+// As time_ms, with the op's input `bytes` at `dst` written by a copy from `src` after the flush: the input
+// sits in L2 as the output of the kernel before would (decode: the LM head's few MB of logits). Not what the
+// targets are measured by; shown beside them.
+inline double time_ms_input_in_l2(cudaStream_t stream, void* dst, const void* src, size_t bytes,
+                                  const std::function<void()>& fn, int reps = 20) {
+  return time_ms_after(
+      stream,
+      [&] {
+        flush_l2(stream);
+        ck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "input copy");
+      },
+      fn, reps);
 }
 
 // Device-to-device copy bandwidth in GB/s (bytes read + written), 1 GiB copied.
