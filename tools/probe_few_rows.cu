@@ -7,12 +7,13 @@
 // stores were issued. Prints, per plan, the event time without and with the probes, the spread of the
 // blocks' start times (a second wave of clusters shows here), the span from the first start to the last
 // exit, and the phases (mean / max over blocks, ns at the nominal clock). The benchmarks' harness
-// (bench::time_ms: 256 MiB memset before each run, events, median of 20).
+// (bench::time_ms: 256 MiB memset before each run, events, median of 20); with --l2, the logits are also
+// written by a copy after the flush, so that they sit in L2 (bench::time_ms_input_in_l2).
 //
 // Build and run on the GPU machine from the repository root:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -Ibenchmarks tools/probe_few_rows.cu \
 //     -o probe_few_rows
-//   ./probe_few_rows
+//   ./probe_few_rows [--l2]
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -126,12 +127,18 @@ struct Plan {
   bool soft;
 };
 
+const T* g_x0 = nullptr;  // --l2: the logits' source, copied over x before each timed run
+size_t g_bytes = 0;
+
 template <int R, bool kSoft>
 void run_plan(const Plan& q, const T* x, float* out, float* lse, double ghz) {
   const int grid = q.N * q.C;
   const float c = kLog2e;
   auto run = [&](auto kernel) { launch_clusters(kernel, grid, q.C, q.threads, x, out, lse, q.V, q.C, c); };
-  auto us = [](const std::function<void()>& f) { return 1e3 * bench::time_ms(nullptr, f); };
+  auto us = [&](const std::function<void()>& f) {
+    return 1e3 * (g_x0 ? bench::time_ms_input_in_l2(nullptr, const_cast<T*>(x), g_x0, g_bytes, f)
+                       : bench::time_ms(nullptr, f));
+  };
   const double plain = us([&] { run(few_rows<R, kSoft, false>); });
   const double probed = us([&] { run(few_rows<R, kSoft, true>); });
   const double empty = us([&] { launch_clusters(empty_kernel, grid, q.C, q.threads, 0); });
@@ -162,7 +169,8 @@ void run_plan(const Plan& q, const T* x, float* out, float* lse, double ghz) {
 
 using namespace probe;
 
-int main() {
+int main(int argc, char** argv) {
+  const bool in_l2 = argc > 1 && std::strcmp(argv[1], "--l2") == 0;
   int khz = 0;
   cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
   const double ghz = khz / 1e6;
@@ -186,6 +194,14 @@ int main() {
     v = static_cast<unsigned short>(u >> 16);
   }
   cudaMemcpy(x, h.data(), n * sizeof(T), cudaMemcpyHostToDevice);
+  if (in_l2) {
+    T* x0;
+    cudaMalloc(&x0, n * sizeof(T));
+    cudaMemcpy(x0, x, n * sizeof(T), cudaMemcpyDeviceToDevice);
+    g_x0 = x0;
+    g_bytes = n * sizeof(T);
+    std::printf("logits written by a copy before each run (in L2)\n");
+  }
   const Plan plans[] = {
       {"softmax 1x128256 C=16", 1, 128256, 16, 2, 512, true},  {"lse 1x128256 C=16", 1, 128256, 16, 2, 512, false},
       {"softmax 16x151936 C=6", 16, 151936, 6, 4, 800, true},  {"lse 16x151936 C=6", 16, 151936, 6, 4, 800, false},
