@@ -98,18 +98,23 @@ inline double time_ms(cudaStream_t stream, const std::function<void()>& fn, int 
   return time_ms_after(stream, [&] { flush_l2(stream); }, fn, reps);
 }
 
-// As time_ms, with the op's input `bytes` at `dst` written by a copy from `src` after the flush: the input
-// sits in L2 as the output of the kernel before would (decode: the LM head's few MB of logits). Not what the
-// targets are measured by; shown beside them.
-inline double time_ms_input_in_l2(cudaStream_t stream, void* dst, const void* src, size_t bytes,
-                                  const std::function<void()>& fn, int reps = 20) {
-  return time_ms_after(
+// As time_ms, with the op's input (`bytes` at `x`) rewritten by a copy from a saved duplicate after the flush:
+// the input sits in L2 as the output of the kernel before would (decode: the LM head's few MB of logits).
+// Not what the targets are measured by; shown beside them.
+inline double time_ms_input_in_l2(cudaStream_t stream, void* x, size_t bytes, const std::function<void()>& fn,
+                                  int reps = 20) {
+  void* src = nullptr;
+  ck(cudaMalloc(&src, bytes), "input duplicate");
+  ck(cudaMemcpyAsync(src, x, bytes, cudaMemcpyDeviceToDevice, stream), "input duplicate");
+  const double ms = time_ms_after(
       stream,
       [&] {
         flush_l2(stream);
-        ck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "input copy");
+        ck(cudaMemcpyAsync(x, src, bytes, cudaMemcpyDeviceToDevice, stream), "input copy");
       },
       fn, reps);
+  cudaFree(src);
+  return ms;
 }
 
 // Device-to-device copy bandwidth in GB/s (bytes read + written), 1 GiB copied.
