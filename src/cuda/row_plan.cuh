@@ -523,6 +523,7 @@ struct RowPlan {
   bool phased = false;    // one launch per phase, partials through the workspace
   int threads = 256;
   size_t smem = 0;        // dynamic shared bytes per block
+  int replicas = 1;       // gridDim.y
 };
 
 size_t round16(int64_t bytes) { return size_t((bytes + 15) / 16 * 16); }
@@ -648,7 +649,13 @@ constexpr int kMaxRegVecs = 4;
 constexpr int64_t kMaxRegRows = 64;
 struct RegPlan {
   int C = 0, R = 0, threads = 512;
+  int D = 1;  // replicas of each row's cluster (gridDim.y; see replicate_rows)
 };
+
+// Blocks that a register plan may take: up to 3/4 of the SMs, so that the clusters fit at once with room to
+// spare (H100, 16x151936 bf16: clusters of 7 or 8 blocks, which the occupancy query accepts, were at times
+// placed in two waves, the last ones starting 4.6-9.2 us late; clusters of 6 never were).
+int64_t reg_block_limit(const fce_handle* h) { return int64_t(h->sm_count > 0 ? h->sm_count : 1) * 3 / 4; }
 
 RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const void* data, int64_t ld,
                   const void* kernel, int64_t max_rows = kMaxRegRows) {
@@ -671,10 +678,7 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
     out->R = int(R);
     return threads <= 1024;
   };
-  // Blocks for up to 3/4 of the SMs, so that the clusters fit at once with room to spare (H100, 16x151936
-  // bf16: clusters of 7 or 8 blocks, which the occupancy query accepts, were at times placed in two waves,
-  // the last ones starting 4.6-9.2 us late; clusters of 6 never were).
-  const int64_t limit = int64_t(sm) * 3 / 4;
+  const int64_t limit = reg_block_limit(h);
   int C = 1;
   for (; C <= cmax; ++C) {
     if (!plan(C, &p)) continue;
@@ -697,11 +701,30 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
   return capped(p);  // no smaller cluster fits in one wave either: the first choice
 }
 
+// Replicas for a register plan `p` whose blocks each write `out_bytes`: D copies of each row's cluster (D
+// clusters per row, gridDim.y) each compute the row's statistics from their own loads and write 1/D of the
+// row, so that D times as many SMs share the stores; the other copies' loads hit L2. Worth it where a block
+// would store at least kReplicateBytes (H100: one SM stores ~64 GB/s, measured, so the 32 KiB of fp32
+// probabilities of a block at 1x128256 take ~0.5 us; softmax 1x128256 bf16 -> fp32 5.8-5.9 us with 6
+// replicas against 6.1-6.2 us without, same machine). D stays within reg_block_limit, the warps of a block
+// (a replica writes the values of every D-th warp) and the clusters the device holds at once.
+constexpr int64_t kReplicateBytes = 24 << 10;
+constexpr int kMaxReplicas = 8;
+RegPlan replicate_rows(const fce_handle* h, int64_t N, RegPlan p, int64_t out_bytes, const void* kernel) {
+  if (p.C < 2 || out_bytes < kReplicateBytes) return p;
+  int64_t D = std::min<int64_t>({reg_block_limit(h) / (N * p.C), p.threads / 32, kMaxReplicas});
+  const int n = max_active_clusters(h, kernel, p.C, p.threads);
+  if (n > 0) D = std::min<int64_t>(D, n / N);
+  p.D = D > 1 ? int(D) : 1;
+  return p;
+}
+
 RowPlan as_row_plan(const RegPlan& r) {
   RowPlan p;
   p.C = r.C;
   p.cluster = r.C > 1;
   p.threads = r.threads;
+  p.replicas = r.D;
   return p;
 }
 
@@ -733,7 +756,7 @@ template <class... P, class... A>
 void launch_grid(void (*kernel)(P...), const RowPlan& p, int64_t grid, cudaStream_t s, const char* what,
                  A&&... args) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(grid));
+  cfg.gridDim = dim3(unsigned(grid), unsigned(p.replicas));
   cfg.blockDim = dim3(unsigned(p.threads));
   cfg.dynamicSmemBytes = p.smem;
   cfg.stream = s;

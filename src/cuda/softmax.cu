@@ -24,7 +24,8 @@
 // (H100, 256x151936 bf16 -> fp32: 106 us against 128 us when it came; 88 us now), and
 //   registers up to 64 rows, 16-byte aligned, probabilities only: the slices live in registers
 //             (plan_regs), one launch, clusters of up to 16 blocks per row, one exchange of (max, sum)
-//             (softmax_regs_kernel); rows needing the special cases fall back to the global-memory code.
+//             (softmax_regs_kernel); rows needing the special cases fall back to the global-memory code;
+//             where a block would store much, copies of the row's cluster share its stores (replicate_rows).
 // fp32 output of 16-bit logits is stored 16 contiguous bytes per thread (slot_col in row_plan.cuh).
 // FCE_DEBUG_ROWS=nocluster|stream|split|noregs in the environment forces a fallback (to test those paths).
 #include <cooperative_groups.h>
@@ -237,6 +238,8 @@ __device__ __noinline__ void softmax_row_general(const SmArgs& a, int64_t row, i
 // barrier (few_merge), then the probabilities from the registers. Rows that are not plain (a zero, negative,
 // NaN, subnormal or infinite temperature; a NaN or infinite logit; no finite logit) take the general code,
 // which re-reads the slice: every block of the row agrees, as all hold bitwise the same statistics.
+// gridDim.y > 1: that many copies of each row's cluster (replicate_rows), each writing the values of every
+// gridDim.y-th warp; all compute bitwise the same statistics, and only copy 0 runs the general code.
 template <class T, class O, int R>
 __global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constant__ SmArgs a) {
   constexpr int K = kVec<T>;
@@ -253,9 +256,10 @@ __global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constan
   const MaxSum part = few_partial<T, R, kHalf>(raw, f.n, c);
   const FewStats t = few_merge<true>(part, c, a.C, f.rank);
   if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
-    softmax_row_general<T>(a, f.row, f.rank);
+    if (blockIdx.y == 0) softmax_row_general<T>(a, f.row, f.rank);
     return;
   }
+  if (gridDim.y > 1 && (threadIdx.x >> 5) % gridDim.y != blockIdx.y) return;
   const float inv_d = 1.f / t.d;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -382,11 +386,14 @@ void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Worksp
   dispatch_float(p.logits.dtype, [&](auto tag) {
     using T = decltype(tag);
     // Register-resident rows (probabilities only, 16-byte aligned rows): the lean few-row kernel.
-    const RegPlan rp =
-        a.probs && !a.logp
-            ? plan_regs(h, N, p.logits.cols, int(dtype_size(p.logits.dtype)), p.logits.data, p.logits.ld,
-                        reinterpret_cast<const void*>(softmax_regs_kernel<T, float, 4>), kSoftmaxRegRows)
-            : RegPlan{};
+    const void* regs_kernel = reinterpret_cast<const void*>(softmax_regs_kernel<T, float, 4>);
+    RegPlan rp = a.probs && !a.logp ? plan_regs(h, N, p.logits.cols, int(dtype_size(p.logits.dtype)), p.logits.data,
+                                                p.logits.ld, regs_kernel, kSoftmaxRegRows)
+                                    : RegPlan{};
+    if (rp.C > 0) {
+      const int64_t out_size = a.probs_f32 ? 4 : int64_t(dtype_size(p.logits.dtype));
+      rp = replicate_rows(h, N, rp, slice_cols(p.logits.cols, rp.C) * out_size, regs_kernel);
+    }
     if (rp.C > 0) {
       a.p0 = 0;
       a.p1 = 2;

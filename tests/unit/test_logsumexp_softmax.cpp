@@ -222,6 +222,13 @@ TEST(TempSoftmax, FewRowsProbabilitiesOnly) {
   SmCase f{64, 32768, DT::BF16, false, {0.9}, false};
   f.peaked = true;
   check_softmax(f);
+  // One or two long rows: on the GPU, copies of each row's cluster share the stores (replicate_rows); a
+  // greedy row among them falls back in one copy only; fp32 and 16-bit outputs.
+  SmCase g{1, 151939, DT::BF16, true, {0.8}, false};
+  g.pad = 5;
+  check_softmax(g);
+  check_softmax({2, 129920, DT::F16, true, {0.0, 1.1}, false});
+  check_softmax({1, 256000, DT::BF16, false, {1.3}, false});
   check_softmax({5, 129920, DT::F16, true, {1e-5}, false, false, 10.0});
 }
 
