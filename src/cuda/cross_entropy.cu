@@ -527,7 +527,10 @@ __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
   uint4 raw[R];
   reg_load_lean<T, R>(x, f.n, raw);
   const float c = p.scale * kLog2e;  // the raw max first, then the scale (scale > 0)
-  const MaxSum part = few_partial<T, R>(raw, f.n, c);
+  // Only warp 0 goes on to the exchange (H100, 16x151936 bf16: 8.38 against 8.51 us, 16x128256 7.94 against
+  // 8.06, same machine, alternating processes); the others leave once the block merge has their partials.
+  const MaxSum part = few_partial<T, R, false, true>(raw, f.n, c);
+  if (threadIdx.x >= 32 && p.splits > 1) return;
   const FewStats t = few_merge<false>(part, c, p.splits, f.rank);  // rank 0 writes the result
   if (f.rank == 0 && threadIdx.x == 0)
     p.lse[f.row] = t.nan                ? NAN

@@ -328,13 +328,17 @@ __device__ __forceinline__ MaxSum warp_ms_all(MaxSum v, float c, int group = 32)
   return {M, d};
 }
 
-// Block merge of the threads' partials in a fixed order, in every thread (one __syncthreads).
+// Block merge of the threads' partials in a fixed order, in every thread (one __syncthreads), or in warp 0
+// only (kWarp0Only: the other warps get their warp's partial; a caller that needs the result in one thread
+// lets them leave, so that they take no issue slots from warp 0's merge and exchange).
+template <bool kWarp0Only = false>
 __device__ __forceinline__ MaxSum block_ms_all(MaxSum v, float c) {
   __shared__ float2 sh[32];
   v = warp_ms_all(v, c);
   const int lane = threadIdx.x & 31;
   if (lane == 0) sh[threadIdx.x >> 5] = make_float2(v.m, v.d);
   __syncthreads();
+  if (kWarp0Only && threadIdx.x >= 32) return v;
   const int nw = int(blockDim.x) >> 5, g = merge_group(nw), i = lane & (g - 1);
   const float2 w = i < nw ? sh[i] : make_float2(-INFINITY, 0.f);
   return warp_ms_all({w.x, w.y}, c, g);
@@ -434,7 +438,7 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
 
 // This block's partial over its register slots (the slice's n values): every thread takes the max and the
 // sum over its own values (no block-wide max to wait for), then the block merges the threads' partials.
-template <class T, int R, bool kHalf = false>
+template <class T, int R, bool kHalf = false, bool kWarp0Only = false>
 __device__ __forceinline__ MaxSum few_partial(const uint4 (&raw)[R], int n, float c) {
   constexpr int K = kVec<T>;
   float mx = -INFINITY;
@@ -453,7 +457,7 @@ __device__ __forceinline__ MaxSum few_partial(const uint4 (&raw)[R], int n, floa
   } else if (regs_have_nan<T, R>(raw)) {
     d = NAN;
   }
-  return block_ms_all({mx, d}, c);
+  return block_ms_all<kWarp0Only>({mx, d}, c);
 }
 
 // Stores v[0, cnt) to out[0, cnt) as O: 16-byte stores for a full group at an aligned address, else one
