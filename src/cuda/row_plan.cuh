@@ -375,12 +375,17 @@ template <bool kAll>
 __device__ __forceinline__ void few_arrive(int C) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (C > 1) {
-    if (threadIdx.x == 0 && (kAll || blockIdx.x % unsigned(C) == 0)) {
+    if (threadIdx.x < 32 && (kAll || blockIdx.x % unsigned(C) == 0)) {
       const unsigned bar = smem_addr(few_mbar());
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(unsigned(C * 8))
-                   : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      if (threadIdx.x == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+      // The compiler may issue the init once for the warp (uniform datapath), which compute-sanitizer's
+      // racecheck then takes for another lane's write: order it before lane 0's arrive for the tool.
+      __syncwarp();
+      if (threadIdx.x == 0) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(unsigned(C * 8))
+                     : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      }
     }
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   }
