@@ -713,10 +713,10 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
 // Replicas for a register plan `p` whose blocks each write `out_bytes`: D copies of each row's cluster (D
 // clusters per row, gridDim.y) each compute the row's statistics from their own loads and write 1/D of the
 // row, so that D times as many SMs share the stores; the other copies' loads hit L2. Worth it where a block
-// would store at least kReplicateBytes (H100: one SM stores ~64 GB/s, measured, so the 32 KiB of fp32
-// probabilities of a block at 1x128256 take ~0.5 us; softmax 1x128256 bf16 -> fp32 5.8-5.9 us with 6
-// replicas against 6.1-6.2 us without, same machine). D stays within reg_block_limit, the warps of a block
-// (a replica writes the values of every D-th warp) and the clusters the device holds at once.
+// would store at least kReplicateBytes (H100: one SM stores ~64 GB/s, tools/probe_store_rate.cu, so the 32
+// KiB of fp32 probabilities of a block at 1x128256 take ~0.5 us; softmax 1x128256 bf16 -> fp32 5.8-5.9 us
+// with 6 replicas against 6.1-6.2 us without, same machine). D stays within reg_block_limit, the warps of a
+// block (a replica writes the values of every D-th warp) and the clusters the device holds at once.
 constexpr int64_t kReplicateBytes = 24 << 10;
 constexpr int kMaxReplicas = 8;
 RegPlan replicate_rows(const fce_handle* h, int64_t N, RegPlan p, int64_t out_bytes, const void* kernel) {
