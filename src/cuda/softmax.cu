@@ -80,6 +80,7 @@ struct SmArgs {
   float temperature;
   int64_t N, V;
   int C, p0, p1;
+  int chunk;  // few-row kernels: slice width, slice_cols(V, C)
   bool cluster;
   MaxArg* ws0;  // phased partials [N*C]
   SumF* ws1;
@@ -245,13 +246,13 @@ __global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constan
   constexpr int K = kVec<T>;
   constexpr int G = kStoreGroup<T, O>;  // values per store
   constexpr bool kHalf = G < K;         // fp32 out of 16-bit in: half-vector slots
-  few_arrive<true>(a.C);
-  const FewCtx f = few_ctx(a.V, a.C);
+  const FewCtx f = few_ctx(a.V, a.C, a.chunk);
   const float temp = a.temps ? a.temps[f.row] : a.temperature;
   const T* x = static_cast<const T*>(a.x) + f.row * a.ldx + f.begin;
   O* out = static_cast<O*>(a.probs) + f.row * a.ldp + f.begin;
   uint4 raw[R];
   reg_load_lean<T, R, kHalf>(x, f.n, raw);
+  few_arrive<true>(a.C);  // after the loads are issued (see lse_regs_kernel)
   const float c = (1.f / temp) * kLog2e;  // (x - max) / T in base 2: the raw max first, then the scale
   const MaxSum part = few_partial<T, R, kHalf>(raw, f.n, c);
   const FewStats t = few_merge<true>(part, c, a.C, f.rank);
@@ -286,7 +287,7 @@ template <class T, class O>
 __global__ void __launch_bounds__(512, 2) softmax_smem_kernel(const __grid_constant__ SmArgs a) {
   constexpr int K = kVec<T>;
   few_arrive<true>(a.C);
-  const FewCtx f = few_ctx(a.V, a.C);
+  const FewCtx f = few_ctx(a.V, a.C, a.chunk);
   const float temp = a.temps ? a.temps[f.row] : a.temperature;
   T* sm = reinterpret_cast<T*>(g_smem);
   const float c = (1.f / temp) * kLog2e;  // (x - max) / T in base 2: the raw max first, then the scale
@@ -398,6 +399,7 @@ void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Worksp
       a.p0 = 0;
       a.p1 = 2;
       a.C = rp.C;
+      a.chunk = int(slice_cols(a.V, a.C));
       a.cluster = rp.C > 1;
       dispatch_regs(rp.R, [&](auto r) {
         constexpr int R = decltype(r)::value;
@@ -413,6 +415,7 @@ void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Worksp
                N * pl.C <= (int64_t(1) << 30)) {
       a.p0 = 0;
       a.p1 = 2;
+      a.chunk = int(slice_cols(a.V, a.C));  // a resident slice: fits
       if (a.probs_f32) launch_rows(softmax_smem_kernel<T, float>, pl, N, a, s, "softmax kernel");
       else launch_rows(softmax_smem_kernel<T, T>, pl, N, a, s, "softmax kernel");
     } else {
