@@ -17,7 +17,8 @@ for b in "$BUILD"/benchmarks/bench_* "$BUILD"/examples/demo_real_cuda "$BUILD"/e
   if [ -f "$b" ] && [ -x "$b" ]; then cp "$b" $G/bin/; fi
 done
 for l in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libcjson.so.1; do
-  p=$(ldconfig -p | awk -v l="$l" '$1 == l {print $NF; exit}')
+  # no early exit in awk: ldconfig would die of SIGPIPE, which pipefail turns into a failed pack
+  p=$(ldconfig -p | awk -v l="$l" '$1 == l && !f {print $NF; f = 1}')
   [ -n "$p" ] && cp -L "$p" $G/lib/
 done
 cp -L /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 $G/lib/ 2>/dev/null || true
