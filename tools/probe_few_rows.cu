@@ -39,7 +39,8 @@ __device__ __forceinline__ unsigned long long gtime() {
 
 // kSoft: softmax (every block receives the statistics, fp32 probabilities) or logsumexp (rank 0 receives).
 template <int R, bool kSoft, bool kProbe>
-__global__ void __launch_bounds__(1024) few_rows(const T* x, float* out, float* lse, int V, int C, float c) {
+__global__ void __launch_bounds__(1024) few_rows(const T* x, float* out, float* lse, int V, int C, int chunk,
+                                                   float c) {
   __shared__ unsigned long long ph[kPhases];
   const unsigned long long g0 = kProbe ? gtime() : 0;
   const long long c0 = clock64();
@@ -50,10 +51,10 @@ __global__ void __launch_bounds__(1024) few_rows(const T* x, float* out, float* 
       atomicMax(&ph[i], static_cast<unsigned long long>(clock64() - c0));
     }
   };
-  few_arrive<kSoft>(C);
-  const FewCtx f = few_ctx(V, C);
+  const FewCtx f = few_ctx(V, C, chunk);
   uint4 raw[R];
   reg_load_lean<T, R, kSoft>(x + f.row * V + f.begin, f.n, raw);
+  few_arrive<kSoft>(C);
   float mx = -INFINITY;
 #pragma unroll
   for (int r = 0; r < R; ++r) mx = fmaxf(mx, vec_max<T>(raw[r]));
@@ -133,7 +134,8 @@ template <int R, bool kSoft>
 void run_plan(const Plan& q, const T* x, float* out, float* lse, double ghz) {
   const int grid = q.N * q.C;
   const float c = kLog2e;
-  auto run = [&](auto kernel) { launch_clusters(kernel, grid, q.C, q.threads, x, out, lse, q.V, q.C, c); };
+  const int chunk = int(slice_cols(q.V, q.C));
+  auto run = [&](auto kernel) { launch_clusters(kernel, grid, q.C, q.threads, x, out, lse, q.V, q.C, chunk, c); };
   auto us = [&](const std::function<void()>& f) {
     return 1e3 * (g_l2_bytes ? bench::time_ms_input_in_l2(nullptr, const_cast<T*>(x), g_l2_bytes, f)
                              : bench::time_ms(nullptr, f));
@@ -156,8 +158,23 @@ void run_plan(const Plan& q, const T* x, float* out, float* lse, double ghz) {
       mx[i] = std::max(mx[i], double(ph[b * kPhases + i]));
     }
   }
-  std::printf("%-24s %6.2f us (probed %6.2f, empty clusters %5.2f) | start skew %5.0f ns, span %5.0f ns |",
-              q.name, plain, probed, empty, double(s1 - s0), double(e1 - s0));
+  int fit = 0;  // clusters of this plan the device reports room for at once
+  {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(q.C);
+    cfg.blockDim = dim3(q.threads);
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = q.C;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&fit, few_rows<R, kSoft, false>, &cfg) != cudaSuccess) fit = -1;
+    cudaGetLastError();
+  }
+  std::printf("%-24s %6.2f us (probed %6.2f, empty clusters %5.2f) | fit %3d | start skew %5.0f ns, span %5.0f ns |",
+              q.name, plain, probed, empty, fit, double(s1 - s0), double(e1 - s0));
   const char* names[kPhases] = {"data", "exps", "block", "stats", "stores"};
   for (int i = 0; i < kPhases; ++i)
     if (mx[i] > 0) std::printf(" %s %.0f/%.0f", names[i], mean[i] / ghz, mx[i] / ghz);
@@ -202,6 +219,8 @@ int main(int argc, char** argv) {
       {"softmax 16x151936 C=6", 16, 151936, 6, 4, 800, true},  {"lse 16x151936 C=6", 16, 151936, 6, 4, 800, false},
       {"softmax 16x151936 C=7", 16, 151936, 7, 4, 704, true},  {"lse 16x151936 C=7", 16, 151936, 7, 4, 704, false},
       {"softmax 16x151936 C=8", 16, 151936, 8, 4, 608, true},  {"lse 16x151936 C=8", 16, 151936, 8, 4, 608, false},
+      {"lse 16x151936 C=9", 16, 151936, 9, 4, 640, false},     {"lse 16x151936 C=12", 16, 151936, 12, 2, 896, false},
+      {"lse 16x151936 C=16", 16, 151936, 16, 2, 640, false},   {"lse 16x128256 C=16", 16, 128256, 16, 2, 512, false},
   };
   for (int rep = 0; rep < 2; ++rep)
     for (const Plan& q : plans) {

@@ -822,9 +822,10 @@ void lse(fce_handle* h, fce_stream_t stream, const LseProblem& p, Workspace w) {
   dispatch_float(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     const RegPlan rp = plan_regs(h, N, p.x.cols, int(dtype_size(p.x.dtype)), p.x.data, p.x.ld,
-                                 reinterpret_cast<const void*>(lse_regs_kernel<T, 4>), kLseRegRows,
-                                 /*balance_warps=*/true);  // 16x151936: 896 threads, not 800 (8.06 against
-                                                           // 8.16 us and 8.10 against 8.19, two calls)
+                                 RegKernels(reinterpret_cast<const void*>(lse_regs_kernel<T, 1>),
+                                            reinterpret_cast<const void*>(lse_regs_kernel<T, 2>),
+                                            reinterpret_cast<const void*>(lse_regs_kernel<T, 4>)),
+                                 kLseRegRows, /*reads_only=*/true);
     if (rp.C > 0 && splits > 1) {
       k.splits = rp.C;
       k.chunk = int(slice_cols(k.V, rp.C));

@@ -698,8 +698,8 @@ int max_active_clusters(const fce_handle* h, const void* kernel, int C, int thre
 // Register-resident plan for decode batches (C blocks per row, a cluster when C > 1, R vectors per thread),
 // or C = 0 when the rows do not fit (more than kMaxRegVecs vectors for 1024 threads would spill), are not
 // 16-byte aligned, are more than max_rows, or a path is forced. C grows while the N * C blocks stay within
-// 3/4 of the SMs and the slices are long; then it shrinks while the N clusters would not all be resident at
-// once (a second wave of clusters costs a whole kernel's latency). `kernel` is the one to launch (for the
+// 3/4 of the SMs (two blocks per SM for reads_only) and the slices are long; then it shrinks while the N clusters would not all be resident at
+// once (a second wave of clusters costs a whole kernel's latency). `kernels` are the ones to launch (for the
 // residency query). Plans of more than 5/4 of a block per SM are refused (see `capped`).
 constexpr int kMaxRegVecs = 4;
 constexpr int64_t kMaxRegRows = 64;
@@ -713,8 +713,17 @@ struct RegPlan {
 // placed in two waves, the last ones starting 4.6-9.2 us late; clusters of 6 never were).
 int64_t reg_block_limit(const fce_handle* h) { return int64_t(h->sm_count > 0 ? h->sm_count : 1) * 3 / 4; }
 
+// The kernel a register plan launches for R = 1, 2, 4 vectors per thread (for the residency query: their
+// register counts differ), or one stand-in for all three.
+struct RegKernels {
+  const void* k[3];
+  RegKernels(const void* all) : k{all, all, all} {}  // NOLINT: one kernel for every R
+  RegKernels(const void* r1, const void* r2, const void* r4) : k{r1, r2, r4} {}
+  const void* of(int R) const { return k[R <= 1 ? 0 : R == 2 ? 1 : 2]; }
+};
+
 RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const void* data, int64_t ld,
-                  const void* kernel, int64_t max_rows = kMaxRegRows, bool balance_warps = false) {
+                  RegKernels kernels, int64_t max_rows = kMaxRegRows, bool reads_only = false) {
   RegPlan p;
   const int sm = h->sm_count > 0 ? h->sm_count : 1;
   if (forced_path() != Force::None || N > max_rows) return p;
@@ -722,22 +731,25 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
   const int K = 16 / esize;
   // Non-portable clusters (9..16 blocks) only where the device reports room for all N of them at once.
   const int cmax = !clusters_available(h)                  ? 1
-                   : allow_cluster(kernel, kMaxFewCluster) ? kMaxFewCluster
+                   : allow_cluster(kernels.of(kMaxRegVecs), kMaxFewCluster) ? kMaxFewCluster
                                                            : kMaxCluster;
-  // Threads sized to the slice (two or four vectors each, a multiple of a warp), so that no slot is idle;
-  // with balance_warps a multiple of four warps above 128 threads, so that each of an SM's four schedulers
-  // (and its share of the special-function units) gets as many warps: 25 warps put 7 on one of them.
+  // Threads sized to the slice (two or four vectors each, a multiple of a warp), so that no slot is idle.
+  // reads_only (a kernel that writes one value per row, logsumexp): a multiple of four warps above 128
+  // threads, so that each of an SM's four schedulers (and its share of the special-function units) gets as
+  // many warps (25 warps put 7 on one of them); and up to two blocks per SM, whose exponentials, merges and
+  // exchanges then overlap (H100, logsumexp bf16, clusters of 16 against 6 blocks at 16 rows: 16x151936
+  // 7.74 against 8.13 us, 16x128256 7.30 against 7.65, 8x151936 6.69 against 6.85; same call).
   auto plan = [&](int C, RegPlan* out) {
     const int64_t vecs = (slice_cols(V, C) + K - 1) / K;
     const int64_t R = vecs <= 64 ? 1 : vecs <= 2 * 1024 ? 2 : kMaxRegVecs;
     int64_t threads = std::max<int64_t>(64, ((vecs + R - 1) / R + 31) / 32 * 32);
-    if (balance_warps && threads > 128) threads = (threads + 127) / 128 * 128;
+    if (reads_only && threads > 128) threads = (threads + 127) / 128 * 128;
     out->C = C;
     out->threads = int(std::min<int64_t>(threads, 1024));
     out->R = int(R);
     return threads <= 1024;
   };
-  const int64_t limit = reg_block_limit(h);
+  const int64_t limit = reads_only ? 2 * int64_t(sm) : reg_block_limit(h);
   int C = 1;
   for (; C <= cmax; ++C) {
     if (!plan(C, &p)) continue;
@@ -748,12 +760,13 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
   // At most 5/4 of a block per SM: beyond that, these one-shot clusters run in waves whose packing varies
   // from process to process (H100, softmax bf16 -> fp32: 48x151936 in 26 or 43 us, 40x151936 in 21 or 41.5
   // us, by process; 64x151936 50.6 us against 43.0 for the shared-memory kernel); the callers' other paths
-  // overlap their blocks.
-  auto capped = [&](const RegPlan& r) { return int64_t(r.C) * N > int64_t(sm) * 5 / 4 ? RegPlan{} : r; };
+  // overlap their blocks. Two blocks per SM for reads_only kernels (above).
+  const int64_t cap = reads_only ? 2 * int64_t(sm) : int64_t(sm) * 5 / 4;
+  auto capped = [&](const RegPlan& r) { return int64_t(r.C) * N > cap ? RegPlan{} : r; };
   for (int c = C; c > 1; --c) {
     RegPlan q;
     if (!plan(c, &q)) break;
-    const int n = max_active_clusters(h, kernel, c, q.threads);
+    const int n = max_active_clusters(h, kernels.of(q.R), c, q.threads);
     if ((n == 0 && c <= kMaxCluster) || N <= n) return capped(q);
   }
   if (p.C > kMaxCluster) return RegPlan{};  // no non-portable cluster fits: not this path
