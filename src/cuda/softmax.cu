@@ -394,8 +394,6 @@ void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Worksp
     if (rp.C > 0) {
       const int64_t out_size = a.probs_f32 ? 4 : int64_t(dtype_size(p.logits.dtype));
       rp = replicate_rows(h, N, rp, slice_cols(p.logits.cols, rp.C) * out_size, regs_kernel);
-    }
-    if (rp.C > 0) {
       a.p0 = 0;
       a.p1 = 2;
       a.C = rp.C;
