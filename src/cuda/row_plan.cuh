@@ -449,9 +449,10 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const bool receiver = kAll || rank == 0;
     const unsigned bar = smem_addr(few_mbar());
-    // Every receiver is armed (few_arrive). Every thread waits here, not only warp 0 earlier: a thread that
-    // arrived on a cluster-barrier phase waits on it before arriving again (softmax_row_general's cluster
-    // sync). A build with warp 0's wait at the kernel's head hung under racecheck, most likely so.
+    // Every receiver is armed (few_arrive). Each thread that goes on waits here (threads that leave need
+    // not): one that arrived on a cluster-barrier phase waits on it before arriving again, as in
+    // softmax_row_general's cluster sync. A build with only warp 0 waiting, at the kernel's head, hung under
+    // racecheck, most likely for that reason.
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
     if (int(threadIdx.x) < (kAll ? C : 1)) {  // thread i sends to block i
       unsigned rs, rb;
