@@ -702,9 +702,10 @@ int max_active_clusters(const fce_handle* h, const void* kernel, int C, int thre
 // Register-resident plan for decode batches (C blocks per row, a cluster when C > 1, R vectors per thread),
 // or C = 0 when the rows do not fit (more than kMaxRegVecs vectors for 1024 threads would spill), are not
 // 16-byte aligned, are more than max_rows, or a path is forced. C grows while the N * C blocks stay within
-// 3/4 of the SMs (two blocks per SM for reads_only) and the slices are long; then it shrinks while the N clusters would not all be resident at
-// once (a second wave of clusters costs a whole kernel's latency). `kernels` are the ones to launch (for the
-// residency query). Plans of more than 5/4 of a block per SM are refused (see `capped`).
+// 3/4 of the SMs (two blocks per SM for reads_only) and the slices are long; then it shrinks while the N
+// clusters would not all be resident at once (a second wave of clusters costs a whole kernel's latency).
+// `kernels` are the ones to launch (for the residency query). Plans of more than 5/4 of a block per SM (two
+// for reads_only) are refused (see `capped`).
 constexpr int kMaxRegVecs = 4;
 constexpr int64_t kMaxRegRows = 64;
 struct RegPlan {
