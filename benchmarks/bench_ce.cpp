@@ -26,14 +26,20 @@ void report(const std::string& op, int64_t N, int64_t V, const char* dt, double 
 
 const char* name(DLDataType d) { return d.bits == 32 ? "fp32" : d.code == kDLBfloat ? "bf16" : "fp16"; }
 
+// per_row: reduction NONE with the lse too (scoring sampled tokens), else the mean loss.
 void ce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, DLDataType dt, bool grad, double copy_gbs,
-             double target) {
-  Buf logits({N, V}, dt), targets({N}, i32()), loss({}, f32());
+             double target, bool per_row = false) {
+  Buf logits({N, V}, dt), targets({N}, i32()), loss(per_row ? std::vector<int64_t>{N} : std::vector<int64_t>{}, f32()),
+      lse({N}, f32());
   fill_random(logits, 3.f, 1, s);
   fill_targets(targets, V, 2, s);
   fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
   fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
   out.loss = loss.dl();
+  if (per_row) {
+    o.reduction = FCE_REDUCTION_NONE;
+    out.lse = lse.dl();
+  }
   if (grad) out.dlogits = logits.dl();  // in place, as Liger does
   size_t wsb = 0;
   ok(fce_cross_entropy_fwd_workspace_size(h, logits.dl(), targets.dl(), &o, &out, &wsb), "ws");
@@ -45,7 +51,8 @@ void ce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, DLDataType dt
   });
   cudaFree(ws);
   const double bytes = double(N) * double(V) * (dt.bits / 8) * (grad ? 2 : 1);
-  report(grad ? "CE fwd + dlogits (in place)" : "CE fwd (mean loss)", N, V, name(dt), ms, bytes, copy_gbs, target);
+  report(grad ? "CE fwd + dlogits (in place)" : per_row ? "CE fwd (per-row loss and lse)" : "CE fwd (mean loss)", N, V,
+         name(dt), ms, bytes, copy_gbs, target);
 }
 
 // in_l2: the logits written by a copy just before each run (still in L2, as the LM head's output is at decode)
@@ -92,6 +99,8 @@ int main(int argc, char** argv) {
     ce_case(h, s, 8192, 128256, f16(), true, copy, 0.85);
     ce_case(h, s, 16384, 151936, bf16(), true, copy, 0.85);
     ce_case(h, s, 16, 151936, bf16(), false, copy, 0.0);
+    ce_case(h, s, 16, 151936, bf16(), false, copy, 0.0, true);
+    ce_case(h, s, 1, 128256, bf16(), false, copy, 0.0, true);
     ce_case(h, s, 256, 151936, bf16(), false, copy, 0.0);
   }
   lse_case(h, s, 8192, 128256, bf16(), copy, 0.90);

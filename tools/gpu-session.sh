@@ -35,6 +35,12 @@ for step in $steps; do
           summary+=("FCE_DEBUG_ROWS=$f $t $r")
         done
       done
+      # the few-row cross-entropy forward without its register path
+      FCE_DEBUG_ROWS=noregs .gpu/bin/gpu_cross_entropy --gtest_brief=1 --gtest_filter='CrossEntropy.FewRows*' \
+        > "$OUT/fallback_noregs_ce.log" 2>&1
+      rc=$?
+      case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+      summary+=("FCE_DEBUG_ROWS=noregs gpu_cross_entropy FewRows* $r")
       FCE_DEBUG_KD=c1 .gpu/bin/gpu_kd --gtest_brief=1 > "$OUT/fallback_kd_c1.log" 2>&1
       rc=$?
       case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
@@ -45,8 +51,8 @@ for step in $steps; do
       summary+=("FCE_DEBUG_CE=cached gpu_cross_entropy $r") ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
-        filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.*'
-        [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:CrossEntropy.ManyRowsFusedGradient:Logsumexp.InfinitiesAndNaN:Logsumexp.FewAligned*:TempSoftmax.PerRowTemperaturesMixedGreedy:TempSoftmax.FewAligned*:TempSoftmax.FewRows*:TempSoftmax.ManyRowsProbabilitiesOnly:TempSoftmax.ManyLongAlignedRows:KdLoss.NegativeInfinityLogitsGiveNoNaN:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.ChunkSizesAgree:LinearCrossEntropy.ShortLastChunkSplits'
+        filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.*'
+        [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.InfinitiesAndNaN:Logsumexp.FewAligned*:TempSoftmax.PerRowTemperaturesMixedGreedy:TempSoftmax.FewAligned*:TempSoftmax.FewRows*:TempSoftmax.ManyRowsProbabilitiesOnly:TempSoftmax.ManyLongAlignedRows:KdLoss.NegativeInfinityLogitsGiveNoNaN:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.ChunkSizesAgree:LinearCrossEntropy.ShortLastChunkSplits'
         for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce; do
           compute-sanitizer --tool $tool --error-exitcode 9 .gpu/bin/$t --gtest_brief=1 --gtest_filter="$filter" \
             > "$OUT/san_${tool}_$t.log" 2>&1

@@ -34,8 +34,18 @@ void ce_prep(cudaStream_t s, const CeOpts& o, const void* targets, bool t64, int
 // Scratch bytes ce_rows needs for N rows (split rows only).
 size_t ce_rows_workspace(fce_handle* h, int64_t N, int64_t V, bool grad, bool backward);
 void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws);
-// SUM or MEAN of row losses into the scalars loss (and zloss when not null), in a fixed order.
+// Where the MEAN's denominator is not in a prep buffer: the call's targets and options to compute it from.
+struct CeDenominator {
+  const CeOpts* o;
+  const void* targets;
+  bool t64;
+  int64_t V;
+};
+// SUM or MEAN of row losses into the scalars loss (and zloss when not null), in a fixed order; the MEAN's
+// denominator from prep, or (prep null) from `den`. `dependent`: launched as a programmatic dependent of
+// the stream's previous kernel (sm_90 and later), so that its launch overlaps that kernel's tail.
 void ce_finalize(cudaStream_t s, const float* loss_rows, const float* zl_rows, int64_t N, int reduction,
-                 const double* prep, float* loss, float* zloss);
+                 const double* prep, float* loss, float* zloss, const CeDenominator* den = nullptr,
+                 bool dependent = false);
 
 }  // namespace fce::cuda

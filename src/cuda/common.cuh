@@ -372,6 +372,20 @@ __host__ __device__ __forceinline__ void split_range(int64_t V, int splits, int 
 
 inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
 
+// Programmatic dependent launch (sm_90 and later; nothing before): a kernel launched with the
+// programmatic-serialization attribute waits here until the previous kernel of its stream has finished
+// and its writes are visible; that kernel may let it launch early.
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 inline cudaStream_t stream_of(fce_stream_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
 // Workspace carving: 256-byte aligned sub-buffers.

@@ -235,10 +235,12 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
       const T* x = static_cast<const T*>(p.x) + row * p.ld;
       const float zt = tf(hint ? hint->xt : to_float(x[t]));
       const float wt = p.weights ? p.weights[t] : 1.f;
-      const float W = p.weights ? float(p.prep[1]) : float(p.V);
       zl = p.zq * lse * lse;
       loss = (1.f - p.eps) * wt * (lse - zt) + zl;
-      if (p.eps > 0.f) loss += p.eps * p.inv_v * (lse * W - a.swz);
+      if (p.eps > 0.f) {  // prep holds the class weights' sum only when smoothing needs it
+        const float W = p.weights ? float(p.prep[1]) : float(p.V);
+        loss += p.eps * p.inv_v * (lse * W - a.swz);
+      }
     }
   }
   p.loss_rows[row] = loss;
@@ -519,8 +521,10 @@ constexpr int64_t kLseRegRows = 16;
 
 // Few rows of logsumexp in one launch: C blocks per row (a cluster of up to 16), each holding its slice in
 // registers; the blocks' (max, sum) partials are pushed to rank 0, which merges them in a fixed order
-// (few_merge) and writes the row's logsumexp.
-template <class T, int R>
+// (few_merge) and writes the row's logsumexp. kCe: the row's cross-entropy outputs instead (loss, z-loss,
+// lse; no soft-cap, label smoothing, entropy or argmax: ce_regs_ok), rank 0's thread 0 loading the target
+// and its logit while the slice's loads are in flight.
+template <class T, int R, bool kCe = false>
 __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
   const FewCtx f = few_ctx(p.V, p.splits, p.chunk);
   const T* x = static_cast<const T*>(p.x) + f.row * p.ld + f.begin;
@@ -529,17 +533,60 @@ __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
   // The cluster's barrier arrival after the loads are issued, so that nothing but the addresses precedes
   // them (H100, 16x151936 bf16: 8.19 against 8.22 us, 1x128256 5.28 against 5.44, same call).
   few_arrive<false>(p.splits);
+  if constexpr (kCe) allow_dependents();  // the finalize kernel of a reduction may start its launch
+  RowHints hint{};
+  if constexpr (kCe) {
+    if (f.rank == 0 && threadIdx.x == 0) {
+      hint.t = load_index(p.targets, p.t64, f.row);
+      hint.xt = hint.t >= 0 && hint.t < p.V ? to_float(static_cast<const T*>(p.x)[f.row * p.ld + hint.t]) : NAN;
+    }
+  }
   const float c = p.scale * kLog2e;  // the raw max first, then the scale (scale > 0)
   // Only warp 0 goes on to the exchange (H100, 16x151936 bf16: 8.38 against 8.51 us, 16x128256 7.94 against
   // 8.06, same machine, alternating processes); the others leave once the block merge has their partials.
   const MaxSum part = few_partial<T, R, false, true>(raw, f.n, c);
   if (threadIdx.x >= 32 && p.splits > 1) return;
   const FewStats t = few_merge<false>(part, c, p.splits, f.rank);  // rank 0 writes the result
-  if (f.rank == 0 && threadIdx.x == 0)
+  if (f.rank != 0 || threadIdx.x != 0) return;
+  if constexpr (kCe) {
+    // The statistics in the scaled logits' units; a +inf scaled max (a +inf logit, or one that overflows
+    // with the scale) makes the row NaN, as in accumulate (inf - inf inside the log-sum-exp).
+    CeAcc a;
+    a.m = t.nan ? NAN : t.m * p.scale;
+    a.d = t.nan || a.m == INFINITY ? NAN : t.d;
+    write_row_outputs<T>(p, f.row, a, &hint);
+  } else {
     p.lse[f.row] = t.nan                ? NAN
                    : t.m == INFINITY     ? INFINITY
                    : t.m == -INFINITY    ? -INFINITY
                                          : (t.m * c + log2f(t.d)) * kLn2;
+  }
+}
+
+// The register-resident cross-entropy forward covers these options (the others need per-element work or
+// outputs that the (max, sum) merge does not carry).
+bool ce_regs_ok(const CeParams& k) {
+  return !k.dx && !k.saved_lse && k.softcap == 0.f && k.eps == 0.f && !k.entropy && !k.argmax;
+}
+
+// Launches lse_regs_kernel for N rows when a register plan fits (false if not): logsumexp, or (kCe) the
+// cross-entropy forward. `k.splits` must hold the split path's count (> 1: few rows).
+template <class T, bool kCe>
+bool launch_lse_regs(fce_handle* h, cudaStream_t s, CeParams k) {
+  if (k.splits <= 1) return false;
+  const RegPlan rp = plan_regs(h, k.N, k.V, int(sizeof(T)), k.x, k.ld,
+                               RegKernels(reinterpret_cast<const void*>(lse_regs_kernel<T, 1, kCe>),
+                                          reinterpret_cast<const void*>(lse_regs_kernel<T, 2, kCe>),
+                                          reinterpret_cast<const void*>(lse_regs_kernel<T, 4, kCe>)),
+                               kLseRegRows, /*reads_only=*/true);
+  if (rp.C == 0) return false;
+  k.splits = rp.C;
+  k.chunk = int(slice_cols(k.V, rp.C));
+  dispatch_regs(rp.R, [&](auto r) {
+    launch_rows(lse_regs_kernel<T, decltype(r)::value, kCe>, as_row_plan(rp), k.N, k, s,
+                kCe ? "cross-entropy kernel" : "logsumexp kernel");
+  });
+  return true;
 }
 
 struct SumD {
@@ -550,17 +597,23 @@ struct SumD {
   __device__ void merge(const SumD& o) { s += o.s; }
 };
 
-// Mean denominator (sum of w[t] over non-ignored rows; an out-of-range target counts 1) and the sum of
-// class weights, in a fixed order.
-__global__ void __launch_bounds__(1024) prep_kernel(CeParams p, double* prep) {  // uses targets, weights, N, V
-  double den = 0, W = 0;
+// Mean denominator: the sum of w[t] over the non-ignored rows (an out-of-range target counts 1), in a
+// fixed order; every thread of the block gets it.
+__device__ double mean_denominator(const CeParams& p) {
+  double den = 0;
   for (int64_t i = threadIdx.x; i < p.N; i += blockDim.x) {
     const int64_t t = load_index(p.targets, p.t64, i);
     if (t != p.ignore_index) den += (t >= 0 && t < p.V) ? (p.weights ? double(p.weights[t]) : 1.0) : 1.0;
   }
+  return block_reduce(SumD(den)).s;
+}
+
+// The mean denominator and the sum of class weights, in a fixed order.
+__global__ void __launch_bounds__(1024) prep_kernel(CeParams p, double* prep) {  // uses targets, weights, N, V
+  const double den = mean_denominator(p);
+  double W = 0;
   if (p.weights)
     for (int64_t j = threadIdx.x; j < p.V; j += blockDim.x) W += p.weights[j];
-  den = block_reduce(SumD(den)).s;
   W = block_reduce(SumD(W)).s;
   if (threadIdx.x == 0) {
     prep[0] = den;
@@ -568,8 +621,10 @@ __global__ void __launch_bounds__(1024) prep_kernel(CeParams p, double* prep) { 
   }
 }
 
-// SUM/MEAN of the row losses (and z-losses), fixed order.
+// SUM/MEAN of the row losses (and z-losses), fixed order; the MEAN's denominator from prep, or computed
+// here from the targets when prep is null (one launch fewer for a forward without a gradient).
 __global__ void __launch_bounds__(1024) finalize_kernel(CeParams p, float* loss, float* zloss) {
+  wait_prior_grid();  // launched as a programmatic dependent of the rows' kernel where the device allows
   double s = 0, z = 0;
   for (int64_t i = threadIdx.x; i < p.N; i += blockDim.x) {
     s += p.loss_rows[i];
@@ -577,9 +632,9 @@ __global__ void __launch_bounds__(1024) finalize_kernel(CeParams p, float* loss,
   }
   s = block_reduce(SumD(s)).s;
   z = block_reduce(SumD(z)).s;
+  const double den = p.reduction != FCE_REDUCTION_MEAN ? 1.0 : p.prep ? p.prep[0] : mean_denominator(p);
   if (threadIdx.x == 0) {
     if (p.reduction == FCE_REDUCTION_MEAN) {
-      const double den = p.prep[0];
       s = den > 0 ? s / den : 0.0;
       z = den > 0 ? z / den : 0.0;
     }
@@ -666,15 +721,31 @@ void ce_prep(cudaStream_t s, const CeOpts& o, const void* targets, bool t64, int
 }
 
 void ce_finalize(cudaStream_t s, const float* loss_rows, const float* zl_rows, int64_t N, int reduction,
-                 const double* prep, float* loss, float* zloss) {
+                 const double* prep, float* loss, float* zloss, const CeDenominator* den, bool dependent) {
   CeParams k{};
+  if (!prep && reduction == FCE_REDUCTION_MEAN) {
+    if (!den) raise(FCE_STATUS_INTERNAL_ERROR, "mean reduction without its denominator");
+    k.targets = den->targets;
+    k.t64 = den->t64;
+    k.V = den->V;
+    k.ignore_index = den->o->ignore_index;
+    k.weights = den->o->class_weights ? reinterpret_cast<const float*>(den->o->class_weights.data) : nullptr;
+  }
   k.N = N;
   k.loss_rows = const_cast<float*>(loss_rows);
   k.zl_rows = const_cast<float*>(zl_rows);
   k.reduction = reduction;
   k.prep = prep;
-  finalize_kernel<<<1, 1024, 0, s>>>(k, loss, zloss);
-  check_launch("cross-entropy finalize kernel");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(1);
+  cfg.blockDim = dim3(1024);
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = dependent ? 1 : 0;
+  check(cudaLaunchKernelEx(&cfg, finalize_kernel, k, loss, zloss), "cross-entropy finalize kernel");
 }
 
 size_t ce_rows_workspace(fce_handle* h, int64_t N, int64_t V, bool grad, bool backward) {
@@ -705,6 +776,8 @@ void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
     using O = decltype(to);
     if (r.saved_lse) {
       grad_kernel<T, O><<<dim3(unsigned(splits), N), kRowThreads, 0, s>>>(k);
+    } else if (ce_regs_ok(k) && launch_lse_regs<T, true>(h, s, k)) {
+      // few rows, forward only: one launch
     } else if (splits == 1 && grad && pipe_ok(h, r, sizeof(T), sizeof(O))) {
       // Shared memory for as much of the row as fits (16-byte vectors), one persistent block per SM.
       const int64_t row_vecs = r.V * int64_t(sizeof(T)) / 16;
@@ -770,7 +843,11 @@ void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
   const CeCallWorkspace ws(h, p, w.ptr);
   const bool none = p.o.reduction == FCE_REDUCTION_NONE;
   const bool t64 = p.targets.dtype == DType::I64;
-  if (ws.prep) ce_prep(s, p.o, p.targets.data, t64, p.logits.rows, p.logits.cols, ws.prep);
+  // A forward without a gradient leaves the mean's denominator to the finalize kernel (one launch fewer);
+  // gradients and smoothing with class weights need prep before the rows.
+  const bool prep_first =
+      ws.prep && (p.dlogits || p.backward() || (p.o.class_weights && p.o.label_smoothing > 0.f));
+  if (prep_first) ce_prep(s, p.o, p.targets.data, t64, p.logits.rows, p.logits.cols, ws.prep);
   CeRows r{};
   r.x = p.logits.data;
   r.xt = p.logits.dtype;
@@ -780,7 +857,7 @@ void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
   r.targets = p.targets.data;
   r.t64 = t64;
   r.o = &p.o;
-  r.prep = ws.prep;
+  r.prep = prep_first ? ws.prep : nullptr;
   r.loss_rows = none ? reinterpret_cast<float*>(p.loss.data) : ws.row_loss;
   r.zl_rows = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr) : ws.row_zl;
   r.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) : nullptr;
@@ -794,9 +871,11 @@ void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
   r.grad_scalar = p.grad_loss && p.grad_loss.scalar;
   r.saved_lse = p.backward() ? reinterpret_cast<const float*>(p.saved_lse.data) : nullptr;
   ce_rows(h, s, r, ws.rows);
-  if (!p.backward() && !none)
-    ce_finalize(s, ws.row_loss, ws.row_zl, p.logits.rows, p.o.reduction, ws.prep, reinterpret_cast<float*>(p.loss.data),
-                p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);
+  if (!p.backward() && !none) {
+    const CeDenominator den{&p.o, p.targets.data, t64, p.logits.cols};
+    ce_finalize(s, ws.row_loss, ws.row_zl, p.logits.rows, p.o.reduction, r.prep, reinterpret_cast<float*>(p.loss.data),
+                p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr, &den, clusters_available(h));
+  }
 }
 
 size_t lse_workspace(fce_handle* h, const LseProblem& p) {
@@ -821,17 +900,8 @@ void lse(fce_handle* h, fce_stream_t stream, const LseProblem& p, Workspace w) {
   k.partial = ws.partial;
   dispatch_float(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const RegPlan rp = plan_regs(h, N, p.x.cols, int(dtype_size(p.x.dtype)), p.x.data, p.x.ld,
-                                 RegKernels(reinterpret_cast<const void*>(lse_regs_kernel<T, 1>),
-                                            reinterpret_cast<const void*>(lse_regs_kernel<T, 2>),
-                                            reinterpret_cast<const void*>(lse_regs_kernel<T, 4>)),
-                                 kLseRegRows, /*reads_only=*/true);
-    if (rp.C > 0 && splits > 1) {
-      k.splits = rp.C;
-      k.chunk = int(slice_cols(k.V, rp.C));
-      dispatch_regs(rp.R, [&](auto r) {
-        launch_rows(lse_regs_kernel<T, decltype(r)::value>, as_row_plan(rp), N, k, s, "logsumexp kernel");
-      });
+    if (launch_lse_regs<T, false>(h, s, k)) {
+      // few rows: one launch
     } else if (splits == 1) {
       row_kernel<T, T><<<unsigned(N), kRowThreads, 0, s>>>(k);
     } else {

@@ -347,3 +347,98 @@ TEST(CrossEntropy, ManyRowsFusedGradient) {
     run_case(l);
   }
 }
+
+// Few long rows, forward only, with the outputs the GPU's one-launch register path covers (loss, z-loss, lse;
+// logit scale, class weights, ignore_index): 16-byte aligned rows take it, V = 50021 (odd stride) and a
+// call asking for the entropy take the split path. Every reduction and dtype.
+TEST(CrossEntropy, FewRowsForward) {
+  const int reds[] = {FCE_REDUCTION_NONE, FCE_REDUCTION_MEAN, FCE_REDUCTION_SUM};
+  const DT dts[] = {DT::F32, DT::BF16, DT::F16};
+  int k = 0;
+  for (DT dt : dts)
+    for (int red : reds) {
+      const int64_t rows[] = {1, 5, 16};
+      CeCase c{rows[k % 3], (k % 4 == 3) ? 50021 : 129920, dt};
+      c.reduction = red;
+      c.lean = k != 8;  // one call with every output: the split path
+      c.grad_mode = 0;
+      c.zq = (k % 2) ? 1e-4 : 0.0;
+      c.scale = (k % 3 == 1) ? 0.8 : 1.0;
+      c.weights = k % 3 == 2;
+      c.peaked = k % 2 == 0;
+      c.ignore_frac = 0.3;
+      c.tdt = (k % 2) ? DT::I32 : DT::I64;
+      run_case(c);
+      ++k;
+    }
+  CeCase big{16, 151936, DT::BF16};  // the decode benchmark's shape
+  big.lean = true;
+  big.grad_mode = 0;
+  big.reduction = FCE_REDUCTION_NONE;
+  run_case(big);
+}
+
+// The special values of long rows in the register path (the numerics tests' rows are too short for it): a
+// NaN, a +inf logit, a row of -inf, a target on a masked (-inf) column, an ignored row with a NaN.
+TEST(CrossEntropy, FewRowsSpecialValues) {
+  for (DT dt : {DT::F32, DT::BF16}) {
+    SCOPED_TRACE(dt_name(dt));
+    Handle h;
+    const int64_t N = 6, V = 129920;
+    Tensor x(dt, {N, V});
+    fill_logits(x, 2.0, false);
+    for (int64_t j = 0; j < V; ++j) x.set(2, j, -INFINITY);
+    x.set(0, 70001, NAN);
+    x.set(1, 129919, INFINITY);
+    x.set(3, 5, -INFINITY);
+    x.set(5, 3, NAN);
+    x.upload();
+    const std::vector<double> xv = values(x);
+    Tensor t(DT::I64, {N});
+    const int64_t tg[N] = {1, 2, 3, 5, 7, -100};
+    for (int64_t i = 0; i < N; ++i) t.set_int(i, tg[i]);
+    t.upload();
+    fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+    o.reduction = FCE_REDUCTION_NONE;
+    Tensor loss(DT::F32, {N}), lse(DT::F32, {N});
+    loss.poison(); lse.poison(); loss.upload(); lse.upload();
+    fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+    out.loss = loss.dl();
+    out.lse = lse.dl();
+    FCE_OK(fce_cross_entropy_fwd(h, test_stream(), x.dl(), t.dl(), &o, &out, nullptr, 0));
+    loss.download();
+    lse.download();
+    EXPECT_TRUE(std::isnan(loss.get(0)) && std::isnan(lse.get(0))) << "NaN logit";
+    EXPECT_TRUE(std::isnan(loss.get(1)) && std::isnan(lse.get(1))) << "+inf logit: inf - inf";
+    EXPECT_EQ(lse.get(2), -INFINITY);
+    EXPECT_TRUE(std::isnan(loss.get(2))) << "no distribution";
+    // Row 3: a finite lse, loss +inf on the masked target; row 4 plain.
+    for (int64_t i : {3, 4}) {
+      double m = -INFINITY, d = 0;
+      for (int64_t j = 0; j < V; ++j) m = std::max(m, xv[size_t(i * V + j)]);
+      for (int64_t j = 0; j < V; ++j) d += std::exp(xv[size_t(i * V + j)] - m);
+      const double l = m + std::log(d);
+      EXPECT_TRUE(close(lse.get(i), l, 2e-5, 1e-5)) << "lse row " << i;
+      if (i == 3) EXPECT_EQ(loss.get(i), INFINITY);
+      else EXPECT_TRUE(close(loss.get(i), l - xv[size_t(i * V + tg[i])], 2e-5, 2e-5)) << "loss row " << i;
+    }
+    EXPECT_EQ(loss.get(5), 0.0) << "ignored row";
+    EXPECT_TRUE(std::isnan(lse.get(5)));
+    if (dt == DT::F32) {  // a finite logit that overflows with the scale: a +inf logit
+      Tensor y(DT::F32, {1, V});
+      fill_logits(y, 1.0, false);
+      y.set(0, 9, 3e38);
+      y.upload();
+      o.logit_scale = 2.f;
+      Tensor t1(DT::I64, {1}), l1(DT::F32, {1});
+      t1.set_int(0, 4);
+      t1.upload();
+      l1.poison(); l1.upload();
+      out = FCE_CE_OUTPUTS_INIT;
+      out.loss = l1.dl();
+      FCE_OK(fce_cross_entropy_fwd(h, test_stream(), y.dl(), t1.dl(), &o, &out, nullptr, 0));
+      l1.download();
+      EXPECT_TRUE(std::isnan(l1.get(0)));
+    }
+  }
+}
