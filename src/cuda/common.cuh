@@ -353,7 +353,10 @@ constexpr int kRowThreads = FCE_ROW_THREADS;
 // each with at least kMinSplitCols columns. Depends only on (N, V, SM count): deterministic.
 inline int split_count(const fce_handle* h, int64_t N, int64_t V) {
   constexpr int64_t kMinSplitCols = 4096;
-  const int64_t target = int64_t(h->sm_count) * 2;
+#ifndef FCE_SPLIT_BLOCKS_PER_SM
+#define FCE_SPLIT_BLOCKS_PER_SM 2  // a tuning macro
+#endif
+  const int64_t target = int64_t(h->sm_count) * FCE_SPLIT_BLOCKS_PER_SM;
   if (N >= target) return 1;
   int64_t s = (target + N - 1) / N;
   const int64_t by_cols = V / kMinSplitCols;

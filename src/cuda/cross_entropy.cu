@@ -514,10 +514,14 @@ __global__ void __launch_bounds__(kRowThreads) grad_kernel(CeParams p) {
   write_grad<T, O>(p, row, b, e, p.saved_lse ? p.saved_lse[row] : p.row_lse[row]);
 }
 
-// Rows up to which logsumexp keeps rows in registers (H100, when chosen: 16x151936 10.2 us against 20.9
-// split; at 64x128256 the split path is faster, 19.1 against 20.7 us, the register path's clusters taking
-// 3 waves).
-constexpr int64_t kLseRegRows = 16;
+// Rows up to which logsumexp and the cross-entropy forward keep rows in registers where plan_regs finds a
+// plan that fits in one wave (it refuses the rest: at 64x151936 the split path runs). H100, bf16, V=151936,
+// logsumexp / CE mean against the split path: 17 rows 8.3 / 11.1 against 19.4 / 24.4 us, 32 rows 10.2 /
+// 13.4 against 18.7 / 24.0, 48 rows 14.6 / 17.3 against 18.6 / 24.3.
+#ifndef FCE_LSE_REG_ROWS
+#define FCE_LSE_REG_ROWS 64  // a tuning macro
+#endif
+constexpr int64_t kLseRegRows = FCE_LSE_REG_ROWS;
 
 // Few rows of logsumexp in one launch: C blocks per row (a cluster of up to 16), each holding its slice in
 // registers; the blocks' (max, sum) partials are pushed to rank 0, which merges them in a fixed order

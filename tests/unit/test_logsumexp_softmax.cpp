@@ -53,6 +53,8 @@ TEST(Logsumexp, FewAlignedRowsWithPartialLastVector) {
   check_lse(7, 128253, DT::F16, 1.0, 3, false);
   check_lse(1, 128256, DT::BF16, 1.0, 0, true);
   check_lse(64, 1001, DT::BF16, 2.0, 7, false);
+  check_lse(24, 151939, DT::BF16, 1.0, 5, false);  // 17..64 rows: register plans of fewer blocks per row
+  check_lse(40, 129920, DT::F32, 0.7, 0, true);
 }
 
 // Special values in rows that take the GPU's register-resident path (few rows, 16-byte aligned, long enough
