@@ -6,11 +6,12 @@
 // asynchronous copies while the current row's gradient is written (row_kernel_pipe, and a lean variant for
 // calls without soft-cap, weights, smoothing, entropy or argmax); otherwise the gradient pass re-reads the
 // row with its prefix cached in shared memory (row_kernel_cached). With few rows, each row is split across
-// blocks: logsumexp of up to 64 aligned rows is one launch of register-resident slices merged through a
-// thread-block cluster (lse_regs_kernel); otherwise a partial kernel writes per-split statistics, a merge
-// kernel combines them in a fixed order, and a gradient kernel writes each split's slice. Reductions over
-// rows go through a single-block finalize kernel in a fixed order: no float atomics, bitwise repeatable,
-// no host sync. FCE_DEBUG_CE=cached forces the non-pipelined gradient kernel (comparisons).
+// blocks: logsumexp, and the cross-entropy forward without soft-cap, smoothing, entropy or argmax, of up to
+// 64 aligned rows is one launch of register-resident slices merged through a thread-block cluster
+// (lse_regs_kernel); otherwise a partial kernel writes per-split statistics, a merge kernel combines them
+// in a fixed order, and a gradient kernel writes each split's slice. Reductions over rows go through a
+// single-block finalize kernel in a fixed order (a programmatic dependent launch on sm_90): no float
+// atomics, bitwise repeatable, no host sync. FCE_DEBUG_CE=cached forces the non-pipelined gradient kernel.
 #include "cuda/ce_internal.hpp"
 #include "cuda/common.cuh"
 #include "cuda/row_plan.cuh"
