@@ -348,14 +348,14 @@ struct MaxF {
 #define FCE_ROW_THREADS 256  // measured best on H100 (vs 512, 1024); overridable for tuning builds
 #endif
 constexpr int kRowThreads = FCE_ROW_THREADS;
+#ifndef FCE_SPLIT_BLOCKS_PER_SM
+#define FCE_SPLIT_BLOCKS_PER_SM 2  // split_count's blocks per SM; 4 and 8 were slower (H100); for tuning builds
+#endif
 
 // Blocks per row: 1 when there are enough rows to fill the GPU, else enough to give every SM ~2 blocks,
 // each with at least kMinSplitCols columns. Depends only on (N, V, SM count): deterministic.
 inline int split_count(const fce_handle* h, int64_t N, int64_t V) {
   constexpr int64_t kMinSplitCols = 4096;
-#ifndef FCE_SPLIT_BLOCKS_PER_SM
-#define FCE_SPLIT_BLOCKS_PER_SM 2  // a tuning macro
-#endif
   const int64_t target = int64_t(h->sm_count) * FCE_SPLIT_BLOCKS_PER_SM;
   if (N >= target) return 1;
   int64_t s = (target + N - 1) / N;

@@ -878,6 +878,7 @@ void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
   ce_rows(h, s, r, ws.rows);
   if (!p.backward() && !none) {
     const CeDenominator den{&p.o, p.targets.data, t64, p.logits.cols};
+    // A programmatic dependent launch needs what clusters need: an sm_90 device running sm_90 code.
     ce_finalize(s, ws.row_loss, ws.row_zl, p.logits.rows, p.o.reduction, r.prep, reinterpret_cast<float*>(p.loss.data),
                 p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr, &den, clusters_available(h));
   }
