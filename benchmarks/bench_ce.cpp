@@ -103,7 +103,12 @@ int main(int argc, char** argv) {
     ce_case(h, s, 1, 128256, bf16(), false, copy, 0.0, true);
     ce_case(h, s, 32, 151936, bf16(), false, copy, 0.0);
     lse_case(h, s, 32, 151936, bf16(), copy, 0.0);
+    ce_case(h, s, 64, 151936, bf16(), false, copy, 0.0);
+    lse_case(h, s, 64, 151936, bf16(), copy, 0.0);
+    ce_case(h, s, 128, 151936, bf16(), false, copy, 0.0);
+    lse_case(h, s, 128, 151936, bf16(), copy, 0.0);
     ce_case(h, s, 256, 151936, bf16(), false, copy, 0.0);
+    lse_case(h, s, 256, 151936, bf16(), copy, 0.0);
   }
   lse_case(h, s, 8192, 128256, bf16(), copy, 0.90);
   if (!quick) lse_case(h, s, 8192, 128256, f32(), copy, 0.90);

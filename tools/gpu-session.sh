@@ -41,6 +41,13 @@ for step in $steps; do
       rc=$?
       case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
       summary+=("FCE_DEBUG_ROWS=noregs gpu_cross_entropy FewRows* $r")
+      # split rows through partial + merge kernels instead of one cluster launch
+      FCE_DEBUG_ROWS=nocluster .gpu/bin/gpu_cross_entropy --gtest_brief=1 \
+        --gtest_filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.FewRows*' \
+        > "$OUT/fallback_nocluster_ce.log" 2>&1
+      rc=$?
+      case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+      summary+=("FCE_DEBUG_ROWS=nocluster gpu_cross_entropy $r")
       FCE_DEBUG_KD=c1 .gpu/bin/gpu_kd --gtest_brief=1 > "$OUT/fallback_kd_c1.log" 2>&1
       rc=$?
       case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac

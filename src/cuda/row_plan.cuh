@@ -413,7 +413,7 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 // armed with its one arrival and the C partials' bytes before the block arrives on the cluster barrier, so
 // before any peer can send.
 template <bool kAll>
-__device__ __forceinline__ void few_arrive(int C) {
+__device__ __forceinline__ void few_arrive(int C, unsigned bytes_per_block = 8) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (C > 1) {
     if (threadIdx.x < 32 && (kAll || cluster_rank_of(C) == 0)) {
@@ -423,7 +423,7 @@ __device__ __forceinline__ void few_arrive(int C) {
       // racecheck then takes for another lane's write: order it before lane 0's arrive for the tool.
       __syncwarp();
       if (threadIdx.x == 0) {
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(unsigned(C * 8))
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(unsigned(C) * bytes_per_block)
                      : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
       }
@@ -484,6 +484,45 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
   t.d = s.d;
   t.nan = isnan(s.d);  // a NaN partial survives the merges; +inf and -inf parts give none
   return t;
+}
+
+// The cluster exchange for a payload P of whole 16-byte words (the split rows' CeAcc), gathered at rank 0:
+// after few_arrive<false>(C, sizeof(P)), thread 0 of every block sends its P into slot `rank` of rank 0,
+// whose warp 0 waits for all C and gets the slots (in rank order, for a fixed merge order); nullptr
+// elsewhere. Call from warp 0 (the other warps may have left).
+constexpr int kMaxGatherCluster = 8;
+template <class P>
+__device__ __forceinline__ const P* few_gather_rank0(const P& v, int C, int rank) {
+  static_assert(sizeof(P) % 16 == 0 && alignof(P) <= 16, "16-byte words");
+  __shared__ alignas(16) unsigned char slot[kMaxGatherCluster * sizeof(P)];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned bar = smem_addr(few_mbar());
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // rank 0's mbarrier is armed (few_arrive)
+  if (threadIdx.x == 0) {
+    unsigned rs, rb;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(rs) : "r"(smem_addr(slot + rank * sizeof(P))));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(rb) : "r"(bar));
+    const uint4* w = reinterpret_cast<const uint4*>(&v);
+#pragma unroll
+    for (int i = 0; i < int(sizeof(P) / 16); ++i)
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                       rs + 16 * i),
+                   "r"(w[i].x), "r"(w[i].y), "r"(w[i].z), "r"(w[i].w), "r"(rb)
+                   : "memory");
+  }
+  if (rank != 0) return nullptr;
+  asm volatile(
+      "{\n\t.reg .pred p;\n"
+      "GATHER_WAIT_%=:\n\t"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], 0;\n\t"
+      "@!p bra GATHER_WAIT_%=;\n\t}" ::"r"(bar)
+      : "memory");
+  return reinterpret_cast<const P*>(slot);
+#else
+  (void)v; (void)C; (void)rank;
+  __trap();
+  return nullptr;
+#endif
 }
 
 // A thread's partial over its register slots (the slice's n values): the max over its own values, then

@@ -378,52 +378,69 @@ TEST(CrossEntropy, FewRowsForward) {
   run_case(big);
 }
 
-// The special values of long rows in the register path (the numerics tests' rows are too short for it): a
-// NaN, a +inf logit, a row of -inf, a target on a masked (-inf) column, an ignored row with a NaN.
+namespace {
+
+// Special values in long rows: a NaN, a +inf logit, a row of -inf, a target on a masked (-inf) column, an
+// ignored row with a NaN; rows from 6 on are plain. `stride` 0: packed rows.
+void check_ce_special_rows(Handle& h, DT dt, int64_t N, int64_t V, int64_t stride) {
+  SCOPED_TRACE(std::to_string(N) + "x" + std::to_string(V) + " stride " + std::to_string(stride));
+  Tensor x(dt, {N, V}, stride);
+  fill_logits(x, 2.0, false);
+  for (int64_t j = 0; j < V; ++j) x.set(2, j, -INFINITY);
+  x.set(0, V / 2 + 1, NAN);
+  x.set(1, V - 1, INFINITY);
+  x.set(3, 5, -INFINITY);
+  x.set(5, 3, NAN);
+  x.upload();
+  const std::vector<double> xv = values(x);
+  Tensor t(DT::I64, {N});
+  for (int64_t i = 0; i < N; ++i) t.set_int(i, i == 5 ? -100 : i == 3 ? 5 : (i * 7919) % V);
+  t.upload();
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  o.reduction = FCE_REDUCTION_NONE;
+  Tensor loss(DT::F32, {N}), lse(DT::F32, {N});
+  loss.poison(); lse.poison(); loss.upload(); lse.upload();
+  fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  out.lse = lse.dl();
+  FCE_OK(fce_cross_entropy_fwd(h, test_stream(), x.dl(), t.dl(), &o, &out, nullptr, 0));
+  loss.download();
+  lse.download();
+  EXPECT_TRUE(std::isnan(loss.get(0)) && std::isnan(lse.get(0))) << "NaN logit";
+  EXPECT_TRUE(std::isnan(loss.get(1)) && std::isnan(lse.get(1))) << "+inf logit: inf - inf";
+  EXPECT_EQ(lse.get(2), -INFINITY);
+  EXPECT_TRUE(std::isnan(loss.get(2))) << "no distribution";
+  EXPECT_EQ(loss.get(5), 0.0) << "ignored row";
+  EXPECT_TRUE(std::isnan(lse.get(5)));
+  // Row 3: a finite lse, loss +inf on the masked target; the others plain.
+  for (int64_t i = 3; i < N; ++i) {
+    if (i == 5) continue;
+    double m = -INFINITY, d = 0;
+    for (int64_t j = 0; j < V; ++j) m = std::max(m, xv[size_t(i * V + j)]);
+    for (int64_t j = 0; j < V; ++j) d += std::exp(xv[size_t(i * V + j)] - m);
+    const double l = m + std::log(d);
+    EXPECT_TRUE(close(lse.get(i), l, 2e-5, 1e-5)) << "lse row " << i;
+    if (i == 3) EXPECT_EQ(loss.get(i), INFINITY);
+    else EXPECT_TRUE(close(loss.get(i), l - xv[size_t(i * V + t.get_int(i))], 2e-5, 2e-5)) << "loss row " << i;
+  }
+}
+
+}  // namespace
+
+// Long rows with special values: 6 rows take the GPU's register path; 40 rows with a stride that is not a
+// multiple of 16 bytes, and 70 rows (past the register plans), take the split path (7 and 4 blocks per row,
+// one cluster launch each); the CPU backend runs the same cases.
 TEST(CrossEntropy, FewRowsSpecialValues) {
   for (DT dt : {DT::F32, DT::BF16}) {
     SCOPED_TRACE(dt_name(dt));
     Handle h;
-    const int64_t N = 6, V = 129920;
-    Tensor x(dt, {N, V});
-    fill_logits(x, 2.0, false);
-    for (int64_t j = 0; j < V; ++j) x.set(2, j, -INFINITY);
-    x.set(0, 70001, NAN);
-    x.set(1, 129919, INFINITY);
-    x.set(3, 5, -INFINITY);
-    x.set(5, 3, NAN);
-    x.upload();
-    const std::vector<double> xv = values(x);
-    Tensor t(DT::I64, {N});
-    const int64_t tg[N] = {1, 2, 3, 5, 7, -100};
-    for (int64_t i = 0; i < N; ++i) t.set_int(i, tg[i]);
-    t.upload();
+    const int64_t V = 129920;
+    check_ce_special_rows(h, dt, 6, V, 0);
+    check_ce_special_rows(h, dt, 40, V, V + 3);
+    check_ce_special_rows(h, dt, 70, 65536, 0);
     fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
     o.reduction = FCE_REDUCTION_NONE;
-    Tensor loss(DT::F32, {N}), lse(DT::F32, {N});
-    loss.poison(); lse.poison(); loss.upload(); lse.upload();
     fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
-    out.loss = loss.dl();
-    out.lse = lse.dl();
-    FCE_OK(fce_cross_entropy_fwd(h, test_stream(), x.dl(), t.dl(), &o, &out, nullptr, 0));
-    loss.download();
-    lse.download();
-    EXPECT_TRUE(std::isnan(loss.get(0)) && std::isnan(lse.get(0))) << "NaN logit";
-    EXPECT_TRUE(std::isnan(loss.get(1)) && std::isnan(lse.get(1))) << "+inf logit: inf - inf";
-    EXPECT_EQ(lse.get(2), -INFINITY);
-    EXPECT_TRUE(std::isnan(loss.get(2))) << "no distribution";
-    // Row 3: a finite lse, loss +inf on the masked target; row 4 plain.
-    for (int64_t i : {3, 4}) {
-      double m = -INFINITY, d = 0;
-      for (int64_t j = 0; j < V; ++j) m = std::max(m, xv[size_t(i * V + j)]);
-      for (int64_t j = 0; j < V; ++j) d += std::exp(xv[size_t(i * V + j)] - m);
-      const double l = m + std::log(d);
-      EXPECT_TRUE(close(lse.get(i), l, 2e-5, 1e-5)) << "lse row " << i;
-      if (i == 3) EXPECT_EQ(loss.get(i), INFINITY);
-      else EXPECT_TRUE(close(loss.get(i), l - xv[size_t(i * V + tg[i])], 2e-5, 2e-5)) << "loss row " << i;
-    }
-    EXPECT_EQ(loss.get(5), 0.0) << "ignored row";
-    EXPECT_TRUE(std::isnan(lse.get(5)));
     if (dt == DT::F32) {  // a finite logit that overflows with the scale: a +inf logit
       Tensor y(DT::F32, {1, V});
       fill_logits(y, 1.0, false);

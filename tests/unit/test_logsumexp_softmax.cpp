@@ -57,38 +57,40 @@ TEST(Logsumexp, FewAlignedRowsWithPartialLastVector) {
   check_lse(40, 129920, DT::F32, 0.7, 0, true);
 }
 
-// Special values in rows that take the GPU's register-resident path (few rows, 16-byte aligned, long enough
-// for several blocks per row): a slice whose max is -inf or +inf, a NaN alone in a slice of -inf.
+// Special values in long rows: a slice whose max is -inf or +inf, a NaN alone in a slice of -inf. 7 rows
+// take the GPU's register-resident path (few rows, 16-byte aligned, several blocks per row), 70 rows the
+// split path as one cluster launch (4 blocks per row); rows from 6 on are plain.
 TEST(Logsumexp, FewAlignedRowsSpecialValues) {
-  for (DT dt : {DT::BF16, DT::F32}) {
-    SCOPED_TRACE(dt_name(dt));
-    Handle h;
-    const int64_t N = 7, V = 40000;
-    Tensor x(dt, {N, V});
-    for (int64_t i = 0; i < N; ++i)
-      for (int64_t j = 0; j < V; ++j) x.set(i, j, i == 6 ? 0.001 * double(j % 1000) : -INFINITY);
-    for (int64_t j = 0; j < V; j += 3) { x.set(1, j, 0.5); x.set(2, j, 0.25); x.set(3, j, -1.0); }
-    x.set(1, 777, INFINITY);           // +inf: +inf
-    x.set(2, 39000, NAN);              // NaN in the last slice of a finite row: NaN
-    x.set(3, 5, INFINITY);             // +inf and NaN: NaN
-    x.set(3, 39999, NAN);
-    x.set(4, V - 1, NAN);              // NaN among -inf: NaN
-    x.set(5, V - 2, 2.5);              // one finite value in the last slice: that value
-    x.upload();
-    Tensor lse(DT::F32, {N});
-    lse.poison();
-    lse.upload();
-    FCE_OK(fce_logsumexp(h, test_stream(), x.dl(), nullptr, lse.dl(), nullptr, 0));
-    lse.download();
-    EXPECT_EQ(lse.get(0), -INFINITY);
-    EXPECT_EQ(lse.get(1), INFINITY);
-    EXPECT_TRUE(std::isnan(lse.get(2)));
-    EXPECT_TRUE(std::isnan(lse.get(3)));
-    EXPECT_TRUE(std::isnan(lse.get(4)));
-    EXPECT_TRUE(close(lse.get(5), 2.5, 1e-6, 1e-6));
-    const std::vector<double> v = values(x);
-    EXPECT_TRUE(close(lse.get(6), ref_lse(v, 6, V, 1.0), 2e-6, 2e-5));
-  }
+  for (DT dt : {DT::BF16, DT::F32})
+    for (int64_t N : {7, 70}) {
+      SCOPED_TRACE(std::string(dt_name(dt)) + " rows " + std::to_string(N));
+      Handle h;
+      const int64_t V = 40000;
+      Tensor x(dt, {N, V});
+      for (int64_t i = 0; i < N; ++i)
+        for (int64_t j = 0; j < V; ++j) x.set(i, j, i >= 6 ? 0.001 * double((j + 37 * i) % 1000) : -INFINITY);
+      for (int64_t j = 0; j < V; j += 3) { x.set(1, j, 0.5); x.set(2, j, 0.25); x.set(3, j, -1.0); }
+      x.set(1, 777, INFINITY);           // +inf: +inf
+      x.set(2, 39000, NAN);              // NaN in the last slice of a finite row: NaN
+      x.set(3, 5, INFINITY);             // +inf and NaN: NaN
+      x.set(3, 39999, NAN);
+      x.set(4, V - 1, NAN);              // NaN among -inf: NaN
+      x.set(5, V - 2, 2.5);              // one finite value in the last slice: that value
+      x.upload();
+      Tensor lse(DT::F32, {N});
+      lse.poison();
+      lse.upload();
+      FCE_OK(fce_logsumexp(h, test_stream(), x.dl(), nullptr, lse.dl(), nullptr, 0));
+      lse.download();
+      EXPECT_EQ(lse.get(0), -INFINITY);
+      EXPECT_EQ(lse.get(1), INFINITY);
+      EXPECT_TRUE(std::isnan(lse.get(2)));
+      EXPECT_TRUE(std::isnan(lse.get(3)));
+      EXPECT_TRUE(std::isnan(lse.get(4)));
+      EXPECT_TRUE(close(lse.get(5), 2.5, 1e-6, 1e-6));
+      const std::vector<double> v = values(x);
+      for (int64_t i = 6; i < N; ++i) EXPECT_TRUE(close(lse.get(i), ref_lse(v, i, V, 1.0), 2e-6, 2e-5)) << "row " << i;
+    }
 }
 
 TEST(Logsumexp, InfinitiesAndNaN) {
