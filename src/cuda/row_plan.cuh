@@ -767,7 +767,8 @@ struct RegKernels {
 };
 
 RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const void* data, int64_t ld,
-                  RegKernels kernels, int64_t max_rows = kMaxRegRows, bool reads_only = false) {
+                  RegKernels kernels, int64_t max_rows = kMaxRegRows, bool reads_only = false,
+                  bool one_wave = false) {
   RegPlan p;
   const int sm = h->sm_count > 0 ? h->sm_count : 1;
   if (forced_path() != Force::None || N > max_rows) return p;
@@ -814,7 +815,12 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
     if ((n == 0 && c <= kMaxCluster) || N <= n) return capped(q);
   }
   if (p.C > kMaxCluster) return RegPlan{};  // no non-portable cluster fits: not this path
-  return capped(p);  // no smaller cluster fits in one wave either: the first choice
+  // No smaller cluster fits in one wave either. one_wave: refuse (the softmax's shared-memory kernel does
+  // better then; H100, bf16 -> fp32, clusters of 5 at x151936, of which the query holds 22: 22 rows 12.8 us,
+  // 23 rows 17.2 against 14.4 for the shared-memory kernel, 24 rows 17.6 against 15.3; clusters of 4 at
+  // x128256, 30 held: 30 rows 13.5, 32 rows 18.4 against 15.7). Otherwise the first choice.
+  if (one_wave && C > 1) return RegPlan{};
+  return capped(p);
 }
 
 // Replicas for a register plan `p` whose blocks each write `out_bytes`: D copies of each row's cluster (D

@@ -234,6 +234,13 @@ TEST(TempSoftmax, FewRowsProbabilitiesOnly) {
   check_softmax({2, 129920, DT::F16, true, {0.0, 1.1}, false});
   check_softmax({1, 256000, DT::BF16, false, {1.3}, false});
   check_softmax({5, 129920, DT::F16, true, {1e-5}, false, false, 10.0});
+  // On an H100 the register path's clusters of 5 at this width hold 22 rows at once; 23 rows take the
+  // shared-memory kernel.
+  for (int64_t n : {22, 23}) {
+    SmCase h{n, 151939, DT::BF16, true, {0.9}, false};
+    h.pad = 5;
+    check_softmax(h);
+  }
 }
 
 // Special values with probabilities only (the GPU's lean kernels): a NaN anywhere or no finite logit gives a
