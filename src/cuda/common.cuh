@@ -375,6 +375,36 @@ __host__ __device__ __forceinline__ void split_range(int64_t V, int splits, int 
 
 inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
 
+// cudaLaunchKernelEx with the launch attributes the library uses: clusters of `cluster` blocks along x
+// (none when 0), and `dependent`, a programmatic dependent launch (the kernel calls wait_prior_grid before
+// it reads what the kernel before it wrote).
+template <class... P, class... A>
+void launch_ex(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, int cluster,
+               bool dependent, const char* what, A&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (cluster > 0) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = unsigned(cluster);
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (dependent) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  check(cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...), what);
+}
+
 // Programmatic dependent launch (sm_90 and later; nothing before): a kernel launched with the
 // programmatic-serialization attribute waits here until the previous kernel of its stream has finished
 // and its writes are visible; that kernel may let it launch early.

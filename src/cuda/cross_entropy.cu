@@ -515,16 +515,7 @@ __global__ void merge_kernel(CeParams p) {
 // 20.4 / 28.0 / 45.6 us, same call).
 template <class T>
 void launch_merge(cudaStream_t s, const CeParams& k, bool dependent) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned((k.N + 127) / 128));
-  cfg.blockDim = dim3(128);
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = dependent ? 1 : 0;
-  check(cudaLaunchKernelEx(&cfg, merge_kernel<T>, k), "merge kernel");
+  launch_ex(merge_kernel<T>, dim3(unsigned((k.N + 127) / 128)), dim3(128), 0, s, 0, dependent, "merge kernel", k);
 }
 
 // A CeAcc as two 16-byte words for the cluster exchange (no padding bytes on the wire).
@@ -579,18 +570,8 @@ template <class T>
 void launch_split_rows(const fce_handle* h, cudaStream_t s, const CeParams& k) {
   const bool cl = clusters_available(h);
   if (cl && k.splits <= kMaxGatherCluster && forced_path() != Force::NoCluster) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(unsigned(k.splits), unsigned(k.N));
-    cfg.blockDim = dim3(kRowThreads);
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(k.splits);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    check(cudaLaunchKernelEx(&cfg, split_cluster_kernel<T>, k), "split rows kernel");
+    launch_ex(split_cluster_kernel<T>, dim3(unsigned(k.splits), unsigned(k.N)), dim3(kRowThreads), 0, s, k.splits,
+              false, "split rows kernel", k);
     return;
   }
   partial_kernel<T><<<dim3(unsigned(k.splits), unsigned(k.N)), kRowThreads, 0, s>>>(k);
@@ -832,16 +813,8 @@ void ce_finalize(cudaStream_t s, const float* loss_rows, const float* zl_rows, i
   k.zl_rows = const_cast<float*>(zl_rows);
   k.reduction = reduction;
   k.prep = prep;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(1);
-  cfg.blockDim = dim3(1024);
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = dependent ? 1 : 0;
-  check(cudaLaunchKernelEx(&cfg, finalize_kernel, k, loss, zloss), "cross-entropy finalize kernel");
+  launch_ex(finalize_kernel, dim3(1), dim3(1024), 0, s, 0, dependent, "cross-entropy finalize kernel", k, loss,
+            zloss);
 }
 
 size_t ce_rows_workspace(fce_handle* h, int64_t N, int64_t V, bool grad, bool backward) {

@@ -877,23 +877,10 @@ int64_t pipe_grid(const fce_handle* h, int64_t N) {
 template <class... P, class... A>
 void launch_grid(void (*kernel)(P...), const RowPlan& p, int64_t grid, cudaStream_t s, const char* what,
                  A&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(grid), unsigned(p.replicas));
-  cfg.blockDim = dim3(unsigned(p.threads));
-  cfg.dynamicSmemBytes = p.smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  if (p.cluster) {
-    if (!allow_cluster(reinterpret_cast<const void*>(kernel), p.C))
-      raise(FCE_STATUS_INTERNAL_ERROR, "cluster size above 8 not allowed for this kernel");
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(p.C);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  check(cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...), what);
+  if (p.cluster && !allow_cluster(reinterpret_cast<const void*>(kernel), p.C))
+    raise(FCE_STATUS_INTERNAL_ERROR, "cluster size above 8 not allowed for this kernel");
+  launch_ex(kernel, dim3(unsigned(grid), unsigned(p.replicas)), dim3(unsigned(p.threads)), p.smem, s,
+            p.cluster ? p.C : 0, false, what, std::forward<A>(args)...);
 }
 
 // Launches N rows of plan `p` (N * C blocks, or fewer that loop over the rows).
