@@ -409,6 +409,19 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// Waits until this block's exchange mbarrier (few_mbar) completes its first phase: every byte the peers
+// send with st.async has arrived and is visible (sm_90).
+__device__ __forceinline__ void few_wait_arrivals(unsigned bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n\t.reg .pred p;\n"
+      "FEW_WAIT_%=:\n\t"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], 0;\n\t"
+      "@!p bra FEW_WAIT_%=;\n\t}" ::"r"(bar)
+      : "memory");
+#endif
+}
+
 // kAll: every block receives the partials; otherwise rank 0 only. A receiver's mbarrier is initialized and
 // armed with its one arrival and the C partials' bytes before the block arrives on the cluster barrier, so
 // before any peer can send.
@@ -463,12 +476,7 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
                    : "memory");
     }
     if (!receiver) return FewStats{};
-    asm volatile(
-        "{\n\t.reg .pred p;\n"
-        "FEW_WAIT_%=:\n\t"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], 0;\n\t"
-        "@!p bra FEW_WAIT_%=;\n\t}" ::"r"(bar)
-        : "memory");
+    few_wait_arrivals(bar);
 #else
     __trap();
 #endif
@@ -511,12 +519,7 @@ __device__ __forceinline__ const P* few_gather_rank0(const P& v, int C, int rank
                    : "memory");
   }
   if (rank != 0) return nullptr;
-  asm volatile(
-      "{\n\t.reg .pred p;\n"
-      "GATHER_WAIT_%=:\n\t"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], 0;\n\t"
-      "@!p bra GATHER_WAIT_%=;\n\t}" ::"r"(bar)
-      : "memory");
+  few_wait_arrivals(bar);
   return reinterpret_cast<const P*>(slot);
 #else
   (void)v; (void)C; (void)rank;

@@ -389,7 +389,8 @@ void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Worksp
     // Register-resident rows (probabilities only, 16-byte aligned rows): the lean few-row kernel.
     const void* regs_kernel = reinterpret_cast<const void*>(softmax_regs_kernel<T, float, 4>);
     RegPlan rp = a.probs && !a.logp ? plan_regs(h, N, p.logits.cols, int(dtype_size(p.logits.dtype)), p.logits.data,
-                                                p.logits.ld, regs_kernel, kSoftmaxRegRows, false, true)
+                                                p.logits.ld, regs_kernel, kSoftmaxRegRows,
+                                                /*reads_only=*/false, /*one_wave=*/true)
                                     : RegPlan{};
     if (rp.C > 0) {
       const int64_t out_size = a.probs_f32 ? 4 : int64_t(dtype_size(p.logits.dtype));
