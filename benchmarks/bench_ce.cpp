@@ -2,6 +2,8 @@
 // measured in the same run (the decode-size logsumexp also with its logits in L2, no target). Prints a table;
 // usage: bench_ce [--quick]
 #include <cstring>
+#include <functional>
+#include <memory>
 
 #include "bench_util.hpp"
 
@@ -72,6 +74,33 @@ void lse_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, DLDataType d
          double(N) * double(V) * (dt.bits / 8), copy_gbs, in_l2 ? -1 : target);
 }
 
+// The decode logsumexp per call in a replayed CUDA graph over rotating input sets (time_us_graph); no target.
+void lse_graph_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, double copy_gbs) {
+  const int sets = graph_sets(size_t(N * V) * 2);
+  std::vector<std::unique_ptr<Buf>> xs;
+  Buf lse({N}, f32());
+  size_t wsb = 0;
+  for (int i = 0; i < sets; ++i) {
+    xs.push_back(std::make_unique<Buf>(std::vector<int64_t>{N, V}, bf16()));
+    fill_random(*xs.back(), 3.f, 3 + unsigned(i), s);
+    size_t b = 0;
+    ok(fce_logsumexp_workspace_size(h, xs.back()->dl(), nullptr, lse.dl(), &b), "ws");
+    wsb = std::max(wsb, b);
+  }
+  void* ws = nullptr;
+  ck(cudaMalloc(&ws, wsb + 256), "ws");
+  std::vector<std::function<void()>> ops;
+  for (int i = 0; i < sets; ++i)
+    ops.push_back([&, i] {
+      ok(fce_logsumexp(h, reinterpret_cast<fce_stream_t>(s), xs[size_t(i)]->dl(), nullptr, lse.dl(), ws, wsb), "lse");
+    });
+  const double us = time_us_graph(s, ops);
+  cudaFree(ws);
+  char label[64];
+  std::snprintf(label, sizeof label, "logsumexp (in a graph, %d sets)", sets);
+  report(label, N, V, name(bf16()), us * 1e-3, double(N) * double(V) * 2, copy_gbs, -1);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -89,6 +118,9 @@ int main(int argc, char** argv) {
   lse_case(h, s, 1, 128256, bf16(), copy, 0.0);
   lse_case(h, s, 16, 151936, bf16(), copy, 0.0, true);
   lse_case(h, s, 1, 128256, bf16(), copy, 0.0, true);
+  std::printf("timing floor in a graph (an empty kernel per call): %.1f us\n", graph_floor_us(s));
+  lse_graph_case(h, s, 16, 151936, copy);
+  lse_graph_case(h, s, 1, 128256, copy);
   ce_case(h, s, 8192, 128256, bf16(), false, copy, 0.90);
   ce_case(h, s, 8192, 128256, bf16(), true, copy, 0.85);
   ce_case(h, s, 16384, 151936, bf16(), false, copy, 0.90);

@@ -38,6 +38,9 @@ void fill_random(Buf& b, float scale, unsigned seed, cudaStream_t s) {
 double launch_floor_us(cudaStream_t s) {
   return 1e3 * time_ms(s, [&] { empty_kernel<<<1, 32, 0, s>>>(); });
 }
+double graph_floor_us(cudaStream_t s) {
+  return time_us_graph(s, {[&] { empty_kernel<<<1, 32, 0, s>>>(); }});
+}
 void fill_targets(Buf& b, int64_t V, unsigned seed, cudaStream_t s) {
   targets_kernel<<<256, 256, 0, s>>>(static_cast<int32_t*>(b.p), size_t(b.shape[0]), V, seed);
   ck(cudaGetLastError(), "targets");

@@ -8,6 +8,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <functional>
+#include <memory>
+#include <vector>
 
 #include "bench_util.hpp"
 
@@ -71,7 +74,9 @@ int main() {
   ck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "attribute");
   const double copy = copy_bandwidth_gbs(s);
   std::printf("device: %s\ncopy bandwidth (bytes read + written): %.0f GB/s\n", device_name().c_str(), copy);
-  std::printf("empty kernel (the timing floor): %.2f us\n\n", 1e3 * time_ms(s, [&] { empty_kernel<<<1, 32, 0, s>>>(); }));
+  std::printf("empty kernel (the timing floor): %.2f us\n", 1e3 * time_ms(s, [&] { empty_kernel<<<1, 32, 0, s>>>(); }));
+  std::printf("empty kernel per call in a replayed graph: %.2f us\n\n",
+              time_us_graph(s, {[&] { empty_kernel<<<1, 32, 0, s>>>(); }}));
   unsigned* sink = nullptr;
   ck(cudaMalloc(&sink, 4), "cudaMalloc");
   std::printf("%-12s %-44s %10s %9s %8s\n", "shape", "kernel (same bytes as the op)", "time(us)", "GB/s", "of copy");
@@ -116,6 +121,27 @@ int main() {
     row("copy of the same bytes (cudaMemcpyAsync)",
         time_ms(s, [&] { ck(cudaMemcpyAsync(y.p, z.p, z.bytes(), cudaMemcpyDeviceToDevice, s), "copy"); }),
         double(2 * z.bytes()));
+    if (N <= 16) {  // the decode shapes' floors per call in a replayed graph over rotating sets (time_us_graph)
+      const int sets = graph_sets(size_t(x.bytes() + y.bytes()));
+      std::vector<std::unique_ptr<Buf>> xs, ys;
+      std::vector<std::function<void()>> reads, converts;
+      for (int i = 0; i < sets; ++i) {
+        xs.push_back(std::make_unique<Buf>(std::vector<int64_t>{N, V}, bf16()));
+        ys.push_back(std::make_unique<Buf>(std::vector<int64_t>{N, V}, f32()));
+        fill_random(*xs.back(), 3.f, 5 + unsigned(i), s);
+        const uint4* xi = static_cast<const uint4*>(xs.back()->p);
+        float4* yi = static_cast<float4*>(ys.back()->p);
+        reads.push_back([=, &s] { read_once<<<grid_for(n, sms), 256, 0, s>>>(xi, n, sink); });
+        converts.push_back([=, &s] {
+          convert_contiguous<<<grid_for(2 * n, sms), 256, 0, s>>>(reinterpret_cast<const uint2*>(xi), yi, 2 * n);
+        });
+      }
+      char what[64];
+      std::snprintf(what, sizeof what, "read once, in a graph (%d sets)", sets);
+      row(what, 1e-3 * time_us_graph(s, reads), double(x.bytes()));
+      std::snprintf(what, sizeof what, "bf16 -> fp32, in a graph (%d sets)", sets);
+      row(what, 1e-3 * time_us_graph(s, converts), double(x.bytes() + y.bytes()));
+    }
     ck(cudaGetLastError(), "kernels");
   }
   ck(cudaStreamSynchronize(s), "sync");

@@ -117,6 +117,52 @@ inline double time_ms_input_in_l2(cudaStream_t stream, void* x, size_t bytes, co
   return ms;
 }
 
+// Per-call time in us of calls captured into one CUDA graph and replayed, the way METHOD.md times many
+// small launches: `ops[i]` enqueues one call on `stream` over input set i; the graph holds `calls` calls
+// cycling through the sets, so that with enough sets (graph_sets) each call reads its inputs from DRAM, and
+// the L2 holds what the calls before wrote, as in a decode loop. No flush and no event between calls, so
+// the launch gap of one event-timed call (launch_floor_us) is not in it. Median of `reps` replays / calls.
+// Not what the targets are measured by; shown beside them.
+inline double time_us_graph(cudaStream_t stream, const std::vector<std::function<void()>>& ops, int calls = 256,
+                            int reps = 10) {
+  for (const auto& op : ops) op();  // first calls (plans, attributes) outside the capture
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t ge = nullptr;
+  ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  for (int i = 0; i < calls; ++i) ops[size_t(i) % ops.size()]();
+  ck(cudaStreamEndCapture(stream, &g), "end capture");
+  ck(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+  ck(cudaGraphLaunch(ge, stream), "graph warm-up");
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> ms;
+  for (int r = 0; r < reps; ++r) {
+    cudaEventRecord(a, stream);
+    ck(cudaGraphLaunch(ge, stream), "graph launch");
+    cudaEventRecord(b, stream);
+    ck(cudaEventSynchronize(b), "sync");
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  std::sort(ms.begin(), ms.end());
+  return 1e3 * double(ms[ms.size() / 2]) / calls;
+}
+
+// Input sets for time_us_graph: enough sets of `bytes_per_set` to fill the L2 twice (at least 2).
+inline int graph_sets(size_t bytes_per_set) {
+  int dev = 0, l2 = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
+  const size_t want = 2 * size_t(l2);
+  return int(std::max<size_t>(2, (want + bytes_per_set - 1) / bytes_per_set));
+}
+
 // Device-to-device copy bandwidth in GB/s (bytes read + written), 1 GiB copied.
 inline double copy_bandwidth_gbs(cudaStream_t stream) {
   const size_t n = size_t(1) << 30;
@@ -141,5 +187,7 @@ void fill_random(Buf& b, float scale, unsigned seed, cudaStream_t s);
 void fill_targets(Buf& b, int64_t V, unsigned seed, cudaStream_t s);
 // The timing floor of this harness: an empty kernel timed like an op (event, launch, event; L2 flushed).
 double launch_floor_us(cudaStream_t s);
+// The same kernel per call in a replayed graph (time_us_graph).
+double graph_floor_us(cudaStream_t s);
 
 }  // namespace bench
