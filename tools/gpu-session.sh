@@ -68,6 +68,13 @@ for step in $steps; do
           summary+=("sanitizer-$tool $t $r")
           [ $rc -ne 0 ] && grep -m5 -E "=========|FAILED|Error" "$OUT/san_${tool}_$t.log"
         done
+        # The programmatic dependent launches behind a kernel that lets them launch at once.
+        compute-sanitizer --tool $tool --error-exitcode 9 .gpu/bin/gpu_gpu_extra --gtest_brief=1 --gtest_filter='GpuPdl.*' \
+          > "$OUT/san_${tool}_gpu_gpu_extra.log" 2>&1
+        rc=$?
+        case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+        summary+=("sanitizer-$tool gpu_gpu_extra GpuPdl $r")
+        [ $rc -ne 0 ] && grep -m5 -E "=========|FAILED|Error" "$OUT/san_${tool}_gpu_gpu_extra.log"
       done ;;
     bench)
       for b in .gpu/bin/bench_*; do "$b" 2>&1 | tee "$OUT/$(basename "$b").log"; done ;;

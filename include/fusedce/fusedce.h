@@ -22,7 +22,9 @@
  * different handles may be used concurrently from different threads.
  * Streams: every call takes the CUDA stream to enqueue on (ignored by CPU handles). CUDA calls are
  * asynchronous, never synchronize the host, never allocate when given a large enough workspace, and may
- * be captured in a CUDA graph.
+ * be captured in a CUDA graph. On sm_90 devices the few-row kernels are programmatic dependent launches:
+ * they may start launching while the kernel before them in the stream ends, and wait for it to complete
+ * before touching memory, so stream order holds as for any kernel.
  * Workspace: each op has a `_workspace_size` query taking the same arguments. Pass a buffer of at least
  * that many bytes on the handle's device, aligned to 256 bytes, or NULL to let the handle allocate and
  * cache one (allocation happens on the first call that needs more; never during graph capture is safe

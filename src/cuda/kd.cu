@@ -1289,7 +1289,7 @@ void kd(fce_handle* h, fce_stream_t stream, const KdProblem& p, Workspace w) {
       lp.threads = 1024;
       lp.smem = smem;
       lp.resident = false;
-      launch_grid(kernel, lp, g * C, s, "KD kernel", a, cache_vecs);
+      launch_grid(kernel, lp, g * C, s, "KD kernel", false, a, cache_vecs);
     } else if (kd_onepass(h, p)) {
       dispatch_float(p.teacher.dtype, [&](auto ttag) {
         using Tt = decltype(ttag);

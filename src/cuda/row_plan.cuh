@@ -877,19 +877,22 @@ int64_t pipe_grid(const fce_handle* h, int64_t N) {
 }
 
 // Launches `grid` blocks of plan `p` (threads, dynamic shared memory, clusters of C when p.cluster).
+// `dependent`: a programmatic dependent launch (launch_ex), for kernels that call wait_prior_grid before
+// their first global memory access.
 template <class... P, class... A>
 void launch_grid(void (*kernel)(P...), const RowPlan& p, int64_t grid, cudaStream_t s, const char* what,
-                 A&&... args) {
+                 bool dependent, A&&... args) {
   if (p.cluster && !allow_cluster(reinterpret_cast<const void*>(kernel), p.C))
     raise(FCE_STATUS_INTERNAL_ERROR, "cluster size above 8 not allowed for this kernel");
   launch_ex(kernel, dim3(unsigned(grid), unsigned(p.replicas)), dim3(unsigned(p.threads)), p.smem, s,
-            p.cluster ? p.C : 0, false, what, std::forward<A>(args)...);
+            p.cluster ? p.C : 0, dependent, what, std::forward<A>(args)...);
 }
 
-// Launches N rows of plan `p` (N * C blocks, or fewer that loop over the rows).
+// Launches N rows of plan `p` (N * C blocks, or fewer that loop over the rows); `dependent` as in
+// launch_grid.
 template <class Args>
 void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& a, cudaStream_t s,
-                 const char* what) {
+                 const char* what, bool dependent = false) {
   constexpr int64_t kMaxGrid = int64_t(1) << 30;
   int64_t grid = N * p.C;
   if (grid > kMaxGrid) grid = kMaxGrid / p.C * p.C;
@@ -900,7 +903,7 @@ void launch_rows(void (*kernel)(Args), const RowPlan& p, int64_t N, const Args& 
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared)),
           "cudaFuncSetAttribute");
-  launch_grid(kernel, p, grid, s, what, a);
+  launch_grid(kernel, p, grid, s, what, dependent, a);
 }
 
 }  // namespace

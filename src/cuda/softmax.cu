@@ -247,6 +247,7 @@ __global__ void __launch_bounds__(1024) softmax_regs_kernel(const __grid_constan
   constexpr int G = kStoreGroup<T, O>;  // values per store
   constexpr bool kHalf = G < K;         // fp32 out of 16-bit in: half-vector slots
   const FewCtx f = few_ctx(a.V, a.C, a.chunk);
+  wait_prior_grid();  // a programmatic dependent launch: its launch overlaps the end of the kernel before
   const float temp = a.temps ? a.temps[f.row] : a.temperature;
   const T* x = static_cast<const T*>(a.x) + f.row * a.ldx + f.begin;
   O* out = static_cast<O*>(a.probs) + f.row * a.ldp + f.begin;
@@ -400,10 +401,12 @@ void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Worksp
       a.C = rp.C;
       a.chunk = int(slice_cols(a.V, a.C));
       a.cluster = rp.C > 1;
+      const bool dependent = clusters_available(h);  // sm_90 code on an sm_90 device
       dispatch_regs(rp.R, [&](auto r) {
         constexpr int R = decltype(r)::value;
-        if (a.probs_f32) launch_rows(softmax_regs_kernel<T, float, R>, as_row_plan(rp), N, a, s, "softmax kernel");
-        else launch_rows(softmax_regs_kernel<T, T, R>, as_row_plan(rp), N, a, s, "softmax kernel");
+        if (a.probs_f32)
+          launch_rows(softmax_regs_kernel<T, float, R>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
+        else launch_rows(softmax_regs_kernel<T, T, R>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
       });
     } else if (pl.phased) {
       for (int ph = 0; ph <= 2; ++ph) {

@@ -1,4 +1,5 @@
-// GPU-only tests: more than 2^31 elements, bitwise repeatability, CUDA-graph capture, threads.
+// GPU-only tests: more than 2^31 elements, bitwise repeatability, CUDA-graph capture, threads, programmatic
+// dependent launches.
 #include <cuda_runtime.h>
 
 #include <thread>
@@ -168,6 +169,82 @@ TEST(GpuGraph, CaptureReplayMatchesDirectCalls) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
   cudaFree(ws);
+}
+
+namespace fct {
+cudaError_t launch_slow_copy(const void* src, void* dst, size_t bytes, unsigned long long spin_ns, cudaStream_t s);
+}
+
+namespace {
+struct PdlCase {
+  const char* what;
+  int64_t N, V;
+  int op;  // 0 logsumexp, 1 cross-entropy forward (per-row loss and lse), 2 softmax -> fp32
+};
+}  // namespace
+
+// The few-row register kernels (logsumexp, CE forward, softmax) are programmatic dependent launches on
+// sm_90, so they must wait for the kernel before them in the stream. Here that kernel lets them
+// launch at once and writes their logits over zeros ~200 us later: one that did not wait would read the
+// zeros. Its results must be the bytes of a call on the logits themselves, direct and replayed in a graph.
+TEST(GpuPdl, FewRowKernelsWaitForTheKernelBefore) {
+  Handle h;
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(test_stream());
+  const PdlCase cases[] = {{"logsumexp", 16, 151936, 0}, {"logsumexp", 1, 128256, 0}, {"CE forward", 16, 151936, 1},
+                           {"CE forward", 1, 128256, 1}, {"softmax", 16, 151936, 2},   {"softmax", 1, 128256, 2}};
+  for (const PdlCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << c.what << " " << c.N << "x" << c.V);
+    Tensor src(DT::BF16, {c.N, c.V}), x(DT::BF16, {c.N, c.V}), targets(DT::I32, {c.N});
+    fill_logits(src, 3.0, false);
+    for (int64_t i = 0; i < c.N; ++i) targets.set_int(i, (i * 7919) % c.V);
+    targets.upload();
+    Tensor a(DT::F32, c.op == 2 ? std::vector<int64_t>{c.N, c.V} : std::vector<int64_t>{c.N}), b(DT::F32, {c.N});
+    auto op = [&](DLTensor* logits) {
+      if (c.op == 0) return fce_logsumexp(h, test_stream(), logits, nullptr, a.dl(), nullptr, 0);
+      if (c.op == 2) return fce_temp_softmax(h, test_stream(), logits, nullptr, a.dl(), nullptr, nullptr, 0);
+      fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+      o.reduction = FCE_REDUCTION_NONE;
+      fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+      out.loss = a.dl();
+      out.lse = b.dl();
+      return fce_cross_entropy_fwd(h, test_stream(), logits, targets.dl(), &o, &out, nullptr, 0);
+    };
+    auto reset = [&] {  // outputs poisoned, x zeros
+      a.poison(); a.upload();
+      b.poison(); b.upload();
+      ASSERT_EQ(cudaMemsetAsync(x.dl()->data, 0, x.bytes().size(), s), cudaSuccess);
+    };
+    auto results = [&] {
+      a.download();
+      b.download();
+      std::vector<uint8_t> r = a.bytes();
+      r.insert(r.end(), b.bytes().begin(), b.bytes().end());
+      return r;
+    };
+    reset();
+    FCE_OK(op(src.dl()));  // also sizes the handle's workspace outside the capture below
+    const std::vector<uint8_t> want = results();
+    constexpr unsigned long long kSpinNs = 200000;
+    const size_t bytes = size_t(c.N * c.V) * 2;
+    reset();
+    ASSERT_EQ(launch_slow_copy(src.dl()->data, x.dl()->data, bytes, kSpinNs, s), cudaSuccess);
+    FCE_OK(op(x.dl()));
+    EXPECT_TRUE(results() == want) << "direct: differs from a call on the logits";
+    reset();
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+    ASSERT_EQ(launch_slow_copy(src.dl()->data, x.dl()->data, bytes, kSpinNs, s), cudaSuccess);
+    const fce_status_t st = op(x.dl());
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    FCE_OK(st);
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    EXPECT_TRUE(results() == want) << "graph: differs from a call on the logits";
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
 }
 
 // Several threads, one handle and one stream each, give the bytes of a serial run.
