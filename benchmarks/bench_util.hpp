@@ -132,26 +132,10 @@ inline double time_us_graph(cudaStream_t stream, const std::vector<std::function
   for (int i = 0; i < calls; ++i) ops[size_t(i) % ops.size()]();
   ck(cudaStreamEndCapture(stream, &g), "end capture");
   ck(cudaGraphInstantiate(&ge, g, 0), "instantiate");
-  ck(cudaGraphLaunch(ge, stream), "graph warm-up");
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> ms;
-  for (int r = 0; r < reps; ++r) {
-    cudaEventRecord(a, stream);
-    ck(cudaGraphLaunch(ge, stream), "graph launch");
-    cudaEventRecord(b, stream);
-    ck(cudaEventSynchronize(b), "sync");
-    float t = 0;
-    cudaEventElapsedTime(&t, a, b);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  const double ms = time_ms_after(stream, [] {}, [&] { ck(cudaGraphLaunch(ge, stream), "graph launch"); }, reps);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
-  std::sort(ms.begin(), ms.end());
-  return 1e3 * double(ms[ms.size() / 2]) / calls;
+  return 1e3 * ms / calls;
 }
 
 // Input sets for time_us_graph: enough sets of `bytes_per_set` to fill the L2 twice (at least 2).
