@@ -186,7 +186,8 @@ struct PdlCase {
 // The few-row register kernels (logsumexp, CE forward, softmax) are programmatic dependent launches on
 // sm_90, so they must wait for the kernel before them in the stream. Here that kernel lets them
 // launch at once and writes their logits over zeros ~200 us later: one that did not wait would read the
-// zeros. Its results must be the bytes of a call on the logits themselves, direct and replayed in a graph.
+// zeros. Its results must be the bytes of a call on the logits themselves: direct, on the legacy default
+// stream, and replayed in a graph.
 TEST(GpuPdl, FewRowKernelsWaitForTheKernelBefore) {
   Handle h;
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(test_stream());
@@ -199,15 +200,15 @@ TEST(GpuPdl, FewRowKernelsWaitForTheKernelBefore) {
     for (int64_t i = 0; i < c.N; ++i) targets.set_int(i, (i * 7919) % c.V);
     targets.upload();
     Tensor a(DT::F32, c.op == 2 ? std::vector<int64_t>{c.N, c.V} : std::vector<int64_t>{c.N}), b(DT::F32, {c.N});
-    auto op = [&](DLTensor* logits) {
-      if (c.op == 0) return fce_logsumexp(h, test_stream(), logits, nullptr, a.dl(), nullptr, 0);
-      if (c.op == 2) return fce_temp_softmax(h, test_stream(), logits, nullptr, a.dl(), nullptr, nullptr, 0);
+    auto op = [&](DLTensor* logits, fce_stream_t st = test_stream()) {
+      if (c.op == 0) return fce_logsumexp(h, st, logits, nullptr, a.dl(), nullptr, 0);
+      if (c.op == 2) return fce_temp_softmax(h, st, logits, nullptr, a.dl(), nullptr, nullptr, 0);
       fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
       o.reduction = FCE_REDUCTION_NONE;
       fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
       out.loss = a.dl();
       out.lse = b.dl();
-      return fce_cross_entropy_fwd(h, test_stream(), logits, targets.dl(), &o, &out, nullptr, 0);
+      return fce_cross_entropy_fwd(h, st, logits, targets.dl(), &o, &out, nullptr, 0);
     };
     auto reset = [&] {  // outputs poisoned, x zeros
       a.poison(); a.upload();
@@ -230,6 +231,12 @@ TEST(GpuPdl, FewRowKernelsWaitForTheKernelBefore) {
     ASSERT_EQ(launch_slow_copy(src.dl()->data, x.dl()->data, bytes, kSpinNs, s), cudaSuccess);
     FCE_OK(op(x.dl()));
     EXPECT_TRUE(results() == want) << "direct: differs from a call on the logits";
+    reset();  // the legacy default stream (NULL) too
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    ASSERT_EQ(launch_slow_copy(src.dl()->data, x.dl()->data, bytes, kSpinNs, nullptr), cudaSuccess);
+    FCE_OK(op(x.dl(), nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(results() == want) << "legacy default stream: differs from a call on the logits";
     reset();
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
     cudaGraph_t graph;
