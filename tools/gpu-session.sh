@@ -60,28 +60,23 @@ for step in $steps; do
       for tool in memcheck racecheck synccheck initcheck; do
         filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.*'
         [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.InfinitiesAndNaN:Logsumexp.FewAligned*:TempSoftmax.PerRowTemperaturesMixedGreedy:TempSoftmax.FewAligned*:TempSoftmax.FewRows*:TempSoftmax.ManyRowsProbabilitiesOnly:TempSoftmax.ManyLongAlignedRows:KdLoss.NegativeInfinityLogitsGiveNoNaN:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.ChunkSizesAgree:LinearCrossEntropy.ShortLastChunkSplits'
-        for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce; do
-          compute-sanitizer --tool $tool --error-exitcode 9 .gpu/bin/$t --gtest_brief=1 --gtest_filter="$filter" \
+        # gpu_gpu_extra: the programmatic dependent launches behind a kernel that lets them launch at once.
+        for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce gpu_gpu_extra; do
+          f=$filter
+          [ $t = gpu_gpu_extra ] && f='GpuPdl.*'
+          compute-sanitizer --tool $tool --error-exitcode 9 .gpu/bin/$t --gtest_brief=1 --gtest_filter="$f" \
             > "$OUT/san_${tool}_$t.log" 2>&1
           rc=$?
           case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
           summary+=("sanitizer-$tool $t $r")
           [ $rc -ne 0 ] && grep -m5 -E "=========|FAILED|Error" "$OUT/san_${tool}_$t.log"
         done
-        # The programmatic dependent launches behind a kernel that lets them launch at once.
-        compute-sanitizer --tool $tool --error-exitcode 9 .gpu/bin/gpu_gpu_extra --gtest_brief=1 --gtest_filter='GpuPdl.*' \
-          > "$OUT/san_${tool}_gpu_gpu_extra.log" 2>&1
-        rc=$?
-        case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
-        summary+=("sanitizer-$tool gpu_gpu_extra GpuPdl $r")
-        [ $rc -ne 0 ] && grep -m5 -E "=========|FAILED|Error" "$OUT/san_${tool}_gpu_gpu_extra.log"
       done ;;
     bench)
-      # The decode shapes' programs before the GEMM-heavy linear CE (each program also times its decode
-      # shapes first): right after it the 1-row softmax read 0.4-0.5 us slower once (twelfth session).
-      for n in bench_floors bench_softmax_kd bench_ce bench_linear_ce; do
-        b=.gpu/bin/$n
-        [ -x "$b" ] && "$b" 2>&1 | tee "$OUT/$n.log"
+      # The GEMM-heavy linear CE last, after the decode shapes of the others (each program also times its
+      # decode shapes first): right after it the 1-row softmax read 0.4-0.5 us slower once (twelfth session).
+      for b in $(ls .gpu/bin/bench_* | grep -v '/bench_linear_ce$') .gpu/bin/bench_linear_ce; do
+        [ -x "$b" ] && "$b" 2>&1 | tee "$OUT/$(basename "$b").log"
       done ;;
     peers)
       FCE_PEERS=.peers/peers timeout 400 python3 .peers/peers_bench.py ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" | grep -vE "^\{" ;;
