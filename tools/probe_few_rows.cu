@@ -13,7 +13,12 @@
 // Build and run on the GPU machine from the repository root:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -Ibenchmarks tools/probe_few_rows.cu \
 //     -o probe_few_rows
-//   ./probe_few_rows [--l2]
+//   ./probe_few_rows [--l2] [--ladder]
+// --ladder: instead of the phases, the softmax plans' floor ladder (event time, same harness): a kernel with
+// the same loads and stores and no dependency between its threads, then a block barrier after the data,
+// then the row's dependency alone (that and one cluster exchange of a dummy value), then the real
+// statistics (stores without exponentials), then the kernel itself. Each step's increase is its cost. The
+// plan marked * is clusters of 8 with the registers capped for two blocks per SM (so that 16 clusters fit).
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -37,10 +42,21 @@ __device__ __forceinline__ unsigned long long gtime() {
   return t;
 }
 
+// The softmax's floor ladder (--ladder): the same loads and stores, with less of the work between them.
+enum Stage {
+  kConvert = 0,  // each thread stores its values as fp32 once they land: no dependency, no arithmetic
+  kBlock = 1,    // the block waits for all its data (__syncthreads), then the stores
+  kDepend = 2,   // the same, then the cluster exchange (a dummy partial), then the stores
+  kStats = 3,    // the kernel's statistics and exchange; the stores without exponentials (x * 1/d)
+  kFull = 4      // the kernel
+};
+
 // kSoft: softmax (every block receives the statistics, fp32 probabilities) or logsumexp (rank 0 receives).
-template <int R, bool kSoft, bool kProbe>
-__global__ void __launch_bounds__(1024) few_rows(const T* x, float* out, float* lse, int V, int C, int chunk,
-                                                   float c) {
+// kTwo: registers capped so that two blocks of up to 640 threads fit on an SM (--ladder's last plan).
+template <int R, bool kSoft, bool kProbe, int kStage = kFull, bool kTwo = false>
+__global__ void __launch_bounds__(kTwo ? 640 : 1024, kTwo ? 2 : 1)
+    few_rows(const T* x, float* out, float* lse, int V, int C, int chunk, float c) {
+  static_assert(kStage == kFull || (kSoft && !kProbe), "the ladder is the softmax's, unprobed");
   __shared__ unsigned long long ph[kPhases];
   const unsigned long long g0 = kProbe ? gtime() : 0;
   const long long c0 = clock64();
@@ -54,7 +70,39 @@ __global__ void __launch_bounds__(1024) few_rows(const T* x, float* out, float* 
   const FewCtx f = few_ctx(V, C, chunk);
   uint4 raw[R];
   reg_load_lean<T, R, kSoft>(x + f.row * V + f.begin, f.n, raw);
-  few_arrive<kSoft>(C);
+  auto store_row = [&](auto value) {  // the softmax's stores: value(x) for each of the slice's values
+    float* o = out + f.row * V + f.begin;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v[8];
+      unpack_words<T>(raw[r], v);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int e0 = slot_col<T, true>(r, h);
+        if (e0 < f.n) {
+          float w[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) w[k] = value(v[h * 4 + k]);
+          store_vals<float, 4>(o + e0, w, min(4, f.n - e0));
+        }
+      }
+    }
+  };
+  if constexpr (kStage == kConvert) {
+    store_row([](float v) { return v; });
+    return;
+  }
+  if constexpr (kStage != kBlock) few_arrive<kSoft>(C);
+  if constexpr (kStage == kBlock || kStage == kDepend) {
+    unsigned any = 0;  // uses every loaded word, so the barrier comes after the thread's data landed
+#pragma unroll
+    for (int r = 0; r < R; ++r) any |= raw[r].x ^ raw[r].y ^ raw[r].z ^ raw[r].w;
+    __syncthreads();
+    const float d = any == 0x7f7f7f7fu ? 2.f : 1.f;
+    const float s = kStage == kBlock ? d : few_merge<true>({0.f, d}, 1.f, C, f.rank).d;
+    store_row([s](float v) { return v * s; });
+    return;
+  }
   float mx = -INFINITY;
 #pragma unroll
   for (int r = 0; r < R; ++r) mx = fmaxf(mx, vec_max<T>(raw[r]));
@@ -75,23 +123,9 @@ __global__ void __launch_bounds__(1024) few_rows(const T* x, float* out, float* 
   if (!kSoft) {
     if (f.rank == 0 && threadIdx.x == 0) lse[f.row] = (t.m * c + log2f(t.d)) * kLn2;
   } else {
-    float* o = out + f.row * V + f.begin;
-    const float inv_d = 1.f / t.d;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float v[8];
-      unpack_words<T>(raw[r], v);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int e0 = slot_col<T, true>(r, h);
-        if (e0 < f.n) {
-          float w[4];
-#pragma unroll
-          for (int k = 0; k < 4; ++k) w[k] = ex2((v[h * 4 + k] - t.m) * c) * inv_d;
-          store_vals<float, 4>(o + e0, w, min(4, f.n - e0));
-        }
-      }
-    }
+    const float inv_d = 1.f / t.d, m = t.m;
+    if constexpr (kStage == kStats) store_row([inv_d](float v) { return v * inv_d; });
+    else store_row([inv_d, m, c](float v) { return ex2((v - m) * c) * inv_d; });
     mark(4, inv_d);
   }
   if (kProbe) {
@@ -130,16 +164,18 @@ struct Plan {
 
 size_t g_l2_bytes = 0;  // --l2: the logits' bytes, rewritten before each timed run (0: flushed only)
 
+double time_us(const T* x, const std::function<void()>& f) {
+  return 1e3 * (g_l2_bytes ? bench::time_ms_input_in_l2(nullptr, const_cast<T*>(x), g_l2_bytes, f)
+                           : bench::time_ms(nullptr, f));
+}
+
 template <int R, bool kSoft>
 void run_plan(const Plan& q, const T* x, float* out, float* lse, double ghz) {
   const int grid = q.N * q.C;
   const float c = kLog2e;
   const int chunk = int(slice_cols(q.V, q.C));
   auto run = [&](auto kernel) { launch_clusters(kernel, grid, q.C, q.threads, x, out, lse, q.V, q.C, chunk, c); };
-  auto us = [&](const std::function<void()>& f) {
-    return 1e3 * (g_l2_bytes ? bench::time_ms_input_in_l2(nullptr, const_cast<T*>(x), g_l2_bytes, f)
-                             : bench::time_ms(nullptr, f));
-  };
+  auto us = [&](const std::function<void()>& f) { return time_us(x, f); };
   const double plain = us([&] { run(few_rows<R, kSoft, false>); });
   const double probed = us([&] { run(few_rows<R, kSoft, true>); });
   const double empty = us([&] { launch_clusters(empty_kernel, grid, q.C, q.threads, 0); });
@@ -181,12 +217,32 @@ void run_plan(const Plan& q, const T* x, float* out, float* lse, double ghz) {
   std::printf("\n");
 }
 
+// One line of the floor ladder: event time of each stage (softmax plans only).
+template <int R, bool kTwo = false>
+void run_ladder(const Plan& q, const T* x, float* out, float* lse) {
+  const int grid = q.N * q.C, chunk = int(slice_cols(q.V, q.C));
+  auto stage = [&](auto kernel) {
+    return time_us(x, [&] { launch_clusters(kernel, grid, q.C, q.threads, x, out, lse, q.V, q.C, chunk, kLog2e); });
+  };
+  const double t0 = stage(few_rows<R, true, false, kConvert, kTwo>);
+  const double t1 = stage(few_rows<R, true, false, kBlock, kTwo>);
+  const double t2 = stage(few_rows<R, true, false, kDepend, kTwo>);
+  const double t3 = stage(few_rows<R, true, false, kStats, kTwo>);
+  const double t4 = stage(few_rows<R, true, false, kFull, kTwo>);
+  std::printf("%-24s conversion %6.2f | + block wait %6.2f | + cluster exchange %6.2f | + statistics %6.2f | "
+              "+ stores' exponentials %6.2f us\n", q.name, t0, t1, t2, t3, t4);
+}
+
 }  // namespace probe
 
 using namespace probe;
 
 int main(int argc, char** argv) {
-  const bool in_l2 = argc > 1 && std::strcmp(argv[1], "--l2") == 0;
+  bool in_l2 = false, ladder = false;
+  for (int i = 1; i < argc; ++i) {
+    in_l2 |= std::strcmp(argv[i], "--l2") == 0;
+    ladder |= std::strcmp(argv[i], "--ladder") == 0;
+  }
   int khz = 0;
   cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
   const double ghz = khz / 1e6;
@@ -224,6 +280,12 @@ int main(int argc, char** argv) {
   };
   for (int rep = 0; rep < 2; ++rep)
     for (const Plan& q : plans) {
+      if (ladder) {
+        if (q.soft) q.R == 2 ? run_ladder<2>(q, x, out, lse) : run_ladder<4>(q, x, out, lse);
+        if (&q == plans + sizeof(plans) / sizeof(plans[0]) - 1)
+          run_ladder<4, true>({"softmax 16x151936 C=8 *", 16, 151936, 8, 4, 608, true}, x, out, lse);
+        continue;
+      }
       if (q.R == 2) q.soft ? run_plan<2, true>(q, x, out, lse, ghz) : run_plan<2, false>(q, x, out, lse, ghz);
       else q.soft ? run_plan<4, true>(q, x, out, lse, ghz) : run_plan<4, false>(q, x, out, lse, ghz);
     }
