@@ -752,7 +752,8 @@ constexpr int kMaxRegVecs = 4;
 constexpr int64_t kMaxRegRows = 64;
 struct RegPlan {
   int C = 0, R = 0, threads = 512;
-  int D = 1;  // replicas of each row's cluster (gridDim.y; see replicate_rows)
+  int D = 1;         // replicas of each row's cluster (gridDim.y; see replicate_rows)
+  bool two = false;  // the softmax's kernel with registers for two blocks per SM (spread_regs)
 };
 
 // Blocks that a register plan may take: up to 3/4 of the SMs, so that the clusters fit at once with room to

@@ -234,6 +234,14 @@ TEST(TempSoftmax, FewRowsProbabilitiesOnly) {
   check_softmax({2, 129920, DT::F16, true, {0.0, 1.1}, false});
   check_softmax({1, 256000, DT::BF16, false, {1.3}, false});
   check_softmax({5, 129920, DT::F16, true, {1e-5}, false, false, 10.0});
+  // 13 to 16 long rows: on an H100, clusters of 8 blocks of the kernel with registers for two blocks per SM
+  // (spread_regs); greedy and bad rows fall back inside it; 16-bit outputs.
+  std::vector<double> t15;
+  for (int i = 0; i < 15; ++i) t15.push_back(i == 14 ? 0.0 : i == 2 ? NAN : 0.6 + 0.1 * i);
+  SmCase k{15, 151939, DT::F16, false, t15, false};
+  k.pad = 5;
+  check_softmax(k);
+  check_softmax({13, 151936, DT::BF16, false, {1.7}, false});
   // On an H100 the register path's clusters of 5 at this width hold 22 rows at once; 23 rows take the
   // shared-memory kernel.
   for (int64_t n : {22, 23}) {
@@ -279,7 +287,10 @@ void check_probs_only_special_values(int64_t N, int64_t V) {
 
 }  // namespace
 
-TEST(TempSoftmax, FewRowsProbabilitiesOnlySpecialValues) { check_probs_only_special_values(5, 40000); }
+TEST(TempSoftmax, FewRowsProbabilitiesOnlySpecialValues) {
+  check_probs_only_special_values(5, 40000);
+  check_probs_only_special_values(16, 151936);  // on an H100, clusters of 8 with two blocks' registers per SM
+}
 
 // Many rows with probabilities only: the GPU's lean shared-memory kernel (greedy and bad rows falling back
 // inside it), fp32 and input-dtype outputs; special values on rows past the register path's 64.
