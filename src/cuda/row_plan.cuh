@@ -770,6 +770,25 @@ struct RegKernels {
   const void* of(int R) const { return k[R <= 1 ? 0 : R == 2 ? 1 : 2]; }
 };
 
+// The register plan of C blocks per row for rows of V values of `esize` bytes (false when a slice needs
+// more than 1024 threads). Threads sized to the slice (two or four vectors each, a multiple of a warp), so
+// that no slot is idle. reads_only (a kernel that writes one value per row, logsumexp): a multiple of four
+// warps above 128 threads, so that each of an SM's four schedulers (and its share of the special-function
+// units) gets as many warps (25 warps put 7 on one of them); plan_regs then allows up to two blocks per SM,
+// whose exponentials, merges and exchanges overlap (H100, logsumexp bf16, clusters of 16 against 6 blocks at
+// 16 rows: 16x151936 7.74 against 8.13 us, 16x128256 7.30 against 7.65, 8x151936 6.69 against 6.85).
+bool reg_plan_at(int64_t V, int C, int esize, bool reads_only, RegPlan* out) {
+  const int64_t K = 16 / esize;
+  const int64_t vecs = (slice_cols(V, C) + K - 1) / K;
+  const int64_t R = vecs <= 64 ? 1 : vecs <= 2 * 1024 ? 2 : kMaxRegVecs;
+  int64_t threads = std::max<int64_t>(64, ((vecs + R - 1) / R + 31) / 32 * 32);
+  if (reads_only && threads > 128) threads = (threads + 127) / 128 * 128;
+  out->C = C;
+  out->threads = int(std::min<int64_t>(threads, 1024));
+  out->R = int(R);
+  return threads <= 1024;
+}
+
 RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const void* data, int64_t ld,
                   RegKernels kernels, int64_t max_rows = kMaxRegRows, bool reads_only = false,
                   bool one_wave = false) {
@@ -777,27 +796,11 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
   const int sm = h->sm_count > 0 ? h->sm_count : 1;
   if (forced_path() != Force::None || N > max_rows) return p;
   if (((reinterpret_cast<uintptr_t>(data)) | uintptr_t(ld * esize)) & 15u) return p;
-  const int K = 16 / esize;
   // Non-portable clusters (9..16 blocks) only where the device reports room for all N of them at once.
   const int cmax = !clusters_available(h)                  ? 1
                    : allow_cluster(kernels.of(kMaxRegVecs), kMaxFewCluster) ? kMaxFewCluster
                                                            : kMaxCluster;
-  // Threads sized to the slice (two or four vectors each, a multiple of a warp), so that no slot is idle.
-  // reads_only (a kernel that writes one value per row, logsumexp): a multiple of four warps above 128
-  // threads, so that each of an SM's four schedulers (and its share of the special-function units) gets as
-  // many warps (25 warps put 7 on one of them); and up to two blocks per SM, whose exponentials, merges and
-  // exchanges then overlap (H100, logsumexp bf16, clusters of 16 against 6 blocks at 16 rows: 16x151936
-  // 7.74 against 8.13 us, 16x128256 7.30 against 7.65, 8x151936 6.69 against 6.85; same call).
-  auto plan = [&](int C, RegPlan* out) {
-    const int64_t vecs = (slice_cols(V, C) + K - 1) / K;
-    const int64_t R = vecs <= 64 ? 1 : vecs <= 2 * 1024 ? 2 : kMaxRegVecs;
-    int64_t threads = std::max<int64_t>(64, ((vecs + R - 1) / R + 31) / 32 * 32);
-    if (reads_only && threads > 128) threads = (threads + 127) / 128 * 128;
-    out->C = C;
-    out->threads = int(std::min<int64_t>(threads, 1024));
-    out->R = int(R);
-    return threads <= 1024;
-  };
+  auto plan = [&](int C, RegPlan* out) { return reg_plan_at(V, C, esize, reads_only, out); };
   const int64_t limit = reads_only ? 2 * int64_t(sm) : reg_block_limit(h);
   int C = 1;
   for (; C <= cmax; ++C) {
@@ -809,7 +812,7 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
   // At most 5/4 of a block per SM: beyond that, these one-shot clusters run in waves whose packing varies
   // from process to process (H100, softmax bf16 -> fp32: 48x151936 in 26 or 43 us, 40x151936 in 21 or 41.5
   // us, by process; 64x151936 50.6 us against 43.0 for the shared-memory kernel); the callers' other paths
-  // overlap their blocks. Two blocks per SM for reads_only kernels (above).
+  // overlap their blocks. Two blocks per SM for reads_only kernels (see reg_plan_at).
   const int64_t cap = reads_only ? 2 * int64_t(sm) : int64_t(sm) * 5 / 4;
   auto capped = [&](const RegPlan& r) { return int64_t(r.C) * N > cap ? RegPlan{} : r; };
   for (int c = C; c > 1; --c) {

@@ -376,14 +376,12 @@ size_t softmax_workspace(fce_handle* h, const SoftmaxProblem& p) {
 RegPlan spread_regs(const fce_handle* h, int64_t N, int64_t V, int esize, RegPlan rp, const void* kernel) {
   constexpr int C = kMaxCluster;
   if (rp.R != kMaxRegVecs || rp.D > 1 || rp.C >= C || N * C > h->sm_count) return rp;
-  const int64_t K = 16 / esize;
-  const int64_t vecs = (slice_cols(V, C) + K - 1) / K;
-  const int64_t threads = ((vecs + kMaxRegVecs - 1) / kMaxRegVecs + 31) / 32 * 32;
-  if (vecs <= 2 * 1024 || threads > kTwoThreads || max_active_clusters(h, kernel, C, int(threads)) < N) return rp;
-  rp.C = C;
-  rp.threads = int(threads);
-  rp.two = true;
-  return rp;
+  RegPlan q;
+  if (!reg_plan_at(V, C, esize, /*reads_only=*/false, &q) || q.R != kMaxRegVecs || q.threads > kTwoThreads ||
+      max_active_clusters(h, kernel, C, q.threads) < N)
+    return rp;
+  q.two = true;
+  return q;
 }
 
 void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Workspace w) {
@@ -429,18 +427,15 @@ void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Worksp
       a.chunk = int(slice_cols(a.V, a.C));
       a.cluster = rp.C > 1;
       const bool dependent = clusters_available(h);  // sm_90 code on an sm_90 device
-      if (rp.two) {
+      auto launch = [&](auto r, auto two) {
+        constexpr int R = decltype(r)::value;
+        constexpr bool kTwo = decltype(two)::value;
         if (a.probs_f32)
-          launch_rows(softmax_regs_kernel<T, float, 4, true>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
-        else launch_rows(softmax_regs_kernel<T, T, 4, true>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
-      } else {
-        dispatch_regs(rp.R, [&](auto r) {
-          constexpr int R = decltype(r)::value;
-          if (a.probs_f32)
-            launch_rows(softmax_regs_kernel<T, float, R>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
-          else launch_rows(softmax_regs_kernel<T, T, R>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
-        });
-      }
+          launch_rows(softmax_regs_kernel<T, float, R, kTwo>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
+        else launch_rows(softmax_regs_kernel<T, T, R, kTwo>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
+      };
+      if (rp.two) launch(std::integral_constant<int, kMaxRegVecs>{}, std::true_type{});
+      else dispatch_regs(rp.R, [&](auto r) { launch(r, std::false_type{}); });
     } else if (pl.phased) {
       for (int ph = 0; ph <= 2; ++ph) {
         a.p0 = a.p1 = ph;
