@@ -34,12 +34,14 @@ run_asan() {
   # Every report is fatal. detect_leaks: LeakSanitizer at exit. Known library bugs are suppressed by name in
   # tests/reliability/{ubsan,lsan}.supp (each entry documented there and in docs/reliability.md).
   local supp=$PWD/tests/reliability
-  # Every test of the unit and abi suites but abi/pkgconfig_link: it links a plain (unsanitized) C program
-  # against the sanitized library, which ASan refuses to load ("runtime does not come first"); it checks
-  # packaging, not memory.
+  # Every test of the unit and abi suites but abi/pkgconfig_link and abi/install_tree: they link plain
+  # (unsanitized) C programs against the sanitized library, which ASan refuses to load ("runtime does not
+  # come first"); they check packaging, not memory. Nor abi/api_reference (Doxygen on the header: no library
+  # code runs).
   local tests
   tests=$(meson test -C "$ASAN_BUILD" --list --no-rebuild --suite unit --suite abi 2>/dev/null |
-          sed -n 's|^\([^:]*\):[^/]* / \(.*\)$|\1:\2|p' | grep -v ':pkgconfig_link$' || true)
+          sed -n 's|^\([^:]*\):[^/]* / \(.*\)$|\1:\2|p' |
+          grep -v -E ':(pkgconfig_link|install_tree|api_reference)$' || true)
   [ -n "$tests" ] || { echo "sanitizers.sh: no unit/abi tests listed in $ASAN_BUILD" >&2; exit 1; }
   # GTEST_FILTER: Validation.HandlesStatusesAndVersion expects "cuda" in the NO_DEVICE message, which a
   # -Dcuda=disabled build words "built without the CUDA backend"; it fails in every CUDA-less build,
