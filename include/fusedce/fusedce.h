@@ -325,6 +325,13 @@ FCE_API fce_status_t fce_temp_softmax_workspace_size(fce_handle_t handle, const 
 /* Knowledge distillation                                                                           */
 /* ------------------------------------------------------------------------------------------------ */
 
+/** Domain of fce_kd_options_t.temperature, inclusive; other temperatures are FCE_STATUS_INVALID_ARGUMENT.
+ *  A divergence over z = logits/T shrinks like 1/T^2 while its fp32 rounding error (~1e-7 nats) does not,
+ *  so beyond FCE_KD_TEMPERATURE_MAX the result (and T^2 times it) would be mostly rounding; below
+ *  FCE_KD_TEMPERATURE_MIN logits/T and T^2 leave fp32's range for ordinary logits. */
+#define FCE_KD_TEMPERATURE_MIN 1e-4f
+#define FCE_KD_TEMPERATURE_MAX 100.0f
+
 /** Divergence of fce_kd_options_t. */
 typedef enum fce_kd_divergence {
   FCE_KD_FORWARD_KL = 0, /**< KL(P_teacher || P_student) (Hinton et al. 2015) */
@@ -352,7 +359,7 @@ typedef struct fce_kd_options {
   uint32_t struct_size;     /**< sizeof(fce_kd_options_t) */
   int32_t divergence;       /**< fce_kd_divergence_t; default FCE_KD_FORWARD_KL */
   float beta;               /**< b in [0, 1] for FCE_KD_JSD; default 0.5 */
-  float temperature;        /**< T > 0, finite; default 1 */
+  float temperature;        /**< T in [FCE_KD_TEMPERATURE_MIN, FCE_KD_TEMPERATURE_MAX]; default 1 */
   int32_t scale_by_t2;      /**< non-zero: multiply loss and gradient by T^2 (Hinton); default 0 */
   int32_t topk_norm;        /**< fce_kd_topk_norm_t; default FCE_KD_TOPK_FULL_VOCAB */
   int32_t reduction;        /**< fce_reduction_t; MEAN = batchmean over unmasked rows; default MEAN */

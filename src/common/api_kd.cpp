@@ -37,8 +37,9 @@ KdProblem kd_problem(fce_handle* h, const DLTensor* student, const fce_kd_teache
               "options->divergence %d is not an fce_kd_divergence_t", o.divergence);
     FCE_CHECK(finite(o.beta) && o.beta >= 0.f && o.beta <= 1.f, FCE_STATUS_INVALID_ARGUMENT,
               "options->beta %g is outside [0, 1]", o.beta);
-    FCE_CHECK(finite(o.temperature) && o.temperature > 0.f, FCE_STATUS_INVALID_ARGUMENT,
-              "options->temperature %g must be finite and > 0", o.temperature);
+    FCE_CHECK(o.temperature >= FCE_KD_TEMPERATURE_MIN && o.temperature <= FCE_KD_TEMPERATURE_MAX,
+              FCE_STATUS_INVALID_ARGUMENT, "options->temperature %g is outside [%g, %g] (FCE_KD_TEMPERATURE_MIN/MAX)",
+              o.temperature, double(FCE_KD_TEMPERATURE_MIN), double(FCE_KD_TEMPERATURE_MAX));
     FCE_CHECK(o.topk_norm == FCE_KD_TOPK_FULL_VOCAB || o.topk_norm == FCE_KD_TOPK_RENORMALIZE,
               FCE_STATUS_INVALID_ARGUMENT, "options->topk_norm %d is not an fce_kd_topk_norm_t", o.topk_norm);
     FCE_CHECK(o.reduction >= FCE_REDUCTION_NONE && o.reduction <= FCE_REDUCTION_MEAN, FCE_STATUS_INVALID_ARGUMENT,

@@ -29,19 +29,32 @@ struct OnlineSoftmax {
 };
 
 // Cross-entropy's transform of a raw logit: z = c*tanh(s*x/c) (soft-cap, Gemma 2) or s*x.
+// For a subnormal c, 1/c overflows fp32 (and 0 * inf would be NaN at x = 0): s*x/c is then formed as
+// (s*2^64*x) * (1/(c*2^64)), and z/c as (z*2^64) * (1/(c*2^64)); for any other c, arg_scale = s and
+// pre = 1, so the arithmetic is the plain one bit for bit.
 struct LogitTransform {
   float scale;
-  float softcap;  // 0 = off
-  float inv_cap;
-  FCE_HD LogitTransform(float s, float c) : scale(s), softcap(c), inv_cap(c > 0.f ? 1.f / c : 0.f) {}
+  float softcap;    // 0 = off
+  float inv_cap;    // 1/(c*pre)
+  float arg_scale;  // s*pre (FLT_MAX if that overflows: tanh saturates alike)
+  float pre;        // 1, or 2^64 when c is subnormal
+  FCE_HD LogitTransform(float s, float c)
+      : scale(s), softcap(c), inv_cap(0.f), arg_scale(s), pre(1.f) {
+    if (c > 0.f) {
+      if (c < 0x1p-126f) {  // subnormal
+        pre = 0x1p64f;
+        arg_scale = fminf(s * pre, 3.40282347e38f);
+      }
+      inv_cap = 1.f / (c * pre);
+    }
+  }
   FCE_HD float operator()(float x) const {
-    const float y = scale * x;
-    return softcap > 0.f ? softcap * tanhf(y * inv_cap) : y;
+    return softcap > 0.f ? softcap * tanhf(arg_scale * x * inv_cap) : scale * x;
   }
   // dz/dx given z: s*(1 - tanh^2) = s*(1 - (z/c)^2), or s.
   FCE_HD float derivative(float z) const {
     if (softcap > 0.f) {
-      const float t = z * inv_cap;
+      const float t = z * pre * inv_cap;
       return scale * (1.f - t * t);
     }
     return scale;
@@ -114,5 +127,31 @@ struct KdTerm {
     return beta * xlogratio(p, logp, logm) + (1.f - beta) * xlogratio(q, logq, logm);
   }
 };
+
+// (x - m)/T for temperature softmax, m the row's max of raw logits, inv_t = 1/T: -inf logits stay -inf
+// (probability 0), the max itself gives exactly 0 (a subnormal T makes inv_t = +inf, and 0 * inf would be
+// NaN; +inf logits keep inf - inf = NaN). Where x - m overflows fp32 (|x| and |m| near FLT_MAX), both are
+// halved first (exact for normal numbers) and scaled by 2/T, so a huge T still sees the true difference.
+// T = +inf gives 0 for every finite logit.
+FCE_HD float softmax_shift(float x, float m, float inv_t) {
+  if (x == -INFINITY) return -INFINITY;
+  if (x == m && m < INFINITY) return 0.f;
+  const float d = x - m;
+  if (d == -INFINITY) return (0.5f * x - 0.5f * m) * (2.f * inv_t);
+  return d * inv_t;
+}
+// Largest temperature at which the softmax's lean kernels may form (x - max)/T directly: an overflowing
+// x - max there would drop a probability that is 0 in fp32 anyway (exp(-2^128/2^100) underflows).
+constexpr float kPlainMaxTemperature = 0x1p100f;
+
+// One element of the KD gradient: scale * dL/dz_j = scale * (a_j - q_j A), with A = sum_k a_k (KdTerm).
+// q_j = 0 gives a_j alone (no 0 * inf). A = +inf happens for reverse KL where the teacher has probability 0
+// and the student does not (the loss is +inf): the gradient is then its limit as those teacher logits go to
+// -inf, +inf at such columns (a_j = +inf) and -inf at the other columns with q_j > 0, times the sign of
+// `scale` (0 where scale is 0). NaN stays NaN.
+FCE_HD float kd_grad(float a, float q, float A, float scale) {
+  if (A == INFINITY && q != 0.f) return scale == 0.f ? 0.f : (a == INFINITY ? INFINITY : -INFINITY) * scale;
+  return (q == 0.f ? a : a - q * A) * scale;
+}
 
 }  // namespace fce

@@ -11,14 +11,20 @@ size_t kd_workspace(const KdProblem&) { return 0; }
 
 namespace {
 
-// log-sum-exp of v[0..n) (fp32 values, double sum); -inf when all are -inf.
-float row_lse(const float* v, int64_t n) {
+// Log-softmax of x[0..n) / T from max-shifted values: u_j = (x_j - max) / T in double (the difference is
+// exact), log q_j = u_j - log sum_k e^(u_k), rounded once to fp32, so no error grows with a common offset
+// of the logits. -inf stays -inf; NaN, or a row without a finite value, gives NaN everywhere.
+void log_softmax(const float* x, int64_t n, double inv_t, float* out) {
   float m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) m = std::fmax(m, v[j]);
-  if (m == -INFINITY || std::isnan(m)) return m;
+  for (int64_t j = 0; j < n; ++j) m = std::fmax(m, x[j]);
+  if (m == -INFINITY) {
+    for (int64_t j = 0; j < n; ++j) out[j] = NAN;
+    return;
+  }
   double s = 0;
-  for (int64_t j = 0; j < n; ++j) s += std::exp(double(v[j] - m));
-  return float(double(m) + std::log(s));
+  for (int64_t j = 0; j < n; ++j) s += std::exp((double(x[j]) - double(m)) * inv_t);
+  const double log_s = std::log(s);
+  for (int64_t j = 0; j < n; ++j) out[j] = float((double(x[j]) - double(m)) * inv_t - log_s);
 }
 
 }  // namespace
@@ -26,7 +32,7 @@ float row_lse(const float* v, int64_t n) {
 void kd(const KdProblem& p, Workspace) {
   const int64_t N = p.student.rows, V = p.student.cols;
   const int64_t K = p.topk() ? p.topk_ids.cols : 0;
-  const float inv_t = 1.f / p.o.temperature;
+  const double inv_t = 1.0 / double(p.o.temperature);
   const float t2 = p.o.scale_by_t2 ? p.o.temperature * p.o.temperature : 1.f;
   const KdTerm term(p.o.divergence, p.o.beta);
   const bool renorm = p.topk() && p.o.topk_norm == FCE_KD_TOPK_RENORMALIZE;
@@ -46,29 +52,27 @@ void kd(const KdProblem& p, Workspace) {
 
 #pragma omp parallel
   {
-    std::vector<float> zs(static_cast<size_t>(V)), zt(size_t(p.topk() ? K : V)), grad(static_cast<size_t>(V)), a(size_t(p.topk() ? K : V));
+    const size_t nt = size_t(p.topk() ? K : V);
+    std::vector<float> xs(static_cast<size_t>(V)), lq(static_cast<size_t>(V)), xt(nt), lpt(nt), a(nt),
+        grad(static_cast<size_t>(V)), sel(nt), lsel(nt);
     std::vector<int64_t> ids(static_cast<size_t>(K));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
       const bool masked = masked_row(i);
-      load_row(p.student, i, zs.data());
-      for (float& v : zs) v *= inv_t;
+      load_row(p.student, i, xs.data());
+      log_softmax(xs.data(), V, inv_t, lq.data());
       double loss = 0, asum = 0;
       bool bad = false;
       if (!p.topk()) {
-        load_row(p.teacher, i, zt.data());
-        for (float& v : zt) v *= inv_t;
-        const float lse_s = row_lse(zs.data(), V), lse_t = row_lse(zt.data(), V);
+        load_row(p.teacher, i, xt.data());
+        log_softmax(xt.data(), V, inv_t, lpt.data());
         for (int64_t j = 0; j < V; ++j) {
           float aj;
-          loss += term(zt[size_t(j)] - lse_t, zs[size_t(j)] - lse_s, &aj);
+          loss += term(lpt[size_t(j)], lq[size_t(j)], &aj);
           a[size_t(j)] = aj;
           asum += aj;
         }
-        for (int64_t j = 0; j < V; ++j) {
-          const float q = std::exp(zs[size_t(j)] - lse_s);
-          grad[size_t(j)] = q == 0.f ? a[size_t(j)] : a[size_t(j)] - q * float(asum);  // -inf logit: no 0*inf
-        }
+        for (int64_t j = 0; j < V; ++j) grad[size_t(j)] = kd_grad(a[size_t(j)], std::exp(lq[size_t(j)]), float(asum), 1.f);
       } else {
         // Teacher over its K ids: softmax_K(logprobs / T); negative ids are unused slots.
         const char* idrow = row_ptr(p.topk_ids, i);
@@ -76,33 +80,29 @@ void kd(const KdProblem& p, Workspace) {
         for (int64_t k = 0; k < K; ++k) {
           ids[size_t(k)] = load_index(idrow, p.topk_ids.dtype, k);
           if (ids[size_t(k)] >= V) bad = true;
-          zt[size_t(k)] = ids[size_t(k)] >= 0 ? load(lprow + 4 * size_t(k), DType::F32) * inv_t : -INFINITY;
+          xt[size_t(k)] = ids[size_t(k)] >= 0 ? load(lprow + 4 * size_t(k), DType::F32) : -INFINITY;
+          sel[size_t(k)] = ids[size_t(k)] >= 0 && !bad ? xs[size_t(ids[size_t(k)])] : -INFINITY;
         }
         if (!masked && !bad) {
-          const float lse_t = row_lse(zt.data(), K);
-          float lse_s;
-          if (renorm) {
-            std::vector<float> sel(size_t(K), -INFINITY);
-            for (int64_t k = 0; k < K; ++k)
-              if (ids[size_t(k)] >= 0) sel[size_t(k)] = zs[size_t(ids[size_t(k)])];
-            lse_s = row_lse(sel.data(), K);
-          } else {
-            lse_s = row_lse(zs.data(), V);
-          }
+          log_softmax(xt.data(), K, inv_t, lpt.data());
+          if (renorm) log_softmax(sel.data(), K, inv_t, lsel.data());
+          float A = 0.f;
           for (int64_t k = 0; k < K; ++k) {
             a[size_t(k)] = 0.f;
             if (ids[size_t(k)] < 0) continue;
+            const float lqk = renorm ? lsel[size_t(k)] : lq[size_t(ids[size_t(k)])];
             float ak;
-            loss += term(zt[size_t(k)] - lse_t, zs[size_t(ids[size_t(k)])] - lse_s, &ak);
+            loss += term(lpt[size_t(k)], lqk, &ak);
             a[size_t(k)] = ak;
             asum += ak;
           }
-          for (int64_t j = 0; j < V; ++j) grad[size_t(j)] = renorm ? 0.f : -std::exp(zs[size_t(j)] - lse_s) * float(asum);
+          A = float(asum);
+          // -q_j A everywhere (full vocabulary), then a_k - q_k A at the ids.
+          for (int64_t j = 0; j < V; ++j) grad[size_t(j)] = renorm ? 0.f : kd_grad(0.f, std::exp(lq[size_t(j)]), A, 1.f);
           for (int64_t k = 0; k < K; ++k) {
             const int64_t id = ids[size_t(k)];
             if (id < 0) continue;
-            const float q = std::exp(zs[size_t(id)] - lse_s);
-            grad[size_t(id)] += a[size_t(k)] - (renorm ? q * float(asum) : 0.f);
+            grad[size_t(id)] = kd_grad(a[size_t(k)], std::exp(renorm ? lsel[size_t(k)] : lq[size_t(id)]), A, 1.f);
           }
         }
       }
@@ -118,8 +118,8 @@ void kd(const KdProblem& p, Workspace) {
         } else {
           float g = p.grad_loss ? load_f32(p.grad_loss, i) : 1.f;
           if (p.o.reduction == FCE_REDUCTION_MEAN) g = float(double(g) / double(used));
-          const float s = g * t2 * inv_t;
-          for (float& v : grad) v *= s;
+          const float s = g * t2 * float(inv_t);
+          for (float& v : grad) v = (s == 0.f && std::isinf(v)) ? 0.f : v * s;
         }
         store_row(p.dstudent, i, grad.data());
       }

@@ -14,6 +14,9 @@ namespace fce::cpu {
 namespace {
 
 constexpr int64_t kDefaultChunk = 256;
+// Reduction slice of the dhidden GEMM (see its call): below the smallest sgemm reduction block (GEMM_Q) of
+// OpenBLAS's x86-64 and arm64 kernels.
+constexpr int64_t kReductionSlice = 128;
 
 // Byte layout of the workspace for a chunk of C rows; fp32 staging only where an operand is not fp32.
 struct LceLayout {
@@ -132,8 +135,12 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       const bool direct = lay.dhidden == SIZE_MAX;
       float* dH = direct ? reinterpret_cast<float*>(row_ptr_mut(p.dhidden, r0)) : at(ws, lay.dhidden);
       const int64_t lddh = direct ? p.dhidden.ld : H;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(H), int(V), 1.f, L, int(V), W, int(ldw),
-                  0.f, dH, int(lddh));
+      // dhidden reduces over V. OpenBLAS blocks a long reduction differently with its thread count, so
+      // the reduction is cut here into slices no longer than any OpenBLAS kernel's reduction block, added
+      // in order: the result does not depend on the number of threads.
+      for (int64_t v0 = 0; v0 < V; v0 += kReductionSlice)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(H), int(std::min(kReductionSlice, V - v0)),
+                    1.f, L + v0, int(V), W + size_t(v0 * ldw), int(ldw), v0 == 0 ? 0.f : 1.f, dH, int(lddh));
       if (!direct)
         for (int64_t r = 0; r < rows; ++r) store_row(p.dhidden, r0 + r, dH + size_t(r * H));
     }

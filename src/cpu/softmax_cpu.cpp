@@ -1,6 +1,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/math.hpp"
 #include "common/ops.hpp"
 #include "cpu/cpu_util.hpp"
 
@@ -37,10 +38,7 @@ void softmax(const SoftmaxProblem& p, Workspace) {
         const float inv_t = 1.f / T;  // +inf temperature: 0, the uniform distribution over finite logits
         double s = 0;
         for (int64_t j = 0; j < V; ++j) {
-          const float xj = x[size_t(j)];
-          // x == max gives exactly 0 (a subnormal T makes inv_t = inf, and 0 * inf would be NaN).
-          // (+inf logits keep inf - inf = NaN, as documented.)
-          const float d = xj == -INFINITY ? -INFINITY : (xj == m && m < INFINITY) ? 0.f : (xj - m) * inv_t;
+          const float d = softmax_shift(x[size_t(j)], m, inv_t);
           logp[size_t(j)] = d;
           s += std::exp(double(d));
         }

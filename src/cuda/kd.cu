@@ -4,10 +4,11 @@
 // Phases, each followed by an exchange of per-block partials that every block of the row merges in rank
 // order (so all of them hold bitwise-identical row statistics):
 //   phase 0  raw maxima of the student (and teacher) logits                       -> exchange 0
-//   phase 1  sums of exp(z - max z), z = logits / T: lse_s (and lse_t)            -> exchange 1
-//   phase 2  the divergence terms of KdTerm (log p = t/T - lse_t, log q = s/T - lse_s): the row's loss
+//   phase 1  sums of exp(z - max z), z = logits / T: log d_s (and log d_t)        -> exchange 1
+//   phase 2  the divergence terms of KdTerm (log p = (t/T - max) - log d_t, log q likewise, LogProb: from
+//            max-shifted values, so no error grows with a common offset of the logits): the row's loss
 //            and A = sum_j a_j                                                     -> exchange 2
-//   phase 3  dstudent_j = scale * (q_j > 0 ? a_j - q_j A : a_j), scale = grad * T2factor / T (/ rows)
+//   phase 3  dstudent_j = scale * (a_j - q_j A) (kd_grad), scale = grad * T2factor / T (/ rows)
 // The gradient needs A, known only once the whole row has been seen, so phase 3 recomputes a_j with KdTerm
 // from the slices still in shared memory (one more exp per column for forward KL, two for reverse KL/JSD,
 // plus q_j) rather than keeping it: keeping a_j in fp32 would double the shared memory of a resident bf16
@@ -164,6 +165,19 @@ constexpr int kGroup = kVec<Ts> > kVec<Tt> ? kVec<Ts> : kVec<Tt>;
 // z - c for z = x/T, as one fused multiply-add everywhere, so that equal inputs give bitwise-equal
 // log-probabilities whatever the compiler would have contracted (identical distributions give 0 exactly).
 __device__ __forceinline__ float zdiff(float x, float inv_t, float c) { return __fmaf_rn(x, inv_t, -c); }
+
+// log p_j over z = x/T from max-shifted values: (x/T - m) - log d, with m the max of z and d the sum of
+// e^(z - m). x/T - m is one fused multiply-add (exact product) and log d is at most log V, so neither
+// rounding grows with a common offset of the logits (lse = m + log d rounded would: ulp(m) per element).
+struct LogProb {
+  float inv_t, m, logd;
+  __device__ float operator()(float x) const { return __fsub_rn(zdiff(x, inv_t, m), logd); }
+};
+// The same in base 2 (c = log2(e)/T, m and log2 d from Lse2), returned in nats.
+struct LogProb2 {
+  float c, m, log2d;
+  __device__ float operator()(float x) const { return __fsub_rn(__fmaf_rn(x, c, -m), log2d) * kLn2; }
+};
 
 // Running max of raw values (NaN ignored, as fmaxf). 16-bit types compare packed pairs, so a 16-byte
 // vector costs 4 instructions, and are converted to fp32 once at the end (the max is exact in any format).
@@ -343,7 +357,7 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
   // Max of z = x/T is (max x)/T: rounding is monotonic and T > 0.
   const float ms = mx.a * inv_t, mt = mx.b * inv_t;
 
-  // Phase 1: sums of exp(z - max z) -> lse_s, lse_t (-inf for a row without a finite logit).
+  // Phase 1: sums of exp(z - max z) -> log d_s, log d_t.
   Sum2 sum;
   if (a.p0 <= 1) {
     const bool live_s = ms != -INFINITY, live_t = mt != -INFINITY;
@@ -359,8 +373,7 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
     sum = block_reduce(sum);
   }
   if (!exchange<1>(c, 1, sum, static_cast<Sum2*>(a.ws1))) return;
-  const float lse_s = ms == -INFINITY ? -INFINITY : ms + logf(sum.a);
-  const float lse_t = mt == -INFINITY ? -INFINITY : mt + logf(sum.b);
+  const LogProb lq{inv_t, ms, logf(sum.a)}, lp{inv_t, mt, logf(sum.b)};  // NaN rows without a finite logit
   const KdTerm term(DIV >= 0 ? DIV : a.div, a.beta);
 
   // Phase 2: the loss and A = sum_j a_j.
@@ -371,7 +384,7 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
       for (int k = 0; k < G; ++k) {
         if (k < cnt) {
           float aj;
-          la.loss += term(zdiff(vt[k], inv_t, lse_t), zdiff(vs[k], inv_t, lse_s), &aj);
+          la.loss += term(lp(vt[k]), lq(vs[k]), &aj);
           la.A += aj;
         }
       }
@@ -385,8 +398,8 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
   }
   if (!ds) return;
 
-  // Phase 3: dstudent = scale * (q > 0 ? a - q*A : a), a recomputed (in place allowed: every element is
-  // read before its store, from shared memory or by the thread that stores it).
+  // Phase 3: dstudent = scale * (a - q*A) (kd_grad), a recomputed (in place allowed: every element is read
+  // before its store, from shared memory or by the thread that stores it).
   const float scale = kd_grad_scale(a, row), A = la.A;
   visit2<Ts, Tt, kResident>(s, t, ss, st, n, [&](const float(&vs)[G], const float(&vt)[G], int64_t e0, int cnt) {
     float g[G];
@@ -395,10 +408,9 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
       g[k] = 0.f;
       if (k < cnt) {
         float aj;
-        const float lq = zdiff(vs[k], inv_t, lse_s);
-        (void)term(zdiff(vt[k], inv_t, lse_t), lq, &aj);
-        const float q = fexp(lq);
-        g[k] = (q == 0.f ? aj : aj - q * A) * scale;  // a -inf logit (q = 0) never forms 0 * inf; NaN stays
+        const float lqk = lq(vs[k]);
+        (void)term(lp(vt[k]), lqk, &aj);
+        g[k] = kd_grad(aj, fexp(lqk), A, scale);
       }
     }
     store_vals<Ts, G>(ds + e0, g, cnt);
@@ -440,36 +452,36 @@ struct Lse2 {
     d = __fadd_rn(__fmul_rn(d, rescale(m, mn)), __fmul_rn(o.d, rescale(o.m, mn)));
     m = mn;
   }
-  // Adds n values (the group max g first), calling on_e(k, 2^(z_k - m)) for each; NaN propagates. Returns
-  // the factor the earlier sum was rescaled by (1 when nothing finite has been seen).
+  // Adds n raw values x (z2 = x c; the group max first), calling on_e(k, 2^(x_k c - m)) for each, the
+  // exponent one fused multiply-add (exact product: no rounding of x c that grows with an offset of x);
+  // NaN propagates. Returns the factor the earlier sum was rescaled by (1 when nothing finite was seen).
   template <int G, class F>
-  __device__ __forceinline__ float add(const float (&z)[G], int n, F&& on_e) {
+  __device__ __forceinline__ float add(const float (&x)[G], int n, float c, F&& on_e) {
     float g = -INFINITY;
 #pragma unroll
     for (int k = 0; k < G; ++k)
-      if (k < n) g = fmaxf(g, z[k]);
-    const float mn = fmaxf(m, g);
+      if (k < n) g = fmaxf(g, x[k]);
+    const float mn = fmaxf(m, __fmul_rn(g, c));  // the max of x c is (max x) c: rounding is monotonic
     if (mn == -INFINITY) {
 #pragma unroll
       for (int k = 0; k < G; ++k)
-        if (k < n && isnan(z[k])) d = NAN;
+        if (k < n && isnan(x[k])) d = NAN;
       return 1.f;
     }
     const float r = shift(mn);
 #pragma unroll
     for (int k = 0; k < G; ++k)
       if (k < n) {
-        const float e = ex2(__fsub_rn(z[k], mn));
+        const float e = ex2(__fmaf_rn(x[k], c, -mn));
         d = __fadd_rn(d, e);
         on_e(k, e);
       }
     return r;
   }
   template <int G>
-  __device__ __forceinline__ void add(const float (&z)[G], int n) {
-    add<G>(z, n, [](int, float) {});
+  __device__ __forceinline__ void add(const float (&x)[G], int n, float c) {
+    add<G>(x, n, c, [](int, float) {});
   }
-  __device__ float log2sum() const { return m == -INFINITY ? -INFINITY : __fadd_rn(m, log2f(d)); }
   __device__ Lse2 shfl_down(unsigned off) const {
     Lse2 r;
     r.m = __shfl_down_sync(0xffffffffu, m, off);
@@ -480,7 +492,7 @@ struct Lse2 {
 
 struct KlAcc {  // P and Q states, and W = sum 2^(zP - mP) (zP - zQ) at P's max
   Lse2 p, q;
-  float w;
+  float w;  // while a thread adds values: in raw units (xP - xQ); times c before any merge
   __device__ KlAcc() : w(0.f) {}
   __device__ void merge(const KlAcc& o) {
     const float np = fmaxf(p.m, o.p.m);
@@ -489,13 +501,19 @@ struct KlAcc {  // P and Q states, and W = sum 2^(zP - mP) (zP - zQ) at P's max
     q.merge(o.q);
   }
   template <int G>
-  __device__ __forceinline__ void add(const float (&zp)[G], const float (&zq)[G], int n) {
+  __device__ __forceinline__ void add(const float (&xp)[G], const float (&xq)[G], int n, float c) {
     float wk = 0.f;  // this group's part, at the new max
-    const float r = p.add<G>(zp, n, [&](int k, float e) {
-      if (e != 0.f) wk = fmaf(e, zp[k] - zq[k], wk);
+    const float r = p.add<G>(xp, n, c, [&](int k, float e) {
+      if (e != 0.f) wk = fmaf(e, xp[k] - xq[k], wk);
     });
     w = __fadd_rn(__fmul_rn(w, r), wk);
-    q.add<G>(zq, n);
+    q.add<G>(xq, n, c);
+  }
+  // KL(P || Q) / ln 2 = W/d_P + lse_Q - lse_P, the lse difference taken as (m_Q - m_P) + (log2 d_Q - log2 d_P):
+  // each max is the reference its own sum was taken against, so their rounding cancels exactly, where
+  // m + log2 d rounded would leave ulp(m), an error that grows with an offset of the logits.
+  __device__ float kl2() const {
+    return w / p.d + __fadd_rn(__fsub_rn(q.m, p.m), __fsub_rn(log2f(q.d), log2f(p.d)));
   }
 };
 
@@ -570,20 +588,14 @@ __global__ void __launch_bounds__(kKdThreads) kd_kl_onepass_kernel(const KdArgs 
     const Tt* t = static_cast<const Tt*>(a.t) + row * a.ldt;
     KlAcc acc;
     visit2<Ts, Tt, false>(s, t, nullptr, nullptr, a.V, [&](const float(&vs)[G], const float(&vt)[G], int64_t, int cnt) {
-      float zs[G], zt[G];
-#pragma unroll
-      for (int k = 0; k < G; ++k) {
-        zs[k] = __fmul_rn(vs[k], c);
-        zt[k] = __fmul_rn(vt[k], c);
-      }
-      if constexpr (DIV == FCE_KD_FORWARD_KL) acc.add<G>(zt, zs, cnt);
-      else acc.add<G>(zs, zt, cnt);
+      if constexpr (DIV == FCE_KD_FORWARD_KL) acc.add<G>(vt, vs, cnt, c);
+      else acc.add<G>(vs, vt, cnt, c);
     });
+    acc.w = __fmul_rn(acc.w, c);
     acc = kl_block_all(acc);
     if (threadIdx.x == 0) {
-      // lse_P and lse_Q in base 2; every P and Q step mirrors the other, so equal rows give equal values.
-      const float lp = acc.p.log2sum(), lq = acc.q.log2sum();
-      const float loss = (acc.w / acc.p.d + (lq - lp)) * kLn2;
+      // Every P and Q step mirrors the other, so equal rows give exactly 0.
+      const float loss = acc.kl2() * kLn2;
       a.row_loss[row] = loss * a.t2;
       if (a.row_used) a.row_used[row] = 1;
     }
@@ -714,20 +726,26 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
       __syncthreads();
       acc = *merged;
     }
-    const float lp = acc.p.log2sum(), lq = acc.q.log2sum();
-    const float kl2 = acc.w / acc.p.d + (lq - lp);  // KL / ln 2
+    const float kl2 = acc.kl2();  // KL / ln 2
     if (rank == 0 && threadIdx.x == 0) {
       a.row_loss[row] = masked ? 0.f : kl2 * kLn2 * a.t2;
       if (a.row_used) a.row_used[row] = masked ? 0 : 1;
     }
     const float scale = masked ? 0.f : kd_grad_scale(a, row);
-    const float ls = DIV == FCE_KD_FORWARD_KL ? lq : lp, lt = DIV == FCE_KD_FORWARD_KL ? lp : lq;  // log2 sums
+    // Student (s) and teacher (t) maxima and log2 sums: log2 q_j = (xs c - m_s) - log2 d_s, from max-shifted
+    // values as in KlAcc::kl2.
+    const Lse2& st = DIV == FCE_KD_FORWARD_KL ? acc.q : acc.p;
+    const Lse2& tt = DIV == FCE_KD_FORWARD_KL ? acc.p : acc.q;
+    const float ms = st.m, mt = tt.m, lds = log2f(st.d), ldt = log2f(tt.d);
     const float rscale = kLn2 * scale;
     auto grad = [&](float xs, float xt) {
-      const float l2q = fmaf(xs, c, -ls), l2p = fmaf(xt, c, -lt);  // log2 of q_j and p_j
+      const float l2q = __fsub_rn(fmaf(xs, c, -ms), lds), l2p = __fsub_rn(fmaf(xt, c, -mt), ldt);  // log2 q_j, p_j
       const float q = ex2(l2q);
       if (DIV == FCE_KD_FORWARD_KL) return (q - ex2(l2p)) * scale;
-      return q == 0.f ? 0.f : q * ((l2q - l2p) - kl2) * rscale;  // a -inf student logit: exactly 0
+      if (q == 0.f) return 0.f;  // a -inf student logit: exactly 0
+      // KL = +inf: the teacher has probability 0 where the student has mass (kd_grad's limit)
+      if (kl2 == INFINITY) return kd_grad(l2p == -INFINITY ? INFINITY : 0.f, q, INFINITY, scale);
+      return q * ((l2q - l2p) - kl2) * rscale;
     };
     T* ds = static_cast<T*>(a.ds) + row * a.ldd;
     uint4* dv = reinterpret_cast<uint4*>(ds);
@@ -789,8 +807,8 @@ __device__ __forceinline__ void topk_status(const KdArgs& a, int64_t ib, bool* a
   *any_oob = __syncthreads_or(oob) != 0;
 }
 
-// The teacher's lse over its used slots of logprobs/T (every block of the row computes the same).
-__device__ __forceinline__ float topk_teacher_lse(const KdArgs& a, int64_t ib, const float* lp) {
+// The teacher's log-probabilities over its used slots of logprobs/T (every block of the row computes the same).
+__device__ __forceinline__ LogProb topk_teacher_logp(const KdArgs& a, int64_t ib, const float* lp) {
   MaxF m;
   for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x)
     if (load_index(a.ids, a.ids64, ib + k) >= 0) m.m = fmaxf(m.m, lp[k] * a.inv_t);
@@ -800,21 +818,21 @@ __device__ __forceinline__ float topk_teacher_lse(const KdArgs& a, int64_t ib, c
     for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x)
       if (load_index(a.ids, a.ids64, ib + k) >= 0) sum.s += fexp(zdiff(lp[k], a.inv_t, m.m));
   sum = block_reduce(sum);
-  return m.m == -INFINITY ? -INFINITY : m.m + logf(sum.s);
+  return LogProb{a.inv_t, m.m, logf(sum.s)};
 }
 
 // The divergence terms at the used top-K slots of a row (a block-wide sum, loss and A), from the teacher's
-// and the student's lse; student logits gathered from srow.
-template <class Ts>
-__device__ __forceinline__ LossA topk_terms(const KdArgs& a, int64_t ib, const float* lp, const Ts* srow, float inv_t,
-                                            float lse_t, float lse_s) {
+// and the student's log-probabilities (LogProb or LogProb2); student logits gathered from srow.
+template <class Ts, class LQ>
+__device__ __forceinline__ LossA topk_terms(const KdArgs& a, int64_t ib, const float* lp, const Ts* srow,
+                                            const LogProb& logp, const LQ& logq) {
   const KdTerm term(a.div, a.beta);
   LossA la;
   for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
     const int64_t id = load_index(a.ids, a.ids64, ib + k);
     if (id >= 0) {
       float ak;
-      la.loss += term(zdiff(lp[k], inv_t, lse_t), zdiff(to_float(srow[id]), inv_t, lse_s), &ak);
+      la.loss += term(logp(lp[k]), logq(to_float(srow[id])), &ak);
       la.A += ak;
     }
   }
@@ -876,8 +894,7 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
     sum = block_reduce(sum);
   }
   if (!exchange<1>(c, 1, sum, static_cast<SumF*>(a.ws1))) return;
-  const float lse_s = ms == -INFINITY ? -INFINITY : ms + logf(sum.s);
-  const float lse_t = topk_teacher_lse(a, ib, lp);
+  const LogProb logq{inv_t, ms, logf(sum.s)}, logp = topk_teacher_logp(a, ib, lp);
   const KdTerm term(a.div, a.beta);
   // Student logit at a column of this block's slice (shared memory or global memory).
   auto s_at = [&](int64_t id) -> float {
@@ -892,7 +909,7 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
       const int64_t id = load_index(a.ids, a.ids64, ib + k);
       if (id >= begin && id < end) {
         float ak;
-        la.loss += term(zdiff(lp[k], inv_t, lse_t), zdiff(s_at(id), inv_t, lse_s), &ak);
+        la.loss += term(logp(lp[k]), logq(s_at(id)), &ak);
         la.A += ak;
       }
     }
@@ -905,13 +922,13 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
   }
   if (!ds) return;
 
-  // Phase 3: -q_j A everywhere, then (-q_k A + a_k) at the ids (as the CPU), times scale.
+  // Phase 3: -q_j A everywhere, then a_k - q_k A at the ids (as the CPU), times scale (kd_grad).
   const float scale = kd_grad_scale(a, row), A = la.A;
   auto id_value = [&](int64_t k, int64_t id) {
-    const float lq = zdiff(s_at(id), inv_t, lse_s);
+    const float lq = logq(s_at(id));
     float ak;
-    (void)term(zdiff(lp[k], inv_t, lse_t), lq, &ak);
-    return -fexp(lq) * A + ak;
+    (void)term(logp(lp[k]), lq, &ak);
+    return kd_grad(ak, fexp(lq), A, scale);
   };
   if constexpr (!kResident) {  // in place, the dense pass overwrites the student: take the ids first
     for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
@@ -923,7 +940,7 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
   visit1<Ts, kResident>(s, ss, n, [&](const float(&v)[KV], int64_t e0, int cnt) {
     float g[KV];
 #pragma unroll
-    for (int k = 0; k < KV; ++k) g[k] = k < cnt ? -fexp(zdiff(v[k], inv_t, lse_s)) * A * scale : 0.f;
+    for (int k = 0; k < KV; ++k) g[k] = k < cnt ? kd_grad(0.f, fexp(logq(v[k])), A, scale) : 0.f;
     store_vals<Ts, KV>(ds + e0, g, cnt);
   });
   __syncthreads();  // the dense stores are done before the id values replace them
@@ -933,7 +950,7 @@ __device__ __forceinline__ void kd_topk_row(const KdArgs& a, int64_t row, int ra
       float val;
       if constexpr (kResident) val = id_value(k, id);
       else val = a.slot_val[row * a.K + k];
-      ds[id - begin] = from_float<Ts>(val * scale);
+      ds[id - begin] = from_float<Ts>(val);
     }
   }
 }
@@ -970,15 +987,9 @@ __global__ void __launch_bounds__(kKdThreads) kd_topk_onepass_kernel(const KdArg
       continue;
     }
     Lse2 acc;
-    row_visit<Ts>(srow, 0, a.V, [&](const float(&v)[KV], int64_t, int cnt) {
-      float z[KV];
-#pragma unroll
-      for (int k = 0; k < KV; ++k) z[k] = v[k] * c;
-      acc.add<KV>(z, cnt);
-    });
+    row_visit<Ts>(srow, 0, a.V, [&](const float(&v)[KV], int64_t, int cnt) { acc.add<KV>(v, cnt, c); });
     acc = block_reduce(acc);
-    const float lse_s = acc.log2sum() * kLn2;
-    const LossA la = topk_terms<Ts>(a, ib, lp, srow, inv_t, topk_teacher_lse(a, ib, lp), lse_s);
+    const LossA la = topk_terms<Ts>(a, ib, lp, srow, topk_teacher_logp(a, ib, lp), LogProb2{c, acc.m, log2f(acc.d)});
     if (threadIdx.x == 0) {
       a.row_loss[row] = la.loss * a.t2;
       if (a.row_used) a.row_used[row] = 1;
@@ -1007,8 +1018,8 @@ __global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
       __syncthreads();
       continue;
     }
-    const float lse_t = topk_teacher_lse(a, ib, lp);
-    // The student's lse over the used slots.
+    const LogProb logp = topk_teacher_logp(a, ib, lp);
+    // The student's log-probabilities over the used slots.
     MaxF m;
     for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
       const int64_t id = load_index(a.ids, a.ids64, ib + k);
@@ -1022,9 +1033,9 @@ __global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
         if (id >= 0) sum.s += fexp(zdiff(to_float(srow[id]), inv_t, m.m));
       }
     sum = block_reduce(sum);
-    const float lse_s = m.m == -INFINITY ? -INFINITY : m.m + logf(sum.s);
+    const LogProb logq{inv_t, m.m, logf(sum.s)};
     const KdTerm term(a.div, a.beta);
-    const LossA la = topk_terms<Ts>(a, ib, lp, srow, inv_t, lse_t, lse_s);
+    const LossA la = topk_terms<Ts>(a, ib, lp, srow, logp, logq);
     if (threadIdx.x == 0) {
       a.row_loss[row] = la.loss * a.t2;
       if (a.row_used) a.row_used[row] = 1;
@@ -1035,10 +1046,10 @@ __global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
       for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
         const int64_t id = load_index(a.ids, a.ids64, ib + k);
         if (id >= 0) {
-          const float lq = zdiff(to_float(srow[id]), inv_t, lse_s);
+          const float lq = logq(to_float(srow[id]));
           float ak;
-          (void)term(zdiff(lp[k], inv_t, lse_t), lq, &ak);
-          a.slot_val[row * a.K + k] = ak - fexp(lq) * A;
+          (void)term(logp(lp[k]), lq, &ak);
+          a.slot_val[row * a.K + k] = kd_grad(ak, fexp(lq), A, scale);
         }
       }
       __syncthreads();
@@ -1046,7 +1057,7 @@ __global__ void __launch_bounds__(128) kd_topk_renorm_kernel(const KdArgs a) {
       __syncthreads();
       for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
         const int64_t id = load_index(a.ids, a.ids64, ib + k);
-        if (id >= 0) ds[id] = from_float<Ts>(a.slot_val[row * a.K + k] * scale);
+        if (id >= 0) ds[id] = from_float<Ts>(a.slot_val[row * a.K + k]);
       }
     }
     __syncthreads();

@@ -142,11 +142,8 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
   const bool greedy = temp == 0.f;
   const float M = mx.m;
   const float inv_t = 1.f / temp;  // T = +inf: 0, the uniform distribution over the finite logits
-  // (x - M)/T with the max of the raw logits taken first; -inf logits stay -inf (probability 0).
-  // x == M gives exactly 0 (a subnormal T makes inv_t = inf, and 0 * inf would be NaN).
-  // (+inf logits keep inf - inf = NaN, as documented.)
-  const float Mf = M < INFINITY ? M : NAN;  // never equal to anything when M = +inf
-  auto scaled = [&](float xv) { return xv == -INFINITY ? -INFINITY : xv == Mf ? 0.f : (xv - M) * inv_t; };
+  // (x - M)/T with the max of the raw logits taken first, without overflow (softmax_shift).
+  auto scaled = [&](float xv) { return softmax_shift(xv, M, inv_t); };
 
   // Phase 1: D = sum exp((x - M)/T).
   SumF sum;
@@ -237,8 +234,8 @@ __device__ __noinline__ void softmax_row_general(const SmArgs& a, int64_t row, i
 
 // Few rows, probabilities only: one cluster of C blocks per row, the slices in registers, one cluster
 // barrier (few_merge), then the probabilities from the registers. Rows that are not plain (a zero, negative,
-// NaN, subnormal or infinite temperature; a NaN or infinite logit; no finite logit) take the general code,
-// which re-reads the slice: every block of the row agrees, as all hold bitwise the same statistics.
+// NaN, subnormal, infinite or above-2^100 temperature; a NaN or infinite logit; no finite logit) take the
+// general code, which re-reads the slice: every block of the row agrees, as all hold bitwise the same statistics.
 // gridDim.y > 1: that many copies of each row's cluster (replicate_rows), each writing the values of every
 // gridDim.y-th warp; all compute bitwise the same statistics, and only copy 0 runs the general code.
 // kTwo: registers for two blocks of up to kTwoThreads threads per SM (see spread_regs).
@@ -260,7 +257,8 @@ __global__ void __launch_bounds__(kTwo ? kTwoThreads : 1024, kTwo ? 2 : 1)
   const float c = (1.f / temp) * kLog2e;  // (x - max) / T in base 2: the raw max first, then the scale
   const MaxSum part = few_partial<T, R, kHalf>(raw, f.n, c);
   const FewStats t = few_merge<true>(part, c, a.C, f.rank);
-  if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
+  if (!(c > 0.f && c < INFINITY) || temp > kPlainMaxTemperature || t.nan ||
+      !(t.m > -INFINITY && t.m < INFINITY)) {
     if (blockIdx.y == 0) softmax_row_general<T>(a, f.row, f.rank);
     return;
   }
@@ -320,7 +318,8 @@ __global__ void __launch_bounds__(512, 2) softmax_smem_kernel(const __grid_const
       [&](float xv, int) { add(&xv, 1, xv); });
   // block_ms_all's barrier also orders the slice's shared-memory writes before the reads below
   const FewStats t = few_merge<true>(block_ms_all({mx, d}, c), c, a.C, f.rank);
-  if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
+  if (!(c > 0.f && c < INFINITY) || temp > kPlainMaxTemperature || t.nan ||
+      !(t.m > -INFINITY && t.m < INFINITY)) {
     softmax_row_general<T>(a, f.row, f.rank);
     return;
   }
