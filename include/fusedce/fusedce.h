@@ -9,8 +9,10 @@
  * -------------------------------------
  * Tensors are borrowed DLPack descriptors (`const DLTensor*`, dlpack/dlpack.h, DLPack >= 0.6). The library
  * never keeps a pointer past the call (on CUDA: past the work enqueued on `stream`).
- *   - `device.device_type` is kDLCPU for a CPU handle and kDLCUDA (or kDLCUDAManaged) for a CUDA handle;
- *     every tensor of one call lives on the handle's device (FCE_STATUS_DEVICE_MISMATCH otherwise).
+ *   - `device.device_type`: a CPU handle takes kDLCPU and kDLCUDAHost (pinned host memory: the host reads
+ *     and writes it directly); a CUDA handle takes kDLCUDA and kDLCUDAManaged whose `device_id` is the
+ *     handle's ordinal. Anything else (kDLCUDAHost on a CUDA handle, managed or device memory on a CPU
+ *     handle, another ordinal, other device types) is FCE_STATUS_DEVICE_MISMATCH.
  *   - `strides` are in elements, NULL meaning row-major. Matrices [N,V] need unit stride on the last axis
  *     and any row stride >= V (padded rows are fine); vectors need unit stride. A stride of an axis of
  *     extent 1 is ignored. `byte_offset` is honoured. Anything else: FCE_STATUS_UNSUPPORTED_LAYOUT.
@@ -26,11 +28,24 @@
  * they may start launching while the kernel before them in the stream ends, and wait for it to complete
  * before touching memory, so stream order holds as for any kernel.
  * Workspace: each op has a `_workspace_size` query taking the same arguments. Pass a buffer of at least
- * that many bytes on the handle's device, aligned to 256 bytes, or NULL to let the handle allocate and
- * cache one (allocation happens on the first call that needs more; never during graph capture is safe
- * only with a caller workspace). The cached workspace is one buffer per handle: calls with NULL on
- * different streams of one handle would share it, so pass workspaces (or use one stream per handle) when
- * a handle's calls may run concurrently on several streams.
+ * that many bytes on the handle's device, aligned to FCE_WORKSPACE_ALIGNMENT (16) bytes
+ * (FCE_STATUS_INVALID_ARGUMENT otherwise), or NULL to let the handle allocate and cache one. The cache
+ * grows on the first call that needs more, in the order of that call's stream (cudaMallocAsync, and
+ * cudaFreeAsync of the old buffer after the work already enqueued there): the host is not synchronized.
+ * Calls on other streams that used the cache must be ordered before such a call, as for any shared
+ * buffer; on devices without stream-ordered allocation the old buffer is freed after a device
+ * synchronization. The cache cannot grow while the stream is being captured into a CUDA graph
+ * (FCE_STATUS_INVALID_ARGUMENT): capture with a caller's workspace, or after a call that sized the cache.
+ * The cached workspace is one buffer per handle: calls with NULL on different streams of one handle share
+ * it, so pass workspaces (or use one stream per handle) when a handle's calls may run concurrently on
+ * several streams.
+ * Structs: every options, outputs and teacher struct starts with `uint32_t struct_size`. Fill it with the
+ * _INIT macro, or from another language with the matching fce_*_init function. Structs only grow at the
+ * end (and have no tail padding, so new fields start past the old size): a caller built against a newer
+ * header may pass a larger struct_size (up to FCE_MAX_STRUCT_SIZE) when every byte past the struct this
+ * library knows is zero, i.e. the newer options are left at their defaults; a non-zero byte there, or a
+ * struct_size below this library's struct, is FCE_STATUS_INVALID_ARGUMENT with the struct's name and this
+ * library's version in the message (the rule Linux applies to growing syscall structs).
  * Errors: every function returns an fce_status_t. On failure a per-thread message is available from
  * fce_last_error_message(), and no output tensor has been written (validation precedes all writes).
  * Determinism: results are bitwise identical run to run on the same device and library build (fixed-order
@@ -52,14 +67,18 @@ extern "C" {
 /* Version and export                                                                               */
 /* ------------------------------------------------------------------------------------------------ */
 
+/** Major version of this header: changes on an incompatible change of the API. */
 #define FCE_VERSION_MAJOR 0
-#define FCE_VERSION_MINOR 1
+/** Minor version: changes when functions or struct fields are added. */
+#define FCE_VERSION_MINOR 2
+/** Patch version: changes for fixes that leave the API as it is. */
 #define FCE_VERSION_PATCH 0
 /** MAJOR*10000 + MINOR*100 + PATCH. */
 #define FCE_VERSION_NUMBER (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
-/** Changes only when the binary interface breaks; the shared object is libfusedce.so.<FCE_ABI_VERSION>. */
+/** Changes only when the binary interface breaks; the shared object is libfusedce.so.FCE_ABI_VERSION. */
 #define FCE_ABI_VERSION 0
 
+/** Marks the exported entry points (default visibility; the library hides everything else). */
 #if defined(_WIN32)
 #define FCE_API
 #else
@@ -72,6 +91,11 @@ FCE_API unsigned fce_version_number(void);
 FCE_API const char* fce_version_string(void);
 /** FCE_ABI_VERSION of the loaded library. */
 FCE_API unsigned fce_abi_version(void);
+
+/** Required alignment, in bytes, of a caller's workspace. */
+#define FCE_WORKSPACE_ALIGNMENT 16
+/** Largest struct_size accepted for any struct (a newer header's larger structs stay far below it). */
+#define FCE_MAX_STRUCT_SIZE 4096
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Status                                                                                           */
@@ -115,6 +139,39 @@ FCE_API const char* fce_status_string(fce_status_t status);
 /** Detail of the last failure on the calling thread, "" when the last call succeeded. Valid until the
  *  next libfusedce call on the same thread. Never NULL. */
 FCE_API const char* fce_last_error_message(void);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Build information                                                                                */
+/* ------------------------------------------------------------------------------------------------ */
+
+/** What the loaded library was built with. Initialize with FCE_BUILD_INFO_INIT (or set struct_size). */
+typedef struct fce_build_info {
+  uint32_t struct_size;      /**< sizeof(fce_build_info_t) */
+  uint32_t version_number;   /**< FCE_VERSION_NUMBER of the library */
+  uint32_t abi_version;      /**< FCE_ABI_VERSION of the library */
+  int32_t cuda_backend;      /**< 1 when the CUDA backend is built, 0 for a CPU-only build */
+  /** CUDA runtime the library was compiled against, as CUDART_VERSION (13000 = 13.0); 0 without CUDA. */
+  int32_t cuda_runtime_version;
+  /** cuBLAS headers the library was compiled against, as CUBLAS_VERSION (e.g. 130000); 0 without CUDA.
+   *  cuBLAS itself is loaded at run time (libcublas.so.MAJOR) on the first linear cross-entropy call. */
+  int32_t cublas_version;
+  const char* version_string;      /**< "MAJOR.MINOR.PATCH"; static storage */
+  /** GPU code compiled into the library, space separated: "sm_80" is machine code for that architecture,
+   *  "compute_90" PTX that the driver compiles for newer ones; "" without CUDA. Static storage. */
+  const char* cuda_architectures;
+} fce_build_info_t;
+
+/** Initializer of fce_build_info_t: struct_size and every default. */
+#define FCE_BUILD_INFO_INIT { (uint32_t)sizeof(fce_build_info_t), 0, 0, 0, 0, 0, NULL, NULL }
+
+/**
+ * Fills `info` with what the loaded library was built with.
+ * @param info struct_size must be at least the library's sizeof(fce_build_info_t) (and at most
+ *             FCE_MAX_STRUCT_SIZE); bytes past the fields this library knows are set to zero.
+ * @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT (info NULL, struct_size out of range; nothing
+ *         written).
+ */
+FCE_API fce_status_t fce_build_info(fce_build_info_t* info);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Handles and streams                                                                              */
@@ -187,8 +244,14 @@ typedef struct fce_ce_options {
   const DLTensor* class_weights;
 } fce_ce_options_t;
 
+/** Initializer of fce_ce_options_t: struct_size and every default. */
 #define FCE_CE_OPTIONS_INIT \
   { (uint32_t)sizeof(fce_ce_options_t), FCE_REDUCTION_MEAN, -100, 0.0f, 0.0f, 0.0f, 1.0f, NULL }
+
+/** Fills `*options` with the defaults of FCE_CE_OPTIONS_INIT (struct_size = this library's
+ *  sizeof(fce_ce_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ *  FCE_STATUS_INVALID_ARGUMENT when options is NULL. */
+FCE_API fce_status_t fce_ce_options_init(fce_ce_options_t* options);
 
 /**
  * Outputs of fce_cross_entropy_fwd. Initialize with FCE_CE_OUTPUTS_INIT; every field but `loss` optional.
@@ -213,7 +276,13 @@ typedef struct fce_ce_outputs {
   const DLTensor* grad_loss;
 } fce_ce_outputs_t;
 
+/** Initializer of fce_ce_outputs_t: struct_size and every default. */
 #define FCE_CE_OUTPUTS_INIT { (uint32_t)sizeof(fce_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL }
+
+/** Fills `*outputs` with the defaults of FCE_CE_OUTPUTS_INIT (struct_size = this library's
+ *  sizeof(fce_ce_outputs_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ *  FCE_STATUS_INVALID_ARGUMENT when outputs is NULL. */
+FCE_API fce_status_t fce_ce_outputs_init(fce_ce_outputs_t* outputs);
 
 /**
  * Cross-entropy forward over a large vocabulary by online softmax (Milakov & Gimelshein 2018), never
@@ -266,7 +335,13 @@ typedef struct fce_lse_options {
   float scale;          /**< s > 0, finite: lse_i = log sum_j exp(s * x_ij); default 1 */
 } fce_lse_options_t;
 
+/** Initializer of fce_lse_options_t: struct_size and every default. */
 #define FCE_LSE_OPTIONS_INIT { (uint32_t)sizeof(fce_lse_options_t), 1.0f }
+
+/** Fills `*options` with the defaults of FCE_LSE_OPTIONS_INIT (struct_size = this library's
+ *  sizeof(fce_lse_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ *  FCE_STATUS_INVALID_ARGUMENT when options is NULL. */
+FCE_API fce_status_t fce_lse_options_init(fce_lse_options_t* options);
 
 /**
  * Per-row logsumexp: lse_i = log(sum_j exp(s * x_ij)), max of the raw row first. Rows of few rows are split
@@ -298,12 +373,19 @@ typedef struct fce_softmax_options {
   const DLTensor* temperatures;
 } fce_softmax_options_t;
 
+/** Initializer of fce_softmax_options_t: struct_size and every default. */
 #define FCE_SOFTMAX_OPTIONS_INIT { (uint32_t)sizeof(fce_softmax_options_t), 1.0f, NULL }
+
+/** Fills `*options` with the defaults of FCE_SOFTMAX_OPTIONS_INIT (struct_size = this library's
+ *  sizeof(fce_softmax_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ *  FCE_STATUS_INVALID_ARGUMENT when options is NULL. */
+FCE_API fce_status_t fce_softmax_options_init(fce_softmax_options_t* options);
 
 /**
  * Temperature softmax for sampling: p_j = exp((x_j - max x) / T) / sum_k exp((x_k - max x) / T), with the
- * max of the raw logits taken first and the difference scaled in fp32, so no finite input gives NaN at any
- * T > 0. T = 0 is greedy: one-hot at the argmax (lowest index on ties); log-probabilities are then 0 there
+ * max of the raw logits taken first and the difference scaled in fp32 (halved first where x - max would
+ * overflow), so no finite input gives NaN at any T > 0 and logits near +-FLT_MAX keep their true
+ * differences at any temperature, +inf included. T = 0 is greedy: one-hot at the argmax (lowest index on ties); log-probabilities are then 0 there
  * and -inf elsewhere. -inf logits get probability 0. A row of all -inf, or with a NaN, gives NaN.
  * @param logits   [N,V] fp32, bf16 or fp16.
  * @param probs    optional [N,V], fp32 or the logits' dtype; may be the logits' memory when the dtypes match.
@@ -330,6 +412,7 @@ FCE_API fce_status_t fce_temp_softmax_workspace_size(fce_handle_t handle, const 
  *  so beyond FCE_KD_TEMPERATURE_MAX the result (and T^2 times it) would be mostly rounding; below
  *  FCE_KD_TEMPERATURE_MIN logits/T and T^2 leave fp32's range for ordinary logits. */
 #define FCE_KD_TEMPERATURE_MIN 1e-4f
+/** Upper end of the KD temperature domain (see FCE_KD_TEMPERATURE_MIN). */
 #define FCE_KD_TEMPERATURE_MAX 100.0f
 
 /** Divergence of fce_kd_options_t. */
@@ -353,7 +436,13 @@ typedef enum fce_kd_topk_norm {
  * Options of fce_kd_loss. Initialize with FCE_KD_OPTIONS_INIT.
  * With temperature T both distributions are softmax(logits / T); with a top-K teacher the teacher's
  * distribution over its K ids is softmax_K(logprobs / T) (always renormalized over the K).
- * Terms of zero probability contribute exactly 0, so -inf logits never produce NaN.
+ * Terms of zero probability contribute exactly 0, so -inf logits never produce NaN. Log-probabilities are
+ * formed from max-shifted values ((x/T - max) - log sum), so adding a constant to a row's logits changes no
+ * result beyond rounding of the inputs themselves. Reverse KL (or JSD at beta = 1) where the teacher has
+ * probability 0 and the student does not is +inf; dstudent is then the limit of the gradient as those
+ * teacher logits go to -inf: +inf at such columns, -inf at the student's other columns of non-zero
+ * probability, 0 where the student's probability is 0, each times the sign of the upstream gradient
+ * (0 when it is 0).
  */
 typedef struct fce_kd_options {
   uint32_t struct_size;     /**< sizeof(fce_kd_options_t) */
@@ -366,9 +455,15 @@ typedef struct fce_kd_options {
   int64_t ignore_index;     /**< rows whose target equals this are masked (when targets given); -100 */
 } fce_kd_options_t;
 
+/** Initializer of fce_kd_options_t: struct_size and every default. */
 #define FCE_KD_OPTIONS_INIT \
   { (uint32_t)sizeof(fce_kd_options_t), FCE_KD_FORWARD_KL, 0.5f, 1.0f, 0, FCE_KD_TOPK_FULL_VOCAB, \
     FCE_REDUCTION_MEAN, -100 }
+
+/** Fills `*options` with the defaults of FCE_KD_OPTIONS_INIT (struct_size = this library's
+ *  sizeof(fce_kd_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ *  FCE_STATUS_INVALID_ARGUMENT when options is NULL. */
+FCE_API fce_status_t fce_kd_options_init(fce_kd_options_t* options);
 
 /**
  * The teacher: either full logits, or top-K ids and log-probabilities (the axolotl format). Exactly one
@@ -383,7 +478,13 @@ typedef struct fce_kd_teacher {
   const DLTensor* topk_logprobs;  /**< [N,K] fp32 teacher log-probabilities at temperature 1 */
 } fce_kd_teacher_t;
 
+/** Initializer of fce_kd_teacher_t: struct_size and every default. */
 #define FCE_KD_TEACHER_INIT { (uint32_t)sizeof(fce_kd_teacher_t), NULL, NULL, NULL }
+
+/** Fills `*teacher` with the defaults of FCE_KD_TEACHER_INIT (struct_size = this library's
+ *  sizeof(fce_kd_teacher_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ *  FCE_STATUS_INVALID_ARGUMENT when teacher is NULL. */
+FCE_API fce_status_t fce_kd_teacher_init(fce_kd_teacher_t* teacher);
 
 /** Outputs of fce_kd_loss. Initialize with FCE_KD_OUTPUTS_INIT. */
 typedef struct fce_kd_outputs {
@@ -395,7 +496,13 @@ typedef struct fce_kd_outputs {
   const DLTensor* grad_loss; /**< upstream gradient as in fce_ce_outputs_t; NULL = 1 */
 } fce_kd_outputs_t;
 
+/** Initializer of fce_kd_outputs_t: struct_size and every default. */
 #define FCE_KD_OUTPUTS_INIT { (uint32_t)sizeof(fce_kd_outputs_t), NULL, NULL, NULL }
+
+/** Fills `*outputs` with the defaults of FCE_KD_OUTPUTS_INIT (struct_size = this library's
+ *  sizeof(fce_kd_outputs_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ *  FCE_STATUS_INVALID_ARGUMENT when outputs is NULL. */
+FCE_API fce_status_t fce_kd_outputs_init(fce_kd_outputs_t* outputs);
 
 /**
  * Knowledge-distillation divergence between student and teacher distributions, per row, reduced.
@@ -435,8 +542,14 @@ typedef struct fce_linear_ce_outputs {
   const DLTensor* grad_loss; /**< upstream gradient as in fce_ce_outputs_t; NULL = 1 */
 } fce_linear_ce_outputs_t;
 
+/** Initializer of fce_linear_ce_outputs_t: struct_size and every default. */
 #define FCE_LINEAR_CE_OUTPUTS_INIT \
   { (uint32_t)sizeof(fce_linear_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL }
+
+/** Fills `*outputs` with the defaults of FCE_LINEAR_CE_OUTPUTS_INIT (struct_size = this library's
+ *  sizeof(fce_linear_ce_outputs_t)), for callers that cannot use the macro (FFI). @return
+ *  FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL. */
+FCE_API fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs);
 
 /**
  * Linear cross-entropy: logits = hidden @ weight^T (+ bias), then cross-entropy with every option of

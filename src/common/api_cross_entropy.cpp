@@ -145,7 +145,7 @@ size_t ce_need(fce_handle* h, const CeProblem& p) {
 }
 
 void ce_run(fce_handle* h, fce_stream_t stream, const CeProblem& p, void* ws, size_t ws_bytes) {
-  Workspace w = resolve_workspace(h, ws, ws_bytes, ce_need(h, p));
+  Workspace w = resolve_workspace(h, ws, ws_bytes, ce_need(h, p), stream);
   if (h->backend == Backend::CPU) cpu::ce(p, w);
   else cuda::ce(h, stream, p, w);
 }

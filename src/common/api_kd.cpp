@@ -82,7 +82,7 @@ FCE_API fce_status_t fce_kd_loss(fce_handle_t handle, fce_stream_t stream, const
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     KdProblem p = kd_problem(h, student, teacher, targets, options, outputs);
-    Workspace w = resolve_workspace(h, workspace, workspace_bytes, kd_need(h, p));
+    Workspace w = resolve_workspace(h, workspace, workspace_bytes, kd_need(h, p), stream);
     if (h->backend == Backend::CPU) cpu::kd(p, w);
     else cuda::kd(h, stream, p, w);
   });

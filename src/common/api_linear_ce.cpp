@@ -73,7 +73,7 @@ size_t lce_need(fce_handle* h, const LinearCeProblem& p, bool minimum) {
 
 void lce_run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, void* ws, size_t ws_bytes) {
   // A caller's workspace may be anything from the one-token minimum up; NULL gets the default size.
-  Workspace w = resolve_workspace(h, ws, ws_bytes, lce_need(h, p, ws != nullptr));
+  Workspace w = resolve_workspace(h, ws, ws_bytes, lce_need(h, p, ws != nullptr), stream);
   if (h->backend == Backend::CPU) cpu::linear_ce(p, w);
   else cuda::linear_ce(h, stream, p, w);
 }

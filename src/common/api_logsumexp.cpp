@@ -36,7 +36,7 @@ FCE_API fce_status_t fce_logsumexp(fce_handle_t handle, fce_stream_t stream, con
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     LseProblem p = lse_problem(h, x, options, lse);
-    Workspace w = resolve_workspace(h, workspace, workspace_bytes, lse_need(h, p));
+    Workspace w = resolve_workspace(h, workspace, workspace_bytes, lse_need(h, p), stream);
     if (h->backend == Backend::CPU) cpu::lse(p, w);
     else cuda::lse(h, stream, p, w);
   });

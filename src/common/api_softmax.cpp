@@ -62,7 +62,7 @@ FCE_API fce_status_t fce_temp_softmax(fce_handle_t handle, fce_stream_t stream, 
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     SoftmaxProblem p = softmax_problem(h, logits, options, probs, logprobs);
-    Workspace w = resolve_workspace(h, workspace, workspace_bytes, softmax_need(h, p));
+    Workspace w = resolve_workspace(h, workspace, workspace_bytes, softmax_need(h, p), stream);
     if (h->backend == Backend::CPU) cpu::softmax(p, w);
     else cuda::softmax(h, stream, p, w);
   });

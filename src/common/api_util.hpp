@@ -8,14 +8,45 @@
 
 namespace fce {
 
-// Options/outputs structs start with struct_size; a caller built against a newer header may pass a
-// larger struct (its extra fields are ignored), a smaller one is rejected.
+// The C name of each struct that carries a struct_size, for messages.
+inline const char* struct_name(const fce_ce_options_t*) { return "fce_ce_options_t"; }
+inline const char* struct_name(const fce_ce_outputs_t*) { return "fce_ce_outputs_t"; }
+inline const char* struct_name(const fce_lse_options_t*) { return "fce_lse_options_t"; }
+inline const char* struct_name(const fce_softmax_options_t*) { return "fce_softmax_options_t"; }
+inline const char* struct_name(const fce_kd_options_t*) { return "fce_kd_options_t"; }
+inline const char* struct_name(const fce_kd_teacher_t*) { return "fce_kd_teacher_t"; }
+inline const char* struct_name(const fce_kd_outputs_t*) { return "fce_kd_outputs_t"; }
+inline const char* struct_name(const fce_linear_ce_outputs_t*) { return "fce_linear_ce_outputs_t"; }
+inline const char* struct_name(const fce_build_info_t*) { return "fce_build_info_t"; }
+
+// struct_size of a struct the library reads or fills: at least the struct this library knows, at most
+// FCE_MAX_STRUCT_SIZE.
+template <class T>
+uint32_t checked_struct_size(const T* p, const char* name) {
+  FCE_CHECK(p != nullptr, FCE_STATUS_INVALID_ARGUMENT, "%s is NULL", name);
+  const uint32_t size = p->struct_size;
+  FCE_CHECK(size >= sizeof(T), FCE_STATUS_INVALID_ARGUMENT,
+            "%s->struct_size is %u; %s has %zu bytes in libfusedce %s (initialize it with its _INIT macro or "
+            "init function)", name, unsigned(size), struct_name(p), sizeof(T), fce_version_string());
+  FCE_CHECK(size <= FCE_MAX_STRUCT_SIZE, FCE_STATUS_INVALID_ARGUMENT,
+            "%s->struct_size is %u, above FCE_MAX_STRUCT_SIZE (%d): not a %s", name, unsigned(size),
+            FCE_MAX_STRUCT_SIZE, struct_name(p));
+  return size;
+}
+
+// The header's rule for a struct the library reads (the Linux rule for growing syscall structs): a larger
+// struct_size (a caller built against a newer header) only when every byte past this library's struct is
+// zero, i.e. the newer fields hold their defaults.
 template <class T>
 const T& checked_struct(const T* p, const char* name) {
-  FCE_CHECK(p != nullptr, FCE_STATUS_INVALID_ARGUMENT, "%s is NULL", name);
-  FCE_CHECK(p->struct_size >= sizeof(T), FCE_STATUS_INVALID_ARGUMENT,
-            "%s->struct_size is %u; expected at least %zu (use the _INIT macro)", name, unsigned(p->struct_size),
-            sizeof(T));
+  const uint32_t size = checked_struct_size(p, name);
+  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(p);
+  for (size_t i = sizeof(T); i < size; ++i)
+    FCE_CHECK(bytes[i] == 0, FCE_STATUS_INVALID_ARGUMENT,
+              "%s->struct_size is %u, larger than the %zu bytes of %s in libfusedce %s, and byte %zu past them "
+              "is not zero: it sets an option this library does not have (use a newer libfusedce, or leave "
+              "the newer fields at their defaults)", name, unsigned(size), sizeof(T), struct_name(p),
+              fce_version_string(), i);
   return *p;
 }
 

@@ -16,8 +16,10 @@ void write_size(size_t* out, size_t value) {
   *out = value;
 }
 
-Workspace resolve_workspace(fce_handle* h, void* ws, size_t ws_bytes, size_t need) {
+Workspace resolve_workspace(fce_handle* h, void* ws, size_t ws_bytes, size_t need, fce_stream_t stream) {
   if (ws != nullptr) {
+    FCE_CHECK(reinterpret_cast<uintptr_t>(ws) % FCE_WORKSPACE_ALIGNMENT == 0, FCE_STATUS_INVALID_ARGUMENT,
+              "workspace %p is not aligned to FCE_WORKSPACE_ALIGNMENT (%d) bytes", ws, FCE_WORKSPACE_ALIGNMENT);
     FCE_CHECK(ws_bytes >= need, FCE_STATUS_WORKSPACE_TOO_SMALL, "workspace has %zu bytes; the op needs %zu",
               ws_bytes, need);
     return {ws, ws_bytes};
@@ -30,8 +32,8 @@ Workspace resolve_workspace(fce_handle* h, void* ws, size_t ws_bytes, size_t nee
       FCE_CHECK(p != nullptr, FCE_STATUS_OUT_OF_MEMORY, "cannot allocate a %zu-byte workspace", need);
       std::free(h->cached_ws);
     } else {
-      p = cuda::device_alloc(h, need);  // throws OUT_OF_MEMORY
-      cuda::device_free(h, h->cached_ws);
+      p = cuda::workspace_alloc(h, need, stream);  // throws OUT_OF_MEMORY, or during capture
+      cuda::workspace_free(h, h->cached_ws, stream);
     }
     h->cached_ws = p;
     h->cached_ws_bytes = need;
@@ -71,8 +73,7 @@ FCE_API fce_status_t fce_handle_destroy(fce_handle_t h) {
     if (h->backend == fce::Backend::CPU) {
       std::free(h->cached_ws);
     } else {
-      fce::cuda::device_free(h, h->cached_ws);
-      fce::cuda::destroy_device(h);
+      fce::cuda::destroy_device(h);  // synchronizes the device, frees the cached workspace
     }
     delete h;
   });

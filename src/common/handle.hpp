@@ -14,6 +14,7 @@ struct fce_handle {
   // CUDA state (unused for CPU handles).
   int sm_count = 0;
   int max_smem_optin = 0;
+  bool mempools = false;  // stream-ordered allocation (cudaMallocAsync) supported
   void* blas = nullptr;  // backend-owned BLAS state (cuBLAS handle etc.)
 };
 
@@ -21,8 +22,9 @@ namespace fce {
 
 // Validates the handle pointer and returns it.
 fce_handle* check_handle(fce_handle_t h);
-// Resolves the caller's workspace (checks its size) or the handle's cached one (grown to `need`).
-Workspace resolve_workspace(fce_handle* h, void* ws, size_t ws_bytes, size_t need);
+// Resolves the caller's workspace (checks its size and alignment) or the handle's cached one, grown to
+// `need` in the order of `stream` (the header's Workspace paragraph).
+Workspace resolve_workspace(fce_handle* h, void* ws, size_t ws_bytes, size_t need, fce_stream_t stream);
 // Writes a workspace size to a caller pointer.
 void write_size(size_t* out, size_t value);
 

@@ -114,9 +114,13 @@ void linear_ce(fce_handle*, fce_stream_t, const LinearCeProblem&, Workspace);
 
 // Device management (src/cuda/device.cpp, or stubs without CUDA).
 void create_device(fce_handle*, int device_id);  // fills the handle's CUDA fields; throws NO_DEVICE
-void destroy_device(fce_handle*);
-void* device_alloc(fce_handle*, size_t bytes);
-void device_free(fce_handle*, void*);
+void destroy_device(fce_handle*);                // synchronizes the device; frees the cached workspace
+// The handle's cached workspace, allocated and released in the order of `stream` (no host sync where the
+// device has memory pools); allocating throws INVALID_ARGUMENT while `stream` is being captured.
+void* workspace_alloc(fce_handle*, size_t bytes, fce_stream_t stream);
+void workspace_free(fce_handle*, void*, fce_stream_t stream);
+// CUDART_VERSION and CUBLAS_VERSION the backend was compiled against (0 without CUDA).
+void build_versions(int* cudart, int* cublas);
 }  // namespace cuda
 
 }  // namespace fce

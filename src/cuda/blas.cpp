@@ -1,5 +1,6 @@
 #include "cuda/blas.hpp"
 
+#include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
 #include <mutex>
@@ -61,6 +62,11 @@ cublasHandle_t cublas_handle(fce_handle* h, cudaStream_t stream) {
   cublasHandle_t b = static_cast<cublasHandle_t>(h->blas);
   check_blas(api.set_stream(b, stream), "cublasSetStream");
   return b;
+}
+
+void build_versions(int* cudart, int* cublas) {
+  *cudart = CUDART_VERSION;
+  *cublas = CUBLAS_VERSION;
 }
 
 void cublas_release(fce_handle* h) {

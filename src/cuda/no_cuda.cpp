@@ -8,8 +8,9 @@ void create_device(fce_handle*, int) {
   raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
 }
 void destroy_device(fce_handle*) {}
-void* device_alloc(fce_handle*, size_t) { raise(FCE_STATUS_NO_DEVICE, "built without CUDA"); }
-void device_free(fce_handle*, void*) {}
+void* workspace_alloc(fce_handle*, size_t, fce_stream_t) { raise(FCE_STATUS_NO_DEVICE, "built without CUDA"); }
+void workspace_free(fce_handle*, void*, fce_stream_t) {}
+void build_versions(int* cudart, int* cublas) { *cudart = *cublas = 0; }
 
 #define FCE_NO_CUDA_OP(name, Problem)                                                        \
   size_t name##_workspace(fce_handle*, const Problem&) { return 0; }                        \

@@ -78,6 +78,7 @@ struct Stats {
   };
   Row rows[16];
   const char* names[16] = {};
+  unsigned long grown_zero = 0, grown_nonzero = 0;  // make_opt's growing-struct cases
   int n = 0;
   Row& row(const char* fn) {
     for (int i = 0; i < n; ++i)
@@ -102,6 +103,8 @@ struct Stats {
       std::fprintf(stderr, "\n");
     }
     std::fprintf(stderr, "fuzz_api stats: %lu calls, %lu succeeded, %lu rejected\n", calls, ok, bad);
+    std::fprintf(stderr, "fuzz_api stats: structs larger than the library's: %lu with a zero tail, %lu with a "
+                         "non-zero byte past the library's size\n", grown_zero, grown_nonzero);
   }
 };
 Stats g_stats;
@@ -673,8 +676,10 @@ struct Env {
   }
 };
 
-// Options structs on the heap with exactly struct_size bytes (clamped), so a read past a short struct
-// is an ASan report.
+// Options structs on the heap with exactly struct_size bytes (clamped to FCE_MAX_STRUCT_SIZE, which the
+// library refuses before reading), so a read past the struct is an ASan report. A struct larger than the
+// library's (a newer header's) is valid when the bytes past it are zero, and invalid with a non-zero byte
+// there (the header's growing-struct rule).
 template <class T>
 struct Opt {
   std::unique_ptr<uint8_t[]> mem;
@@ -684,17 +689,27 @@ template <class T>
 Opt<T> make_opt(Env& e, const T& v, bool* ok) {
   uint32_t size = sizeof(T);
   if (e.coin(6)) {
-    size = e.pick<uint32_t>({0, 4, uint32_t(sizeof(T) - 4), uint32_t(sizeof(T) + 8), 0xffffffffu,
+    size = e.pick<uint32_t>({0, 4, uint32_t(sizeof(T) - 4), uint32_t(sizeof(T) + 8), uint32_t(sizeof(T) + 64),
+                             FCE_MAX_STRUCT_SIZE, FCE_MAX_STRUCT_SIZE + 1, 0xffffffffu,
                              e.fdp.ConsumeIntegralInRange<uint32_t>(0, 2 * sizeof(T))});
   }
-  if (size < sizeof(T)) *ok = false;
-  const size_t alloc = std::max<size_t>(4, std::min<size_t>(size, sizeof(T) + 16));
+  if (size < sizeof(T) || size > FCE_MAX_STRUCT_SIZE) *ok = false;
+  const size_t alloc = std::max<size_t>(4, size <= FCE_MAX_STRUCT_SIZE ? size : sizeof(T) + 16);
   Opt<T> o;
   o.mem.reset(new uint8_t[alloc]);
   std::memset(o.mem.get(), 0, alloc);
   T copy = v;
   copy.struct_size = size;
   std::memcpy(o.mem.get(), &copy, std::min(alloc, sizeof(T)));
+  if (alloc > sizeof(T) && size <= FCE_MAX_STRUCT_SIZE) {
+    if (e.coin(3)) {  // a newer option set to a non-default value: refused
+      o.mem[e.fdp.ConsumeIntegralInRange<size_t>(sizeof(T), alloc - 1)] = e.fdp.ConsumeIntegralInRange<uint8_t>(1, 255);
+      *ok = false;
+      ++g_stats.grown_nonzero;
+    } else {
+      ++g_stats.grown_zero;
+    }
+  }
   return o;
 }
 
@@ -940,7 +955,7 @@ void fuzz_kd(Env& e, fce_handle_t h0) {
   if (use_opts) {
     if (!(ov.divergence >= 0 && ov.divergence <= 2)) ok = false;
     if (!(std::isfinite(ov.beta) && ov.beta >= 0 && ov.beta <= 1)) ok = false;
-    if (!(std::isfinite(ov.temperature) && ov.temperature > 0)) ok = false;
+    if (!(ov.temperature >= FCE_KD_TEMPERATURE_MIN && ov.temperature <= FCE_KD_TEMPERATURE_MAX)) ok = false;
     if (!(ov.topk_norm == 0 || ov.topk_norm == 1)) ok = false;
     if (!(ov.reduction >= 0 && ov.reduction <= 2)) ok = false;
   }

@@ -2,6 +2,8 @@
 // dependent launches.
 #include <cuda_runtime.h>
 
+#include <chrono>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -289,4 +291,106 @@ TEST(GpuConcurrency, ThreadsWithOwnHandlesMatchSerial) {
     for (size_t j = 0; j < serial.size(); ++j)
       EXPECT_TRUE(got[j].second == serial[j].second) << "thread " << k << ": " << serial[j].first << " differs";
   }
+}
+
+// The handle's cached workspace grows in stream order: while a slow kernel occupies the stream, a call that
+// grows the cache (twice: from nothing, then past its size) returns at once and leaves the stream busy,
+// where a host synchronization would have waited for the kernel. Its results are those of a call with a
+// caller's workspace. While the stream is being captured the cache cannot grow: INVALID_ARGUMENT.
+TEST(GpuContract, CachedWorkspaceGrowsWithoutBlockingTheHost) {
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(test_stream());
+  Tensor src(DT::I32, {1 << 18}), dst(DT::I32, {1 << 18});
+  constexpr unsigned long long kSpinNs = 400000000ull;  // 400 ms
+  Handle h;
+  for (int64_t N : {2048, 8192}) {  // the second call needs more workspace than the first
+    SCOPED_TRACE(::testing::Message() << "N = " << N);
+    const int64_t V = 1031;
+    Tensor x(DT::BF16, {N, V}), tg(DT::I64, {N}), loss(DT::F32, {}), want(DT::F32, {});
+    fill_logits(x, 2.0, false);
+    for (int64_t i = 0; i < N; ++i) tg.set_int(i, (i * 7) % V);
+    tg.upload();
+    fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+    out.loss = want.dl();
+    size_t need = 0;
+    FCE_OK(fce_cross_entropy_fwd_workspace_size(h, x.dl(), tg.dl(), nullptr, &out, &need));
+    ASSERT_GT(need, 0u);
+    Tensor ws(DT::I32, {int64_t(need / 4 + 1)});
+    FCE_OK(fce_cross_entropy_fwd(h, test_stream(), x.dl(), tg.dl(), nullptr, &out, ws.dl()->data, need));
+    want.download();
+    out.loss = loss.dl();
+    ASSERT_EQ(launch_slow_copy(src.dl()->data, dst.dl()->data, src.bytes().size(), kSpinNs, s), cudaSuccess);
+    const auto t0 = std::chrono::steady_clock::now();
+    FCE_OK(fce_cross_entropy_fwd(h, test_stream(), x.dl(), tg.dl(), nullptr, &out, nullptr, 0));
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "the call waited for the stream";
+    EXPECT_LT(ms, 100.0) << "the call blocked the host";
+    loss.download();
+    EXPECT_EQ(loss.get(0), want.get(0));
+  }
+  // A fresh handle, capture first: the cache cannot grow inside the capture.
+  Handle fresh;
+  Tensor x(DT::F32, {300, 257}), tg(DT::I64, {300}), loss(DT::F32, {});
+  fill_logits(x, 1.0, false);
+  for (int64_t i = 0; i < 300; ++i) tg.set_int(i, i % 257);
+  tg.upload();
+  fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  const fce_status_t st = fce_cross_entropy_fwd(fresh, test_stream(), x.dl(), tg.dl(), nullptr, &out, nullptr, 0);
+  const std::string msg = fce_last_error_message();
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  cudaGraphDestroy(graph);
+  EXPECT_EQ(st, FCE_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(msg.find("captured"), std::string::npos) << msg;
+}
+
+// What a CUDA handle takes: kDLCUDA and kDLCUDAManaged (cudaMallocManaged) memory of its ordinal; not
+// pinned host memory (kDLCUDAHost, cudaMallocHost: a CPU handle's), nor another ordinal, nor kDLCPU.
+TEST(GpuContract, DeviceTypes) {
+  const int64_t N = 4, V = 1031;
+  Tensor x(DT::F32, {N, V}), lse(DT::F32, {N});
+  fill_logits(x, 2.0, false);
+  Handle h;
+  FCE_OK(fce_logsumexp(h, test_stream(), x.dl(), nullptr, lse.dl(), nullptr, 0));
+  lse.download();
+  const size_t bytes = size_t(N * V) * 4;
+  void *managed = nullptr, *pinned = nullptr, *out_m = nullptr;
+  ASSERT_EQ(cudaMallocManaged(&managed, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMallocManaged(&out_m, N * 4), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&pinned, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(managed, x.dl()->data, bytes, cudaMemcpyDeviceToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(pinned, x.dl()->data, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  DLTensor xm = *x.dl(), om = *lse.dl(), xp = *x.dl();
+  xm.data = managed;
+  xm.device = {kDLCUDAManaged, 0};
+  om.data = out_m;
+  om.device = {kDLCUDAManaged, 0};
+  FCE_OK(fce_logsumexp(h, test_stream(), &xm, nullptr, &om, nullptr, 0));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int64_t i = 0; i < N; ++i) EXPECT_EQ(static_cast<float*>(out_m)[i], float(lse.get(i))) << "managed, row " << i;
+  xp.data = pinned;
+  xp.device = {kDLCUDAHost, 0};
+  EXPECT_EQ(fce_logsumexp(h, test_stream(), &xp, nullptr, lse.dl(), nullptr, 0), FCE_STATUS_DEVICE_MISMATCH);
+  DLTensor other = *x.dl();
+  other.device = {kDLCUDA, 1};
+  EXPECT_EQ(fce_logsumexp(h, test_stream(), &other, nullptr, lse.dl(), nullptr, 0), FCE_STATUS_DEVICE_MISMATCH);
+  DLTensor cpu = xp;
+  cpu.device = {kDLCPU, 0};
+  EXPECT_EQ(fce_logsumexp(h, test_stream(), &cpu, nullptr, lse.dl(), nullptr, 0), FCE_STATUS_DEVICE_MISMATCH);
+  // A CPU handle reads the pinned copy (kDLCUDAHost) and refuses the managed one.
+  fce_handle_t ch;
+  FCE_OK(fce_handle_create(kDLCPU, 0, &ch));
+  std::vector<float> host_out(N);
+  DLTensor ho = *lse.dl();
+  ho.data = host_out.data();
+  ho.device = {kDLCPU, 0};
+  FCE_OK(fce_logsumexp(ch, nullptr, &xp, nullptr, &ho, nullptr, 0));
+  for (int64_t i = 0; i < N; ++i) EXPECT_NEAR(host_out[size_t(i)], lse.get(i), 2e-5 * (1 + std::fabs(lse.get(i))));
+  EXPECT_EQ(fce_logsumexp(ch, nullptr, &xm, nullptr, &ho, nullptr, 0), FCE_STATUS_DEVICE_MISMATCH);
+  fce_handle_destroy(ch);
+  cudaFree(managed);
+  cudaFree(out_m);
+  cudaFreeHost(pinned);
 }
