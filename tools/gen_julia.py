@@ -14,8 +14,9 @@ Clang.jl's output (CUDA.jl's lib/cublas/libcublas.jl):
   - opaque handle/stream types as `Ptr` to empty mutable structs;
   - `@ccall` wrappers for every function, calling through function pointers resolved by
     `load_library!` (Julia 1.5's ccall cannot take a library path known only at run time);
-  - the integer macros and the `*_INIT` initializer macros (as constant struct values), so the Julia
-    layer's defaults are the header's.
+  - the integer and floating macros (a C float literal `1e-4f` becomes the Julia Float32 `1.0f-4`) and
+    the `*_INIT` initializer macros (as constant struct values: the header's defaults; the Julia layer
+    takes its defaults from the loaded library's `fce_*_init` functions).
 Works with Julia 1.5 (the oldest syntax used is `var"..."`, 1.3).
 """
 import argparse
@@ -294,14 +295,21 @@ class Generator:
             return None
         return comment_lines(c.raw_comment, "") + "const %s = %s\n" % (name, expr)
 
+    # A C floating literal: digits with a point and/or an exponent ("0.5", "1.", ".5", "1e-4", "2.5E+3").
+    FLOAT = r"((?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+(?=[eE]))(?:[eE]([-+]?[0-9]+))?)"
+
     def literal(self, tok):
-        m = re.fullmatch(r"([0-9]*\.[0-9]*(?:[eE][-+]?[0-9]+)?)[fF]", tok)
-        if m:
-            return m.group(1) + "f0"
+        m = re.fullmatch(self.FLOAT + r"[fF]", tok)
+        if m:  # a float: Julia's Float32 literal is the mantissa, "f" and the exponent ("1e-4f" -> 1.0f-4)
+            mant = re.split(r"[eE]", m.group(1))[0]
+            mant = ("0" + mant if mant.startswith(".") else mant)
+            mant = (mant + "0" if mant.endswith(".") else mant if "." in mant else mant + ".0")
+            return "%sf%s" % (mant, m.group(2) or "0")
         m = re.fullmatch(r"([0-9]+)[uU]?[lL]*", tok)
         if m:
             return m.group(1)
-        if re.fullmatch(r"[0-9]*\.[0-9]*(?:[eE][-+]?[0-9]+)?", tok):
+        m = re.fullmatch(self.FLOAT, tok)
+        if m:  # a double
             return tok
         return None
 

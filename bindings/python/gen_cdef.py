@@ -14,10 +14,13 @@ so this script preprocesses the header *text*:
   - the DLPack header the public header includes is processed the same way and put first.
 The result is validated by cffi itself (FFI().cdef), and written with:
   CDEF    the declarations, for ffi.cdef() in ABI mode;
-  MACROS  the integer macros (FCE_VERSION_*, FCE_ABI_VERSION, DLPACK_VERSION), evaluated;
+  MACROS  the integer and floating macros (FCE_VERSION_*, FCE_ABI_VERSION, FCE_WORKSPACE_ALIGNMENT,
+          FCE_KD_TEMPERATURE_MIN/MAX, DLPACK_VERSION, ...), evaluated; a float literal with an `f`
+          suffix is rounded to fp32 (the value C gives it: 1e-4f is 9.999999747378752e-05);
   VERSION "MAJOR.MINOR.PATCH" of the header (also the package version, pyproject.toml);
-  INITS   each `*_INIT` initializer macro as {field: value} (enum names resolved), the defaults the
-          Python API uses for its keyword arguments.
+  INITS   each `*_INIT` initializer macro as {field: value} (enum names resolved). The Python API takes
+          its defaults from the loaded library's fce_*_init functions; the tests check that they agree
+          with these.
 """
 import argparse
 import ast
@@ -25,6 +28,7 @@ import difflib
 import operator
 import os
 import re
+import struct
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -93,6 +97,18 @@ def eval_int(expr, macros):
         return ev(tree)
     except (ValueError, TypeError):
         return None
+
+
+_FLOAT = r"(?:\d+\.\d*|\.\d+|\d+(?=[eE]))(?:[eE][-+]?\d+)?"
+
+
+def eval_float(expr):
+    """A C floating literal, optionally negated; fp32-rounded with an `f` suffix. None if it is not one."""
+    m = re.fullmatch(r"(-?)\s*(%s)([fF]?)" % _FLOAT, expr.strip())
+    if not m:
+        return None
+    v = float(m.group(1) + m.group(2))
+    return struct.unpack("<f", struct.pack("<f", v))[0] if m.group(3) else v
 
 
 class Preprocessed:
@@ -213,8 +229,8 @@ def parse_init(value, macros, enums):
             vals.append("sizeof")
         elif it == "NULL":
             vals.append(None)
-        elif re.fullmatch(r"-?\d*\.\d*(e[-+]?\d+)?[fF]?", it):
-            vals.append(float(it.rstrip("fF")))
+        elif eval_float(it) is not None:
+            vals.append(eval_float(it))
         elif it in enums:
             vals.append(enums[it])
         else:
@@ -240,6 +256,8 @@ def generate():
     for src in (dl_pp, pp):
         for name in src.order:
             v = eval_int(src.macros[name], int_macros)
+            if v is None:
+                v = eval_float(src.macros[name])
             if v is not None and (name.startswith("FCE_") or name.startswith("DLPACK_")):
                 int_macros[name] = v
     enums = {}

@@ -70,6 +70,17 @@ typedef enum fce_status {
 } fce_status_t;
 const char* fce_status_string(fce_status_t status);
 const char* fce_last_error_message(void);
+typedef struct fce_build_info {
+  uint32_t struct_size;
+  uint32_t version_number;
+  uint32_t abi_version;
+  int32_t cuda_backend;
+  int32_t cuda_runtime_version;
+  int32_t cublas_version;
+  const char* version_string;
+  const char* cuda_architectures;
+} fce_build_info_t;
+fce_status_t fce_build_info(fce_build_info_t* info);
 typedef struct CUstream_st* fce_stream_t;
 typedef struct fce_handle* fce_handle_t;
 fce_status_t fce_handle_create(int32_t device_type, int32_t device_id, fce_handle_t* out);
@@ -90,6 +101,7 @@ typedef struct fce_ce_options {
   float logit_scale;
   const DLTensor* class_weights;
 } fce_ce_options_t;
+fce_status_t fce_ce_options_init(fce_ce_options_t* options);
 typedef struct fce_ce_outputs {
   uint32_t struct_size;
   DLTensor* loss;
@@ -100,6 +112,7 @@ typedef struct fce_ce_outputs {
   DLTensor* dlogits;
   const DLTensor* grad_loss;
 } fce_ce_outputs_t;
+fce_status_t fce_ce_outputs_init(fce_ce_outputs_t* outputs);
 fce_status_t fce_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
                                            const DLTensor* targets, const fce_ce_options_t* options,
                                            const fce_ce_outputs_t* outputs, void* workspace,
@@ -121,6 +134,7 @@ typedef struct fce_lse_options {
   uint32_t struct_size;
   float scale;
 } fce_lse_options_t;
+fce_status_t fce_lse_options_init(fce_lse_options_t* options);
 fce_status_t fce_logsumexp(fce_handle_t handle, fce_stream_t stream, const DLTensor* x,
                                    const fce_lse_options_t* options, DLTensor* lse, void* workspace,
                                    size_t workspace_bytes);
@@ -132,6 +146,7 @@ typedef struct fce_softmax_options {
   float temperature;
   const DLTensor* temperatures;
 } fce_softmax_options_t;
+fce_status_t fce_softmax_options_init(fce_softmax_options_t* options);
 fce_status_t fce_temp_softmax(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
                                       const fce_softmax_options_t* options, DLTensor* probs,
                                       DLTensor* logprobs, void* workspace, size_t workspace_bytes);
@@ -158,18 +173,21 @@ typedef struct fce_kd_options {
   int32_t reduction;
   int64_t ignore_index;
 } fce_kd_options_t;
+fce_status_t fce_kd_options_init(fce_kd_options_t* options);
 typedef struct fce_kd_teacher {
   uint32_t struct_size;
   const DLTensor* logits;
   const DLTensor* topk_ids;
   const DLTensor* topk_logprobs;
 } fce_kd_teacher_t;
+fce_status_t fce_kd_teacher_init(fce_kd_teacher_t* teacher);
 typedef struct fce_kd_outputs {
   uint32_t struct_size;
   DLTensor* loss;
   DLTensor* dstudent;
   const DLTensor* grad_loss;
 } fce_kd_outputs_t;
+fce_status_t fce_kd_outputs_init(fce_kd_outputs_t* outputs);
 fce_status_t fce_kd_loss(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
                                  const fce_kd_teacher_t* teacher, const DLTensor* targets,
                                  const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
@@ -190,6 +208,7 @@ typedef struct fce_linear_ce_outputs {
   DLTensor* dbias;
   const DLTensor* grad_loss;
 } fce_linear_ce_outputs_t;
+fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs);
 fce_status_t fce_linear_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream,
                                                   const DLTensor* hidden, const DLTensor* weight,
                                                   const DLTensor* bias, const DLTensor* targets,
@@ -215,15 +234,29 @@ fce_status_t fce_linear_cross_entropy_bwd_workspace_size(
 MACROS = {
     'DLPACK_VERSION': 60,
     'FCE_VERSION_MAJOR': 0,
-    'FCE_VERSION_MINOR': 1,
+    'FCE_VERSION_MINOR': 2,
     'FCE_VERSION_PATCH': 0,
-    'FCE_VERSION_NUMBER': 100,
+    'FCE_VERSION_NUMBER': 200,
     'FCE_ABI_VERSION': 0,
+    'FCE_WORKSPACE_ALIGNMENT': 16,
+    'FCE_MAX_STRUCT_SIZE': 4096,
+    'FCE_KD_TEMPERATURE_MIN': 9.999999747378752e-05,
+    'FCE_KD_TEMPERATURE_MAX': 100.0,
 }
 
-VERSION = '0.1.0'
+VERSION = '0.2.0'
 
 INITS = {
+    'FCE_BUILD_INFO_INIT': ('fce_build_info_t', {
+        'struct_size': 'sizeof',
+        'version_number': 0,
+        'abi_version': 0,
+        'cuda_backend': 0,
+        'cuda_runtime_version': 0,
+        'cublas_version': 0,
+        'version_string': None,
+        'cuda_architectures': None,
+    }),
     'FCE_CE_OPTIONS_INIT': ('fce_ce_options_t', {
         'struct_size': 'sizeof',
         'reduction': 2,

@@ -11,10 +11,14 @@ export load_library!
 # ---- macros ----
 const DLPACK_VERSION = 60
 const FCE_VERSION_MAJOR = 0
-const FCE_VERSION_MINOR = 1
+const FCE_VERSION_MINOR = 2
 const FCE_VERSION_PATCH = 0
 const FCE_VERSION_NUMBER = (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
 const FCE_ABI_VERSION = 0
+const FCE_WORKSPACE_ALIGNMENT = 16
+const FCE_MAX_STRUCT_SIZE = 4096
+const FCE_KD_TEMPERATURE_MIN = 1.0f-4
+const FCE_KD_TEMPERATURE_MAX = 100.0f0
 
 # ---- types and functions, in header order ----
 
@@ -245,6 +249,52 @@ function fce_last_error_message()
     @ccall $(_fptr_fce_last_error_message[])()::Cstring
 end
 
+"""
+What the loaded library was built with. Initialize with FCE_BUILD_INFO_INIT (or set struct_size).
+"""
+struct fce_build_info
+    # sizeof(fce_build_info_t)
+    struct_size::UInt32
+    # FCE_VERSION_NUMBER of the library
+    version_number::UInt32
+    # FCE_ABI_VERSION of the library
+    abi_version::UInt32
+    # 1 when the CUDA backend is built, 0 for a CPU-only build
+    cuda_backend::Int32
+    # CUDA runtime the library was compiled against, as CUDART_VERSION (13000 = 13.0); 0 without CUDA.
+    cuda_runtime_version::Int32
+    # cuBLAS headers the library was compiled against, as CUBLAS_VERSION (e.g. 130000); 0 without CUDA.
+    #  cuBLAS itself is loaded at run time (libcublas.so.MAJOR) on the first linear cross-entropy call.
+    cublas_version::Int32
+    # "MAJOR.MINOR.PATCH"; static storage
+    version_string::Ptr{Cchar}
+    # GPU code compiled into the library, space separated: "sm_80" is machine code for that architecture,
+    #  "compute_90" PTX that the driver compiles for newer ones; "" without CUDA. Static storage.
+    cuda_architectures::Ptr{Cchar}
+end
+@assert sizeof(fce_build_info) == 40
+@assert fieldoffset(fce_build_info, 1) == 0
+@assert fieldoffset(fce_build_info, 2) == 4
+@assert fieldoffset(fce_build_info, 3) == 8
+@assert fieldoffset(fce_build_info, 4) == 12
+@assert fieldoffset(fce_build_info, 5) == 16
+@assert fieldoffset(fce_build_info, 6) == 20
+@assert fieldoffset(fce_build_info, 7) == 24
+@assert fieldoffset(fce_build_info, 8) == 32
+
+const fce_build_info_t = fce_build_info
+
+"""
+Fills `info` with what the loaded library was built with.
+@param info struct_size must be at least the library's sizeof(fce_build_info_t) (and at most
+            FCE_MAX_STRUCT_SIZE); bytes past the fields this library knows are set to zero.
+@return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT (info NULL, struct_size out of range; nothing
+        written).
+"""
+function fce_build_info(info)
+    @ccall $(_fptr_fce_build_info[])(info::Ptr{fce_build_info_t})::fce_status_t
+end
+
 mutable struct CUstream_st end
 
 """
@@ -349,6 +399,15 @@ end
 const fce_ce_options_t = fce_ce_options
 
 """
+Fills `*options` with the defaults of FCE_CE_OPTIONS_INIT (struct_size = this library's
+ sizeof(fce_ce_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ FCE_STATUS_INVALID_ARGUMENT when options is NULL.
+"""
+function fce_ce_options_init(options)
+    @ccall $(_fptr_fce_ce_options_init[])(options::Ptr{fce_ce_options_t})::fce_status_t
+end
+
+"""
 Outputs of fce_cross_entropy_fwd. Initialize with FCE_CE_OUTPUTS_INIT; every field but `loss` optional.
 """
 struct fce_ce_outputs
@@ -382,6 +441,15 @@ end
 @assert fieldoffset(fce_ce_outputs, 8) == 56
 
 const fce_ce_outputs_t = fce_ce_outputs
+
+"""
+Fills `*outputs` with the defaults of FCE_CE_OUTPUTS_INIT (struct_size = this library's
+ sizeof(fce_ce_outputs_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ FCE_STATUS_INVALID_ARGUMENT when outputs is NULL.
+"""
+function fce_ce_outputs_init(outputs)
+    @ccall $(_fptr_fce_ce_outputs_init[])(outputs::Ptr{fce_ce_outputs_t})::fce_status_t
+end
 
 """
 Cross-entropy forward over a large vocabulary by online softmax (Milakov & Gimelshein 2018), never
@@ -441,6 +509,15 @@ end
 const fce_lse_options_t = fce_lse_options
 
 """
+Fills `*options` with the defaults of FCE_LSE_OPTIONS_INIT (struct_size = this library's
+ sizeof(fce_lse_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ FCE_STATUS_INVALID_ARGUMENT when options is NULL.
+"""
+function fce_lse_options_init(options)
+    @ccall $(_fptr_fce_lse_options_init[])(options::Ptr{fce_lse_options_t})::fce_status_t
+end
+
+"""
 Per-row logsumexp: lse_i = log(sum_j exp(s * x_ij)), max of the raw row first. Rows of few rows are split
 across blocks on the GPU and merged in a fixed order. A row of all -inf gives -inf; NaN propagates.
 @param x   [N,V] fp32, bf16 or fp16, N >= 1, V >= 1.
@@ -479,9 +556,19 @@ end
 const fce_softmax_options_t = fce_softmax_options
 
 """
+Fills `*options` with the defaults of FCE_SOFTMAX_OPTIONS_INIT (struct_size = this library's
+ sizeof(fce_softmax_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ FCE_STATUS_INVALID_ARGUMENT when options is NULL.
+"""
+function fce_softmax_options_init(options)
+    @ccall $(_fptr_fce_softmax_options_init[])(options::Ptr{fce_softmax_options_t})::fce_status_t
+end
+
+"""
 Temperature softmax for sampling: p_j = exp((x_j - max x) / T) / sum_k exp((x_k - max x) / T), with the
-max of the raw logits taken first and the difference scaled in fp32, so no finite input gives NaN at any
-T > 0. T = 0 is greedy: one-hot at the argmax (lowest index on ties); log-probabilities are then 0 there
+max of the raw logits taken first and the difference scaled in fp32 (halved first where x - max would
+overflow), so no finite input gives NaN at any T > 0 and logits near +-FLT_MAX keep their true
+differences at any temperature, +inf included. T = 0 is greedy: one-hot at the argmax (lowest index on ties); log-probabilities are then 0 there
 and -inf elsewhere. -inf logits get probability 0. A row of all -inf, or with a NaN, gives NaN.
 @param logits   [N,V] fp32, bf16 or fp16.
 @param probs    optional [N,V], fp32 or the logits' dtype; may be the logits' memory when the dtypes match.
@@ -530,7 +617,13 @@ const fce_kd_topk_norm_t = fce_kd_topk_norm
 Options of fce_kd_loss. Initialize with FCE_KD_OPTIONS_INIT.
 With temperature T both distributions are softmax(logits / T); with a top-K teacher the teacher's
 distribution over its K ids is softmax_K(logprobs / T) (always renormalized over the K).
-Terms of zero probability contribute exactly 0, so -inf logits never produce NaN.
+Terms of zero probability contribute exactly 0, so -inf logits never produce NaN. Log-probabilities are
+formed from max-shifted values ((x/T - max) - log sum), so adding a constant to a row's logits changes no
+result beyond rounding of the inputs themselves. Reverse KL (or JSD at beta = 1) where the teacher has
+probability 0 and the student does not is +inf; dstudent is then the limit of the gradient as those
+teacher logits go to -inf: +inf at such columns, -inf at the student's other columns of non-zero
+probability, 0 where the student's probability is 0, each times the sign of the upstream gradient
+(0 when it is 0).
 """
 struct fce_kd_options
     # sizeof(fce_kd_options_t)
@@ -539,7 +632,7 @@ struct fce_kd_options
     divergence::Int32
     # b in [0, 1] for FCE_KD_JSD; default 0.5
     beta::Cfloat
-    # T > 0, finite; default 1
+    # T in [FCE_KD_TEMPERATURE_MIN, FCE_KD_TEMPERATURE_MAX]; default 1
     temperature::Cfloat
     # non-zero: multiply loss and gradient by T^2 (Hinton); default 0
     scale_by_t2::Int32
@@ -561,6 +654,15 @@ end
 @assert fieldoffset(fce_kd_options, 8) == 32
 
 const fce_kd_options_t = fce_kd_options
+
+"""
+Fills `*options` with the defaults of FCE_KD_OPTIONS_INIT (struct_size = this library's
+ sizeof(fce_kd_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ FCE_STATUS_INVALID_ARGUMENT when options is NULL.
+"""
+function fce_kd_options_init(options)
+    @ccall $(_fptr_fce_kd_options_init[])(options::Ptr{fce_kd_options_t})::fce_status_t
+end
 
 """
 The teacher: either full logits, or top-K ids and log-probabilities (the axolotl format). Exactly one
@@ -586,6 +688,15 @@ end
 const fce_kd_teacher_t = fce_kd_teacher
 
 """
+Fills `*teacher` with the defaults of FCE_KD_TEACHER_INIT (struct_size = this library's
+ sizeof(fce_kd_teacher_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ FCE_STATUS_INVALID_ARGUMENT when teacher is NULL.
+"""
+function fce_kd_teacher_init(teacher)
+    @ccall $(_fptr_fce_kd_teacher_init[])(teacher::Ptr{fce_kd_teacher_t})::fce_status_t
+end
+
+"""
 Outputs of fce_kd_loss. Initialize with FCE_KD_OUTPUTS_INIT.
 """
 struct fce_kd_outputs
@@ -606,6 +717,15 @@ end
 @assert fieldoffset(fce_kd_outputs, 4) == 24
 
 const fce_kd_outputs_t = fce_kd_outputs
+
+"""
+Fills `*outputs` with the defaults of FCE_KD_OUTPUTS_INIT (struct_size = this library's
+ sizeof(fce_kd_outputs_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
+ FCE_STATUS_INVALID_ARGUMENT when outputs is NULL.
+"""
+function fce_kd_outputs_init(outputs)
+    @ccall $(_fptr_fce_kd_outputs_init[])(outputs::Ptr{fce_kd_outputs_t})::fce_status_t
+end
 
 """
 Knowledge-distillation divergence between student and teacher distributions, per row, reduced.
@@ -666,6 +786,15 @@ end
 const fce_linear_ce_outputs_t = fce_linear_ce_outputs
 
 """
+Fills `*outputs` with the defaults of FCE_LINEAR_CE_OUTPUTS_INIT (struct_size = this library's
+ sizeof(fce_linear_ce_outputs_t)), for callers that cannot use the macro (FFI). @return
+ FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL.
+"""
+function fce_linear_ce_outputs_init(outputs)
+    @ccall $(_fptr_fce_linear_ce_outputs_init[])(outputs::Ptr{fce_linear_ce_outputs_t})::fce_status_t
+end
+
+"""
 Linear cross-entropy: logits = hidden @ weight^T (+ bias), then cross-entropy with every option of
 fce_ce_options_t, in token chunks whose size follows from the workspace, never holding [N,V] logits.
 The logits are accumulated in fp32 and rounded once to the inputs' dtype, as torch.nn.functional.linear
@@ -711,6 +840,16 @@ function fce_linear_cross_entropy_bwd_workspace_size(handle, hidden, weight, bia
 end
 
 # ---- initializer macros (the header's defaults) ----
+const FCE_BUILD_INFO_INIT = fce_build_info_t(
+    UInt32(sizeof(fce_build_info_t)),
+    0,
+    0,
+    0,
+    0,
+    0,
+    C_NULL,
+    C_NULL)
+
 const FCE_CE_OPTIONS_INIT = fce_ce_options_t(
     UInt32(sizeof(fce_ce_options_t)),
     FCE_REDUCTION_MEAN,
@@ -780,19 +919,28 @@ const _fptr_fce_version_string = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_abi_version = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_status_string = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_last_error_message = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_build_info = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_handle_create = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_handle_destroy = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_handle_get_device = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_ce_options_init = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_ce_outputs_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_fwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_fwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_bwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_bwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_lse_options_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_softmax_options_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_temp_softmax = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_temp_softmax_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_options_init = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_teacher_init = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_outputs_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_loss = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_loss_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_linear_ce_outputs_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_fwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_fwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_bwd = Ref{Ptr{Cvoid}}(C_NULL)
@@ -810,19 +958,28 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_abi_version[] = Libdl.dlsym(lib, :fce_abi_version)
     _fptr_fce_status_string[] = Libdl.dlsym(lib, :fce_status_string)
     _fptr_fce_last_error_message[] = Libdl.dlsym(lib, :fce_last_error_message)
+    _fptr_fce_build_info[] = Libdl.dlsym(lib, :fce_build_info)
     _fptr_fce_handle_create[] = Libdl.dlsym(lib, :fce_handle_create)
     _fptr_fce_handle_destroy[] = Libdl.dlsym(lib, :fce_handle_destroy)
     _fptr_fce_handle_get_device[] = Libdl.dlsym(lib, :fce_handle_get_device)
+    _fptr_fce_ce_options_init[] = Libdl.dlsym(lib, :fce_ce_options_init)
+    _fptr_fce_ce_outputs_init[] = Libdl.dlsym(lib, :fce_ce_outputs_init)
     _fptr_fce_cross_entropy_fwd[] = Libdl.dlsym(lib, :fce_cross_entropy_fwd)
     _fptr_fce_cross_entropy_fwd_workspace_size[] = Libdl.dlsym(lib, :fce_cross_entropy_fwd_workspace_size)
     _fptr_fce_cross_entropy_bwd[] = Libdl.dlsym(lib, :fce_cross_entropy_bwd)
     _fptr_fce_cross_entropy_bwd_workspace_size[] = Libdl.dlsym(lib, :fce_cross_entropy_bwd_workspace_size)
+    _fptr_fce_lse_options_init[] = Libdl.dlsym(lib, :fce_lse_options_init)
     _fptr_fce_logsumexp[] = Libdl.dlsym(lib, :fce_logsumexp)
     _fptr_fce_logsumexp_workspace_size[] = Libdl.dlsym(lib, :fce_logsumexp_workspace_size)
+    _fptr_fce_softmax_options_init[] = Libdl.dlsym(lib, :fce_softmax_options_init)
     _fptr_fce_temp_softmax[] = Libdl.dlsym(lib, :fce_temp_softmax)
     _fptr_fce_temp_softmax_workspace_size[] = Libdl.dlsym(lib, :fce_temp_softmax_workspace_size)
+    _fptr_fce_kd_options_init[] = Libdl.dlsym(lib, :fce_kd_options_init)
+    _fptr_fce_kd_teacher_init[] = Libdl.dlsym(lib, :fce_kd_teacher_init)
+    _fptr_fce_kd_outputs_init[] = Libdl.dlsym(lib, :fce_kd_outputs_init)
     _fptr_fce_kd_loss[] = Libdl.dlsym(lib, :fce_kd_loss)
     _fptr_fce_kd_loss_workspace_size[] = Libdl.dlsym(lib, :fce_kd_loss_workspace_size)
+    _fptr_fce_linear_ce_outputs_init[] = Libdl.dlsym(lib, :fce_linear_ce_outputs_init)
     _fptr_fce_linear_cross_entropy_fwd[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_fwd)
     _fptr_fce_linear_cross_entropy_fwd_workspace_size[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_fwd_workspace_size)
     _fptr_fce_linear_cross_entropy_bwd[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_bwd)
@@ -837,19 +994,28 @@ const FUNCTIONS = (
     :fce_abi_version,
     :fce_status_string,
     :fce_last_error_message,
+    :fce_build_info,
     :fce_handle_create,
     :fce_handle_destroy,
     :fce_handle_get_device,
+    :fce_ce_options_init,
+    :fce_ce_outputs_init,
     :fce_cross_entropy_fwd,
     :fce_cross_entropy_fwd_workspace_size,
     :fce_cross_entropy_bwd,
     :fce_cross_entropy_bwd_workspace_size,
+    :fce_lse_options_init,
     :fce_logsumexp,
     :fce_logsumexp_workspace_size,
+    :fce_softmax_options_init,
     :fce_temp_softmax,
     :fce_temp_softmax_workspace_size,
+    :fce_kd_options_init,
+    :fce_kd_teacher_init,
+    :fce_kd_outputs_init,
     :fce_kd_loss,
     :fce_kd_loss_workspace_size,
+    :fce_linear_ce_outputs_init,
     :fce_linear_cross_entropy_fwd,
     :fce_linear_cross_entropy_fwd_workspace_size,
     :fce_linear_cross_entropy_bwd,
