@@ -8,12 +8,14 @@ environment variable, the in-tree build (<repo>/build/libfusedce.so), the system
 come from fusedce/_generated.py, generated from include/fusedce/fusedce.h by bindings/python/gen_cdef.py.
 Inputs are numpy arrays (CPU) or PyTorch tensors (CPU or CUDA, passed through DLPack on the current
 stream). PyTorch autograd functions and drop-in losses are in `fusedce.torch` (torch imported lazily).
+`fusedce.build_info()` tells what the loaded library was built with; `python3 -m fusedce` prints it.
 """
 from ._generated import MACROS as _MACROS
-from ._lib import (ABI_VERSION, HEADER_VERSION, STATUS, AliasingError, BackendNotImplementedError,
-                   DeviceMismatchError, FusedCEError, Handle, InvalidArgumentError, NoDeviceError,
-                   OutOfMemoryError, ShapeMismatchError, UnsupportedDtypeError, UnsupportedLayoutError,
-                   default_handle, defaults, ffi, lib, library_path, version)
+from ._lib import (ABI_VERSION, HEADER_VERSION, KD_TEMPERATURE_MAX, KD_TEMPERATURE_MIN, MAX_STRUCT_SIZE, STATUS,
+                   WORKSPACE_ALIGNMENT, AliasingError, BackendNotImplementedError, BuildInfo, DeviceMismatchError,
+                   FusedCEError, Handle, InvalidArgumentError, NoDeviceError, OutOfMemoryError, ShapeMismatchError,
+                   UnsupportedDtypeError, UnsupportedLayoutError, build_info, default_handle, defaults, ffi, lib,
+                   library_path, new_struct, version)
 from .ops import (CrossEntropyOutput, KDOutput, LinearCrossEntropyGrads, LinearCrossEntropyOutput, SoftmaxOutput,
                   cross_entropy, cross_entropy_bwd, cross_entropy_fwd, kd_loss, linear_cross_entropy,
                   linear_cross_entropy_bwd, linear_cross_entropy_fwd, logsumexp, temp_softmax)
@@ -31,11 +33,12 @@ def __getattr__(name):  # `fusedce.torch` without importing torch at `import fus
 
 
 __all__ = [
-    "ABI_VERSION", "HEADER_VERSION", "STATUS", "VERSION_NUMBER", "AliasingError", "BackendNotImplementedError",
+    "ABI_VERSION", "HEADER_VERSION", "KD_TEMPERATURE_MAX", "KD_TEMPERATURE_MIN", "MAX_STRUCT_SIZE", "STATUS",
+    "VERSION_NUMBER", "WORKSPACE_ALIGNMENT", "AliasingError", "BackendNotImplementedError", "BuildInfo",
     "CrossEntropyOutput", "DeviceMismatchError", "FusedCEError", "Handle", "InvalidArgumentError", "KDOutput",
     "LinearCrossEntropyGrads", "LinearCrossEntropyOutput", "NoDeviceError", "OutOfMemoryError",
-    "ShapeMismatchError", "SoftmaxOutput", "UnsupportedDtypeError", "UnsupportedLayoutError", "cross_entropy",
-    "cross_entropy_bwd", "cross_entropy_fwd", "default_handle", "defaults", "ffi", "kd_loss", "lib",
-    "library_path", "linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_fwd",
-    "logsumexp", "temp_softmax", "version",
+    "ShapeMismatchError", "SoftmaxOutput", "UnsupportedDtypeError", "UnsupportedLayoutError", "build_info",
+    "cross_entropy", "cross_entropy_bwd", "cross_entropy_fwd", "default_handle", "defaults", "ffi", "kd_loss",
+    "lib", "library_path", "linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_fwd",
+    "logsumexp", "new_struct", "temp_softmax", "version",
 ]

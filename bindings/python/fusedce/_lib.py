@@ -1,5 +1,6 @@
 """Loading libfusedce with cffi (ABI mode), errors, handles."""
 import ctypes.util
+import dataclasses
 import os
 import threading
 from pathlib import Path
@@ -13,6 +14,14 @@ ffi.cdef(CDEF)
 
 ABI_VERSION = MACROS["FCE_ABI_VERSION"]
 HEADER_VERSION = VERSION
+HEADER_VERSION_NUMBER = MACROS["FCE_VERSION_NUMBER"]
+#: Required alignment, in bytes, of a caller's workspace (FCE_WORKSPACE_ALIGNMENT).
+WORKSPACE_ALIGNMENT = MACROS["FCE_WORKSPACE_ALIGNMENT"]
+#: Largest struct_size the library accepts (FCE_MAX_STRUCT_SIZE).
+MAX_STRUCT_SIZE = MACROS["FCE_MAX_STRUCT_SIZE"]
+#: Domain of kd_loss's temperature, inclusive (FCE_KD_TEMPERATURE_MIN/MAX, as fp32 values).
+KD_TEMPERATURE_MIN = MACROS["FCE_KD_TEMPERATURE_MIN"]
+KD_TEMPERATURE_MAX = MACROS["FCE_KD_TEMPERATURE_MAX"]
 
 
 def _candidates():
@@ -45,6 +54,10 @@ def _load():
         if abi != ABI_VERSION:
             raise ImportError("fusedce: %s has ABI %d but these bindings were generated for ABI %d "
                               "(python3 bindings/python/gen_cdef.py)" % (cand, abi, ABI_VERSION))
+        found = lib.fce_version_number()
+        if found < HEADER_VERSION_NUMBER:  # functions are only added within an ABI: an older one may lack some
+            raise ImportError("fusedce: %s is libfusedce %s, older than the header these bindings were generated "
+                              "from (%s)" % (cand, ffi.string(lib.fce_version_string()).decode(), VERSION))
         return lib, cand
     raise ImportError("fusedce: cannot load libfusedce; set FUSEDCE_LIBRARY to its path. Tried:\n  " +
                       "\n  ".join(errors))
@@ -193,6 +206,101 @@ def default_handle(device_type, device_id=0):
     return h
 
 
-def defaults(init_name):
-    """{field: value} of a header initializer macro, e.g. defaults("FCE_CE_OPTIONS_INIT")."""
-    return dict(INITS[init_name][1])
+# ---- structs filled by the library's fce_*_init functions -----------------------------------------
+
+# Every struct with an fce_*_init function: fce_ce_options_t -> fce_ce_options_init, ...
+_INIT_FUNCTIONS = {ctype: ctype[:-len("_t")] + "_init" for ctype, _ in INITS.values()
+                   if ctype != "fce_build_info_t"}
+
+
+def _library_struct(ctype):
+    """(size, {field: value}): the loaded library's sizeof and defaults of `ctype`, from its fce_*_init
+    called on FCE_MAX_STRUCT_SIZE zeroed bytes (a newer library's struct may be larger than these
+    declarations' and its init function writes all of it)."""
+    buf = ffi.new("char[]", MAX_STRUCT_SIZE)
+    p = ffi.cast(ctype + " *", buf)
+    fn = _INIT_FUNCTIONS[ctype]
+    check(getattr(lib, fn)(p), fn)
+    size = int(p.struct_size)
+    if not 4 <= size <= MAX_STRUCT_SIZE:
+        raise ImportError("fusedce: %s set struct_size %d for %s" % (fn, size, ctype))
+    values = {}
+    for name, field in ffi.typeof(ctype).fields:
+        v = getattr(p, name)
+        values[name] = (None if v == ffi.NULL else int(ffi.cast("uintptr_t", v))) if field.type.kind == "pointer" else v
+    return size, values
+
+
+_LIBRARY_STRUCTS = {ctype: _library_struct(ctype) for ctype in _INIT_FUNCTIONS}
+# Bytes to allocate for each struct: the larger of the library's size and these declarations'. With a
+# newer library the tail holds the defaults of fields these bindings do not know; with an older one the
+# fields it does not know stay zero, and a non-zero value set there is refused by the library
+# (FCE_STATUS_INVALID_ARGUMENT) instead of being silently ignored.
+_ALLOC = {ctype: max(size, ffi.sizeof(ctype)) for ctype, (size, _) in _LIBRARY_STRUCTS.items()}
+
+
+def new_struct(ctype, keep):
+    """A `ctype *` (e.g. "fce_ce_options_t") holding the loaded library's defaults, filled by its
+    fce_*_init function, with struct_size set to the bytes allocated (see _ALLOC). The memory is owned
+    by an object appended to `keep`, which must outlive the pointer's use."""
+    size = _ALLOC[ctype]
+    buf = ffi.new("char[]", size)
+    keep.append(buf)
+    p = ffi.cast(ctype + " *", buf)
+    fn = _INIT_FUNCTIONS[ctype]
+    check(getattr(lib, fn)(p), fn)
+    p.struct_size = size
+    return p
+
+
+def defaults(struct):
+    """{field: value} of the loaded library's defaults for a struct, from its fce_*_init function:
+    defaults("fce_ce_options_t"), or by the header's macro name, defaults("FCE_CE_OPTIONS_INIT").
+    struct_size is the library's sizeof; pointers are None (NULL). These are the keyword defaults of
+    every function; the tests check that they equal the header's *_INIT macros."""
+    ctype = INITS[struct][0] if struct in INITS else struct
+    if ctype not in _LIBRARY_STRUCTS:
+        raise KeyError("fusedce.defaults: %r has no fce_*_init function (one of %s)"
+                       % (struct, ", ".join(sorted(_LIBRARY_STRUCTS))))
+    return dict(_LIBRARY_STRUCTS[ctype][1])
+
+
+# ---- build information ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BuildInfo:
+    """What the loaded library was built with (fce_build_info)."""
+
+    version_number: int        #: FCE_VERSION_NUMBER of the library (MAJOR*10000 + MINOR*100 + PATCH)
+    abi_version: int           #: FCE_ABI_VERSION of the library
+    cuda_backend: bool         #: the CUDA backend is built (False: a CPU-only build)
+    cuda_runtime_version: int  #: CUDART_VERSION compiled against (13000 = 13.0); 0 without CUDA
+    cublas_version: int        #: CUBLAS_VERSION of the cuBLAS headers compiled against; 0 without CUDA
+    version_string: str        #: "MAJOR.MINOR.PATCH"
+    cuda_architectures: str    #: GPU code in the library, space separated ("sm_80 sm_90 compute_90"); "" without CUDA
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+    def __str__(self):
+        s = "libfusedce %s (ABI %d)" % (self.version_string, self.abi_version)
+        if not self.cuda_backend:
+            return s + ", CPU only"
+        rt, cb = self.cuda_runtime_version, self.cublas_version
+        return s + ", CUDA backend: CUDA runtime %d.%d, cuBLAS %d.%d.%d, %s" % (
+            rt // 1000, rt % 1000 // 10, cb // 10000, cb % 10000 // 100, cb % 100,
+            self.cuda_architectures or "no GPU code")
+
+
+def build_info():
+    """fce_build_info() of the loaded library, as a BuildInfo (`.as_dict()` for a dict)."""
+    buf = ffi.new("char[]", MAX_STRUCT_SIZE)  # room for a newer library's larger struct
+    p = ffi.cast("fce_build_info_t *", buf)
+    p.struct_size = MAX_STRUCT_SIZE
+    check(lib.fce_build_info(p), "fce_build_info")
+
+    def text(s):
+        return ffi.string(s).decode("utf-8", "replace") if s != ffi.NULL else ""
+
+    return BuildInfo(int(p.version_number), int(p.abi_version), bool(p.cuda_backend), int(p.cuda_runtime_version),
+                     int(p.cublas_version), text(p.version_string), text(p.cuda_architectures))

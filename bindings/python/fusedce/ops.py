@@ -1,22 +1,25 @@
 """The library's ops on numpy arrays (CPU) and PyTorch tensors (CPU or CUDA).
 
 Shapes follow the C header (row-major): logits [N, V], targets [N] (0-based class indices), hidden
-[N, H], weight [V, H]. Every option is a keyword argument whose default is the header's `*_INIT` macro.
+[N, H], weight [V, H]. Every option is a keyword argument whose default is the loaded library's, from its
+`fce_*_init` functions (the header's `*_INIT` values); every options/outputs struct passed to the library
+is filled by those functions first.
 Output keywords take False (not computed), True (allocated) or an array/tensor to write into (e.g.
 `dlogits=logits` computes the gradient in place). Results are namedtuples; for numpy inputs scalar
 losses are numpy float32 scalars, for torch inputs 0-d tensors. CUDA work is enqueued on the current
-torch stream (or `stream=`) and never synchronizes. Failures raise FusedCEError subclasses carrying the
-library's message.
+torch stream (or `stream=`) and never synchronizes. `workspace=` takes a caller's scratch array or tensor
+on the call's device, aligned to WORKSPACE_ALIGNMENT (FCE_WORKSPACE_ALIGNMENT, 16) bytes, instead of the
+handle's cached one. Failures raise FusedCEError subclasses carrying the library's message.
 """
 from collections import namedtuple
 
-from ._lib import check, defaults, ffi, lib
+from ._lib import check, defaults, ffi, lib, new_struct
 from ._tensor import Call
 
-_CE = defaults("FCE_CE_OPTIONS_INIT")
-_LSE = defaults("FCE_LSE_OPTIONS_INIT")
-_SM = defaults("FCE_SOFTMAX_OPTIONS_INIT")
-_KD = defaults("FCE_KD_OPTIONS_INIT")
+_CE = defaults("fce_ce_options_t")
+_LSE = defaults("fce_lse_options_t")
+_SM = defaults("fce_softmax_options_t")
+_KD = defaults("fce_kd_options_t")
 
 
 def _enum_names(ctype, prefix):
@@ -52,8 +55,7 @@ LinearCrossEntropyGrads = namedtuple("LinearCrossEntropyGrads", "dhidden dweight
 
 
 def _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights):
-    o = ffi.new("fce_ce_options_t*")
-    o.struct_size = ffi.sizeof("fce_ce_options_t")
+    o = new_struct("fce_ce_options_t", c.keep)
     o.reduction = _enum(_REDUCTIONS, reduction, "reduction")
     o.ignore_index = int(ignore_index)
     o.label_smoothing = float(label_smoothing)
@@ -61,7 +63,6 @@ def _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softc
     o.softcap = float(softcap)
     o.logit_scale = float(logit_scale)
     o.class_weights = c.dl(None if class_weights is None else c.native(class_weights))
-    c.keep.append(o)
     return o
 
 
@@ -103,8 +104,7 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
     ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
     dl_a = c.output(dlogits, lambda: c.empty_like(logits))
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
-    outs = ffi.new("fce_ce_outputs_t*")
-    outs.struct_size = ffi.sizeof("fce_ce_outputs_t")
+    outs = new_struct("fce_ce_outputs_t", c.keep)
     outs.loss = c.dl(loss_a, True)
     outs.lse = c.dl(lse_a, True)
     outs.z_loss = c.dl(zl_a, True)
@@ -148,8 +148,7 @@ def logsumexp(x, *, scale=_LSE["scale"], out=None, handle=None, stream=None, wor
     """fce_logsumexp: [N] fp32, log(sum_j exp(scale * x[i, j])) for x [N, V]."""
     c = Call(x, handle, stream)
     out = out if out is not None else c.empty((_rows(x),), "float32")
-    o = ffi.new("fce_lse_options_t*")
-    o.struct_size = ffi.sizeof("fce_lse_options_t")
+    o = new_struct("fce_lse_options_t", c.keep)
     o.scale = float(scale)
     ws, wsb = _workspace(c, workspace)
     check(lib.fce_logsumexp(c.handle.ptr, c.stream, c.dl(x), o, c.dl(out, True), ws, wsb), "fce_logsumexp")
@@ -164,8 +163,7 @@ def temp_softmax(logits, *, temperature=_SM["temperature"], temperatures=None, p
     c = Call(logits, handle, stream)
     p_a = c.output(probs, lambda: c.empty_like(logits, dtype))
     lp_a = c.output(logprobs, lambda: c.empty_like(logits, dtype))
-    o = ffi.new("fce_softmax_options_t*")
-    o.struct_size = ffi.sizeof("fce_softmax_options_t")
+    o = new_struct("fce_softmax_options_t", c.keep)
     o.temperature = float(temperature)
     o.temperatures = c.dl(None if temperatures is None else c.native(temperatures, "float32"))
     ws, wsb = _workspace(c, workspace)
@@ -185,21 +183,21 @@ def kd_loss(student, teacher_logits=None, *, topk_ids=None, topk_logprobs=None, 
 
     The teacher is either `teacher_logits` [N, V] or the pair `topk_ids` [N, K] (int32/int64; negative =
     unused slot) and `topk_logprobs` [N, K] fp32. divergence: "forward_kl" (KL(teacher||student)),
-    "reverse_kl" or "jsd" (weight beta). Rows whose target equals ignore_index are masked; "mean" is
-    batchmean over unmasked rows. Returns KDOutput(loss, dstudent)."""
+    "reverse_kl" or "jsd" (weight beta in [0, 1]). temperature: T in [KD_TEMPERATURE_MIN,
+    KD_TEMPERATURE_MAX] = [1e-4, 100] (FCE_KD_TEMPERATURE_MIN/MAX; InvalidArgumentError otherwise). Rows
+    whose target equals ignore_index are masked; "mean" is batchmean over unmasked rows.
+    Returns KDOutput(loss, dstudent)."""
     if (teacher_logits is None) == (topk_ids is None or topk_logprobs is None):
         raise ValueError("kd_loss: give either teacher_logits or both topk_ids and topk_logprobs")
     c = Call(student, handle, stream)
     n = _rows(student)
     loss_a = _loss_buffer(c, reduction, n)
     ds_a = c.output(dstudent, lambda: c.empty_like(student))
-    teacher = ffi.new("fce_kd_teacher_t*")
-    teacher.struct_size = ffi.sizeof("fce_kd_teacher_t")
+    teacher = new_struct("fce_kd_teacher_t", c.keep)
     teacher.logits = c.dl(None if teacher_logits is None else c.native(teacher_logits))
     teacher.topk_ids = c.dl(None if topk_ids is None else c.native(topk_ids))
     teacher.topk_logprobs = c.dl(None if topk_logprobs is None else c.native(topk_logprobs))
-    o = ffi.new("fce_kd_options_t*")
-    o.struct_size = ffi.sizeof("fce_kd_options_t")
+    o = new_struct("fce_kd_options_t", c.keep)
     o.divergence = _enum(_DIVERGENCES, divergence, "divergence")
     o.beta = float(beta)
     o.temperature = float(temperature)
@@ -207,8 +205,7 @@ def kd_loss(student, teacher_logits=None, *, topk_ids=None, topk_logprobs=None, 
     o.topk_norm = _enum(_TOPK_NORMS, topk_norm, "topk_norm")
     o.reduction = _enum(_REDUCTIONS, reduction, "reduction")
     o.ignore_index = int(ignore_index)
-    outs = ffi.new("fce_kd_outputs_t*")
-    outs.struct_size = ffi.sizeof("fce_kd_outputs_t")
+    outs = new_struct("fce_kd_outputs_t", c.keep)
     outs.loss = c.dl(loss_a, True)
     outs.dstudent = c.dl(ds_a, True)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
@@ -242,8 +239,7 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
     dw_a = c.output(dweight, lambda: c.empty_like(weight))
     db_a = c.output(dbias, lambda: c.empty_like(bias) if bias is not None else _no_bias())
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
-    outs = ffi.new("fce_linear_ce_outputs_t*")
-    outs.struct_size = ffi.sizeof("fce_linear_ce_outputs_t")
+    outs = new_struct("fce_linear_ce_outputs_t", c.keep)
     outs.loss = c.dl(loss_a, True)
     outs.lse = c.dl(lse_a, True)
     outs.z_loss = c.dl(zl_a, True)
@@ -281,8 +277,7 @@ def linear_cross_entropy_bwd(hidden, weight, targets, lse, *, bias=None, dhidden
     dw_a = c.output(dweight, lambda: c.empty_like(weight))
     db_a = c.output(dbias, lambda: c.empty_like(bias) if bias is not None else _no_bias())
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
-    outs = ffi.new("fce_linear_ce_outputs_t*")
-    outs.struct_size = ffi.sizeof("fce_linear_ce_outputs_t")
+    outs = new_struct("fce_linear_ce_outputs_t", c.keep)
     outs.dhidden = c.dl(dh_a, True)
     outs.dweight = c.dl(dw_a, True)
     outs.dbias = c.dl(db_a, True)
@@ -300,7 +295,8 @@ def _no_bias():
 
 
 def _workspace(c, workspace):
-    """A caller workspace (array/tensor on the call's device, 256-byte aligned) or the handle's cache."""
+    """A caller workspace (array/tensor on the call's device, aligned to WORKSPACE_ALIGNMENT = 16 bytes,
+    FCE_WORKSPACE_ALIGNMENT) or the handle's cache."""
     if workspace is None:
         return ffi.NULL, 0
     t = c.dl(workspace, True)

@@ -45,6 +45,11 @@ def _targets(target):
 
 # ---- cross-entropy --------------------------------------------------------------------------------
 
+# The library's defaults (its fce_ce_options_init) for its options that PyTorch lacks; PyTorch's own
+# arguments keep PyTorch's defaults (ignore_index=-100, reduction="mean", label_smoothing=0.0).
+_CE = ops._CE
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """Cross-entropy of logits [N, V] against targets [N]; forward keeps only the [N] logsumexp, backward
     calls fce_cross_entropy_bwd with the upstream gradient (read on the device)."""
@@ -74,12 +79,13 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                  reduction="mean", label_smoothing=0.0, *, z_loss_scale=0.0, softcap=0.0, logit_scale=1.0):
+                  reduction="mean", label_smoothing=0.0, *, z_loss_scale=_CE["z_loss_scale"],
+                  softcap=_CE["softcap"], logit_scale=_CE["logit_scale"]):
     """Drop-in for torch.nn.functional.cross_entropy (same arguments, plus the library's z_loss_scale,
     softcap and logit_scale). input: (C), (N, C) or (N, C, d1, ...); target: class indices."""
     reduction = _legacy_reduction(size_average, reduce, reduction)
     if target.is_floating_point() or input.dtype not in _FLOATS:
-        if z_loss_scale or softcap or logit_scale != 1.0:
+        if (z_loss_scale, softcap, logit_scale) != (_CE["z_loss_scale"], _CE["softcap"], _CE["logit_scale"]):
             raise NotImplementedError("fusedce: z_loss_scale/softcap/logit_scale need integer targets and "
                                       "fp32/bf16/fp16 logits")
         return F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction=reduction,
@@ -102,7 +108,8 @@ class CrossEntropyLoss(torch.nn.Module):
     """Drop-in for torch.nn.CrossEntropyLoss, with the library's extra options."""
 
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
-                 label_smoothing=0.0, *, z_loss_scale=0.0, softcap=0.0, logit_scale=1.0):
+                 label_smoothing=0.0, *, z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"],
+                 logit_scale=_CE["logit_scale"]):
         super().__init__()
         self.register_buffer("weight", weight)
         self.ignore_index = ignore_index
@@ -177,7 +184,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def linear_cross_entropy(input, weight, target, bias=None, class_weights=None, ignore_index=-100,
-                         reduction="mean", label_smoothing=0.0, *, z_loss_scale=0.0, softcap=0.0, logit_scale=1.0):
+                         reduction="mean", label_smoothing=0.0, *, z_loss_scale=_CE["z_loss_scale"],
+                         softcap=_CE["softcap"], logit_scale=_CE["logit_scale"]):
     """F.cross_entropy(F.linear(input, weight, bias), target, class_weights, ...) without the logits.
     input: (..., H); weight: (V, H); target: (...)."""
     h = input.reshape(-1, input.shape[-1])
@@ -195,7 +203,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     loss_fn(lm_head.weight, hidden, target, bias=None)."""
 
     def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, class_weights=None, *,
-                 z_loss_scale=0.0, softcap=0.0, logit_scale=1.0):
+                 z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"], logit_scale=_CE["logit_scale"]):
         super().__init__()
         self.register_buffer("class_weights", class_weights)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
@@ -239,22 +247,32 @@ def _kd_rows(x):
     return x.reshape(-1, x.shape[-1])
 
 
-def kd_loss(student_logits, teacher_logits, target=None, *, divergence="forward_kl", beta=0.5, temperature=1.0,
-            scale_by_t2=False, reduction="mean", ignore_index=-100):
+# The library's defaults (its fce_kd_options_init), as ops.kd_loss's keywords.
+_KD = ops._KD
+_KD_DIVERGENCE = ops._NAME["divergence"][_KD["divergence"]]
+_KD_TOPK_NORM = ops._NAME["topk_norm"][_KD["topk_norm"]]
+_KD_REDUCTION = ops._NAME["reduction"][_KD["reduction"]]
+
+
+def kd_loss(student_logits, teacher_logits, target=None, *, divergence=_KD_DIVERGENCE, beta=_KD["beta"],
+            temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]), reduction=_KD_REDUCTION,
+            ignore_index=_KD["ignore_index"]):
     """Distillation divergence between softmax(student/T) and softmax(teacher/T) over the last axis;
     reduction="mean" is batchmean over rows whose target is not ignore_index. divergence: "forward_kl"
     (KL(teacher||student), as F.kl_div(log_softmax(s), log_softmax(t), log_target=True)), "reverse_kl",
-    "jsd" (generalized, weight beta). The teacher gets no gradient."""
+    "jsd" (generalized, weight beta). temperature in [1e-4, 100] (fusedce.KD_TEMPERATURE_MIN/MAX). The
+    teacher gets no gradient."""
     s = _kd_rows(student_logits)
     t = _kd_rows(teacher_logits).detach()
     tg = None if target is None else _targets(target.reshape(-1))
     loss = KDLossFunction.apply(s, t, None, None, tg, divergence, float(beta), float(temperature), bool(scale_by_t2),
-                                "full_vocab", reduction, int(ignore_index))
+                                _KD_TOPK_NORM, reduction, int(ignore_index))
     return loss.reshape(student_logits.shape[:-1]) if reduction == "none" else loss
 
 
-def kd_loss_topk(student_logits, topk_ids, topk_logprobs, target=None, *, divergence="forward_kl", beta=0.5,
-                 temperature=1.0, scale_by_t2=False, topk_norm="full_vocab", reduction="mean", ignore_index=-100):
+def kd_loss_topk(student_logits, topk_ids, topk_logprobs, target=None, *, divergence=_KD_DIVERGENCE, beta=_KD["beta"],
+                 temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]), topk_norm=_KD_TOPK_NORM,
+                 reduction=_KD_REDUCTION, ignore_index=_KD["ignore_index"]):
     """Distillation from a top-K teacher: topk_ids (..., K) (negative = unused slot) and topk_logprobs
     (..., K) fp32 log-probabilities at temperature 1 (the axolotl format)."""
     s = _kd_rows(student_logits)
@@ -269,8 +287,8 @@ def kd_loss_topk(student_logits, topk_ids, topk_logprobs, target=None, *, diverg
 class KDLoss(torch.nn.Module):
     """Module form of kd_loss: loss_fn(student_logits, teacher_logits, target=None)."""
 
-    def __init__(self, divergence="forward_kl", beta=0.5, temperature=1.0, scale_by_t2=False, reduction="mean",
-                 ignore_index=-100):
+    def __init__(self, divergence=_KD_DIVERGENCE, beta=_KD["beta"], temperature=_KD["temperature"],
+                 scale_by_t2=bool(_KD["scale_by_t2"]), reduction=_KD_REDUCTION, ignore_index=_KD["ignore_index"]):
         super().__init__()
         self.kw = dict(divergence=divergence, beta=beta, temperature=temperature, scale_by_t2=scale_by_t2,
                        reduction=reduction, ignore_index=ignore_index)

@@ -4,3 +4,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The library under test, at the end of the pytest output (shown with -q too)."""
+    import fusedce
+
+    terminalreporter.write_line("fusedce: %s; library %s" % (fusedce.build_info(), fusedce.library_path))

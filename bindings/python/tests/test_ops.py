@@ -63,11 +63,64 @@ def test_struct_layouts_agree_with_libclang():
         assert field[1].offset == int(off), (name, field[0])
 
 
-def test_defaults_come_from_the_header():
+def test_defaults_come_from_the_library_and_match_the_header():
     d = fusedce.defaults("FCE_CE_OPTIONS_INIT")
+    assert d == fusedce.defaults("fce_ce_options_t")
     assert d["ignore_index"] == -100 and d["reduction"] == fusedce.lib.FCE_REDUCTION_MEAN
     assert d["logit_scale"] == 1.0
     assert fusedce.defaults("FCE_KD_OPTIONS_INIT")["beta"] == 0.5
+    # every fce_*_init of the loaded library gives the header's *_INIT values, struct_size included
+    from fusedce._generated import INITS
+    checked = 0
+    for name, (ctype, values) in INITS.items():
+        if ctype == "fce_build_info_t":
+            continue
+        lib_values = fusedce.defaults(name)
+        assert lib_values == {k: (fusedce.ffi.sizeof(ctype) if v == "sizeof" else v) for k, v in values.items()}, name
+        checked += 1
+    assert checked == 8
+    with pytest.raises(KeyError):
+        fusedce.defaults("fce_build_info_t")
+    # the keyword defaults are the library's
+    import inspect
+    sig = inspect.signature(fusedce.cross_entropy_fwd).parameters
+    assert sig["ignore_index"].default == d["ignore_index"] and sig["logit_scale"].default == d["logit_scale"]
+    assert inspect.signature(fusedce.kd_loss).parameters["temperature"].default == 1.0
+
+
+def test_new_struct_is_filled_by_the_init_function():
+    keep = []
+    o = fusedce.new_struct("fce_kd_options_t", keep)
+    assert o.struct_size == fusedce.ffi.sizeof("fce_kd_options_t") and o.beta == 0.5 and o.ignore_index == -100
+    t = fusedce.new_struct("fce_kd_teacher_t", keep)
+    assert t.logits == fusedce.ffi.NULL and t.topk_ids == fusedce.ffi.NULL
+    assert len(keep) == 2
+
+
+def test_build_info():
+    info = fusedce.build_info()
+    assert isinstance(info, fusedce.BuildInfo)
+    assert info.version_number == fusedce.lib.fce_version_number() == fusedce.VERSION_NUMBER
+    assert info.abi_version == fusedce.lib.fce_abi_version() == fusedce.ABI_VERSION
+    assert info.version_string == fusedce.version()
+    assert info.cuda_backend in (0, 1)
+    if info.cuda_backend:
+        assert info.cuda_runtime_version > 0 and info.cublas_version > 0
+        archs = info.cuda_architectures.split()
+        assert archs and all(re.fullmatch(r"(sm|compute)_\d+a?", a) for a in archs), info.cuda_architectures
+    else:
+        assert (info.cuda_runtime_version, info.cublas_version, info.cuda_architectures) == (0, 0, "")
+    d = info.as_dict()
+    assert set(d) == {"version_number", "abi_version", "cuda_backend", "cuda_runtime_version", "cublas_version",
+                      "version_string", "cuda_architectures"}
+    assert str(info).startswith("libfusedce %s (ABI %d)" % (info.version_string, info.abi_version))
+    out = subprocess.run([sys.executable, "-m", "fusedce"], capture_output=True, text=True, cwd=str(HERE.parent))
+    assert out.returncode == 0 and str(info) in out.stdout, out.stdout + out.stderr
+
+
+def test_header_constants():
+    assert fusedce.WORKSPACE_ALIGNMENT == 16 and fusedce.MAX_STRUCT_SIZE == 4096
+    assert fusedce.KD_TEMPERATURE_MIN == float(np.float32(1e-4)) and fusedce.KD_TEMPERATURE_MAX == 100.0
 
 
 def test_handles():
@@ -276,6 +329,11 @@ def test_kd_loss_topk(kw):
         np.asarray(out.loss).tolist()
 
 
+def test_kd_temperature_domain_ends_are_accepted():
+    for t in (fusedce.KD_TEMPERATURE_MIN, 1e-4, fusedce.KD_TEMPERATURE_MAX):
+        assert np.isfinite(fusedce.kd_loss(S, TT, temperature=t).loss), t
+
+
 # ---- linear cross-entropy ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw", [{}, {"reduction": "sum", "label_smoothing": 0.1},
@@ -310,11 +368,15 @@ def test_linear_cross_entropy(kw):
     close(d.dweight, ref.fd_grad(lambda x: f(hid, x, b)["loss"], w, g=g), **tol)
     close(d.dbias, ref.fd_grad(lambda x: f(hid, w, x)["loss"], b, g=g), **tol)
     close(fusedce.linear_cross_entropy(hid, w, t, **kw), f(hid, w, 0.0)["loss"], **tol)
-    # a caller workspace (256-byte aligned) instead of the handle's cache: same result
-    buf = np.zeros((1 << 20) + 256, np.uint8)
-    off = (-buf.ctypes.data) % 256
+    # a caller workspace (aligned to FCE_WORKSPACE_ALIGNMENT, 16 bytes) instead of the handle's cache: same
+    # result; one byte off that alignment is refused
+    a = fusedce.WORKSPACE_ALIGNMENT
+    buf = np.zeros((1 << 20) + 2 * a, np.uint8)
+    off = (-buf.ctypes.data) % a
     o2 = fusedce.linear_cross_entropy_fwd(hid, w, t, bias=b, workspace=buf[off:off + (1 << 20)], **kw)
     np.testing.assert_array_equal(o2.loss, out.loss)
+    with pytest.raises(fusedce.InvalidArgumentError):
+        fusedce.linear_cross_entropy_fwd(hid, w, t, bias=b, workspace=buf[off + 1:off + 1 + (1 << 20)], **kw)
 
 
 # ---- bad input ----------------------------------------------------------------------------------------
@@ -333,6 +395,10 @@ BAD = [
     ("no softmax output", lambda: fusedce.temp_softmax(X, probs=False), fusedce.InvalidArgumentError),
     ("teacher rows", lambda: fusedce.kd_loss(S, TT[:-1]), fusedce.ShapeMismatchError),
     ("kd temperature 0", lambda: fusedce.kd_loss(S, TT, temperature=0), fusedce.InvalidArgumentError),
+    ("kd temperature below min", lambda: fusedce.kd_loss(S, TT, temperature=fusedce.KD_TEMPERATURE_MIN / 2),
+     fusedce.InvalidArgumentError),
+    ("kd temperature above max", lambda: fusedce.kd_loss(S, TT, temperature=fusedce.KD_TEMPERATURE_MAX * 1.01),
+     fusedce.InvalidArgumentError),
     ("hidden/weight H", lambda: fusedce.linear_cross_entropy(np.ones((N, 4), np.float32), np.ones((V, 5), np.float32), T),
      fusedce.ShapeMismatchError),
     ("hidden/weight dtype", lambda: fusedce.linear_cross_entropy(np.ones((N, 4), np.float32),
