@@ -41,7 +41,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     if let Err(m) = fusedce::check_version() {
         return Err(Box::new(m));
     }
-    println!("libfusedce {} (ABI {})", fusedce::version_string(), fusedce::abi_version());
+    println!("{}", fusedce::build_info());
 
     let t0 = Instant::now();
     let st = SafeTensors::open(&path)?;

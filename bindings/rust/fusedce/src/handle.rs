@@ -2,13 +2,13 @@
 use std::cell::Cell;
 use std::ffi::c_void;
 use std::marker::PhantomData;
-use std::mem::size_of;
 use std::ptr::{self, NonNull};
 
 use crate::error::{check, Error, Result, Status};
 use crate::options::{
     CeOptions, CeOutputs, KdOptions, KdOutputs, LinearCeGrads, LinearCeOutputs, LseOptions, SoftmaxOptions, Teacher,
 };
+use crate::raw;
 use crate::sys;
 use crate::tensor::{Device, TensorMut, TensorRef};
 
@@ -145,8 +145,9 @@ impl Handle {
     /// `WORKSPACE_TOO_SMALL` is returned by an op that needs more.
     ///
     /// # Safety
-    /// `ptr` must address `bytes` writable bytes on the handle's device, aligned to 256 bytes, used by
-    /// nothing else while set (on CUDA: until the enqueued work that uses it has completed).
+    /// `ptr` must address `bytes` writable bytes on the handle's device, used by nothing else while set
+    /// (on CUDA: until the enqueued work that uses it has completed). It must be aligned to
+    /// [`crate::WORKSPACE_ALIGNMENT`] (16) bytes, or every op returns `INVALID_ARGUMENT`.
     pub unsafe fn set_workspace(&mut self, ptr: *mut c_void, bytes: usize) {
         self.workspace = ptr;
         self.workspace_bytes = bytes;
@@ -238,16 +239,17 @@ impl Handle {
         let mut dlg = dl_mut(&mut outputs.dlogits);
         let gl = dl(&outputs.grad_loss);
         let dlogits_ptr = if in_place { logits } else { mptr(&mut dlg) };
-        let out = sys::fce_ce_outputs_t {
-            struct_size: size_of::<sys::fce_ce_outputs_t>() as u32,
-            loss: &mut loss,
-            lse: mptr(&mut lse),
-            z_loss: mptr(&mut zl),
-            argmax: mptr(&mut am),
-            entropy: mptr(&mut ent),
-            dlogits: dlogits_ptr,
-            grad_loss: cptr(&gl),
-        };
+        let mut out = raw::init::<sys::fce_ce_outputs_t>();
+        {
+            let o = out.get_mut();
+            o.loss = &mut loss;
+            o.lse = mptr(&mut lse);
+            o.z_loss = mptr(&mut zl);
+            o.argmax = mptr(&mut am);
+            o.entropy = mptr(&mut ent);
+            o.dlogits = dlogits_ptr;
+            o.grad_loss = cptr(&gl);
+        }
         // SAFETY: every pointer is to a local DLTensor describing memory the views borrow (host
         // slices checked to cover their shapes, or raw memory the caller vouched for); the library
         // keeps none of them past the call (on CUDA: past the enqueued work).
@@ -258,14 +260,19 @@ impl Handle {
                     self.stream,
                     logits,
                     &t,
-                    &o,
-                    &out,
+                    o.as_ptr(),
+                    out.as_ptr(),
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                Call::Query(bytes) => {
-                    sys::fce_cross_entropy_fwd_workspace_size(self.as_raw(), logits, &t, &o, &out, bytes)
-                }
+                Call::Query(bytes) => sys::fce_cross_entropy_fwd_workspace_size(
+                    self.as_raw(),
+                    logits,
+                    &t,
+                    o.as_ptr(),
+                    out.as_ptr(),
+                    bytes,
+                ),
             }
         };
         check(st)
@@ -353,7 +360,7 @@ impl Handle {
                     &t,
                     &s,
                     cptr(&g),
-                    &o,
+                    o.as_ptr(),
                     dlogits,
                     self.workspace,
                     self.workspace_bytes,
@@ -364,7 +371,7 @@ impl Handle {
                     &t,
                     &s,
                     cptr(&g),
-                    &o,
+                    o.as_ptr(),
                     dlogits,
                     bytes,
                 ),
@@ -409,12 +416,12 @@ impl Handle {
                     self.as_raw(),
                     self.stream,
                     &xd,
-                    &o,
+                    o.as_ptr(),
                     &mut l,
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                Call::Query(bytes) => sys::fce_logsumexp_workspace_size(self.as_raw(), &xd, &o, &l, bytes),
+                Call::Query(bytes) => sys::fce_logsumexp_workspace_size(self.as_raw(), &xd, o.as_ptr(), &l, bytes),
             }
         };
         check(st)
@@ -470,14 +477,14 @@ impl Handle {
                     self.as_raw(),
                     self.stream,
                     &l,
-                    &o,
+                    o.as_ptr(),
                     mptr(&mut p),
                     mptr(&mut lp),
                     self.workspace,
                     self.workspace_bytes,
                 ),
                 Call::Query(bytes) => {
-                    sys::fce_temp_softmax_workspace_size(self.as_raw(), &l, &o, cptr(&p), cptr(&lp), bytes)
+                    sys::fce_temp_softmax_workspace_size(self.as_raw(), &l, o.as_ptr(), cptr(&p), cptr(&lp), bytes)
                 }
             }
         };
@@ -535,23 +542,25 @@ impl Handle {
             Teacher::Logits(l) => (Some(l.as_dl()), None, None),
             Teacher::TopK { ids, logprobs } => (None, Some(ids.as_dl()), Some(logprobs.as_dl())),
         };
-        let t = sys::fce_kd_teacher_t {
-            struct_size: size_of::<sys::fce_kd_teacher_t>() as u32,
-            logits: cptr(&tl),
-            topk_ids: cptr(&ids),
-            topk_logprobs: cptr(&lps),
-        };
+        let mut t = raw::init::<sys::fce_kd_teacher_t>();
+        {
+            let r = t.get_mut();
+            r.logits = cptr(&tl);
+            r.topk_ids = cptr(&ids);
+            r.topk_logprobs = cptr(&lps);
+        }
         let tg = targets.map(|t| t.as_dl());
         let o = options.to_raw();
         let mut loss = outputs.loss.as_dl();
         let mut ds = dl_mut(&mut outputs.dstudent);
         let gl = dl(&outputs.grad_loss);
-        let out = sys::fce_kd_outputs_t {
-            struct_size: size_of::<sys::fce_kd_outputs_t>() as u32,
-            loss: &mut loss,
-            dstudent: mptr(&mut ds),
-            grad_loss: cptr(&gl),
-        };
+        let mut out = raw::init::<sys::fce_kd_outputs_t>();
+        {
+            let r = out.get_mut();
+            r.loss = &mut loss;
+            r.dstudent = mptr(&mut ds);
+            r.grad_loss = cptr(&gl);
+        }
         // SAFETY: as in ce_fwd.
         let st = unsafe {
             match call {
@@ -559,16 +568,22 @@ impl Handle {
                     self.as_raw(),
                     self.stream,
                     &s,
-                    &t,
+                    t.as_ptr(),
                     cptr(&tg),
-                    &o,
-                    &out,
+                    o.as_ptr(),
+                    out.as_ptr(),
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                Call::Query(bytes) => {
-                    sys::fce_kd_loss_workspace_size(self.as_raw(), &s, &t, cptr(&tg), &o, &out, bytes)
-                }
+                Call::Query(bytes) => sys::fce_kd_loss_workspace_size(
+                    self.as_raw(),
+                    &s,
+                    t.as_ptr(),
+                    cptr(&tg),
+                    o.as_ptr(),
+                    out.as_ptr(),
+                    bytes,
+                ),
             }
         };
         check(st)
@@ -677,18 +692,19 @@ impl Handle {
         let t = targets.as_dl();
         let cw = dl(&options.class_weights);
         let o = options.to_raw(cw.as_ref());
-        let raw_out = sys::fce_linear_ce_outputs_t {
-            struct_size: size_of::<sys::fce_linear_ce_outputs_t>() as u32,
-            loss: mptr(&mut out.loss),
-            lse: mptr(&mut out.lse),
-            z_loss: mptr(&mut out.z_loss),
-            argmax: mptr(&mut out.argmax),
-            entropy: mptr(&mut out.entropy),
-            dhidden: mptr(&mut out.dhidden),
-            dweight: mptr(&mut out.dweight),
-            dbias: mptr(&mut out.dbias),
-            grad_loss: cptr(&out.grad_loss),
-        };
+        let mut raw_out = raw::init::<sys::fce_linear_ce_outputs_t>();
+        {
+            let r = raw_out.get_mut();
+            r.loss = mptr(&mut out.loss);
+            r.lse = mptr(&mut out.lse);
+            r.z_loss = mptr(&mut out.z_loss);
+            r.argmax = mptr(&mut out.argmax);
+            r.entropy = mptr(&mut out.entropy);
+            r.dhidden = mptr(&mut out.dhidden);
+            r.dweight = mptr(&mut out.dweight);
+            r.dbias = mptr(&mut out.dbias);
+            r.grad_loss = cptr(&out.grad_loss);
+        }
         // SAFETY: as in ce_fwd.
         let st = unsafe {
             match (lse, call) {
@@ -699,8 +715,8 @@ impl Handle {
                     &w,
                     cptr(&b),
                     &t,
-                    &o,
-                    &raw_out,
+                    o.as_ptr(),
+                    raw_out.as_ptr(),
                     self.workspace,
                     self.workspace_bytes,
                 ),
@@ -710,8 +726,8 @@ impl Handle {
                     &w,
                     cptr(&b),
                     &t,
-                    &o,
-                    &raw_out,
+                    o.as_ptr(),
+                    raw_out.as_ptr(),
                     bytes,
                 ),
                 (Some(l), Call::Run) => sys::fce_linear_cross_entropy_bwd(
@@ -722,8 +738,8 @@ impl Handle {
                     cptr(&b),
                     &t,
                     &l.as_dl(),
-                    &o,
-                    &raw_out,
+                    o.as_ptr(),
+                    raw_out.as_ptr(),
                     self.workspace,
                     self.workspace_bytes,
                 ),
@@ -734,8 +750,8 @@ impl Handle {
                     cptr(&b),
                     &t,
                     &l.as_dl(),
-                    &o,
-                    &raw_out,
+                    o.as_ptr(),
+                    raw_out.as_ptr(),
                     bytes,
                 ),
             }

@@ -6,7 +6,11 @@
 //! * [`Handle`]: one per device, freed on drop; `Send`, not `Sync`. One method per op.
 //! * [`TensorRef`] / [`TensorMut`]: views of Rust slices (or, behind `unsafe`, raw device memory)
 //!   that become DLPack tensors for the duration of a call. Shapes are `[]`, `[n]` or `[rows, cols]`.
-//! * Option structs ([`CeOptions`], [`KdOptions`], ...) whose `Default` is the header's `*_INIT`.
+//! * Option structs ([`CeOptions`], [`KdOptions`], ...) whose `Default` is the loaded library's, from its
+//!   `fce_*_init` functions (the header's `*_INIT` values); every C struct handed to the library is
+//!   filled by those functions first, with room for a newer library's larger struct.
+//! * [`build_info`]: what the loaded library was built with (CUDA backend, CUDA/cuBLAS versions, GPU
+//!   architectures).
 //! * [`Error`]: the library's status and its per-thread message; [`Result`] everywhere.
 //!
 //! Units: losses, log-probabilities and entropies are in nats; every statistic is computed in fp32 or
@@ -38,6 +42,7 @@ pub use fusedce_sys as sys;
 mod error;
 mod handle;
 mod options;
+mod raw;
 mod tensor;
 
 pub use error::{Error, Result, Status, VersionMismatch};
@@ -54,6 +59,15 @@ use std::ffi::CStr;
 pub const HEADER_VERSION_NUMBER: u32 = sys::FCE_VERSION_NUMBER;
 /// `FCE_ABI_VERSION` of the header these bindings were generated from.
 pub const HEADER_ABI_VERSION: u32 = sys::FCE_ABI_VERSION;
+/// `FCE_WORKSPACE_ALIGNMENT`: required alignment, in bytes, of a caller's workspace
+/// ([`Handle::set_workspace`]).
+pub const WORKSPACE_ALIGNMENT: usize = sys::FCE_WORKSPACE_ALIGNMENT as usize;
+/// `FCE_MAX_STRUCT_SIZE`: the largest `struct_size` the library accepts for any struct.
+pub const MAX_STRUCT_SIZE: usize = sys::FCE_MAX_STRUCT_SIZE as usize;
+/// `FCE_KD_TEMPERATURE_MIN` (1e-4): lower end of [`KdOptions::temperature`]'s domain, inclusive.
+pub const KD_TEMPERATURE_MIN: f32 = sys::FCE_KD_TEMPERATURE_MIN as f32;
+/// `FCE_KD_TEMPERATURE_MAX` (100): upper end of [`KdOptions::temperature`]'s domain, inclusive.
+pub const KD_TEMPERATURE_MAX: f32 = sys::FCE_KD_TEMPERATURE_MAX as f32;
 
 /// `fce_version_number()`: MAJOR·10000 + MINOR·100 + PATCH of the loaded library.
 pub fn version_number() -> u32 {
@@ -90,5 +104,80 @@ pub fn check_version() -> std::result::Result<(), VersionMismatch> {
         Ok(())
     } else {
         Err(m)
+    }
+}
+
+/// What the loaded library was built with ([`build_info`], `fce_build_info_t`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BuildInfo {
+    /// `FCE_VERSION_NUMBER` of the library: MAJOR·10000 + MINOR·100 + PATCH.
+    pub version_number: u32,
+    /// `FCE_ABI_VERSION` of the library.
+    pub abi_version: u32,
+    /// The CUDA backend is built (false: a CPU-only build).
+    pub cuda_backend: bool,
+    /// `CUDART_VERSION` the library was compiled against (13000 = 13.0); 0 without CUDA.
+    pub cuda_runtime_version: i32,
+    /// `CUBLAS_VERSION` of the cuBLAS headers it was compiled against (130100 = 13.1.0); 0 without CUDA.
+    /// cuBLAS itself is loaded at run time on the first linear cross-entropy call.
+    pub cublas_version: i32,
+    /// "MAJOR.MINOR.PATCH".
+    pub version_string: String,
+    /// GPU code compiled in, space separated ("sm_80 sm_90 compute_90": machine code for sm_80 and sm_90,
+    /// PTX for newer GPUs); empty without CUDA.
+    pub cuda_architectures: String,
+}
+
+impl std::fmt::Display for BuildInfo {
+    /// `libfusedce 0.2.0 (ABI 0), CUDA backend: CUDA runtime 13.0, cuBLAS 13.1.0, sm_80 sm_90 compute_90`,
+    /// or `libfusedce 0.2.0 (ABI 0), CPU only`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "libfusedce {} (ABI {})", self.version_string, self.abi_version)?;
+        if !self.cuda_backend {
+            return write!(f, ", CPU only");
+        }
+        let (rt, cb) = (self.cuda_runtime_version, self.cublas_version);
+        write!(
+            f,
+            ", CUDA backend: CUDA runtime {}.{}, cuBLAS {}.{}.{}, {}",
+            rt / 1000,
+            rt % 1000 / 10,
+            cb / 10000,
+            cb % 10000 / 100,
+            cb % 100,
+            if self.cuda_architectures.is_empty() { "no GPU code" } else { &self.cuda_architectures }
+        )
+    }
+}
+
+/// `fce_build_info()`: what the loaded library was built with.
+///
+/// The struct is passed with room for a newer library's larger one (`struct_size` =
+/// [`MAX_STRUCT_SIZE`]), so the call cannot fail; it panics if the library reports otherwise.
+pub fn build_info() -> BuildInfo {
+    let mut room = raw::Room::<sys::fce_build_info_t>::zeroed();
+    room.set_struct_size(MAX_STRUCT_SIZE as u32);
+    // SAFETY: MAX_STRUCT_SIZE writable bytes, aligned for the struct; the library writes at most struct_size.
+    let st = unsafe { sys::fce_build_info(room.as_mut_ptr()) };
+    if let Err(e) = error::check(st) {
+        panic!("fusedce: fce_build_info failed: {}", e);
+    }
+    let b = room.get();
+    let text = |p: *const std::os::raw::c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            // SAFETY: NUL-terminated static storage of the library.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    BuildInfo {
+        version_number: b.version_number,
+        abi_version: b.abi_version,
+        cuda_backend: b.cuda_backend != 0,
+        cuda_runtime_version: b.cuda_runtime_version,
+        cublas_version: b.cublas_version,
+        version_string: text(b.version_string),
+        cuda_architectures: text(b.cuda_architectures),
     }
 }

@@ -1,7 +1,9 @@
-//! Option and output structs of the ops, with the C header's defaults (its `*_INIT` macros).
-use std::mem::size_of;
+//! Option and output structs of the ops. Their defaults are the loaded library's, from its `fce_*_init`
+//! functions (equal to the header's `*_INIT` macros), and every C struct handed to the library is filled
+//! by those functions before the fields set here are written (see `raw.rs`).
 use std::ptr;
 
+use crate::raw::{self, Room};
 use crate::sys;
 use crate::tensor::{TensorMut, TensorRef};
 
@@ -28,6 +30,10 @@ impl Reduction {
             Reduction::Mean => sys::FCE_REDUCTION_MEAN,
         }) as i32
     }
+    /// The reduction of a C value; None for a value this header does not know.
+    pub fn from_raw(raw: i32) -> Option<Self> {
+        [Reduction::None, Reduction::Sum, Reduction::Mean].into_iter().find(|r| r.to_raw() == raw)
+    }
 }
 
 /// Divergence of knowledge distillation (`fce_kd_divergence_t`).
@@ -52,6 +58,10 @@ impl Divergence {
             Divergence::Jsd => sys::FCE_KD_JSD,
         }) as i32
     }
+    /// The divergence of a C value; None for a value this header does not know.
+    pub fn from_raw(raw: i32) -> Option<Self> {
+        [Divergence::ForwardKl, Divergence::ReverseKl, Divergence::Jsd].into_iter().find(|d| d.to_raw() == raw)
+    }
 }
 
 /// How the student side of a top-K teacher is normalized (`fce_kd_topk_norm_t`).
@@ -72,6 +82,10 @@ impl TopkNorm {
             TopkNorm::Renormalize => sys::FCE_KD_TOPK_RENORMALIZE,
         }) as i32
     }
+    /// The normalization of a C value; None for a value this header does not know.
+    pub fn from_raw(raw: i32) -> Option<Self> {
+        [TopkNorm::FullVocab, TopkNorm::Renormalize].into_iter().find(|n| n.to_raw() == raw)
+    }
 }
 
 /// Options of cross-entropy and linear cross-entropy (`fce_ce_options_t`).
@@ -82,7 +96,7 @@ impl TopkNorm {
 /// `label_smoothing`, w = `class_weights` (1 without), q = `z_loss_scale`. Rows whose target equals
 /// `ignore_index` have loss 0 and zero gradient; a target outside `[0, V)` gives that row a NaN loss.
 ///
-/// `CeOptions::default()` equals the header's `FCE_CE_OPTIONS_INIT`.
+/// `CeOptions::default()` is the loaded library's `fce_ce_options_init` (the header's `FCE_CE_OPTIONS_INIT`).
 #[derive(Copy, Clone, Debug)]
 pub struct CeOptions<'a> {
     /// Reduction of the per-row losses; default [`Reduction::Mean`].
@@ -102,21 +116,24 @@ pub struct CeOptions<'a> {
 }
 
 impl Default for CeOptions<'_> {
+    /// The library's defaults (`fce_ce_options_init`).
     fn default() -> Self {
+        let r = raw::init::<sys::fce_ce_options_t>();
+        let d = r.get();
         CeOptions {
-            reduction: Reduction::Mean,
-            ignore_index: -100,
-            label_smoothing: 0.0,
-            z_loss_scale: 0.0,
-            softcap: 0.0,
-            logit_scale: 1.0,
+            reduction: Reduction::from_raw(d.reduction).unwrap_or_default(),
+            ignore_index: d.ignore_index,
+            label_smoothing: d.label_smoothing,
+            z_loss_scale: d.z_loss_scale,
+            softcap: d.softcap,
+            logit_scale: d.logit_scale,
             class_weights: None,
         }
     }
 }
 
 impl<'a> CeOptions<'a> {
-    /// The defaults (`FCE_CE_OPTIONS_INIT`).
+    /// The defaults (`fce_ce_options_init`, i.e. `FCE_CE_OPTIONS_INIT`).
     pub fn new() -> Self {
         Self::default()
     }
@@ -156,19 +173,20 @@ impl<'a> CeOptions<'a> {
         self
     }
 
-    /// The C struct, with `class_weights` pointing at `weights` (NULL when None). `weights` must be the
-    /// DLTensor of `self.class_weights` and outlive the use of the result.
-    pub(crate) fn to_raw(self, weights: Option<&sys::DLTensor>) -> sys::fce_ce_options_t {
-        sys::fce_ce_options_t {
-            struct_size: size_of::<sys::fce_ce_options_t>() as u32,
-            reduction: self.reduction.to_raw(),
-            ignore_index: self.ignore_index,
-            label_smoothing: self.label_smoothing,
-            z_loss_scale: self.z_loss_scale,
-            softcap: self.softcap,
-            logit_scale: self.logit_scale,
-            class_weights: weights.map_or(ptr::null(), |w| w as *const sys::DLTensor),
-        }
+    /// The C struct (filled by `fce_ce_options_init`, then these fields), with `class_weights` pointing
+    /// at `weights` (NULL when None). `weights` must be the DLTensor of `self.class_weights` and outlive
+    /// the use of the result.
+    pub(crate) fn to_raw(self, weights: Option<&sys::DLTensor>) -> Room<sys::fce_ce_options_t> {
+        let mut r = raw::init::<sys::fce_ce_options_t>();
+        let o = r.get_mut();
+        o.reduction = self.reduction.to_raw();
+        o.ignore_index = self.ignore_index;
+        o.label_smoothing = self.label_smoothing;
+        o.z_loss_scale = self.z_loss_scale;
+        o.softcap = self.softcap;
+        o.logit_scale = self.logit_scale;
+        o.class_weights = weights.map_or(ptr::null(), |w| w as *const sys::DLTensor);
+        r
     }
 }
 
@@ -192,7 +210,7 @@ pub struct CeOutputs<'a> {
 }
 
 impl<'a> CeOutputs<'a> {
-    /// Outputs with only the loss (`FCE_CE_OUTPUTS_INIT` plus `loss`).
+    /// Outputs with only the loss (the rest as `fce_ce_outputs_init` leaves them: none).
     pub fn new(loss: TensorMut<'a>) -> Self {
         CeOutputs { loss, lse: None, z_loss: None, argmax: None, entropy: None, dlogits: None, grad_loss: None }
     }
@@ -228,7 +246,8 @@ impl<'a> CeOutputs<'a> {
     }
 }
 
-/// Options of [`crate::Handle::logsumexp`] (`fce_lse_options_t`); the default equals `FCE_LSE_OPTIONS_INIT`.
+/// Options of [`crate::Handle::logsumexp`] (`fce_lse_options_t`); the default is the library's
+/// `fce_lse_options_init` (`FCE_LSE_OPTIONS_INIT`).
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct LseOptions {
     /// s > 0, finite: lse_i = log Σ_j exp(s·x_ij); default 1.
@@ -236,13 +255,14 @@ pub struct LseOptions {
 }
 
 impl Default for LseOptions {
+    /// The library's defaults (`fce_lse_options_init`).
     fn default() -> Self {
-        LseOptions { scale: 1.0 }
+        LseOptions { scale: raw::init::<sys::fce_lse_options_t>().get().scale }
     }
 }
 
 impl LseOptions {
-    /// The defaults (`FCE_LSE_OPTIONS_INIT`).
+    /// The defaults (`fce_lse_options_init`, i.e. `FCE_LSE_OPTIONS_INIT`).
     pub fn new() -> Self {
         Self::default()
     }
@@ -251,13 +271,15 @@ impl LseOptions {
         self.scale = s;
         self
     }
-    pub(crate) fn to_raw(self) -> sys::fce_lse_options_t {
-        sys::fce_lse_options_t { struct_size: size_of::<sys::fce_lse_options_t>() as u32, scale: self.scale }
+    pub(crate) fn to_raw(self) -> Room<sys::fce_lse_options_t> {
+        let mut r = raw::init::<sys::fce_lse_options_t>();
+        r.get_mut().scale = self.scale;
+        r
     }
 }
 
-/// Options of [`crate::Handle::temp_softmax`] (`fce_softmax_options_t`); the default equals
-/// `FCE_SOFTMAX_OPTIONS_INIT`.
+/// Options of [`crate::Handle::temp_softmax`] (`fce_softmax_options_t`); the default is the library's
+/// `fce_softmax_options_init` (`FCE_SOFTMAX_OPTIONS_INIT`).
 #[derive(Copy, Clone, Debug)]
 pub struct SoftmaxOptions<'a> {
     /// Temperature T of every row when `temperatures` is None: >= 0 and not NaN; 0 is greedy (one-hot
@@ -268,13 +290,14 @@ pub struct SoftmaxOptions<'a> {
 }
 
 impl Default for SoftmaxOptions<'_> {
+    /// The library's defaults (`fce_softmax_options_init`).
     fn default() -> Self {
-        SoftmaxOptions { temperature: 1.0, temperatures: None }
+        SoftmaxOptions { temperature: raw::init::<sys::fce_softmax_options_t>().get().temperature, temperatures: None }
     }
 }
 
 impl<'a> SoftmaxOptions<'a> {
-    /// The defaults (`FCE_SOFTMAX_OPTIONS_INIT`).
+    /// The defaults (`fce_softmax_options_init`, i.e. `FCE_SOFTMAX_OPTIONS_INIT`).
     pub fn new() -> Self {
         Self::default()
     }
@@ -288,16 +311,17 @@ impl<'a> SoftmaxOptions<'a> {
         self.temperatures = Some(t);
         self
     }
-    pub(crate) fn to_raw(self, temps: Option<&sys::DLTensor>) -> sys::fce_softmax_options_t {
-        sys::fce_softmax_options_t {
-            struct_size: size_of::<sys::fce_softmax_options_t>() as u32,
-            temperature: self.temperature,
-            temperatures: temps.map_or(ptr::null(), |t| t as *const sys::DLTensor),
-        }
+    pub(crate) fn to_raw(self, temps: Option<&sys::DLTensor>) -> Room<sys::fce_softmax_options_t> {
+        let mut r = raw::init::<sys::fce_softmax_options_t>();
+        let o = r.get_mut();
+        o.temperature = self.temperature;
+        o.temperatures = temps.map_or(ptr::null(), |t| t as *const sys::DLTensor);
+        r
     }
 }
 
-/// Options of [`crate::Handle::kd_loss`] (`fce_kd_options_t`); the default equals `FCE_KD_OPTIONS_INIT`.
+/// Options of [`crate::Handle::kd_loss`] (`fce_kd_options_t`); the default is the library's
+/// `fce_kd_options_init` (`FCE_KD_OPTIONS_INIT`).
 ///
 /// With temperature T both distributions are softmax(logits / T); a top-K teacher's distribution over
 /// its K ids is softmax_K(logprobs / T). Terms of zero probability contribute exactly 0.
@@ -307,7 +331,8 @@ pub struct KdOptions {
     pub divergence: Divergence,
     /// β in [0, 1] for [`Divergence::Jsd`]; default 0.5.
     pub beta: f32,
-    /// T > 0, finite; default 1.
+    /// T from [`crate::KD_TEMPERATURE_MIN`] to [`crate::KD_TEMPERATURE_MAX`] inclusive (1e-4 to 100;
+    /// `INVALID_ARGUMENT` otherwise); default 1.
     pub temperature: f32,
     /// Multiply loss and gradient by T² (Hinton); default false.
     pub scale_by_t2: bool,
@@ -320,21 +345,24 @@ pub struct KdOptions {
 }
 
 impl Default for KdOptions {
+    /// The library's defaults (`fce_kd_options_init`).
     fn default() -> Self {
+        let r = raw::init::<sys::fce_kd_options_t>();
+        let d = r.get();
         KdOptions {
-            divergence: Divergence::ForwardKl,
-            beta: 0.5,
-            temperature: 1.0,
-            scale_by_t2: false,
-            topk_norm: TopkNorm::FullVocab,
-            reduction: Reduction::Mean,
-            ignore_index: -100,
+            divergence: Divergence::from_raw(d.divergence).unwrap_or_default(),
+            beta: d.beta,
+            temperature: d.temperature,
+            scale_by_t2: d.scale_by_t2 != 0,
+            topk_norm: TopkNorm::from_raw(d.topk_norm).unwrap_or_default(),
+            reduction: Reduction::from_raw(d.reduction).unwrap_or_default(),
+            ignore_index: d.ignore_index,
         }
     }
 }
 
 impl KdOptions {
-    /// The defaults (`FCE_KD_OPTIONS_INIT`).
+    /// The defaults (`fce_kd_options_init`, i.e. `FCE_KD_OPTIONS_INIT`).
     pub fn new() -> Self {
         Self::default()
     }
@@ -373,17 +401,17 @@ impl KdOptions {
         self.ignore_index = i;
         self
     }
-    pub(crate) fn to_raw(self) -> sys::fce_kd_options_t {
-        sys::fce_kd_options_t {
-            struct_size: size_of::<sys::fce_kd_options_t>() as u32,
-            divergence: self.divergence.to_raw(),
-            beta: self.beta,
-            temperature: self.temperature,
-            scale_by_t2: self.scale_by_t2 as i32,
-            topk_norm: self.topk_norm.to_raw(),
-            reduction: self.reduction.to_raw(),
-            ignore_index: self.ignore_index,
-        }
+    pub(crate) fn to_raw(self) -> Room<sys::fce_kd_options_t> {
+        let mut r = raw::init::<sys::fce_kd_options_t>();
+        let o = r.get_mut();
+        o.divergence = self.divergence.to_raw();
+        o.beta = self.beta;
+        o.temperature = self.temperature;
+        o.scale_by_t2 = self.scale_by_t2 as i32;
+        o.topk_norm = self.topk_norm.to_raw();
+        o.reduction = self.reduction.to_raw();
+        o.ignore_index = self.ignore_index;
+        r
     }
 }
 
@@ -414,7 +442,7 @@ pub struct KdOutputs<'a> {
 }
 
 impl<'a> KdOutputs<'a> {
-    /// Outputs with only the loss (`FCE_KD_OUTPUTS_INIT` plus `loss`).
+    /// Outputs with only the loss (the rest as `fce_kd_outputs_init` leaves them: none).
     pub fn new(loss: TensorMut<'a>) -> Self {
         KdOutputs { loss, dstudent: None, grad_loss: None }
     }
@@ -455,7 +483,7 @@ pub struct LinearCeOutputs<'a> {
 }
 
 impl<'a> LinearCeOutputs<'a> {
-    /// Outputs with only the loss (`FCE_LINEAR_CE_OUTPUTS_INIT` plus `loss`).
+    /// Outputs with only the loss (the rest as `fce_linear_ce_outputs_init` leaves them: none).
     pub fn new(loss: TensorMut<'a>) -> Self {
         LinearCeOutputs {
             loss,

@@ -138,18 +138,34 @@ fn bad_inputs_return_the_right_status_and_a_message() {
     assert_eq!(loss, 0.0);
     assert_eq!(rows, [0.0; 3]);
 
-    // INVALID_ARGUMENT: temperature 0 for distillation; a softmax with no output.
-    expect_err(
+    // INVALID_ARGUMENT: a distillation temperature outside [KD_TEMPERATURE_MIN, KD_TEMPERATURE_MAX]
+    // (0, below the minimum, above the maximum); a softmax with no output.
+    for bad in [0.0, fusedce::KD_TEMPERATURE_MIN / 2.0, fusedce::KD_TEMPERATURE_MAX * 1.01] {
+        expect_err(
+            h.kd_loss(
+                &xm,
+                &Teacher::Logits(xm),
+                None,
+                &KdOptions::new().temperature(bad),
+                &mut KdOutputs::new(TensorMut::scalar(&mut loss)),
+            ),
+            Status::INVALID_ARGUMENT,
+            "temperature",
+        );
+    }
+    assert_eq!(loss, 0.0);
+    // Both ends of the domain are accepted.
+    for good in [fusedce::KD_TEMPERATURE_MIN, 1e-4, fusedce::KD_TEMPERATURE_MAX] {
         h.kd_loss(
             &xm,
             &Teacher::Logits(xm),
             None,
-            &KdOptions::new().temperature(0.0),
+            &KdOptions::new().temperature(good),
             &mut KdOutputs::new(TensorMut::scalar(&mut loss)),
-        ),
-        Status::INVALID_ARGUMENT,
-        "temperature",
-    );
+        )
+        .unwrap_or_else(|e| panic!("temperature {}: {}", good, e));
+        assert!(loss.is_finite());
+    }
     expect_err(h.temp_softmax(&xm, &SoftmaxOptions::default(), None, None), Status::INVALID_ARGUMENT, "NULL");
     // INVALID_ARGUMENT: a linear cross-entropy backward with no gradient requested.
     let lse = [0f32; 3];
@@ -229,7 +245,8 @@ fn views_that_do_not_fit_their_slice_are_refused() {
 }
 
 #[test]
-fn option_defaults_mirror_the_init_macros() {
+fn option_defaults_come_from_the_init_functions() {
+    // The library's fce_*_init functions give the header's *_INIT values.
     // FCE_CE_OPTIONS_INIT: MEAN, -100, 0, 0, 0, 1, NULL.
     let o = CeOptions::default();
     assert_eq!(
@@ -270,4 +287,79 @@ fn option_defaults_mirror_the_init_macros() {
     assert_eq!(LseOptions::default().scale, 1.0);
     let s = SoftmaxOptions::default();
     assert_eq!((s.temperature, s.temperatures.is_none()), (1.0, true));
+}
+
+#[test]
+fn raw_init_functions_match_the_header() {
+    use fusedce::sys;
+    use std::mem::MaybeUninit;
+    // Each fce_*_init on this header's struct (same version): struct_size is this header's sizeof.
+    macro_rules! size_of_init {
+        ($t:ident, $f:ident) => {{
+            let mut v = MaybeUninit::<sys::$t>::zeroed();
+            let st = unsafe { sys::$f(v.as_mut_ptr()) };
+            assert_eq!(st, sys::fce_status::FCE_STATUS_SUCCESS, stringify!($f));
+            let v = unsafe { v.assume_init() };
+            assert_eq!(v.struct_size as usize, std::mem::size_of::<sys::$t>(), stringify!($t));
+            v
+        }};
+    }
+    let ce = size_of_init!(fce_ce_options_t, fce_ce_options_init);
+    assert!(ce.class_weights.is_null() && ce.logit_scale == 1.0 && ce.ignore_index == -100);
+    let o = size_of_init!(fce_ce_outputs_t, fce_ce_outputs_init);
+    assert!(o.loss.is_null() && o.dlogits.is_null() && o.grad_loss.is_null());
+    assert_eq!(size_of_init!(fce_lse_options_t, fce_lse_options_init).scale, 1.0);
+    let sm = size_of_init!(fce_softmax_options_t, fce_softmax_options_init);
+    assert!(sm.temperature == 1.0 && sm.temperatures.is_null());
+    let kd = size_of_init!(fce_kd_options_t, fce_kd_options_init);
+    assert!(kd.beta == 0.5 && kd.temperature == 1.0 && kd.scale_by_t2 == 0);
+    let t = size_of_init!(fce_kd_teacher_t, fce_kd_teacher_init);
+    assert!(t.logits.is_null() && t.topk_ids.is_null() && t.topk_logprobs.is_null());
+    let ko = size_of_init!(fce_kd_outputs_t, fce_kd_outputs_init);
+    assert!(ko.loss.is_null() && ko.dstudent.is_null());
+    let lo = size_of_init!(fce_linear_ce_outputs_t, fce_linear_ce_outputs_init);
+    assert!(lo.loss.is_null() && lo.dweight.is_null());
+    // NULL is refused.
+    let st = unsafe { sys::fce_ce_options_init(std::ptr::null_mut()) };
+    assert_eq!(st, sys::fce_status::FCE_STATUS_INVALID_ARGUMENT);
+}
+
+#[test]
+fn build_info_is_consistent_with_the_version_functions() {
+    let b = fusedce::build_info();
+    assert_eq!(b.version_number, fusedce::version_number());
+    assert_eq!(b.abi_version, fusedce::abi_version());
+    assert_eq!(b.version_string, fusedce::version_string());
+    assert_eq!(b.version_number, fusedce::HEADER_VERSION_NUMBER);
+    // The raw field is 0 or 1.
+    let mut raw: fusedce::sys::fce_build_info_t = unsafe { std::mem::zeroed() };
+    raw.struct_size = std::mem::size_of::<fusedce::sys::fce_build_info_t>() as u32;
+    assert_eq!(unsafe { fusedce::sys::fce_build_info(&mut raw) }, fusedce::sys::fce_status::FCE_STATUS_SUCCESS);
+    assert!(raw.cuda_backend == 0 || raw.cuda_backend == 1, "{}", raw.cuda_backend);
+    assert_eq!(raw.cuda_backend == 1, b.cuda_backend);
+    if b.cuda_backend {
+        assert!(b.cuda_runtime_version > 0 && b.cublas_version > 0, "{:?}", b);
+        assert!(!b.cuda_architectures.is_empty());
+        for a in b.cuda_architectures.split(' ') {
+            assert!(a.starts_with("sm_") || a.starts_with("compute_"), "{:?}", b.cuda_architectures);
+        }
+    } else {
+        assert_eq!((b.cuda_runtime_version, b.cublas_version, b.cuda_architectures.as_str()), (0, 0, ""));
+    }
+    let shown = b.to_string();
+    assert!(shown.starts_with(&format!("libfusedce {} (ABI {})", b.version_string, b.abi_version)), "{}", shown);
+    // A struct_size below the library's struct is refused, and nothing is written.
+    let mut small: fusedce::sys::fce_build_info_t = unsafe { std::mem::zeroed() };
+    small.struct_size = 8;
+    let st = unsafe { fusedce::sys::fce_build_info(&mut small) };
+    assert_eq!(st, fusedce::sys::fce_status::FCE_STATUS_INVALID_ARGUMENT);
+    assert_eq!(small.version_number, 0);
+}
+
+#[test]
+fn header_constants() {
+    assert_eq!(fusedce::WORKSPACE_ALIGNMENT, 16);
+    assert_eq!(fusedce::MAX_STRUCT_SIZE, 4096);
+    assert_eq!(fusedce::KD_TEMPERATURE_MIN, 1e-4f32);
+    assert_eq!(fusedce::KD_TEMPERATURE_MAX, 100.0f32);
 }

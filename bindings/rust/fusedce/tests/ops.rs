@@ -662,15 +662,17 @@ fn linear_cross_entropy_fwd_bwd_and_workspace() {
     let none = CeOptions::new().reduction(Reduction::None);
     let mut buf;
     let off;
+    let bytes_ws;
     let mut h2 = cpu();
     {
         let mut outs = LinearCeOutputs::new(TensorMut::vector(&mut loss_ws));
         let bytes = h.linear_cross_entropy_fwd_workspace_size(&hm, &wm, Some(&bv), &tv, &none, &mut outs).unwrap();
         assert!(bytes > 0);
-        buf = vec![0u8; bytes + 256];
-        off = buf.as_ptr().align_offset(256);
+        buf = vec![0u8; bytes + 2 * fusedce::WORKSPACE_ALIGNMENT];
+        off = buf.as_ptr().align_offset(fusedce::WORKSPACE_ALIGNMENT);
         unsafe { h2.set_workspace(buf.as_mut_ptr().add(off) as *mut std::ffi::c_void, bytes) };
         h2.linear_cross_entropy_fwd(&hm, &wm, Some(&bv), &tv, &none, &mut outs).unwrap();
+        bytes_ws = bytes;
     }
     let plain = CeRef::default().rows(&p.logits(&hd, &wd, &bd), v, &p.targets);
     let want: Vec<f64> = plain.iter().map(|r| r.loss).collect();
@@ -688,6 +690,19 @@ fn linear_cross_entropy_fwd_bwd_and_workspace() {
         .unwrap_err();
     assert_eq!(e.status(), Status::WORKSPACE_TOO_SMALL, "{}", e);
     assert!(!e.message().is_empty());
+    // One byte off FCE_WORKSPACE_ALIGNMENT: INVALID_ARGUMENT.
+    unsafe { h2.set_workspace(buf.as_mut_ptr().add(off + 1) as *mut std::ffi::c_void, bytes_ws) };
+    let e = h2
+        .linear_cross_entropy_fwd(
+            &hm,
+            &wm,
+            Some(&bv),
+            &tv,
+            &none,
+            &mut LinearCeOutputs::new(TensorMut::vector(&mut loss_ws)),
+        )
+        .unwrap_err();
+    assert_eq!(e.status(), Status::INVALID_ARGUMENT, "{}", e);
     h2.clear_workspace();
     h2.linear_cross_entropy_fwd(
         &hm,
