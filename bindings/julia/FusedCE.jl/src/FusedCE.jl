@@ -18,8 +18,10 @@ Class indices are 1-based everywhere (targets, `argmax` outputs, top-K ids, `ign
 binding subtracts 1 before calling the library, so `ignore_index = 0` works as well as the default -100.
 Any strided array works as long as its first dimension has unit stride (a view of a padded matrix
 is fine). Element types: `Float32`, `Float16`, any 16-bit type named `BFloat16` (BFloat16s.jl) for
-floating data; `Int32`/`Int64` for indices. Options are keyword arguments whose defaults are the header's
-`*_INIT` macros. Failures throw `FusedCEError` carrying the library's message.
+floating data; `Int32`/`Int64` for indices. Options are keyword arguments whose defaults are the loaded
+library's, from its `fce_*_init` functions (the header's `*_INIT` values); every options/outputs struct
+handed to the library is filled by those functions first. Failures throw `FusedCEError` carrying the
+library's message. `FusedCE.build_info()` tells what the library was built with.
 """
 module FusedCE
 
@@ -29,7 +31,7 @@ include("LibFusedCE.jl")
 using .LibFusedCE
 const L = LibFusedCE
 
-export Handle, FusedCEError, default_handle, library_path, version, abi_version,
+export Handle, FusedCEError, default_handle, library_path, version, abi_version, build_info,
        cross_entropy, cross_entropy_fwd, cross_entropy_bwd, logsumexp, temp_softmax,
        kd_loss, kd_loss_topk, linear_cross_entropy, linear_cross_entropy_fwd, linear_cross_entropy_bwd
 
@@ -76,6 +78,7 @@ function __init__()
     _lib[] = lib
     _libpath[] = Libdl.dlpath(lib)
     empty!(_handles)
+    _load_defaults!()
     return nothing
 end
 
@@ -87,6 +90,32 @@ version() = VersionNumber(unsafe_string(L.fce_version_string()))
 header_version() = VersionNumber(L.FCE_VERSION_MAJOR, L.FCE_VERSION_MINOR, L.FCE_VERSION_PATCH)
 "ABI version of the loaded library."
 abi_version() = Int(L.fce_abi_version())
+
+"""
+    build_info()
+
+What the loaded library was built with (`fce_build_info`), as a NamedTuple: `version_number`
+(MAJOR*10000 + MINOR*100 + PATCH), `abi_version`, `cuda_backend` (a `Bool`: false for a CPU-only build),
+`cuda_runtime_version` (CUDART_VERSION compiled against, 13000 = 13.0; 0 without CUDA), `cublas_version`
+(CUBLAS_VERSION of the cuBLAS headers; 0 without CUDA), `version_string` ("MAJOR.MINOR.PATCH") and
+`cuda_architectures` (GPU code in the library, space separated, e.g. "sm_80 sm_90 compute_90"; "" without
+CUDA).
+"""
+function build_info()
+    # FCE_MAX_STRUCT_SIZE zeroed bytes: room for a newer library's larger struct
+    buf = zeros(UInt8, L.FCE_MAX_STRUCT_SIZE)
+    b = GC.@preserve buf begin
+        p = Ptr{L.fce_build_info_t}(pointer(buf))
+        unsafe_store!(Ptr{UInt32}(p), UInt32(L.FCE_MAX_STRUCT_SIZE))
+        _check(L.fce_build_info(p), :fce_build_info)
+        unsafe_load(p)
+    end
+    text(p) = p == C_NULL ? "" : unsafe_string(p)
+    return (version_number = Int(b.version_number), abi_version = Int(b.abi_version),
+            cuda_backend = b.cuda_backend != 0, cuda_runtime_version = Int(b.cuda_runtime_version),
+            cublas_version = Int(b.cublas_version), version_string = text(b.version_string),
+            cuda_architectures = text(b.cuda_architectures))
+end
 
 # ------------------------------------------------------------------------------------------------
 # Errors
@@ -256,21 +285,102 @@ function _enum(table, name::Symbol, what)
     return Int32(table[name])
 end
 
-# Defaults: the header's initializer macros.
-const _CE = L.FCE_CE_OPTIONS_INIT
-const _LSE = L.FCE_LSE_OPTIONS_INIT
-const _SM = L.FCE_SOFTMAX_OPTIONS_INIT
-const _KD = L.FCE_KD_OPTIONS_INIT
-const _DEF_REDUCTION = _REDUCTION_NAMES[UInt32(_CE.reduction)]
-const _DEF_KD_REDUCTION = _REDUCTION_NAMES[UInt32(_KD.reduction)]
-const _DEF_DIVERGENCE = _DIVERGENCE_NAMES[UInt32(_KD.divergence)]
-const _DEF_TOPK_NORM = _TOPK_NORM_NAMES[UInt32(_KD.topk_norm)]
+# ------------------------------------------------------------------------------------------------
+# Structs filled by the library's fce_*_init functions
+# ------------------------------------------------------------------------------------------------
+
+# Each struct with an init function.
+const _INIT_FUNCTIONS = (
+    L.fce_ce_options_t => L.fce_ce_options_init, L.fce_ce_outputs_t => L.fce_ce_outputs_init,
+    L.fce_lse_options_t => L.fce_lse_options_init, L.fce_softmax_options_t => L.fce_softmax_options_init,
+    L.fce_kd_options_t => L.fce_kd_options_init, L.fce_kd_teacher_t => L.fce_kd_teacher_init,
+    L.fce_kd_outputs_t => L.fce_kd_outputs_init, L.fce_linear_ce_outputs_t => L.fce_linear_ce_outputs_init)
+for (T, f) in _INIT_FUNCTIONS
+    @eval _init_function(::Type{$T}) = $f
+end
+
+# Filled by __init__ from the loaded library: the bytes to allocate for each struct (the larger of the
+# library's size and this header's: a newer library's struct may be larger and its init function writes
+# all of it; with an older one the fields it does not know stay zero, and a non-zero value set there is
+# refused instead of ignored), and the library's defaults.
+const _ALLOC = Dict{DataType,Int}()
+const _DEFAULTS = Dict{DataType,Any}()
+
+function _load_defaults!()
+    for (T, f) in _INIT_FUNCTIONS
+        buf = zeros(UInt8, L.FCE_MAX_STRUCT_SIZE)
+        GC.@preserve buf begin
+            p = Ptr{T}(pointer(buf))
+            _check(f(p), nameof(f))
+            size = Int(unsafe_load(Ptr{UInt32}(p)))
+            4 <= size <= L.FCE_MAX_STRUCT_SIZE || error("FusedCE: $(nameof(f)) set struct_size $size")
+            _ALLOC[T] = max(size, sizeof(T))
+            _DEFAULTS[T] = unsafe_load(p)
+        end
+    end
+    _CE[] = _DEFAULTS[L.fce_ce_options_t]
+    _LSE[] = _DEFAULTS[L.fce_lse_options_t]
+    _SM[] = _DEFAULTS[L.fce_softmax_options_t]
+    _KD[] = _DEFAULTS[L.fce_kd_options_t]
+    return nothing
+end
+
+"""
+    FusedCE.defaults(T)
+
+The loaded library's defaults of struct type `T` (e.g. `FusedCE.LibFusedCE.fce_ce_options_t`), from its
+`fce_*_init` function; `struct_size` is the library's sizeof. The keyword defaults of every function.
+"""
+defaults(::Type{T}) where {T} = _DEFAULTS[T]::T
+
+"""
+A C struct for a call: the library's defaults (its `fce_*_init`) with some fields set, in memory owned
+by `buf`. Passed to the `LibFusedCE` wrappers as a `Ptr{T}`, `buf` rooted for the call.
+"""
+struct CStruct{T}
+    buf::Vector{UInt8}
+end
+Base.cconvert(::Type{Ptr{T}}, s::CStruct{T}) where {T} = s
+Base.unsafe_convert(::Type{Ptr{T}}, s::CStruct{T}) where {T} = Ptr{T}(pointer(s.buf))
+Base.getindex(s::CStruct{T}) where {T} = GC.@preserve s unsafe_load(Ptr{T}(pointer(s.buf)))
+
+"""
+    _cstruct(T; fields...)
+
+A `CStruct{T}` filled by the library's init function, then with `fields` set; `struct_size` is the
+size allocated (see `_ALLOC`).
+"""
+function _cstruct(::Type{T}; fields...) where {T}
+    n = _ALLOC[T]
+    buf = zeros(UInt8, n)
+    GC.@preserve buf begin
+        p = Ptr{T}(pointer(buf))
+        f = _init_function(T)
+        _check(f(p), nameof(f))
+        v = unsafe_load(p)
+        kw = (; fields..., struct_size = UInt32(n))
+        v = T(ntuple(i -> get(kw, fieldname(T, i), getfield(v, i)), fieldcount(T))...)
+        unsafe_store!(p, v)
+    end
+    return CStruct{T}(buf)
+end
+
+# Defaults of the keyword arguments: the library's (set by __init__).
+const _CE = Ref{L.fce_ce_options_t}()
+const _LSE = Ref{L.fce_lse_options_t}()
+const _SM = Ref{L.fce_softmax_options_t}()
+const _KD = Ref{L.fce_kd_options_t}()
+_def_reduction() = _REDUCTION_NAMES[UInt32(_CE[].reduction)]
+_def_kd_reduction() = _REDUCTION_NAMES[UInt32(_KD[].reduction)]
+_def_divergence() = _DIVERGENCE_NAMES[UInt32(_KD[].divergence)]
+_def_topk_norm() = _TOPK_NORM_NAMES[UInt32(_KD[].topk_norm)]
 
 function _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, cw::Union{Nothing,Tensor})
     # the library's ignore_index is 0-based like its targets
-    return Ref(L.fce_ce_options_t(_CE.struct_size, _enum(_REDUCTIONS, reduction, "reduction"),
-                                  Int64(ignore_index) - 1, Float32(label_smoothing), Float32(z_loss_scale),
-                                  Float32(softcap), Float32(logit_scale), _ptr(cw)))
+    return _cstruct(L.fce_ce_options_t; reduction = _enum(_REDUCTIONS, reduction, "reduction"),
+                    ignore_index = Int64(ignore_index) - 1, label_smoothing = Float32(label_smoothing),
+                    z_loss_scale = Float32(z_loss_scale), softcap = Float32(softcap),
+                    logit_scale = Float32(logit_scale), class_weights = _ptr(cw))
 end
 
 # ------------------------------------------------------------------------------------------------
@@ -290,9 +400,9 @@ an array to write into (`dlogits = logits` computes the gradient in place). Retu
 `z_loss` are `Float32` scalars for `:sum`/`:mean` and vectors for `:none`; `argmax` is 1-based.
 """
 function cross_entropy_fwd(logits::AbstractMatrix, targets::AbstractVector{<:Integer};
-                           reduction::Symbol = _DEF_REDUCTION, ignore_index::Integer = _CE.ignore_index,
-                           label_smoothing::Real = _CE.label_smoothing, z_loss_scale::Real = _CE.z_loss_scale,
-                           softcap::Real = _CE.softcap, logit_scale::Real = _CE.logit_scale,
+                           reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
+                           label_smoothing::Real = _CE[].label_smoothing, z_loss_scale::Real = _CE[].z_loss_scale,
+                           softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
                            class_weights::Union{Nothing,AbstractVector} = nothing,
                            lse = true, z_loss = false, argmax = false, entropy = false, dlogits = false,
                            grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
@@ -309,8 +419,8 @@ function cross_entropy_fwd(logits::AbstractMatrix, targets::AbstractVector{<:Int
         _tensor(zl_a), _tensor(am_a), _tensor(ent_a), _tensor(dl_a), _tensor(grad_loss)
     GC.@preserve tl tt tcw tloss tlse tzl tam tent tdl tg begin
         opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
-        outs = Ref(L.fce_ce_outputs_t(L.FCE_CE_OUTPUTS_INIT.struct_size, _ptr(tloss), _ptr(tlse), _ptr(tzl),
-                                      _ptr(tam), _ptr(tent), _ptr(tdl), _ptr(tg)))
+        outs = _cstruct(L.fce_ce_outputs_t; loss = _ptr(tloss), lse = _ptr(tlse), z_loss = _ptr(tzl),
+                        argmax = _ptr(tam), entropy = _ptr(tent), dlogits = _ptr(tdl), grad_loss = _ptr(tg))
         _check(L.fce_cross_entropy_fwd(_ptr(handle), C_NULL, _ptr(tl), _ptr(tt), opts, outs, C_NULL, 0),
                :fce_cross_entropy_fwd)
     end
@@ -334,9 +444,9 @@ Gradient of the cross-entropy with respect to `logits`, from the `lse` saved by 
 with the same options, times `grad_loss` (a number, or a vector for `reduction = :none`). Returns dlogits.
 """
 function cross_entropy_bwd(logits::AbstractMatrix, targets::AbstractVector{<:Integer}, lse::AbstractVector;
-                           reduction::Symbol = _DEF_REDUCTION, ignore_index::Integer = _CE.ignore_index,
-                           label_smoothing::Real = _CE.label_smoothing, z_loss_scale::Real = _CE.z_loss_scale,
-                           softcap::Real = _CE.softcap, logit_scale::Real = _CE.logit_scale,
+                           reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
+                           label_smoothing::Real = _CE[].label_smoothing, z_loss_scale::Real = _CE[].z_loss_scale,
+                           softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
                            class_weights::Union{Nothing,AbstractVector} = nothing,
                            grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
                            dlogits::AbstractMatrix = similar(logits), handle::Handle = default_handle())
@@ -359,11 +469,11 @@ end
 
 `log(sum(exp.(scale .* x[:, n])))` for every column `n` of `x` (`V×N`), in Float32.
 """
-function logsumexp(x::AbstractMatrix; scale::Real = _LSE.scale, out::AbstractVector = _vecf32(size(x, 2)),
+function logsumexp(x::AbstractMatrix; scale::Real = _LSE[].scale, out::AbstractVector = _vecf32(size(x, 2)),
                    handle::Handle = default_handle())
     tx, to = Tensor(x), Tensor(out)
     GC.@preserve tx to begin
-        opts = Ref(L.fce_lse_options_t(_LSE.struct_size, Float32(scale)))
+        opts = _cstruct(L.fce_lse_options_t; scale = Float32(scale))
         _check(L.fce_logsumexp(_ptr(handle), C_NULL, _ptr(tx), opts, _ptr(to), C_NULL, 0), :fce_logsumexp)
     end
     return out
@@ -378,14 +488,14 @@ overriding `temperature`); 0 is greedy (one-hot at the first maximum). `probs`/`
 `true` (allocated with element type `eltype`: Float32 or the logits' type) or an array (`probs = logits`
 works in place). Returns `(probs, logprobs)`.
 """
-function temp_softmax(logits::AbstractMatrix; temperature::Real = _SM.temperature,
+function temp_softmax(logits::AbstractMatrix; temperature::Real = _SM[].temperature,
                       temperatures::Union{Nothing,AbstractVector} = nothing, probs = true, logprobs = false,
                       eltype::Type = Float32, handle::Handle = default_handle())
     p_a = _out(probs, () -> similar(logits, eltype))
     lp_a = _out(logprobs, () -> similar(logits, eltype))
     tx, tts, tp, tlp = Tensor(logits), _tensor(temperatures), _tensor(p_a), _tensor(lp_a)
     GC.@preserve tx tts tp tlp begin
-        opts = Ref(L.fce_softmax_options_t(_SM.struct_size, Float32(temperature), _ptr(tts)))
+        opts = _cstruct(L.fce_softmax_options_t; temperature = Float32(temperature), temperatures = _ptr(tts))
         _check(L.fce_temp_softmax(_ptr(handle), C_NULL, _ptr(tx), opts, _ptr(tp), _ptr(tlp), C_NULL, 0),
                :fce_temp_softmax)
     end
@@ -406,12 +516,13 @@ function _kd(student, teacher_logits, topk_ids, topk_logprobs, targets, divergen
         _tensor(topk_logprobs), _tensor(targets === nothing ? nothing : _indices0(targets)), Tensor(loss_a),
         _tensor(ds_a), _tensor(grad_loss)
     GC.@preserve ts ttl tid tlp ttg tloss tds tg begin
-        teacher = Ref(L.fce_kd_teacher_t(L.FCE_KD_TEACHER_INIT.struct_size, _ptr(ttl), _ptr(tid), _ptr(tlp)))
-        opts = Ref(L.fce_kd_options_t(_KD.struct_size, _enum(_DIVERGENCES, divergence, "divergence"),
-                                      Float32(beta), Float32(temperature), Int32(scale_by_t2 ? 1 : 0),
-                                      _enum(_TOPK_NORMS, topk_norm, "topk_norm"),
-                                      _enum(_REDUCTIONS, reduction, "reduction"), Int64(ignore_index) - 1))
-        outs = Ref(L.fce_kd_outputs_t(L.FCE_KD_OUTPUTS_INIT.struct_size, _ptr(tloss), _ptr(tds), _ptr(tg)))
+        teacher = _cstruct(L.fce_kd_teacher_t; logits = _ptr(ttl), topk_ids = _ptr(tid), topk_logprobs = _ptr(tlp))
+        opts = _cstruct(L.fce_kd_options_t; divergence = _enum(_DIVERGENCES, divergence, "divergence"),
+                        beta = Float32(beta), temperature = Float32(temperature),
+                        scale_by_t2 = Int32(scale_by_t2 ? 1 : 0),
+                        topk_norm = _enum(_TOPK_NORMS, topk_norm, "topk_norm"),
+                        reduction = _enum(_REDUCTIONS, reduction, "reduction"), ignore_index = Int64(ignore_index) - 1)
+        outs = _cstruct(L.fce_kd_outputs_t; loss = _ptr(tloss), dstudent = _ptr(tds), grad_loss = _ptr(tg))
         _check(L.fce_kd_loss(_ptr(handle), C_NULL, _ptr(ts), teacher, _ptr(ttg), opts, outs, C_NULL, 0),
                :fce_kd_loss)
     end
@@ -425,17 +536,20 @@ end
 
 Distillation divergence between the student's and the teacher's softmax at `temperature`, per column of
 `student`/`teacher` (`V×N` each): `:forward_kl` KL(teacher‖student), `:reverse_kl`, or `:jsd` (generalized,
-weight `beta`). Columns whose 1-based target equals `ignore_index` are masked; `:mean` is batchmean
-over unmasked columns. `dstudent = true` (or an array) also returns the gradient. Returns `(loss, dstudent)`.
+weight `beta` in [0, 1]). `temperature` must lie in [1e-4, 100] (`LibFusedCE.FCE_KD_TEMPERATURE_MIN`,
+`FCE_KD_TEMPERATURE_MAX`; `FusedCEError` INVALID_ARGUMENT otherwise). Columns whose 1-based target equals
+`ignore_index` are masked; `:mean` is batchmean over unmasked columns. `dstudent = true` (or an array) also
+returns the gradient. Returns `(loss, dstudent)`.
 """
 function kd_loss(student::AbstractMatrix, teacher::AbstractMatrix;
-                 targets::Union{Nothing,AbstractVector{<:Integer}} = nothing, divergence::Symbol = _DEF_DIVERGENCE,
-                 beta::Real = _KD.beta, temperature::Real = _KD.temperature, scale_by_t2::Bool = _KD.scale_by_t2 != 0,
-                 reduction::Symbol = _DEF_KD_REDUCTION, ignore_index::Integer = _KD.ignore_index,
+                 targets::Union{Nothing,AbstractVector{<:Integer}} = nothing, divergence::Symbol = _def_divergence(),
+                 beta::Real = _KD[].beta, temperature::Real = _KD[].temperature,
+                 scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                 reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
                  dstudent = false, grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
                  handle::Handle = default_handle())
     return _kd(student, teacher, nothing, nothing, targets, divergence, beta, temperature, scale_by_t2,
-               _DEF_TOPK_NORM, reduction, ignore_index, dstudent, grad_loss, handle)
+               _def_topk_norm(), reduction, ignore_index, dstudent, grad_loss, handle)
 end
 
 """
@@ -447,10 +561,11 @@ renormalized over its K ids; `topk_norm` says whether the student's log-probs ar
 (`:full_vocab`) or renormalized over the K ids (`:renormalize`).
 """
 function kd_loss_topk(student::AbstractMatrix, topk_ids::AbstractMatrix{<:Integer}, topk_logprobs::AbstractMatrix;
-                      targets::Union{Nothing,AbstractVector{<:Integer}} = nothing, divergence::Symbol = _DEF_DIVERGENCE,
-                      beta::Real = _KD.beta, temperature::Real = _KD.temperature,
-                      scale_by_t2::Bool = _KD.scale_by_t2 != 0, topk_norm::Symbol = _DEF_TOPK_NORM,
-                      reduction::Symbol = _DEF_KD_REDUCTION, ignore_index::Integer = _KD.ignore_index,
+                      targets::Union{Nothing,AbstractVector{<:Integer}} = nothing,
+                      divergence::Symbol = _def_divergence(),
+                      beta::Real = _KD[].beta, temperature::Real = _KD[].temperature,
+                      scale_by_t2::Bool = _KD[].scale_by_t2 != 0, topk_norm::Symbol = _def_topk_norm(),
+                      reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
                       dstudent = false, grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
                       handle::Handle = default_handle())
     return _kd(student, nothing, topk_ids, topk_logprobs, targets, divergence, beta, temperature, scale_by_t2,
@@ -474,9 +589,10 @@ Cross-entropy of the logits `weight' * hidden (+ bias)` without materializing th
 """
 function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer};
                                   bias::Union{Nothing,AbstractVector} = nothing,
-                                  reduction::Symbol = _DEF_REDUCTION, ignore_index::Integer = _CE.ignore_index,
-                                  label_smoothing::Real = _CE.label_smoothing, z_loss_scale::Real = _CE.z_loss_scale,
-                                  softcap::Real = _CE.softcap, logit_scale::Real = _CE.logit_scale,
+                                  reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
+                                  label_smoothing::Real = _CE[].label_smoothing,
+                                  z_loss_scale::Real = _CE[].z_loss_scale,
+                                  softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
                                   class_weights::Union{Nothing,AbstractVector} = nothing,
                                   lse = true, z_loss = false, argmax = false, entropy = false,
                                   dhidden = false, dweight = false, dbias = false,
@@ -496,9 +612,9 @@ function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix
         _tensor(ent_a), _tensor(dh_a), _tensor(dw_a), _tensor(db_a), _tensor(grad_loss)
     GC.@preserve th tw tb tt tcw tloss tlse tzl tam tent tdh tdw tdb tg begin
         opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
-        outs = Ref(L.fce_linear_ce_outputs_t(L.FCE_LINEAR_CE_OUTPUTS_INIT.struct_size, _ptr(tloss), _ptr(tlse),
-                                             _ptr(tzl), _ptr(tam), _ptr(tent), _ptr(tdh), _ptr(tdw), _ptr(tdb),
-                                             _ptr(tg)))
+        outs = _cstruct(L.fce_linear_ce_outputs_t; loss = _ptr(tloss), lse = _ptr(tlse), z_loss = _ptr(tzl),
+                        argmax = _ptr(tam), entropy = _ptr(tent), dhidden = _ptr(tdh), dweight = _ptr(tdw),
+                        dbias = _ptr(tdb), grad_loss = _ptr(tg))
         _check(L.fce_linear_cross_entropy_fwd(_ptr(handle), C_NULL, _ptr(th), _ptr(tw), _ptr(tb), _ptr(tt), opts,
                                               outs, C_NULL, 0), :fce_linear_cross_entropy_fwd)
     end
@@ -521,9 +637,10 @@ by chunk. Returns `(dhidden, dweight, dbias)`.
 """
 function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer},
                                   lse::AbstractVector; bias::Union{Nothing,AbstractVector} = nothing,
-                                  reduction::Symbol = _DEF_REDUCTION, ignore_index::Integer = _CE.ignore_index,
-                                  label_smoothing::Real = _CE.label_smoothing, z_loss_scale::Real = _CE.z_loss_scale,
-                                  softcap::Real = _CE.softcap, logit_scale::Real = _CE.logit_scale,
+                                  reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
+                                  label_smoothing::Real = _CE[].label_smoothing,
+                                  z_loss_scale::Real = _CE[].z_loss_scale,
+                                  softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
                                   class_weights::Union{Nothing,AbstractVector} = nothing,
                                   dhidden = true, dweight = true, dbias = bias !== nothing,
                                   grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
@@ -536,9 +653,8 @@ function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix
     tdh, tdw, tdb, tg = _tensor(dh_a), _tensor(dw_a), _tensor(db_a), _tensor(grad_loss)
     GC.@preserve th tw tb tt tlse tcw tdh tdw tdb tg begin
         opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
-        o = L.FCE_LINEAR_CE_OUTPUTS_INIT
-        outs = Ref(L.fce_linear_ce_outputs_t(o.struct_size, o.loss, o.lse, o.z_loss, o.argmax, o.entropy,
-                                             _ptr(tdh), _ptr(tdw), _ptr(tdb), _ptr(tg)))
+        outs = _cstruct(L.fce_linear_ce_outputs_t; dhidden = _ptr(tdh), dweight = _ptr(tdw), dbias = _ptr(tdb),
+                        grad_loss = _ptr(tg))
         _check(L.fce_linear_cross_entropy_bwd(_ptr(handle), C_NULL, _ptr(th), _ptr(tw), _ptr(tb), _ptr(tt),
                                               _ptr(tlse), opts, outs, C_NULL, 0), :fce_linear_cross_entropy_bwd)
     end

@@ -128,6 +128,50 @@ approx(a, b; rtol = 2e-5, atol = 2e-5) = all(isapprox.(Float64.(a), Float64.(b);
     @test FusedCE.default_handle() === FusedCE.default_handle()
 end
 
+@testset "build information" begin
+    b = FusedCE.build_info()
+    println("FusedCE.build_info() = ", b)
+    @test b isa NamedTuple
+    @test keys(b) == (:version_number, :abi_version, :cuda_backend, :cuda_runtime_version, :cublas_version,
+                      :version_string, :cuda_architectures)
+    @test b.version_number == Int(L.fce_version_number()) == L.FCE_VERSION_NUMBER
+    @test b.abi_version == FusedCE.abi_version() == L.FCE_ABI_VERSION
+    @test VersionNumber(b.version_string) == FusedCE.version()
+    @test b.cuda_backend in (false, true)   # the C field is 0 or 1
+    if b.cuda_backend
+        @test b.cuda_runtime_version > 0 && b.cublas_version > 0
+        @test all(a -> occursin(r"^(sm|compute)_\d+a?$", a), split(b.cuda_architectures))
+        @test !isempty(b.cuda_architectures)
+    else
+        @test (b.cuda_runtime_version, b.cublas_version, b.cuda_architectures) == (0, 0, "")
+    end
+    # a struct_size below the library's struct is refused
+    r = Ref(L.fce_build_info_t(UInt32(8), 0, 0, 0, 0, 0, C_NULL, C_NULL))
+    @test L.fce_build_info(r) == L.FCE_STATUS_INVALID_ARGUMENT
+end
+
+@testset "defaults come from the library's init functions" begin
+    # the library's fce_*_init agree with the header's *_INIT macros
+    for (T, init) in ((L.fce_ce_options_t, L.FCE_CE_OPTIONS_INIT), (L.fce_ce_outputs_t, L.FCE_CE_OUTPUTS_INIT),
+                      (L.fce_lse_options_t, L.FCE_LSE_OPTIONS_INIT),
+                      (L.fce_softmax_options_t, L.FCE_SOFTMAX_OPTIONS_INIT),
+                      (L.fce_kd_options_t, L.FCE_KD_OPTIONS_INIT), (L.fce_kd_teacher_t, L.FCE_KD_TEACHER_INIT),
+                      (L.fce_kd_outputs_t, L.FCE_KD_OUTPUTS_INIT),
+                      (L.fce_linear_ce_outputs_t, L.FCE_LINEAR_CE_OUTPUTS_INIT))
+        @test FusedCE.defaults(T) == init
+        r = Ref{T}()
+        @test FusedCE._init_function(T)(r) == L.FCE_STATUS_SUCCESS
+        @test r[] == init
+    end
+    @test L.fce_kd_options_init(Ptr{L.fce_kd_options_t}(C_NULL)) == L.FCE_STATUS_INVALID_ARGUMENT
+    # the keyword defaults are the library's
+    d = FusedCE.defaults(L.fce_kd_options_t)
+    @test (d.beta, d.temperature, d.ignore_index) == (0.5f0, 1.0f0, -100)
+    # a struct for a call: the library's defaults, with the fields given
+    s = FusedCE._cstruct(L.fce_kd_options_t; beta = 0.25f0)
+    @test s[].beta == 0.25f0 && s[].temperature == 1.0f0 && s[].struct_size == sizeof(L.fce_kd_options_t)
+end
+
 V, N = 11, 7
 X = randn(Float32, V, N) .* 3
 t = rand(1:V, N)
@@ -349,6 +393,12 @@ end
     @test status_of(() -> FusedCE.temp_softmax(X; probs = false)) == "INVALID_ARGUMENT"
     @test status_of(() -> FusedCE.kd_loss(S, Tt[:, 1:end-1])) == "SHAPE_MISMATCH"
     @test status_of(() -> FusedCE.kd_loss(S, Tt; temperature = 0)) == "INVALID_ARGUMENT"
+    # the KD temperature's domain, [FCE_KD_TEMPERATURE_MIN, FCE_KD_TEMPERATURE_MAX] = [1e-4, 100]
+    @test status_of(() -> FusedCE.kd_loss(S, Tt; temperature = L.FCE_KD_TEMPERATURE_MIN / 2)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.kd_loss(S, Tt; temperature = L.FCE_KD_TEMPERATURE_MAX * 1.01f0)) == "INVALID_ARGUMENT"
+    for T in (L.FCE_KD_TEMPERATURE_MIN, 1e-4, L.FCE_KD_TEMPERATURE_MAX)
+        @test isfinite(FusedCE.kd_loss(S, Tt; temperature = T).loss)
+    end
     @test status_of(() -> FusedCE.linear_cross_entropy(randn(Float32, 4, N), randn(Float32, 5, V), t)) == "SHAPE_MISMATCH"
     @test status_of(() -> FusedCE.linear_cross_entropy(randn(Float32, 4, N), randn(Float16, 4, V), t)) == "UNSUPPORTED_DTYPE"
     @test_throws ArgumentError FusedCE.cross_entropy(X, t; reduction = :avg)
