@@ -101,7 +101,7 @@ typedef struct fce_ce_options {
   float logit_scale;
   const DLTensor* class_weights;
 } fce_ce_options_t;
-fce_status_t fce_ce_options_init(fce_ce_options_t* options);
+fce_status_t fce_ce_options_init(fce_ce_options_t* options, size_t struct_size);
 typedef struct fce_ce_outputs {
   uint32_t struct_size;
   DLTensor* loss;
@@ -112,7 +112,7 @@ typedef struct fce_ce_outputs {
   DLTensor* dlogits;
   const DLTensor* grad_loss;
 } fce_ce_outputs_t;
-fce_status_t fce_ce_outputs_init(fce_ce_outputs_t* outputs);
+fce_status_t fce_ce_outputs_init(fce_ce_outputs_t* outputs, size_t struct_size);
 fce_status_t fce_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
                                            const DLTensor* targets, const fce_ce_options_t* options,
                                            const fce_ce_outputs_t* outputs, void* workspace,
@@ -134,7 +134,7 @@ typedef struct fce_lse_options {
   uint32_t struct_size;
   float scale;
 } fce_lse_options_t;
-fce_status_t fce_lse_options_init(fce_lse_options_t* options);
+fce_status_t fce_lse_options_init(fce_lse_options_t* options, size_t struct_size);
 fce_status_t fce_logsumexp(fce_handle_t handle, fce_stream_t stream, const DLTensor* x,
                                    const fce_lse_options_t* options, DLTensor* lse, void* workspace,
                                    size_t workspace_bytes);
@@ -146,7 +146,7 @@ typedef struct fce_softmax_options {
   float temperature;
   const DLTensor* temperatures;
 } fce_softmax_options_t;
-fce_status_t fce_softmax_options_init(fce_softmax_options_t* options);
+fce_status_t fce_softmax_options_init(fce_softmax_options_t* options, size_t struct_size);
 fce_status_t fce_temp_softmax(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
                                       const fce_softmax_options_t* options, DLTensor* probs,
                                       DLTensor* logprobs, void* workspace, size_t workspace_bytes);
@@ -173,21 +173,21 @@ typedef struct fce_kd_options {
   int32_t reduction;
   int64_t ignore_index;
 } fce_kd_options_t;
-fce_status_t fce_kd_options_init(fce_kd_options_t* options);
+fce_status_t fce_kd_options_init(fce_kd_options_t* options, size_t struct_size);
 typedef struct fce_kd_teacher {
   uint32_t struct_size;
   const DLTensor* logits;
   const DLTensor* topk_ids;
   const DLTensor* topk_logprobs;
 } fce_kd_teacher_t;
-fce_status_t fce_kd_teacher_init(fce_kd_teacher_t* teacher);
+fce_status_t fce_kd_teacher_init(fce_kd_teacher_t* teacher, size_t struct_size);
 typedef struct fce_kd_outputs {
   uint32_t struct_size;
   DLTensor* loss;
   DLTensor* dstudent;
   const DLTensor* grad_loss;
 } fce_kd_outputs_t;
-fce_status_t fce_kd_outputs_init(fce_kd_outputs_t* outputs);
+fce_status_t fce_kd_outputs_init(fce_kd_outputs_t* outputs, size_t struct_size);
 fce_status_t fce_kd_loss(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
                                  const fce_kd_teacher_t* teacher, const DLTensor* targets,
                                  const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
@@ -208,7 +208,7 @@ typedef struct fce_linear_ce_outputs {
   DLTensor* dbias;
   const DLTensor* grad_loss;
 } fce_linear_ce_outputs_t;
-fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs);
+fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs, size_t struct_size);
 fce_status_t fce_linear_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream,
                                                   const DLTensor* hidden, const DLTensor* weight,
                                                   const DLTensor* bias, const DLTensor* targets,

@@ -399,12 +399,14 @@ end
 const fce_ce_options_t = fce_ce_options
 
 """
-Fills `*options` with the defaults of FCE_CE_OPTIONS_INIT (struct_size = this library's
- sizeof(fce_ce_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- FCE_STATUS_INVALID_ARGUMENT when options is NULL.
+Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
+ FCE_CE_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ options->struct_size is set to `struct_size`. Pass sizeof(fce_ce_options_t) as your header defines it.
+ @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below
+ the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written).
 """
-function fce_ce_options_init(options)
-    @ccall $(_fptr_fce_ce_options_init[])(options::Ptr{fce_ce_options_t})::fce_status_t
+function fce_ce_options_init(options, struct_size)
+    @ccall $(_fptr_fce_ce_options_init[])(options::Ptr{fce_ce_options_t}, struct_size::Csize_t)::fce_status_t
 end
 
 """
@@ -443,12 +445,14 @@ end
 const fce_ce_outputs_t = fce_ce_outputs
 
 """
-Fills `*outputs` with the defaults of FCE_CE_OUTPUTS_INIT (struct_size = this library's
- sizeof(fce_ce_outputs_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- FCE_STATUS_INVALID_ARGUMENT when outputs is NULL.
+Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use
+ FCE_CE_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ outputs->struct_size is set to `struct_size`. Pass sizeof(fce_ce_outputs_t) as your header defines it.
+ @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL or struct_size is below
+ the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written).
 """
-function fce_ce_outputs_init(outputs)
-    @ccall $(_fptr_fce_ce_outputs_init[])(outputs::Ptr{fce_ce_outputs_t})::fce_status_t
+function fce_ce_outputs_init(outputs, struct_size)
+    @ccall $(_fptr_fce_ce_outputs_init[])(outputs::Ptr{fce_ce_outputs_t}, struct_size::Csize_t)::fce_status_t
 end
 
 """
@@ -509,12 +513,14 @@ end
 const fce_lse_options_t = fce_lse_options
 
 """
-Fills `*options` with the defaults of FCE_LSE_OPTIONS_INIT (struct_size = this library's
- sizeof(fce_lse_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- FCE_STATUS_INVALID_ARGUMENT when options is NULL.
+Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
+ FCE_LSE_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ options->struct_size is set to `struct_size`. Pass sizeof(fce_lse_options_t) as your header defines it.
+ @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below
+ the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written).
 """
-function fce_lse_options_init(options)
-    @ccall $(_fptr_fce_lse_options_init[])(options::Ptr{fce_lse_options_t})::fce_status_t
+function fce_lse_options_init(options, struct_size)
+    @ccall $(_fptr_fce_lse_options_init[])(options::Ptr{fce_lse_options_t}, struct_size::Csize_t)::fce_status_t
 end
 
 """
@@ -556,20 +562,23 @@ end
 const fce_softmax_options_t = fce_softmax_options
 
 """
-Fills `*options` with the defaults of FCE_SOFTMAX_OPTIONS_INIT (struct_size = this library's
- sizeof(fce_softmax_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- FCE_STATUS_INVALID_ARGUMENT when options is NULL.
+Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
+ FCE_SOFTMAX_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ options->struct_size is set to `struct_size`. Pass sizeof(fce_softmax_options_t) as your header defines it.
+ @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below
+ the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written).
 """
-function fce_softmax_options_init(options)
-    @ccall $(_fptr_fce_softmax_options_init[])(options::Ptr{fce_softmax_options_t})::fce_status_t
+function fce_softmax_options_init(options, struct_size)
+    @ccall $(_fptr_fce_softmax_options_init[])(options::Ptr{fce_softmax_options_t}, struct_size::Csize_t)::fce_status_t
 end
 
 """
 Temperature softmax for sampling: p_j = exp((x_j - max x) / T) / sum_k exp((x_k - max x) / T), with the
 max of the raw logits taken first and the difference scaled in fp32 (halved first where x - max would
 overflow), so no finite input gives NaN at any T > 0 and logits near +-FLT_MAX keep their true
-differences at any temperature, +inf included. T = 0 is greedy: one-hot at the argmax (lowest index on ties); log-probabilities are then 0 there
-and -inf elsewhere. -inf logits get probability 0. A row of all -inf, or with a NaN, gives NaN.
+differences at any temperature, +inf included. T = 0 is greedy: one-hot at the argmax (lowest index on
+ties); log-probabilities are then 0 there and -inf elsewhere. -inf logits get probability 0. A row of
+all -inf, or with a NaN, gives NaN.
 @param logits   [N,V] fp32, bf16 or fp16.
 @param probs    optional [N,V], fp32 or the logits' dtype; may be the logits' memory when the dtypes match.
 @param logprobs optional [N,V], fp32 or the logits' dtype: log p_j = (x_j - max)/T - log(sum). May not
@@ -656,12 +665,14 @@ end
 const fce_kd_options_t = fce_kd_options
 
 """
-Fills `*options` with the defaults of FCE_KD_OPTIONS_INIT (struct_size = this library's
- sizeof(fce_kd_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- FCE_STATUS_INVALID_ARGUMENT when options is NULL.
+Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
+ FCE_KD_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ options->struct_size is set to `struct_size`. Pass sizeof(fce_kd_options_t) as your header defines it.
+ @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below
+ the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written).
 """
-function fce_kd_options_init(options)
-    @ccall $(_fptr_fce_kd_options_init[])(options::Ptr{fce_kd_options_t})::fce_status_t
+function fce_kd_options_init(options, struct_size)
+    @ccall $(_fptr_fce_kd_options_init[])(options::Ptr{fce_kd_options_t}, struct_size::Csize_t)::fce_status_t
 end
 
 """
@@ -688,12 +699,14 @@ end
 const fce_kd_teacher_t = fce_kd_teacher
 
 """
-Fills `*teacher` with the defaults of FCE_KD_TEACHER_INIT (struct_size = this library's
- sizeof(fce_kd_teacher_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- FCE_STATUS_INVALID_ARGUMENT when teacher is NULL.
+Fills the struct_size bytes at `teacher` with this library's defaults, for callers that cannot use
+ FCE_KD_TEACHER_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ teacher->struct_size is set to `struct_size`. Pass sizeof(fce_kd_teacher_t) as your header defines it.
+ @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when teacher is NULL or struct_size is below
+ the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written).
 """
-function fce_kd_teacher_init(teacher)
-    @ccall $(_fptr_fce_kd_teacher_init[])(teacher::Ptr{fce_kd_teacher_t})::fce_status_t
+function fce_kd_teacher_init(teacher, struct_size)
+    @ccall $(_fptr_fce_kd_teacher_init[])(teacher::Ptr{fce_kd_teacher_t}, struct_size::Csize_t)::fce_status_t
 end
 
 """
@@ -719,12 +732,14 @@ end
 const fce_kd_outputs_t = fce_kd_outputs
 
 """
-Fills `*outputs` with the defaults of FCE_KD_OUTPUTS_INIT (struct_size = this library's
- sizeof(fce_kd_outputs_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- FCE_STATUS_INVALID_ARGUMENT when outputs is NULL.
+Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use
+ FCE_KD_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ outputs->struct_size is set to `struct_size`. Pass sizeof(fce_kd_outputs_t) as your header defines it.
+ @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL or struct_size is below
+ the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written).
 """
-function fce_kd_outputs_init(outputs)
-    @ccall $(_fptr_fce_kd_outputs_init[])(outputs::Ptr{fce_kd_outputs_t})::fce_status_t
+function fce_kd_outputs_init(outputs, struct_size)
+    @ccall $(_fptr_fce_kd_outputs_init[])(outputs::Ptr{fce_kd_outputs_t}, struct_size::Csize_t)::fce_status_t
 end
 
 """
@@ -786,12 +801,14 @@ end
 const fce_linear_ce_outputs_t = fce_linear_ce_outputs
 
 """
-Fills `*outputs` with the defaults of FCE_LINEAR_CE_OUTPUTS_INIT (struct_size = this library's
- sizeof(fce_linear_ce_outputs_t)), for callers that cannot use the macro (FFI). @return
- FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL.
+Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use
+ FCE_LINEAR_CE_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are
+ zeroed, and outputs->struct_size is set to `struct_size`. Pass sizeof(fce_linear_ce_outputs_t) as your
+ header defines it. @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL or
+ struct_size is below the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written).
 """
-function fce_linear_ce_outputs_init(outputs)
-    @ccall $(_fptr_fce_linear_ce_outputs_init[])(outputs::Ptr{fce_linear_ce_outputs_t})::fce_status_t
+function fce_linear_ce_outputs_init(outputs, struct_size)
+    @ccall $(_fptr_fce_linear_ce_outputs_init[])(outputs::Ptr{fce_linear_ce_outputs_t}, struct_size::Csize_t)::fce_status_t
 end
 
 """

@@ -886,10 +886,12 @@ fn bindgen_test_layout_fce_ce_options() {
 #[doc = " lse, argmax and entropy are reported for every row, ignored or not."]
 pub type fce_ce_options_t = fce_ce_options;
 extern "C" {
-    #[doc = " Fills `*options` with the defaults of FCE_CE_OPTIONS_INIT (struct_size = this library's"]
-    #[doc = "  sizeof(fce_ce_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;"]
-    #[doc = "  FCE_STATUS_INVALID_ARGUMENT when options is NULL."]
-    pub fn fce_ce_options_init(options: *mut fce_ce_options_t) -> fce_status_t;
+    #[doc = " Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use"]
+    #[doc = "  FCE_CE_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and"]
+    #[doc = "  options->struct_size is set to `struct_size`. Pass sizeof(fce_ce_options_t) as your header defines it."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below"]
+    #[doc = "  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written)."]
+    pub fn fce_ce_options_init(options: *mut fce_ce_options_t, struct_size: usize) -> fce_status_t;
 }
 #[doc = " Outputs of fce_cross_entropy_fwd. Initialize with FCE_CE_OUTPUTS_INIT; every field but `loss` optional."]
 #[repr(C)]
@@ -1066,10 +1068,12 @@ fn bindgen_test_layout_fce_ce_outputs() {
 #[doc = " Outputs of fce_cross_entropy_fwd. Initialize with FCE_CE_OUTPUTS_INIT; every field but `loss` optional."]
 pub type fce_ce_outputs_t = fce_ce_outputs;
 extern "C" {
-    #[doc = " Fills `*outputs` with the defaults of FCE_CE_OUTPUTS_INIT (struct_size = this library's"]
-    #[doc = "  sizeof(fce_ce_outputs_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;"]
-    #[doc = "  FCE_STATUS_INVALID_ARGUMENT when outputs is NULL."]
-    pub fn fce_ce_outputs_init(outputs: *mut fce_ce_outputs_t) -> fce_status_t;
+    #[doc = " Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use"]
+    #[doc = "  FCE_CE_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and"]
+    #[doc = "  outputs->struct_size is set to `struct_size`. Pass sizeof(fce_ce_outputs_t) as your header defines it."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL or struct_size is below"]
+    #[doc = "  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written)."]
+    pub fn fce_ce_outputs_init(outputs: *mut fce_ce_outputs_t, struct_size: usize) -> fce_status_t;
 }
 extern "C" {
     #[doc = " Cross-entropy forward over a large vocabulary by online softmax (Milakov & Gimelshein 2018), never"]
@@ -1196,10 +1200,15 @@ fn bindgen_test_layout_fce_lse_options() {
 #[doc = " Options of fce_logsumexp. Initialize with FCE_LSE_OPTIONS_INIT."]
 pub type fce_lse_options_t = fce_lse_options;
 extern "C" {
-    #[doc = " Fills `*options` with the defaults of FCE_LSE_OPTIONS_INIT (struct_size = this library's"]
-    #[doc = "  sizeof(fce_lse_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;"]
-    #[doc = "  FCE_STATUS_INVALID_ARGUMENT when options is NULL."]
-    pub fn fce_lse_options_init(options: *mut fce_lse_options_t) -> fce_status_t;
+    #[doc = " Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use"]
+    #[doc = "  FCE_LSE_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and"]
+    #[doc = "  options->struct_size is set to `struct_size`. Pass sizeof(fce_lse_options_t) as your header defines it."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below"]
+    #[doc = "  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written)."]
+    pub fn fce_lse_options_init(
+        options: *mut fce_lse_options_t,
+        struct_size: usize,
+    ) -> fce_status_t;
 }
 extern "C" {
     #[doc = " Per-row logsumexp: lse_i = log(sum_j exp(s * x_ij)), max of the raw row first. Rows of few rows are split"]
@@ -1307,17 +1316,23 @@ fn bindgen_test_layout_fce_softmax_options() {
 #[doc = " Options of fce_temp_softmax. Initialize with FCE_SOFTMAX_OPTIONS_INIT."]
 pub type fce_softmax_options_t = fce_softmax_options;
 extern "C" {
-    #[doc = " Fills `*options` with the defaults of FCE_SOFTMAX_OPTIONS_INIT (struct_size = this library's"]
-    #[doc = "  sizeof(fce_softmax_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;"]
-    #[doc = "  FCE_STATUS_INVALID_ARGUMENT when options is NULL."]
-    pub fn fce_softmax_options_init(options: *mut fce_softmax_options_t) -> fce_status_t;
+    #[doc = " Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use"]
+    #[doc = "  FCE_SOFTMAX_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and"]
+    #[doc = "  options->struct_size is set to `struct_size`. Pass sizeof(fce_softmax_options_t) as your header defines it."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below"]
+    #[doc = "  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written)."]
+    pub fn fce_softmax_options_init(
+        options: *mut fce_softmax_options_t,
+        struct_size: usize,
+    ) -> fce_status_t;
 }
 extern "C" {
     #[doc = " Temperature softmax for sampling: p_j = exp((x_j - max x) / T) / sum_k exp((x_k - max x) / T), with the"]
     #[doc = " max of the raw logits taken first and the difference scaled in fp32 (halved first where x - max would"]
     #[doc = " overflow), so no finite input gives NaN at any T > 0 and logits near +-FLT_MAX keep their true"]
-    #[doc = " differences at any temperature, +inf included. T = 0 is greedy: one-hot at the argmax (lowest index on ties); log-probabilities are then 0 there"]
-    #[doc = " and -inf elsewhere. -inf logits get probability 0. A row of all -inf, or with a NaN, gives NaN."]
+    #[doc = " differences at any temperature, +inf included. T = 0 is greedy: one-hot at the argmax (lowest index on"]
+    #[doc = " ties); log-probabilities are then 0 there and -inf elsewhere. -inf logits get probability 0. A row of"]
+    #[doc = " all -inf, or with a NaN, gives NaN."]
     #[doc = " @param logits   [N,V] fp32, bf16 or fp16."]
     #[doc = " @param probs    optional [N,V], fp32 or the logits' dtype; may be the logits' memory when the dtypes match."]
     #[doc = " @param logprobs optional [N,V], fp32 or the logits' dtype: log p_j = (x_j - max)/T - log(sum). May not"]
@@ -1556,10 +1571,12 @@ fn bindgen_test_layout_fce_kd_options() {
 #[doc = " (0 when it is 0)."]
 pub type fce_kd_options_t = fce_kd_options;
 extern "C" {
-    #[doc = " Fills `*options` with the defaults of FCE_KD_OPTIONS_INIT (struct_size = this library's"]
-    #[doc = "  sizeof(fce_kd_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;"]
-    #[doc = "  FCE_STATUS_INVALID_ARGUMENT when options is NULL."]
-    pub fn fce_kd_options_init(options: *mut fce_kd_options_t) -> fce_status_t;
+    #[doc = " Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use"]
+    #[doc = "  FCE_KD_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and"]
+    #[doc = "  options->struct_size is set to `struct_size`. Pass sizeof(fce_kd_options_t) as your header defines it."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below"]
+    #[doc = "  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written)."]
+    pub fn fce_kd_options_init(options: *mut fce_kd_options_t, struct_size: usize) -> fce_status_t;
 }
 #[doc = " The teacher: either full logits, or top-K ids and log-probabilities (the axolotl format). Exactly one"]
 #[doc = " of `logits` and the (`topk_ids`, `topk_logprobs`) pair is set. Initialize with FCE_KD_TEACHER_INIT."]
@@ -1661,10 +1678,12 @@ fn bindgen_test_layout_fce_kd_teacher() {
 #[doc = " of `logits` and the (`topk_ids`, `topk_logprobs`) pair is set. Initialize with FCE_KD_TEACHER_INIT."]
 pub type fce_kd_teacher_t = fce_kd_teacher;
 extern "C" {
-    #[doc = " Fills `*teacher` with the defaults of FCE_KD_TEACHER_INIT (struct_size = this library's"]
-    #[doc = "  sizeof(fce_kd_teacher_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;"]
-    #[doc = "  FCE_STATUS_INVALID_ARGUMENT when teacher is NULL."]
-    pub fn fce_kd_teacher_init(teacher: *mut fce_kd_teacher_t) -> fce_status_t;
+    #[doc = " Fills the struct_size bytes at `teacher` with this library's defaults, for callers that cannot use"]
+    #[doc = "  FCE_KD_TEACHER_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and"]
+    #[doc = "  teacher->struct_size is set to `struct_size`. Pass sizeof(fce_kd_teacher_t) as your header defines it."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when teacher is NULL or struct_size is below"]
+    #[doc = "  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written)."]
+    pub fn fce_kd_teacher_init(teacher: *mut fce_kd_teacher_t, struct_size: usize) -> fce_status_t;
 }
 #[doc = " Outputs of fce_kd_loss. Initialize with FCE_KD_OUTPUTS_INIT."]
 #[repr(C)]
@@ -1764,10 +1783,12 @@ fn bindgen_test_layout_fce_kd_outputs() {
 #[doc = " Outputs of fce_kd_loss. Initialize with FCE_KD_OUTPUTS_INIT."]
 pub type fce_kd_outputs_t = fce_kd_outputs;
 extern "C" {
-    #[doc = " Fills `*outputs` with the defaults of FCE_KD_OUTPUTS_INIT (struct_size = this library's"]
-    #[doc = "  sizeof(fce_kd_outputs_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;"]
-    #[doc = "  FCE_STATUS_INVALID_ARGUMENT when outputs is NULL."]
-    pub fn fce_kd_outputs_init(outputs: *mut fce_kd_outputs_t) -> fce_status_t;
+    #[doc = " Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use"]
+    #[doc = "  FCE_KD_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and"]
+    #[doc = "  outputs->struct_size is set to `struct_size`. Pass sizeof(fce_kd_outputs_t) as your header defines it."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL or struct_size is below"]
+    #[doc = "  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written)."]
+    pub fn fce_kd_outputs_init(outputs: *mut fce_kd_outputs_t, struct_size: usize) -> fce_status_t;
 }
 extern "C" {
     #[doc = " Knowledge-distillation divergence between student and teacher distributions, per row, reduced."]
@@ -2012,10 +2033,15 @@ fn bindgen_test_layout_fce_linear_ce_outputs() {
 #[doc = " (not accumulated into), each formed with fp32 accumulation and rounded once to its tensor's dtype."]
 pub type fce_linear_ce_outputs_t = fce_linear_ce_outputs;
 extern "C" {
-    #[doc = " Fills `*outputs` with the defaults of FCE_LINEAR_CE_OUTPUTS_INIT (struct_size = this library's"]
-    #[doc = "  sizeof(fce_linear_ce_outputs_t)), for callers that cannot use the macro (FFI). @return"]
-    #[doc = "  FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL."]
-    pub fn fce_linear_ce_outputs_init(outputs: *mut fce_linear_ce_outputs_t) -> fce_status_t;
+    #[doc = " Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use"]
+    #[doc = "  FCE_LINEAR_CE_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are"]
+    #[doc = "  zeroed, and outputs->struct_size is set to `struct_size`. Pass sizeof(fce_linear_ce_outputs_t) as your"]
+    #[doc = "  header defines it. @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL or"]
+    #[doc = "  struct_size is below the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written)."]
+    pub fn fce_linear_ce_outputs_init(
+        outputs: *mut fce_linear_ce_outputs_t,
+        struct_size: usize,
+    ) -> fce_status_t;
 }
 extern "C" {
     #[doc = " Linear cross-entropy: logits = hidden @ weight^T (+ bias), then cross-entropy with every option of"]
