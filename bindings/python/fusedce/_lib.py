@@ -213,56 +213,50 @@ _INIT_FUNCTIONS = {ctype: ctype[:-len("_t")] + "_init" for ctype, _ in INITS.val
                    if ctype != "fce_build_info_t"}
 
 
-def _library_struct(ctype):
-    """(size, {field: value}): the loaded library's sizeof and defaults of `ctype`, from its fce_*_init
-    called on FCE_MAX_STRUCT_SIZE zeroed bytes (a newer library's struct may be larger than these
-    declarations' and its init function writes all of it)."""
-    buf = ffi.new("char[]", MAX_STRUCT_SIZE)
-    p = ffi.cast(ctype + " *", buf)
+def _init_struct(ctype):
+    """A `ctype *` (zeroed cffi memory of these declarations' sizeof) filled by the loaded library's
+    fce_*_init with struct_size = that sizeof: the fields the library knows get its defaults. A newer
+    library gives the fields these declarations lack their defaults itself; an older one zeroes the
+    fields it does not know, and refuses (FCE_STATUS_INVALID_ARGUMENT) a non-zero value set there instead
+    of ignoring it."""
+    p = ffi.new(ctype + " *")
     fn = _INIT_FUNCTIONS[ctype]
-    check(getattr(lib, fn)(p), fn)
-    size = int(p.struct_size)
-    if not 4 <= size <= MAX_STRUCT_SIZE:
-        raise ImportError("fusedce: %s set struct_size %d for %s" % (fn, size, ctype))
+    check(getattr(lib, fn)(p, ffi.sizeof(ctype)), fn)
+    return p
+
+
+def _library_defaults(ctype):
+    """{field: value} of the loaded library's defaults of `ctype` (pointers as None or an int)."""
+    p = _init_struct(ctype)
     values = {}
     for name, field in ffi.typeof(ctype).fields:
         v = getattr(p, name)
         values[name] = (None if v == ffi.NULL else int(ffi.cast("uintptr_t", v))) if field.type.kind == "pointer" else v
-    return size, values
+    return values
 
 
-_LIBRARY_STRUCTS = {ctype: _library_struct(ctype) for ctype in _INIT_FUNCTIONS}
-# Bytes to allocate for each struct: the larger of the library's size and these declarations'. With a
-# newer library the tail holds the defaults of fields these bindings do not know; with an older one the
-# fields it does not know stay zero, and a non-zero value set there is refused by the library
-# (FCE_STATUS_INVALID_ARGUMENT) instead of being silently ignored.
-_ALLOC = {ctype: max(size, ffi.sizeof(ctype)) for ctype, (size, _) in _LIBRARY_STRUCTS.items()}
+_LIBRARY_DEFAULTS = {ctype: _library_defaults(ctype) for ctype in _INIT_FUNCTIONS}
 
 
 def new_struct(ctype, keep):
     """A `ctype *` (e.g. "fce_ce_options_t") holding the loaded library's defaults, filled by its
-    fce_*_init function, with struct_size set to the bytes allocated (see _ALLOC). The memory is owned
-    by an object appended to `keep`, which must outlive the pointer's use."""
-    size = _ALLOC[ctype]
-    buf = ffi.new("char[]", size)
-    keep.append(buf)
-    p = ffi.cast(ctype + " *", buf)
-    fn = _INIT_FUNCTIONS[ctype]
-    check(getattr(lib, fn)(p), fn)
-    p.struct_size = size
+    fce_*_init function; struct_size is these declarations' sizeof. The memory is owned by an object
+    appended to `keep`, which must outlive the pointer's use."""
+    p = _init_struct(ctype)
+    keep.append(p)
     return p
 
 
 def defaults(struct):
     """{field: value} of the loaded library's defaults for a struct, from its fce_*_init function:
     defaults("fce_ce_options_t"), or by the header's macro name, defaults("FCE_CE_OPTIONS_INIT").
-    struct_size is the library's sizeof; pointers are None (NULL). These are the keyword defaults of
+    struct_size is these declarations' sizeof; pointers are None (NULL). These are the keyword defaults of
     every function; the tests check that they equal the header's *_INIT macros."""
     ctype = INITS[struct][0] if struct in INITS else struct
-    if ctype not in _LIBRARY_STRUCTS:
+    if ctype not in _LIBRARY_DEFAULTS:
         raise KeyError("fusedce.defaults: %r has no fce_*_init function (one of %s)"
-                       % (struct, ", ".join(sorted(_LIBRARY_STRUCTS))))
-    return dict(_LIBRARY_STRUCTS[ctype][1])
+                       % (struct, ", ".join(sorted(_LIBRARY_DEFAULTS))))
+    return dict(_LIBRARY_DEFAULTS[ctype])
 
 
 # ---- build information ----------------------------------------------------------------------------

@@ -97,6 +97,25 @@ def test_new_struct_is_filled_by_the_init_function():
     assert len(keep) == 2
 
 
+def test_init_functions_fill_the_struct_size_given():
+    ffi, lib = fusedce.ffi, fusedce.lib
+    n = ffi.sizeof("fce_kd_options_t")
+    buf = ffi.new("char[]", n + 24)
+    ffi.memmove(buf, b"\xab" * (n + 24), n + 24)
+    p = ffi.cast("fce_kd_options_t *", buf)
+    # the defaults, zeros past the library's struct, struct_size as given
+    assert lib.fce_kd_options_init(p, n + 16) == fusedce.STATUS["SUCCESS"]
+    assert p.struct_size == n + 16 and p.beta == 0.5 and p.ignore_index == -100
+    raw = ffi.buffer(buf)[:]
+    assert raw[n:n + 16] == b"\0" * 16 and raw[n + 16:] == b"\xab" * 8
+    # below the struct, above FCE_MAX_STRUCT_SIZE, or NULL: refused, nothing written
+    ffi.memmove(buf, b"\xab" * (n + 24), n + 24)
+    for size in (n - 8, fusedce.MAX_STRUCT_SIZE + 1):
+        assert lib.fce_kd_options_init(p, size) == fusedce.STATUS["INVALID_ARGUMENT"]
+    assert ffi.buffer(buf)[:] == b"\xab" * (n + 24)
+    assert lib.fce_kd_options_init(ffi.NULL, n) == fusedce.STATUS["INVALID_ARGUMENT"]
+
+
 def test_build_info():
     info = fusedce.build_info()
     assert isinstance(info, fusedce.BuildInfo)
