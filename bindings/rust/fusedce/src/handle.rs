@@ -241,7 +241,7 @@ impl Handle {
         let dlogits_ptr = if in_place { logits } else { mptr(&mut dlg) };
         let mut out = raw::init::<sys::fce_ce_outputs_t>();
         {
-            let o = out.get_mut();
+            let o = &mut out;
             o.loss = &mut loss;
             o.lse = mptr(&mut lse);
             o.z_loss = mptr(&mut zl);
@@ -260,19 +260,14 @@ impl Handle {
                     self.stream,
                     logits,
                     &t,
-                    o.as_ptr(),
-                    out.as_ptr(),
+                    &o,
+                    &out,
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                Call::Query(bytes) => sys::fce_cross_entropy_fwd_workspace_size(
-                    self.as_raw(),
-                    logits,
-                    &t,
-                    o.as_ptr(),
-                    out.as_ptr(),
-                    bytes,
-                ),
+                Call::Query(bytes) => {
+                    sys::fce_cross_entropy_fwd_workspace_size(self.as_raw(), logits, &t, &o, &out, bytes)
+                }
             }
         };
         check(st)
@@ -360,7 +355,7 @@ impl Handle {
                     &t,
                     &s,
                     cptr(&g),
-                    o.as_ptr(),
+                    &o,
                     dlogits,
                     self.workspace,
                     self.workspace_bytes,
@@ -371,7 +366,7 @@ impl Handle {
                     &t,
                     &s,
                     cptr(&g),
-                    o.as_ptr(),
+                    &o,
                     dlogits,
                     bytes,
                 ),
@@ -416,12 +411,12 @@ impl Handle {
                     self.as_raw(),
                     self.stream,
                     &xd,
-                    o.as_ptr(),
+                    &o,
                     &mut l,
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                Call::Query(bytes) => sys::fce_logsumexp_workspace_size(self.as_raw(), &xd, o.as_ptr(), &l, bytes),
+                Call::Query(bytes) => sys::fce_logsumexp_workspace_size(self.as_raw(), &xd, &o, &l, bytes),
             }
         };
         check(st)
@@ -477,14 +472,14 @@ impl Handle {
                     self.as_raw(),
                     self.stream,
                     &l,
-                    o.as_ptr(),
+                    &o,
                     mptr(&mut p),
                     mptr(&mut lp),
                     self.workspace,
                     self.workspace_bytes,
                 ),
                 Call::Query(bytes) => {
-                    sys::fce_temp_softmax_workspace_size(self.as_raw(), &l, o.as_ptr(), cptr(&p), cptr(&lp), bytes)
+                    sys::fce_temp_softmax_workspace_size(self.as_raw(), &l, &o, cptr(&p), cptr(&lp), bytes)
                 }
             }
         };
@@ -544,7 +539,7 @@ impl Handle {
         };
         let mut t = raw::init::<sys::fce_kd_teacher_t>();
         {
-            let r = t.get_mut();
+            let r = &mut t;
             r.logits = cptr(&tl);
             r.topk_ids = cptr(&ids);
             r.topk_logprobs = cptr(&lps);
@@ -556,7 +551,7 @@ impl Handle {
         let gl = dl(&outputs.grad_loss);
         let mut out = raw::init::<sys::fce_kd_outputs_t>();
         {
-            let r = out.get_mut();
+            let r = &mut out;
             r.loss = &mut loss;
             r.dstudent = mptr(&mut ds);
             r.grad_loss = cptr(&gl);
@@ -568,22 +563,16 @@ impl Handle {
                     self.as_raw(),
                     self.stream,
                     &s,
-                    t.as_ptr(),
+                    &t,
                     cptr(&tg),
-                    o.as_ptr(),
-                    out.as_ptr(),
+                    &o,
+                    &out,
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                Call::Query(bytes) => sys::fce_kd_loss_workspace_size(
-                    self.as_raw(),
-                    &s,
-                    t.as_ptr(),
-                    cptr(&tg),
-                    o.as_ptr(),
-                    out.as_ptr(),
-                    bytes,
-                ),
+                Call::Query(bytes) => {
+                    sys::fce_kd_loss_workspace_size(self.as_raw(), &s, &t, cptr(&tg), &o, &out, bytes)
+                }
             }
         };
         check(st)
@@ -694,7 +683,7 @@ impl Handle {
         let o = options.to_raw(cw.as_ref());
         let mut raw_out = raw::init::<sys::fce_linear_ce_outputs_t>();
         {
-            let r = raw_out.get_mut();
+            let r = &mut raw_out;
             r.loss = mptr(&mut out.loss);
             r.lse = mptr(&mut out.lse);
             r.z_loss = mptr(&mut out.z_loss);
@@ -715,8 +704,8 @@ impl Handle {
                     &w,
                     cptr(&b),
                     &t,
-                    o.as_ptr(),
-                    raw_out.as_ptr(),
+                    &o,
+                    &raw_out,
                     self.workspace,
                     self.workspace_bytes,
                 ),
@@ -726,8 +715,8 @@ impl Handle {
                     &w,
                     cptr(&b),
                     &t,
-                    o.as_ptr(),
-                    raw_out.as_ptr(),
+                    &o,
+                    &raw_out,
                     bytes,
                 ),
                 (Some(l), Call::Run) => sys::fce_linear_cross_entropy_bwd(
@@ -738,8 +727,8 @@ impl Handle {
                     cptr(&b),
                     &t,
                     &l.as_dl(),
-                    o.as_ptr(),
-                    raw_out.as_ptr(),
+                    &o,
+                    &raw_out,
                     self.workspace,
                     self.workspace_bytes,
                 ),
@@ -750,8 +739,8 @@ impl Handle {
                     cptr(&b),
                     &t,
                     &l.as_dl(),
-                    o.as_ptr(),
-                    raw_out.as_ptr(),
+                    &o,
+                    &raw_out,
                     bytes,
                 ),
             }

@@ -8,7 +8,7 @@
 //!   that become DLPack tensors for the duration of a call. Shapes are `[]`, `[n]` or `[rows, cols]`.
 //! * Option structs ([`CeOptions`], [`KdOptions`], ...) whose `Default` is the loaded library's, from its
 //!   `fce_*_init` functions (the header's `*_INIT` values); every C struct handed to the library is
-//!   filled by those functions first, with room for a newer library's larger struct.
+//!   filled by those functions first, with `struct_size` = these bindings' `size_of`.
 //! * [`build_info`]: what the loaded library was built with (CUDA backend, CUDA/cuBLAS versions, GPU
 //!   architectures).
 //! * [`Error`]: the library's status and its per-thread message; [`Result`] everywhere.

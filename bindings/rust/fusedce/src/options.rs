@@ -3,7 +3,7 @@
 //! by those functions before the fields set here are written (see `raw.rs`).
 use std::ptr;
 
-use crate::raw::{self, Room};
+use crate::raw;
 use crate::sys;
 use crate::tensor::{TensorMut, TensorRef};
 
@@ -118,8 +118,7 @@ pub struct CeOptions<'a> {
 impl Default for CeOptions<'_> {
     /// The library's defaults (`fce_ce_options_init`).
     fn default() -> Self {
-        let r = raw::init::<sys::fce_ce_options_t>();
-        let d = r.get();
+        let d = raw::init::<sys::fce_ce_options_t>();
         CeOptions {
             reduction: Reduction::from_raw(d.reduction).unwrap_or_default(),
             ignore_index: d.ignore_index,
@@ -176,9 +175,9 @@ impl<'a> CeOptions<'a> {
     /// The C struct (filled by `fce_ce_options_init`, then these fields), with `class_weights` pointing
     /// at `weights` (NULL when None). `weights` must be the DLTensor of `self.class_weights` and outlive
     /// the use of the result.
-    pub(crate) fn to_raw(self, weights: Option<&sys::DLTensor>) -> Room<sys::fce_ce_options_t> {
+    pub(crate) fn to_raw(self, weights: Option<&sys::DLTensor>) -> sys::fce_ce_options_t {
         let mut r = raw::init::<sys::fce_ce_options_t>();
-        let o = r.get_mut();
+        let o = &mut r;
         o.reduction = self.reduction.to_raw();
         o.ignore_index = self.ignore_index;
         o.label_smoothing = self.label_smoothing;
@@ -257,7 +256,7 @@ pub struct LseOptions {
 impl Default for LseOptions {
     /// The library's defaults (`fce_lse_options_init`).
     fn default() -> Self {
-        LseOptions { scale: raw::init::<sys::fce_lse_options_t>().get().scale }
+        LseOptions { scale: raw::init::<sys::fce_lse_options_t>().scale }
     }
 }
 
@@ -271,9 +270,9 @@ impl LseOptions {
         self.scale = s;
         self
     }
-    pub(crate) fn to_raw(self) -> Room<sys::fce_lse_options_t> {
+    pub(crate) fn to_raw(self) -> sys::fce_lse_options_t {
         let mut r = raw::init::<sys::fce_lse_options_t>();
-        r.get_mut().scale = self.scale;
+        r.scale = self.scale;
         r
     }
 }
@@ -292,7 +291,7 @@ pub struct SoftmaxOptions<'a> {
 impl Default for SoftmaxOptions<'_> {
     /// The library's defaults (`fce_softmax_options_init`).
     fn default() -> Self {
-        SoftmaxOptions { temperature: raw::init::<sys::fce_softmax_options_t>().get().temperature, temperatures: None }
+        SoftmaxOptions { temperature: raw::init::<sys::fce_softmax_options_t>().temperature, temperatures: None }
     }
 }
 
@@ -311,9 +310,9 @@ impl<'a> SoftmaxOptions<'a> {
         self.temperatures = Some(t);
         self
     }
-    pub(crate) fn to_raw(self, temps: Option<&sys::DLTensor>) -> Room<sys::fce_softmax_options_t> {
+    pub(crate) fn to_raw(self, temps: Option<&sys::DLTensor>) -> sys::fce_softmax_options_t {
         let mut r = raw::init::<sys::fce_softmax_options_t>();
-        let o = r.get_mut();
+        let o = &mut r;
         o.temperature = self.temperature;
         o.temperatures = temps.map_or(ptr::null(), |t| t as *const sys::DLTensor);
         r
@@ -347,8 +346,7 @@ pub struct KdOptions {
 impl Default for KdOptions {
     /// The library's defaults (`fce_kd_options_init`).
     fn default() -> Self {
-        let r = raw::init::<sys::fce_kd_options_t>();
-        let d = r.get();
+        let d = raw::init::<sys::fce_kd_options_t>();
         KdOptions {
             divergence: Divergence::from_raw(d.divergence).unwrap_or_default(),
             beta: d.beta,
@@ -401,9 +399,9 @@ impl KdOptions {
         self.ignore_index = i;
         self
     }
-    pub(crate) fn to_raw(self) -> Room<sys::fce_kd_options_t> {
+    pub(crate) fn to_raw(self) -> sys::fce_kd_options_t {
         let mut r = raw::init::<sys::fce_kd_options_t>();
-        let o = r.get_mut();
+        let o = &mut r;
         o.divergence = self.divergence.to_raw();
         o.beta = self.beta;
         o.temperature = self.temperature;

@@ -1,11 +1,10 @@
 //! The C structs handed to the library, filled first by its `fce_*_init` functions.
 //!
-//! A struct is built in [`FCE_MAX_STRUCT_SIZE`](sys::FCE_MAX_STRUCT_SIZE) zeroed bytes: a newer library
-//! may have grown it past the header these bindings were generated from, and its init function writes
-//! all of its own struct (its defaults for the fields these bindings do not know). `struct_size` is
-//! then the larger of the library's size and ours: with an older library, a field it does not know
-//! stays zero, and a non-zero value set there is refused (`INVALID_ARGUMENT`) instead of being ignored.
-use std::mem::{align_of, size_of};
+//! A struct is this header's, filled with `struct_size` = its `size_of` (what the header asks of FFI
+//! callers): the fields the library knows get its defaults. A newer library gives the fields these
+//! bindings lack their defaults itself; an older one zeroes the fields it does not know, and refuses a
+//! non-zero value set there (`INVALID_ARGUMENT`) instead of ignoring it.
+use std::mem::{align_of, size_of, MaybeUninit};
 
 use crate::error::check;
 use crate::sys;
@@ -19,16 +18,16 @@ const MAX: usize = sys::FCE_MAX_STRUCT_SIZE as usize;
 pub(crate) unsafe trait CStruct: Copy {
     /// The C name, for messages.
     const NAME: &'static str;
-    /// Calls the library's `fce_*_init` on `p`.
-    unsafe fn init(p: *mut Self) -> sys::fce_status_t;
+    /// Calls the library's `fce_*_init` on `p`, `size` bytes.
+    unsafe fn init(p: *mut Self, size: usize) -> sys::fce_status_t;
 }
 
 macro_rules! c_structs {
     ($($t:ident => $init:ident),* $(,)?) => {$(
         unsafe impl CStruct for sys::$t {
             const NAME: &'static str = stringify!($t);
-            unsafe fn init(p: *mut Self) -> sys::fce_status_t {
-                sys::$init(p)
+            unsafe fn init(p: *mut Self, size: usize) -> sys::fce_status_t {
+                sys::$init(p, size)
             }
         }
     )*};
@@ -45,7 +44,8 @@ c_structs!(
     fce_linear_ce_outputs_t => fce_linear_ce_outputs_init,
 );
 
-/// `T` with room for the loaded library's (possibly larger) version of it.
+/// `T` with room for the loaded library's (possibly larger) version of it: for `fce_build_info`, which
+/// fills the `struct_size` bytes the caller sets.
 #[repr(C)]
 pub(crate) union Room<T: Copy> {
     value: T,
@@ -64,39 +64,28 @@ impl<T: Copy> Room<T> {
     pub(crate) fn as_ptr(&self) -> *const T {
         self as *const Room<T> as *const T
     }
-    /// The `uint32_t struct_size` every such struct starts with.
-    pub(crate) fn struct_size(&self) -> u32 {
-        // SAFETY: the first 4 bytes are always initialized (zeroed, then maybe written by the library).
-        unsafe { *(self.as_ptr() as *const u32) }
-    }
     pub(crate) fn set_struct_size(&mut self, size: u32) {
-        // SAFETY: as in struct_size; u32 alignment holds (the union is aligned at least for T and u32).
+        // SAFETY: the struct starts with uint32_t struct_size; u32 alignment holds (the union is aligned
+        // at least for T and u32).
         unsafe { *(self.as_mut_ptr() as *mut u32) = size }
     }
     /// The fields this header knows.
     pub(crate) fn get(&self) -> &T {
-        // SAFETY: T is plain data (CStruct's contract or build info), so zero or library-written bytes are a valid T.
+        // SAFETY: T is plain data (build info), so zero or library-written bytes are a valid T.
         unsafe { &*self.as_ptr() }
-    }
-    /// The fields this header knows, to set them.
-    pub(crate) fn get_mut(&mut self) -> &mut T {
-        // SAFETY: as in get.
-        unsafe { &mut *self.as_mut_ptr() }
     }
 }
 
-/// A struct holding the loaded library's defaults (its `fce_*_init`), `struct_size` set as the module
-/// documentation says. Set the fields with [`Room::get_mut`] and pass [`Room::as_ptr`].
-pub(crate) fn init<T: CStruct>() -> Room<T> {
-    let mut room = Room::<T>::zeroed();
-    // SAFETY: MAX writable bytes aligned for T; the library's struct is at most FCE_MAX_STRUCT_SIZE bytes.
-    let st = unsafe { T::init(room.as_mut_ptr()) };
-    // Only a NULL pointer makes an init function fail.
+/// A struct holding the loaded library's defaults (its `fce_*_init`), `struct_size` = `size_of::<T>()`.
+/// Set its fields and pass `&value` (a `*const T`).
+pub(crate) fn init<T: CStruct>() -> T {
+    let mut v = MaybeUninit::<T>::zeroed();
+    // SAFETY: size_of::<T>() writable bytes aligned for T, at least the struct's first published size.
+    let st = unsafe { T::init(v.as_mut_ptr(), size_of::<T>()) };
+    // Only a NULL pointer or a struct_size out of range makes an init function fail.
     if let Err(e) = check(st) {
         panic!("fusedce: the init function of {} failed: {}", T::NAME, e);
     }
-    let lib = room.struct_size() as usize;
-    assert!(lib <= MAX, "fusedce: the init function of {} set struct_size {}", T::NAME, lib);
-    room.set_struct_size(lib.max(size_of::<T>()) as u32);
-    room
+    // SAFETY: zeroed, then written by the library; T is plain data (CStruct's contract).
+    unsafe { v.assume_init() }
 }

@@ -293,11 +293,11 @@ fn option_defaults_come_from_the_init_functions() {
 fn raw_init_functions_match_the_header() {
     use fusedce::sys;
     use std::mem::MaybeUninit;
-    // Each fce_*_init on this header's struct (same version): struct_size is this header's sizeof.
+    // Each fce_*_init on this header's struct, struct_size = its size_of.
     macro_rules! size_of_init {
         ($t:ident, $f:ident) => {{
             let mut v = MaybeUninit::<sys::$t>::zeroed();
-            let st = unsafe { sys::$f(v.as_mut_ptr()) };
+            let st = unsafe { sys::$f(v.as_mut_ptr(), std::mem::size_of::<sys::$t>()) };
             assert_eq!(st, sys::fce_status::FCE_STATUS_SUCCESS, stringify!($f));
             let v = unsafe { v.assume_init() };
             assert_eq!(v.struct_size as usize, std::mem::size_of::<sys::$t>(), stringify!($t));
@@ -320,8 +320,26 @@ fn raw_init_functions_match_the_header() {
     let lo = size_of_init!(fce_linear_ce_outputs_t, fce_linear_ce_outputs_init);
     assert!(lo.loss.is_null() && lo.dweight.is_null());
     // NULL is refused.
-    let st = unsafe { sys::fce_ce_options_init(std::ptr::null_mut()) };
+    let n = std::mem::size_of::<sys::fce_ce_options_t>();
+    let st = unsafe { sys::fce_ce_options_init(std::ptr::null_mut(), n) };
     assert_eq!(st, sys::fce_status::FCE_STATUS_INVALID_ARGUMENT);
+    // A larger struct_size: the defaults, zeros past the library's struct, struct_size as given. One below
+    // the struct or above FCE_MAX_STRUCT_SIZE is refused, and nothing is written.
+    #[repr(C, align(8))]
+    struct Buf([u8; 128]);
+    let mut buf = Buf([0xab; 128]);
+    let p = buf.0.as_mut_ptr() as *mut sys::fce_ce_options_t;
+    let st = unsafe { sys::fce_ce_options_init(p, n + 16) };
+    assert_eq!(st, sys::fce_status::FCE_STATUS_SUCCESS);
+    let v = unsafe { p.read() };
+    assert!(v.struct_size as usize == n + 16 && v.logit_scale == 1.0 && v.class_weights.is_null());
+    assert!(buf.0[n..n + 16].iter().all(|&b| b == 0) && buf.0[n + 16..].iter().all(|&b| b == 0xab));
+    buf.0 = [0xab; 128];
+    let p = buf.0.as_mut_ptr() as *mut sys::fce_ce_options_t;
+    for size in [n - 8, fusedce::MAX_STRUCT_SIZE + 1] {
+        assert_eq!(unsafe { sys::fce_ce_options_init(p, size) }, sys::fce_status::FCE_STATUS_INVALID_ARGUMENT);
+    }
+    assert!(buf.0.iter().all(|&b| b == 0xab));
 }
 
 #[test]
