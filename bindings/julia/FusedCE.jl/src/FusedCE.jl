@@ -299,24 +299,27 @@ for (T, f) in _INIT_FUNCTIONS
     @eval _init_function(::Type{$T}) = $f
 end
 
-# Filled by __init__ from the loaded library: the bytes to allocate for each struct (the larger of the
-# library's size and this header's: a newer library's struct may be larger and its init function writes
-# all of it; with an older one the fields it does not know stay zero, and a non-zero value set there is
-# refused instead of ignored), and the library's defaults.
-const _ALLOC = Dict{DataType,Int}()
+"""
+    _init!(p::Ptr{T})
+
+Fills the `sizeof(T)` bytes at `p` by the loaded library's init function, `struct_size = sizeof(T)` (this
+header's struct): the fields the library knows get its defaults. A newer library gives the fields this
+header lacks their defaults itself; an older one zeroes the fields it does not know, and refuses
+(`FCE_STATUS_INVALID_ARGUMENT`) a non-zero value set there instead of ignoring it.
+"""
+function _init!(p::Ptr{T}) where {T}
+    f = _init_function(T)
+    _check(f(p, sizeof(T)), nameof(f))
+    return p
+end
+
+# The library's defaults, filled by __init__.
 const _DEFAULTS = Dict{DataType,Any}()
 
 function _load_defaults!()
-    for (T, f) in _INIT_FUNCTIONS
-        buf = zeros(UInt8, L.FCE_MAX_STRUCT_SIZE)
-        GC.@preserve buf begin
-            p = Ptr{T}(pointer(buf))
-            _check(f(p), nameof(f))
-            size = Int(unsafe_load(Ptr{UInt32}(p)))
-            4 <= size <= L.FCE_MAX_STRUCT_SIZE || error("FusedCE: $(nameof(f)) set struct_size $size")
-            _ALLOC[T] = max(size, sizeof(T))
-            _DEFAULTS[T] = unsafe_load(p)
-        end
+    for (T, _) in _INIT_FUNCTIONS
+        r = Ref{T}()
+        GC.@preserve r _DEFAULTS[T] = unsafe_load(_init!(Base.unsafe_convert(Ptr{T}, r)))
     end
     _CE[] = _DEFAULTS[L.fce_ce_options_t]
     _LSE[] = _DEFAULTS[L.fce_lse_options_t]
@@ -329,7 +332,7 @@ end
     FusedCE.defaults(T)
 
 The loaded library's defaults of struct type `T` (e.g. `FusedCE.LibFusedCE.fce_ce_options_t`), from its
-`fce_*_init` function; `struct_size` is the library's sizeof. The keyword defaults of every function.
+`fce_*_init` function; `struct_size` is this header's `sizeof(T)`. The keyword defaults of every function.
 """
 defaults(::Type{T}) where {T} = _DEFAULTS[T]::T
 
@@ -347,18 +350,14 @@ Base.getindex(s::CStruct{T}) where {T} = GC.@preserve s unsafe_load(Ptr{T}(point
 """
     _cstruct(T; fields...)
 
-A `CStruct{T}` filled by the library's init function, then with `fields` set; `struct_size` is the
-size allocated (see `_ALLOC`).
+A `CStruct{T}` filled by the library's init function (see `_init!`), then with `fields` set.
 """
 function _cstruct(::Type{T}; fields...) where {T}
-    n = _ALLOC[T]
-    buf = zeros(UInt8, n)
+    buf = Vector{UInt8}(undef, sizeof(T))
     GC.@preserve buf begin
-        p = Ptr{T}(pointer(buf))
-        f = _init_function(T)
-        _check(f(p), nameof(f))
+        p = _init!(Ptr{T}(pointer(buf)))
         v = unsafe_load(p)
-        kw = (; fields..., struct_size = UInt32(n))
+        kw = (; fields...)
         v = T(ntuple(i -> get(kw, fieldname(T, i), getfield(v, i)), fieldcount(T))...)
         unsafe_store!(p, v)
     end

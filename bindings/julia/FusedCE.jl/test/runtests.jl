@@ -160,10 +160,26 @@ end
                       (L.fce_linear_ce_outputs_t, L.FCE_LINEAR_CE_OUTPUTS_INIT))
         @test FusedCE.defaults(T) == init
         r = Ref{T}()
-        @test FusedCE._init_function(T)(r) == L.FCE_STATUS_SUCCESS
+        @test FusedCE._init_function(T)(r, sizeof(T)) == L.FCE_STATUS_SUCCESS
         @test r[] == init
     end
-    @test L.fce_kd_options_init(Ptr{L.fce_kd_options_t}(C_NULL)) == L.FCE_STATUS_INVALID_ARGUMENT
+    @test L.fce_kd_options_init(Ptr{L.fce_kd_options_t}(C_NULL), sizeof(L.fce_kd_options_t)) ==
+          L.FCE_STATUS_INVALID_ARGUMENT
+    # struct_size is the size given: defaults, then zeros past this library's struct; a size below the
+    # struct or above FCE_MAX_STRUCT_SIZE is refused and nothing is written
+    n = sizeof(L.fce_kd_options_t)
+    buf = fill(0xab, n + 24)
+    GC.@preserve buf begin
+        p = Ptr{L.fce_kd_options_t}(pointer(buf))
+        @test L.fce_kd_options_init(p, n + 16) == L.FCE_STATUS_SUCCESS
+        o = unsafe_load(p)
+        @test o.struct_size == n + 16 && o.beta == 0.5f0 && o.ignore_index == -100
+        @test all(iszero, buf[n+1:n+16]) && all(==(0xab), buf[n+17:end])
+        fill!(buf, 0xab)
+        @test L.fce_kd_options_init(p, n - 8) == L.FCE_STATUS_INVALID_ARGUMENT
+        @test L.fce_kd_options_init(p, L.FCE_MAX_STRUCT_SIZE + 1) == L.FCE_STATUS_INVALID_ARGUMENT
+        @test all(==(0xab), buf)
+    end
     # the keyword defaults are the library's
     d = FusedCE.defaults(L.fce_kd_options_t)
     @test (d.beta, d.temperature, d.ignore_index) == (0.5f0, 1.0f0, -100)
