@@ -128,8 +128,10 @@ void bench_softmax_logp(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V) {
   record(name, ms, double(x.bytes() + p.bytes() + lp.bytes()), 0, 0);
 }
 
-// Forward KL between two bf16 [N,V] logit matrices, batchmean; with or without dstudent.
-void bench_kd_full(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, bool grad, double min_frac) {
+// A divergence (forward KL unless said) between two bf16 [N,V] logit matrices, batchmean; with or without
+// dstudent.
+void bench_kd_full(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, bool grad, double min_frac,
+                   int div = FCE_KD_FORWARD_KL) {
   Buf st({N, V}, bf16()), te({N, V}, bf16());
   Buf loss({}, f32());
   fill_random(st, 2.f, 21, s);
@@ -137,6 +139,7 @@ void bench_kd_full(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, bool gr
   fce_kd_teacher_t teacher = FCE_KD_TEACHER_INIT;
   teacher.logits = te.dl();
   fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
+  o.divergence = div;
   fce_kd_outputs_t out = FCE_KD_OUTPUTS_INIT;
   out.loss = loss.dl();
   std::vector<int64_t> dshape = grad ? std::vector<int64_t>{N, V} : std::vector<int64_t>{1, 1};
@@ -151,7 +154,8 @@ void bench_kd_full(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, bool gr
   float l = NAN;
   ck(cudaMemcpy(&l, loss.p, 4, cudaMemcpyDeviceToHost), "dl");
   char name[96];
-  std::snprintf(name, sizeof name, "KD fwd KL %lldx%lld bf16%s", (long long)N, (long long)V, grad ? " + dstudent" : "");
+  const char* dn = div == FCE_KD_FORWARD_KL ? "fwd KL" : div == FCE_KD_REVERSE_KL ? "rev KL" : "JSD";
+  std::snprintf(name, sizeof name, "KD %s %lldx%lld bf16%s", dn, (long long)N, (long long)V, grad ? " + dstudent" : "");
   std::printf("%s: workspace %zu B, loss %.6f\n", name, wsb, double(l));
   record(name, ms, double(st.bytes()) * (grad ? 3 : 2), 0, min_frac);
 }
@@ -249,6 +253,10 @@ int main() {
   bench_kd_full(h, s, 4096, 128256, false, 0.85);  // bytes: two reads
   bench_kd_full(h, s, 4096, 128256, true, 0.80);   // bytes: two reads and one write
   bench_kd_topk(h, s, 8192, 128256, 64, 0.85);     // bytes: the student read once
+  bench_kd_full(h, s, 4096, 128256, false, 0, FCE_KD_REVERSE_KL);  // no target: the other divergences' paths
+  bench_kd_full(h, s, 4096, 128256, true, 0, FCE_KD_REVERSE_KL);
+  bench_kd_full(h, s, 4096, 128256, false, 0, FCE_KD_JSD);
+  bench_kd_full(h, s, 4096, 128256, true, 0, FCE_KD_JSD);
 
   std::printf("\n%-44s %10s %9s %8s  %-18s %s\n", "shape", "time(us)", "GB/s", "of copy", "target", "result");
   int pass = 0, targets = 0;

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .gpu/ (tools/gpu-pack.sh) carried: the gpu
-# suite, compute-sanitizer, and the benchmarks. Logs go to $OUT. Usage: gpu-session.sh [tests|fallbacks|sanitize|bench|peers|demo]...
+# suite, compute-sanitizer, and the benchmarks. Logs go to $OUT.
+# Usage: gpu-session.sh [tests|fallbacks|sanitize|bench|ab|peers|demo]...
+#   ab: an A/B of the library in .gpu/old (GPU_EXTRA="old=<old build>/libfusedce.so.0" when packing) against
+#       the new one, alternating processes, AB_RUNS (3) times each, with AB_BENCH (bench_softmax_kd); the
+#       benchmark's closing table of each run, then the medians per shape.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -28,7 +32,7 @@ for step in $steps; do
       done ;;
     fallbacks)  # the paths the planner would not pick at these shapes, forced
       for f in nocluster stream split noregs; do
-        for t in gpu_logsumexp_softmax gpu_kd; do
+        for t in gpu_logsumexp_softmax gpu_kd gpu_contract; do
           FCE_DEBUG_ROWS=$f .gpu/bin/$t --gtest_brief=1 > "$OUT/fallback_${f}_$t.log" 2>&1
           rc=$?
           case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
@@ -61,9 +65,10 @@ for step in $steps; do
         filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.*'
         [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.InfinitiesAndNaN:Logsumexp.FewAligned*:TempSoftmax.PerRowTemperaturesMixedGreedy:TempSoftmax.FewAligned*:TempSoftmax.FewRows*:TempSoftmax.ManyRowsProbabilitiesOnly:TempSoftmax.ManyLongAlignedRows:KdLoss.NegativeInfinityLogitsGiveNoNaN:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.ChunkSizesAgree:LinearCrossEntropy.ShortLastChunkSplits'
         # gpu_gpu_extra: the programmatic dependent launches behind a kernel that lets them launch at once.
-        for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce gpu_gpu_extra; do
+        for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce gpu_gpu_extra gpu_contract; do
           f=$filter
-          [ $t = gpu_gpu_extra ] && f='GpuPdl.*'
+          [ $t = gpu_gpu_extra ] && f='GpuPdl.*:GpuContract.*'
+          [ $t = gpu_contract ] && f='Contract.*'
           compute-sanitizer --tool $tool --error-exitcode 9 .gpu/bin/$t --gtest_brief=1 --gtest_filter="$f" \
             > "$OUT/san_${tool}_$t.log" 2>&1
           rc=$?
@@ -78,6 +83,33 @@ for step in $steps; do
       for b in $(ls .gpu/bin/bench_* | grep -v '/bench_linear_ce$') .gpu/bin/bench_linear_ce; do
         [ -x "$b" ] && "$b" 2>&1 | tee "$OUT/$(basename "$b").log"
       done ;;
+    ab)
+      bench=${AB_BENCH:-bench_softmax_kd}
+      for i in $(seq 1 "${AB_RUNS:-3}"); do
+        for v in old new; do
+          lib=$PWD/.gpu/lib
+          [ $v = old ] && lib=$PWD/.gpu/old
+          LD_LIBRARY_PATH="$lib:$LD_LIBRARY_PATH" .gpu/bin/$bench > "$OUT/ab_${v}_$i.log" 2>&1
+        done
+      done
+      python3 - "$OUT" "${AB_RUNS:-3}" <<'PY'
+import re, statistics, sys
+out, runs = sys.argv[1], int(sys.argv[2])
+rows = {}
+for v in ("old", "new"):
+    for i in range(1, runs + 1):
+        text = open(f"{out}/ab_{v}_{i}.log").read().split("\nshape ")[-1]
+        for line in text.splitlines()[1:]:
+            m = re.match(r"(.+?)\s{2,}([0-9.]+)\s+[0-9]+\s+[0-9.]+%", line)
+            if m:
+                rows.setdefault(m.group(1).strip(), {"old": [], "new": []})[v].append(float(m.group(2)))
+print(f"{'shape':<52} {'old us (median)':>16} {'new us (median)':>16} {'new/old':>8}")
+for k, d in rows.items():
+    if d["old"] and d["new"]:
+        o, n = statistics.median(d["old"]), statistics.median(d["new"])
+        print(f"{k:<52} {o:>16.1f} {n:>16.1f} {n / o:>8.3f}")
+PY
+      ;;
     peers)
       FCE_PEERS=.peers/peers timeout 400 python3 .peers/peers_bench.py ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" | grep -vE "^\{" ;;
     demo)

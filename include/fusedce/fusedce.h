@@ -41,11 +41,13 @@
  * several streams.
  * Structs: every options, outputs and teacher struct starts with `uint32_t struct_size`. Fill it with the
  * _INIT macro, or from another language with the matching fce_*_init function. Structs only grow at the
- * end (and have no tail padding, so new fields start past the old size): a caller built against a newer
- * header may pass a larger struct_size (up to FCE_MAX_STRUCT_SIZE) when every byte past the struct this
- * library knows is zero, i.e. the newer options are left at their defaults; a non-zero byte there, or a
- * struct_size below this library's struct, is FCE_STATUS_INVALID_ARGUMENT with the struct's name and this
- * library's version in the message (the rule Linux applies to growing syscall structs).
+ * end, within an ABI version, and have no tail padding, so new fields start past the old size. The
+ * library takes any struct_size from the struct's first published size up to FCE_MAX_STRUCT_SIZE: a
+ * smaller struct than this library's (a caller built against an older header) gets the defaults for the
+ * fields it lacks; a larger one (a newer header) is accepted when every byte past the struct this library
+ * knows is zero, i.e. the newer options are left at their defaults. A non-zero byte there, or a size out
+ * of that range, is FCE_STATUS_INVALID_ARGUMENT with the struct's name and this library's version in the
+ * message (the rule Linux applies to growing syscall structs).
  * Errors: every function returns an fce_status_t. On failure a per-thread message is available from
  * fce_last_error_message(), and no output tensor has been written (validation precedes all writes).
  * Determinism: results are bitwise identical run to run on the same device and library build (fixed-order
@@ -248,10 +250,12 @@ typedef struct fce_ce_options {
 #define FCE_CE_OPTIONS_INIT \
   { (uint32_t)sizeof(fce_ce_options_t), FCE_REDUCTION_MEAN, -100, 0.0f, 0.0f, 0.0f, 1.0f, NULL }
 
-/** Fills `*options` with the defaults of FCE_CE_OPTIONS_INIT (struct_size = this library's
- *  sizeof(fce_ce_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- *  FCE_STATUS_INVALID_ARGUMENT when options is NULL. */
-FCE_API fce_status_t fce_ce_options_init(fce_ce_options_t* options);
+/** Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
+ *  FCE_CE_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ *  options->struct_size is set to `struct_size`. Pass sizeof(fce_ce_options_t) as your header defines it.
+ *  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below
+ *  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written). */
+FCE_API fce_status_t fce_ce_options_init(fce_ce_options_t* options, size_t struct_size);
 
 /**
  * Outputs of fce_cross_entropy_fwd. Initialize with FCE_CE_OUTPUTS_INIT; every field but `loss` optional.
@@ -279,10 +283,12 @@ typedef struct fce_ce_outputs {
 /** Initializer of fce_ce_outputs_t: struct_size and every default. */
 #define FCE_CE_OUTPUTS_INIT { (uint32_t)sizeof(fce_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL }
 
-/** Fills `*outputs` with the defaults of FCE_CE_OUTPUTS_INIT (struct_size = this library's
- *  sizeof(fce_ce_outputs_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- *  FCE_STATUS_INVALID_ARGUMENT when outputs is NULL. */
-FCE_API fce_status_t fce_ce_outputs_init(fce_ce_outputs_t* outputs);
+/** Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use
+ *  FCE_CE_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ *  outputs->struct_size is set to `struct_size`. Pass sizeof(fce_ce_outputs_t) as your header defines it.
+ *  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL or struct_size is below
+ *  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written). */
+FCE_API fce_status_t fce_ce_outputs_init(fce_ce_outputs_t* outputs, size_t struct_size);
 
 /**
  * Cross-entropy forward over a large vocabulary by online softmax (Milakov & Gimelshein 2018), never
@@ -338,10 +344,12 @@ typedef struct fce_lse_options {
 /** Initializer of fce_lse_options_t: struct_size and every default. */
 #define FCE_LSE_OPTIONS_INIT { (uint32_t)sizeof(fce_lse_options_t), 1.0f }
 
-/** Fills `*options` with the defaults of FCE_LSE_OPTIONS_INIT (struct_size = this library's
- *  sizeof(fce_lse_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- *  FCE_STATUS_INVALID_ARGUMENT when options is NULL. */
-FCE_API fce_status_t fce_lse_options_init(fce_lse_options_t* options);
+/** Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
+ *  FCE_LSE_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ *  options->struct_size is set to `struct_size`. Pass sizeof(fce_lse_options_t) as your header defines it.
+ *  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below
+ *  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written). */
+FCE_API fce_status_t fce_lse_options_init(fce_lse_options_t* options, size_t struct_size);
 
 /**
  * Per-row logsumexp: lse_i = log(sum_j exp(s * x_ij)), max of the raw row first. Rows of few rows are split
@@ -376,17 +384,20 @@ typedef struct fce_softmax_options {
 /** Initializer of fce_softmax_options_t: struct_size and every default. */
 #define FCE_SOFTMAX_OPTIONS_INIT { (uint32_t)sizeof(fce_softmax_options_t), 1.0f, NULL }
 
-/** Fills `*options` with the defaults of FCE_SOFTMAX_OPTIONS_INIT (struct_size = this library's
- *  sizeof(fce_softmax_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- *  FCE_STATUS_INVALID_ARGUMENT when options is NULL. */
-FCE_API fce_status_t fce_softmax_options_init(fce_softmax_options_t* options);
+/** Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
+ *  FCE_SOFTMAX_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ *  options->struct_size is set to `struct_size`. Pass sizeof(fce_softmax_options_t) as your header defines it.
+ *  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below
+ *  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written). */
+FCE_API fce_status_t fce_softmax_options_init(fce_softmax_options_t* options, size_t struct_size);
 
 /**
  * Temperature softmax for sampling: p_j = exp((x_j - max x) / T) / sum_k exp((x_k - max x) / T), with the
  * max of the raw logits taken first and the difference scaled in fp32 (halved first where x - max would
  * overflow), so no finite input gives NaN at any T > 0 and logits near +-FLT_MAX keep their true
- * differences at any temperature, +inf included. T = 0 is greedy: one-hot at the argmax (lowest index on ties); log-probabilities are then 0 there
- * and -inf elsewhere. -inf logits get probability 0. A row of all -inf, or with a NaN, gives NaN.
+ * differences at any temperature, +inf included. T = 0 is greedy: one-hot at the argmax (lowest index on
+ * ties); log-probabilities are then 0 there and -inf elsewhere. -inf logits get probability 0. A row of
+ * all -inf, or with a NaN, gives NaN.
  * @param logits   [N,V] fp32, bf16 or fp16.
  * @param probs    optional [N,V], fp32 or the logits' dtype; may be the logits' memory when the dtypes match.
  * @param logprobs optional [N,V], fp32 or the logits' dtype: log p_j = (x_j - max)/T - log(sum). May not
@@ -460,10 +471,12 @@ typedef struct fce_kd_options {
   { (uint32_t)sizeof(fce_kd_options_t), FCE_KD_FORWARD_KL, 0.5f, 1.0f, 0, FCE_KD_TOPK_FULL_VOCAB, \
     FCE_REDUCTION_MEAN, -100 }
 
-/** Fills `*options` with the defaults of FCE_KD_OPTIONS_INIT (struct_size = this library's
- *  sizeof(fce_kd_options_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- *  FCE_STATUS_INVALID_ARGUMENT when options is NULL. */
-FCE_API fce_status_t fce_kd_options_init(fce_kd_options_t* options);
+/** Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
+ *  FCE_KD_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ *  options->struct_size is set to `struct_size`. Pass sizeof(fce_kd_options_t) as your header defines it.
+ *  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when options is NULL or struct_size is below
+ *  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written). */
+FCE_API fce_status_t fce_kd_options_init(fce_kd_options_t* options, size_t struct_size);
 
 /**
  * The teacher: either full logits, or top-K ids and log-probabilities (the axolotl format). Exactly one
@@ -481,10 +494,12 @@ typedef struct fce_kd_teacher {
 /** Initializer of fce_kd_teacher_t: struct_size and every default. */
 #define FCE_KD_TEACHER_INIT { (uint32_t)sizeof(fce_kd_teacher_t), NULL, NULL, NULL }
 
-/** Fills `*teacher` with the defaults of FCE_KD_TEACHER_INIT (struct_size = this library's
- *  sizeof(fce_kd_teacher_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- *  FCE_STATUS_INVALID_ARGUMENT when teacher is NULL. */
-FCE_API fce_status_t fce_kd_teacher_init(fce_kd_teacher_t* teacher);
+/** Fills the struct_size bytes at `teacher` with this library's defaults, for callers that cannot use
+ *  FCE_KD_TEACHER_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ *  teacher->struct_size is set to `struct_size`. Pass sizeof(fce_kd_teacher_t) as your header defines it.
+ *  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when teacher is NULL or struct_size is below
+ *  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written). */
+FCE_API fce_status_t fce_kd_teacher_init(fce_kd_teacher_t* teacher, size_t struct_size);
 
 /** Outputs of fce_kd_loss. Initialize with FCE_KD_OUTPUTS_INIT. */
 typedef struct fce_kd_outputs {
@@ -499,10 +514,12 @@ typedef struct fce_kd_outputs {
 /** Initializer of fce_kd_outputs_t: struct_size and every default. */
 #define FCE_KD_OUTPUTS_INIT { (uint32_t)sizeof(fce_kd_outputs_t), NULL, NULL, NULL }
 
-/** Fills `*outputs` with the defaults of FCE_KD_OUTPUTS_INIT (struct_size = this library's
- *  sizeof(fce_kd_outputs_t)), for callers that cannot use the macro (FFI). @return FCE_STATUS_SUCCESS;
- *  FCE_STATUS_INVALID_ARGUMENT when outputs is NULL. */
-FCE_API fce_status_t fce_kd_outputs_init(fce_kd_outputs_t* outputs);
+/** Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use
+ *  FCE_KD_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
+ *  outputs->struct_size is set to `struct_size`. Pass sizeof(fce_kd_outputs_t) as your header defines it.
+ *  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL or struct_size is below
+ *  the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written). */
+FCE_API fce_status_t fce_kd_outputs_init(fce_kd_outputs_t* outputs, size_t struct_size);
 
 /**
  * Knowledge-distillation divergence between student and teacher distributions, per row, reduced.
@@ -546,10 +563,12 @@ typedef struct fce_linear_ce_outputs {
 #define FCE_LINEAR_CE_OUTPUTS_INIT \
   { (uint32_t)sizeof(fce_linear_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL }
 
-/** Fills `*outputs` with the defaults of FCE_LINEAR_CE_OUTPUTS_INIT (struct_size = this library's
- *  sizeof(fce_linear_ce_outputs_t)), for callers that cannot use the macro (FFI). @return
- *  FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL. */
-FCE_API fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs);
+/** Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use
+ *  FCE_LINEAR_CE_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are
+ *  zeroed, and outputs->struct_size is set to `struct_size`. Pass sizeof(fce_linear_ce_outputs_t) as your
+ *  header defines it. @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when outputs is NULL or
+ *  struct_size is below the struct's first published size or above FCE_MAX_STRUCT_SIZE (nothing written). */
+FCE_API fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs, size_t struct_size);
 
 /**
  * Linear cross-entropy: logits = hidden @ weight^T (+ bias), then cross-entropy with every option of

@@ -5,7 +5,7 @@ namespace fce {
 CeOpts read_ce_options(const fce_ce_options_t* options, Validator& val, int64_t V) {
   CeOpts o;
   if (!options) return o;
-  const fce_ce_options_t& p = checked_struct(options, "options");
+  const fce_ce_options_t p = checked_struct(options, "options");
   FCE_CHECK(p.reduction >= FCE_REDUCTION_NONE && p.reduction <= FCE_REDUCTION_MEAN, FCE_STATUS_INVALID_ARGUMENT,
             "options->reduction %d is not an fce_reduction_t", p.reduction);
   FCE_CHECK(finite(p.label_smoothing) && p.label_smoothing >= 0.f && p.label_smoothing <= 1.f,
@@ -97,7 +97,7 @@ CeProblem ce_forward_problem(fce_handle* h, const DLTensor* logits, const DLTens
   const int64_t N = p.logits.rows, V = p.logits.cols;
   p.targets = read_targets(val, targets, "targets", N);
   p.o = read_ce_options(options, val, V);
-  const fce_ce_outputs_t& out = checked_struct(outputs, "outputs");
+  const fce_ce_outputs_t out = checked_struct(outputs, "outputs");
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
                                          out.entropy, true);
   p.loss = s.loss;

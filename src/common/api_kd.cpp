@@ -11,7 +11,7 @@ KdProblem kd_problem(fce_handle* h, const DLTensor* student, const fce_kd_teache
   p.student = val.matrix(student, "student", kFloats);
   val.input("student", p.student.data, Validator::span(p.student));
   const int64_t N = p.student.rows, V = p.student.cols;
-  const fce_kd_teacher_t& t = checked_struct(teacher, "teacher");
+  const fce_kd_teacher_t t = checked_struct(teacher, "teacher");
   const bool full = t.logits != nullptr, topk = t.topk_ids != nullptr || t.topk_logprobs != nullptr;
   FCE_CHECK(full != topk, FCE_STATUS_INVALID_ARGUMENT,
             "teacher must have either logits or (topk_ids, topk_logprobs), not %s", full ? "both" : "neither");
@@ -32,7 +32,7 @@ KdProblem kd_problem(fce_handle* h, const DLTensor* student, const fce_kd_teache
   }
   if (targets) p.targets = read_targets(val, targets, "targets", N);
   if (options) {
-    const fce_kd_options_t& o = checked_struct(options, "options");
+    const fce_kd_options_t o = checked_struct(options, "options");
     FCE_CHECK(o.divergence >= FCE_KD_FORWARD_KL && o.divergence <= FCE_KD_JSD, FCE_STATUS_INVALID_ARGUMENT,
               "options->divergence %d is not an fce_kd_divergence_t", o.divergence);
     FCE_CHECK(finite(o.beta) && o.beta >= 0.f && o.beta <= 1.f, FCE_STATUS_INVALID_ARGUMENT,
@@ -52,7 +52,7 @@ KdProblem kd_problem(fce_handle* h, const DLTensor* student, const fce_kd_teache
     p.o.reduction = o.reduction;
     p.o.ignore_index = o.ignore_index;
   }
-  const fce_kd_outputs_t& out = checked_struct(outputs, "outputs");
+  const fce_kd_outputs_t out = checked_struct(outputs, "outputs");
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, nullptr, nullptr, nullptr, nullptr, true);
   p.loss = s.loss;
   if (out.dstudent) {

@@ -35,7 +35,7 @@ LinearCeProblem linear_ce_problem(fce_handle* h, const DLTensor* hidden, const D
   }
   p.targets = read_targets(val, targets, "targets", N);
   p.o = read_ce_options(options, val, V);
-  const fce_linear_ce_outputs_t& out = checked_struct(outputs, "outputs");
+  const fce_linear_ce_outputs_t out = checked_struct(outputs, "outputs");
   const bool bwd = lse != nullptr;
   if (bwd) {
     p.saved_lse = val.vector(lse, "lse", kF32);

@@ -10,7 +10,7 @@ LseProblem lse_problem(fce_handle* h, const DLTensor* x, const fce_lse_options_t
   p.x = val.matrix(x, "x", kFloats);
   val.input("x", p.x.data, Validator::span(p.x));
   if (options) {
-    const fce_lse_options_t& o = checked_struct(options, "options");
+    const fce_lse_options_t o = checked_struct(options, "options");
     FCE_CHECK(finite(o.scale) && o.scale > 0.f, FCE_STATUS_INVALID_ARGUMENT,
               "options->scale %g must be finite and > 0", o.scale);
     p.scale = o.scale;

@@ -21,7 +21,7 @@ SoftmaxProblem softmax_problem(fce_handle* h, const DLTensor* logits, const fce_
   p.logits = val.matrix(logits, "logits", kFloats);
   val.input("logits", p.logits.data, Validator::span(p.logits));
   if (options) {
-    const fce_softmax_options_t& o = checked_struct(options, "options");
+    const fce_softmax_options_t o = checked_struct(options, "options");
     if (o.temperatures) {
       p.temperatures = val.vector(o.temperatures, "options->temperatures", kF32);
       FCE_CHECK(p.temperatures.n == p.logits.rows, FCE_STATUS_SHAPE_MISMATCH,

@@ -1,6 +1,7 @@
 // Pieces of argument validation shared by several entry points.
 #pragma once
 #include <cmath>
+#include <cstring>
 
 #include "common/error.hpp"
 #include "common/handle.hpp"
@@ -8,38 +9,44 @@
 
 namespace fce {
 
-// The C name of each struct that carries a struct_size, for messages.
-inline const char* struct_name(const fce_ce_options_t*) { return "fce_ce_options_t"; }
-inline const char* struct_name(const fce_ce_outputs_t*) { return "fce_ce_outputs_t"; }
-inline const char* struct_name(const fce_lse_options_t*) { return "fce_lse_options_t"; }
-inline const char* struct_name(const fce_softmax_options_t*) { return "fce_softmax_options_t"; }
-inline const char* struct_name(const fce_kd_options_t*) { return "fce_kd_options_t"; }
-inline const char* struct_name(const fce_kd_teacher_t*) { return "fce_kd_teacher_t"; }
-inline const char* struct_name(const fce_kd_outputs_t*) { return "fce_kd_outputs_t"; }
-inline const char* struct_name(const fce_linear_ce_outputs_t*) { return "fce_linear_ce_outputs_t"; }
-inline const char* struct_name(const fce_build_info_t*) { return "fce_build_info_t"; }
+// Per struct with a struct_size: its C name (for messages), its defaults (the header's _INIT macro) and its
+// first published size, the smallest struct_size the library takes (a struct that grows keeps its old
+// size here; every struct still has its first layout).
+#define FCE_STRUCT_TRAITS(T, INIT)                                          \
+  inline const char* struct_name(const T*) { return #T; }                  \
+  inline T struct_defaults(const T*) { return T(INIT); }                   \
+  constexpr size_t struct_first_size(const T*) { return sizeof(T); }
+FCE_STRUCT_TRAITS(fce_ce_options_t, FCE_CE_OPTIONS_INIT)
+FCE_STRUCT_TRAITS(fce_ce_outputs_t, FCE_CE_OUTPUTS_INIT)
+FCE_STRUCT_TRAITS(fce_lse_options_t, FCE_LSE_OPTIONS_INIT)
+FCE_STRUCT_TRAITS(fce_softmax_options_t, FCE_SOFTMAX_OPTIONS_INIT)
+FCE_STRUCT_TRAITS(fce_kd_options_t, FCE_KD_OPTIONS_INIT)
+FCE_STRUCT_TRAITS(fce_kd_teacher_t, FCE_KD_TEACHER_INIT)
+FCE_STRUCT_TRAITS(fce_kd_outputs_t, FCE_KD_OUTPUTS_INIT)
+FCE_STRUCT_TRAITS(fce_linear_ce_outputs_t, FCE_LINEAR_CE_OUTPUTS_INIT)
+FCE_STRUCT_TRAITS(fce_build_info_t, FCE_BUILD_INFO_INIT)
+#undef FCE_STRUCT_TRAITS
 
-// struct_size of a struct the library reads or fills: at least the struct this library knows, at most
-// FCE_MAX_STRUCT_SIZE.
+// A struct_size the library takes for T: from T's first published size up to FCE_MAX_STRUCT_SIZE.
 template <class T>
-uint32_t checked_struct_size(const T* p, const char* name) {
-  FCE_CHECK(p != nullptr, FCE_STATUS_INVALID_ARGUMENT, "%s is NULL", name);
-  const uint32_t size = p->struct_size;
-  FCE_CHECK(size >= sizeof(T), FCE_STATUS_INVALID_ARGUMENT,
-            "%s->struct_size is %u; %s has %zu bytes in libfusedce %s (initialize it with its _INIT macro or "
-            "init function)", name, unsigned(size), struct_name(p), sizeof(T), fce_version_string());
+uint32_t checked_struct_size(const T* p, size_t size, const char* name) {
+  FCE_CHECK(size >= struct_first_size(p), FCE_STATUS_INVALID_ARGUMENT,
+            "%s->struct_size is %zu, below the %zu bytes of %s (initialize it with its _INIT macro or init "
+            "function)", name, size, struct_first_size(p), struct_name(p));
   FCE_CHECK(size <= FCE_MAX_STRUCT_SIZE, FCE_STATUS_INVALID_ARGUMENT,
-            "%s->struct_size is %u, above FCE_MAX_STRUCT_SIZE (%d): not a %s", name, unsigned(size),
-            FCE_MAX_STRUCT_SIZE, struct_name(p));
-  return size;
+            "%s->struct_size is %zu, above FCE_MAX_STRUCT_SIZE (%d): not a %s", name, size, FCE_MAX_STRUCT_SIZE,
+            struct_name(p));
+  return uint32_t(size);
 }
 
-// The header's rule for a struct the library reads (the Linux rule for growing syscall structs): a larger
-// struct_size (a caller built against a newer header) only when every byte past this library's struct is
-// zero, i.e. the newer fields hold their defaults.
+// The header's rule for a struct the library reads (the rule Linux applies to growing syscall structs): a
+// smaller struct_size (an older header) gets the defaults for the fields it lacks; a larger one (a newer
+// header) only when every byte past this library's struct is zero, i.e. the newer fields hold their
+// defaults. Returns the struct as this library knows it.
 template <class T>
-const T& checked_struct(const T* p, const char* name) {
-  const uint32_t size = checked_struct_size(p, name);
+T checked_struct(const T* p, const char* name) {
+  FCE_CHECK(p != nullptr, FCE_STATUS_INVALID_ARGUMENT, "%s is NULL", name);
+  const uint32_t size = checked_struct_size(p, p->struct_size, name);
   const unsigned char* bytes = reinterpret_cast<const unsigned char*>(p);
   for (size_t i = sizeof(T); i < size; ++i)
     FCE_CHECK(bytes[i] == 0, FCE_STATUS_INVALID_ARGUMENT,
@@ -47,7 +54,10 @@ const T& checked_struct(const T* p, const char* name) {
               "is not zero: it sets an option this library does not have (use a newer libfusedce, or leave "
               "the newer fields at their defaults)", name, unsigned(size), sizeof(T), struct_name(p),
               fce_version_string(), i);
-  return *p;
+  T r = struct_defaults(p);
+  std::memcpy(&r, p, size < sizeof(T) ? size : sizeof(T));
+  r.struct_size = uint32_t(sizeof(T));
+  return r;
 }
 
 inline bool finite(float x) { return std::isfinite(x); }

@@ -130,16 +130,31 @@ struct KdTerm {
 
 // (x - m)/T for temperature softmax, m the row's max of raw logits, inv_t = 1/T: -inf logits stay -inf
 // (probability 0), the max itself gives exactly 0 (a subnormal T makes inv_t = +inf, and 0 * inf would be
-// NaN; +inf logits keep inf - inf = NaN). Where x - m overflows fp32 (|x| and |m| near FLT_MAX), both are
-// halved first (exact for normal numbers) and scaled by 2/T, so a huge T still sees the true difference.
-// T = +inf gives 0 for every finite logit.
-FCE_HD float softmax_shift(float x, float m, float inv_t) {
-  if (x == -INFINITY) return -INFINITY;
-  if (x == m && m < INFINITY) return 0.f;
-  const float d = x - m;
-  if (d == -INFINITY) return (0.5f * x - 0.5f * m) * (2.f * inv_t);
-  return d * inv_t;
-}
+// NaN; +inf logits keep inf - inf = NaN). x - m must not overflow fp32 (|x| and |m| near FLT_MAX), or a
+// huge T would lose the true difference: the GPU forms it halved, fma(x, 1/2, -m/2) * (2/T), exact for
+// normal numbers and as cheap as (x - m) * (1/T) (where 2/T overflows, at a subnormal T, x - m overflowing
+// gives -inf rightly); the CPU in double. T = +inf gives 0 for every finite logit.
+struct SoftmaxShift {
+  float m;     // the max, or NaN when it is +inf (then no logit compares equal to it)
+  float mraw;  // the max as it is
+  float inv_t;
+  float a, b, c;  // (x - m)/T = fma(x, a, b) * c
+  FCE_HD SoftmaxShift(float max, float inv_t_) : m(max < INFINITY ? max : NAN), mraw(max), inv_t(inv_t_) {
+    const bool big = inv_t_ > 0x1p127f;
+    a = big ? 1.f : 0.5f;
+    b = -a * max;
+    c = big ? inv_t_ : 2.f * inv_t_;
+  }
+  FCE_HD float operator()(float x) const {
+    if (x == -INFINITY) return -INFINITY;
+    if (x == m) return 0.f;
+#if defined(__CUDA_ARCH__)
+    return fmaf(x, a, b) * c;
+#else
+    return float((double(x) - double(mraw)) * double(inv_t));
+#endif
+  }
+};
 // Largest temperature at which the softmax's lean kernels may form (x - max)/T directly: an overflowing
 // x - max there would drop a probability that is 0 in fp32 anyway (exp(-2^128/2^100) underflows).
 constexpr float kPlainMaxTemperature = 0x1p100f;

@@ -35,10 +35,10 @@ void softmax(const SoftmaxProblem& p, Workspace) {
           logp[size_t(j)] = j == amax ? 0.f : -INFINITY;
         }
       } else {
-        const float inv_t = 1.f / T;  // +inf temperature: 0, the uniform distribution over finite logits
+        const SoftmaxShift shift(m, 1.f / T);  // +inf temperature: the uniform distribution over finite logits
         double s = 0;
         for (int64_t j = 0; j < V; ++j) {
-          const float d = softmax_shift(x[size_t(j)], m, inv_t);
+          const float d = shift(x[size_t(j)]);
           logp[size_t(j)] = d;
           s += std::exp(double(d));
         }

@@ -47,6 +47,7 @@
 #include <cooperative_groups.h>
 
 #include <atomic>
+#include <cfloat>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -401,6 +402,7 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
   // Phase 3: dstudent = scale * (a - q*A) (kd_grad), a recomputed (in place allowed: every element is read
   // before its store, from shared memory or by the thread that stores it).
   const float scale = kd_grad_scale(a, row), A = la.A;
+  constexpr bool kMayInf = DIV < 0 || DIV == FCE_KD_REVERSE_KL;  // A = +inf only for reverse KL
   visit2<Ts, Tt, kResident>(s, t, ss, st, n, [&](const float(&vs)[G], const float(&vt)[G], int64_t e0, int cnt) {
     float g[G];
 #pragma unroll
@@ -410,7 +412,8 @@ __device__ __forceinline__ void kd_full_row(const KdArgs& a, int64_t row, int ra
         float aj;
         const float lqk = lq(vs[k]);
         (void)term(lp(vt[k]), lqk, &aj);
-        g[k] = kd_grad(aj, fexp(lqk), A, scale);
+        const float q = fexp(lqk);
+        g[k] = kMayInf ? kd_grad(aj, q, A, scale) : (q == 0.f ? aj : aj - q * A) * scale;
       }
     }
     store_vals<Ts, G>(ds + e0, g, cnt);
@@ -732,20 +735,28 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
       if (a.row_used) a.row_used[row] = masked ? 0 : 1;
     }
     const float scale = masked ? 0.f : kd_grad_scale(a, row);
-    // Student (s) and teacher (t) maxima and log2 sums: log2 q_j = (xs c - m_s) - log2 d_s, from max-shifted
-    // values as in KlAcc::kl2.
+    // Student (s) and teacher (t) from max-shifted values, as KlAcc::kl2: u_j = x_j c - m (one fused
+    // multiply-add), q_j = 2^(u_j) / d. Forward KL: (q_j - p_j) scale, the 1/d folded into the scale.
+    // Reverse KL: q_j (log2 q_j - log2 p_j - KL/ln2) ln2 scale = q_j ((us_j - ut_j) - K2) ln2 scale, with
+    // K2 = (log2 d_s - log2 d_t) + KL/ln2 (no max in it: nothing grows with an offset of the logits). Few
+    // live values: the kernel has 64 registers.
     const Lse2& st = DIV == FCE_KD_FORWARD_KL ? acc.q : acc.p;
     const Lse2& tt = DIV == FCE_KD_FORWARD_KL ? acc.p : acc.q;
-    const float ms = st.m, mt = tt.m, lds = log2f(st.d), ldt = log2f(tt.d);
-    const float rscale = kLn2 * scale;
+    const float ms = st.m, mt = tt.m;
+    const float qscale = scale / st.d, pscale = scale / tt.d;  // forward KL
+    // A reverse-KL row whose KL is +inf (the teacher has probability 0 where the student has mass) takes
+    // kd_grad's limit through the same arithmetic: K2 = FLT_MAX and rscale = +-inf (the scale's sign) make
+    // e ((us - ut) - K2) rscale +inf at ut = -inf and -inf elsewhere; a zero scale writes zeros.
+    const bool inf_row = DIV == FCE_KD_REVERSE_KL && kl2 == INFINITY;
+    const bool zero = masked || (inf_row && scale == 0.f);
+    const float K2 = inf_row ? FLT_MAX : __fadd_rn(__fsub_rn(log2f(st.d), log2f(tt.d)), kl2);  // reverse KL
+    const float rscale = inf_row ? INFINITY * scale : kLn2 * scale / st.d;
     auto grad = [&](float xs, float xt) {
-      const float l2q = __fsub_rn(fmaf(xs, c, -ms), lds), l2p = __fsub_rn(fmaf(xt, c, -mt), ldt);  // log2 q_j, p_j
-      const float q = ex2(l2q);
-      if (DIV == FCE_KD_FORWARD_KL) return (q - ex2(l2p)) * scale;
-      if (q == 0.f) return 0.f;  // a -inf student logit: exactly 0
-      // KL = +inf: the teacher has probability 0 where the student has mass (kd_grad's limit)
-      if (kl2 == INFINITY) return kd_grad(l2p == -INFINITY ? INFINITY : 0.f, q, INFINITY, scale);
-      return q * ((l2q - l2p) - kl2) * rscale;
+      const float us = fmaf(xs, c, -ms), ut = fmaf(xt, c, -mt);
+      if (DIV == FCE_KD_FORWARD_KL) return ex2(us) * qscale - ex2(ut) * pscale;
+      const float e = ex2(us);  // q_j d_s
+      if (e == 0.f) return 0.f;  // a -inf student logit: exactly 0
+      return e * ((us - ut) - K2) * rscale;
     };
     T* ds = static_cast<T*>(a.ds) + row * a.ldd;
     uint4* dv = reinterpret_cast<uint4*>(ds);
@@ -755,12 +766,12 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
       unpack_words<T>(rs, vs);
       unpack_words<T>(rt, vt);
 #pragma unroll
-      for (int k = 0; k < K; ++k) g[k] = masked ? 0.f : grad(vs[k], vt[k]);
+      for (int k = 0; k < K; ++k) g[k] = zero ? 0.f : grad(vs[k], vt[k]);
       return pack<T>(g);
     };
     // The uncached part first and backwards, the most recently read (still in L2) first; then the cached
-    // slots, each refilled with the next row as soon as it is used. dstudent is stored evict-first, so that
-    // it does not push the rows out of L2.
+    // slots, each refilled with the next row as soon as it is used. dstudent is stored evict-first, so
+    // that it does not push the rows out of L2.
     const int nu = v1 - v0 - cv;
     for (int base = int(threadIdx.x); base < nu; base += 2 * int(blockDim.x)) {
       uint4 rs[2], rt[2];
@@ -785,7 +796,7 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
     if (tail)
       for (int64_t j = nvec * K + threadIdx.x; j < a.V; j += blockDim.x) {
         const float xs = to_float(s[j]), xt = to_float(t[j]);
-        ds[j] = from_float<T>(masked ? 0.f : grad(xs, xt));
+        ds[j] = from_float<T>(zero ? 0.f : grad(xs, xt));
       }
     cp_async_commit();
   }

@@ -141,9 +141,9 @@ __device__ __forceinline__ void softmax_row(const SmArgs& a, int64_t row, int ra
   const bool bad = !(temp >= 0.f) || mx.nan || mx.m == -INFINITY;
   const bool greedy = temp == 0.f;
   const float M = mx.m;
-  const float inv_t = 1.f / temp;  // T = +inf: 0, the uniform distribution over the finite logits
-  // (x - M)/T with the max of the raw logits taken first, without overflow (softmax_shift).
-  auto scaled = [&](float xv) { return softmax_shift(xv, M, inv_t); };
+  // (x - M)/T with the max of the raw logits taken first, without overflow; T = +inf: the uniform
+  // distribution over the finite logits.
+  const SoftmaxShift scaled(M, 1.f / temp);
 
   // Phase 1: D = sum exp((x - M)/T).
   SumF sum;
@@ -254,11 +254,12 @@ __global__ void __launch_bounds__(kTwo ? kTwoThreads : 1024, kTwo ? 2 : 1)
   uint4 raw[R];
   reg_load_lean<T, R, kHalf>(x, f.n, raw);
   few_arrive<true>(a.C);  // after the loads are issued (see lse_regs_kernel)
-  const float c = (1.f / temp) * kLog2e;  // (x - max) / T in base 2: the raw max first, then the scale
+  // (x - max) / T in base 2: the raw max first, then the scale; 0 above kPlainMaxTemperature (the row then
+  // falls back with the other rows that are not plain)
+  const float c = temp <= kPlainMaxTemperature ? (1.f / temp) * kLog2e : 0.f;
   const MaxSum part = few_partial<T, R, kHalf>(raw, f.n, c);
   const FewStats t = few_merge<true>(part, c, a.C, f.rank);
-  if (!(c > 0.f && c < INFINITY) || temp > kPlainMaxTemperature || t.nan ||
-      !(t.m > -INFINITY && t.m < INFINITY)) {
+  if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
     if (blockIdx.y == 0) softmax_row_general<T>(a, f.row, f.rank);
     return;
   }
@@ -292,7 +293,9 @@ __global__ void __launch_bounds__(512, 2) softmax_smem_kernel(const __grid_const
   const FewCtx f = few_ctx(a.V, a.C, a.chunk);
   const float temp = a.temps ? a.temps[f.row] : a.temperature;
   T* sm = reinterpret_cast<T*>(g_smem);
-  const float c = (1.f / temp) * kLog2e;  // (x - max) / T in base 2: the raw max first, then the scale
+  // (x - max) / T in base 2: the raw max first, then the scale; 0 above kPlainMaxTemperature (the row then
+  // falls back with the other rows that are not plain)
+  const float c = temp <= kPlainMaxTemperature ? (1.f / temp) * kLog2e : 0.f;
   // Per-thread max and sum, online, as the slice streams into shared memory (the values are in registers
   // then): the max of each 16-byte vector first, one rescale when it raises the thread's max.
   float mx = -INFINITY, d = 0.f;
@@ -318,8 +321,7 @@ __global__ void __launch_bounds__(512, 2) softmax_smem_kernel(const __grid_const
       [&](float xv, int) { add(&xv, 1, xv); });
   // block_ms_all's barrier also orders the slice's shared-memory writes before the reads below
   const FewStats t = few_merge<true>(block_ms_all({mx, d}, c), c, a.C, f.rank);
-  if (!(c > 0.f && c < INFINITY) || temp > kPlainMaxTemperature || t.nan ||
-      !(t.m > -INFINITY && t.m < INFINITY)) {
+  if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
     softmax_row_general<T>(a, f.row, f.rank);
     return;
   }

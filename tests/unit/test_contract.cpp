@@ -808,13 +808,14 @@ TEST(Contract, DeviceTypesOfACpuHandle) {
 }
 
 // ------------------------------------------------------------------------------------------------------
-// 11. The init functions give exactly the _INIT macros' values, for callers that cannot expand a macro.
+// 11. The init functions give exactly the _INIT macros' values, for callers that cannot expand a macro, in the
+// struct size the caller passes (a newer header's larger struct gets zeros past the fields this library knows).
 
 TEST(Contract, InitFunctionsMatchTheMacros) {
   {
     fce_ce_options_t a, b = FCE_CE_OPTIONS_INIT;
     std::memset(&a, 0xcd, sizeof(a));
-    FCE_OK(fce_ce_options_init(&a));
+    FCE_OK(fce_ce_options_init(&a, sizeof(a)));
     EXPECT_EQ(a.struct_size, b.struct_size);
     EXPECT_EQ(a.reduction, b.reduction);
     EXPECT_EQ(a.ignore_index, b.ignore_index);
@@ -827,7 +828,7 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
   {
     fce_ce_outputs_t a, b = FCE_CE_OUTPUTS_INIT;
     std::memset(&a, 0xcd, sizeof(a));
-    FCE_OK(fce_ce_outputs_init(&a));
+    FCE_OK(fce_ce_outputs_init(&a, sizeof(a)));
     EXPECT_EQ(a.struct_size, b.struct_size);
     for (DLTensor* f : {a.loss, a.lse, a.z_loss, a.argmax, a.entropy, a.dlogits}) EXPECT_EQ(f, nullptr);
     EXPECT_EQ(a.grad_loss, nullptr);
@@ -835,14 +836,14 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
   {
     fce_lse_options_t a, b = FCE_LSE_OPTIONS_INIT;
     std::memset(&a, 0xcd, sizeof(a));
-    FCE_OK(fce_lse_options_init(&a));
+    FCE_OK(fce_lse_options_init(&a, sizeof(a)));
     EXPECT_EQ(a.struct_size, b.struct_size);
     EXPECT_EQ(a.scale, b.scale);
   }
   {
     fce_softmax_options_t a, b = FCE_SOFTMAX_OPTIONS_INIT;
     std::memset(&a, 0xcd, sizeof(a));
-    FCE_OK(fce_softmax_options_init(&a));
+    FCE_OK(fce_softmax_options_init(&a, sizeof(a)));
     EXPECT_EQ(a.struct_size, b.struct_size);
     EXPECT_EQ(a.temperature, b.temperature);
     EXPECT_EQ(a.temperatures, b.temperatures);
@@ -850,7 +851,7 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
   {
     fce_kd_options_t a, b = FCE_KD_OPTIONS_INIT;
     std::memset(&a, 0xcd, sizeof(a));
-    FCE_OK(fce_kd_options_init(&a));
+    FCE_OK(fce_kd_options_init(&a, sizeof(a)));
     EXPECT_EQ(a.struct_size, b.struct_size);
     EXPECT_EQ(a.divergence, b.divergence);
     EXPECT_EQ(a.beta, b.beta);
@@ -863,7 +864,7 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
   {
     fce_kd_teacher_t a, b = FCE_KD_TEACHER_INIT;
     std::memset(&a, 0xcd, sizeof(a));
-    FCE_OK(fce_kd_teacher_init(&a));
+    FCE_OK(fce_kd_teacher_init(&a, sizeof(a)));
     EXPECT_EQ(a.struct_size, b.struct_size);
     EXPECT_EQ(a.logits, nullptr);
     EXPECT_EQ(a.topk_ids, nullptr);
@@ -872,7 +873,7 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
   {
     fce_kd_outputs_t a, b = FCE_KD_OUTPUTS_INIT;
     std::memset(&a, 0xcd, sizeof(a));
-    FCE_OK(fce_kd_outputs_init(&a));
+    FCE_OK(fce_kd_outputs_init(&a, sizeof(a)));
     EXPECT_EQ(a.struct_size, b.struct_size);
     EXPECT_EQ(a.loss, nullptr);
     EXPECT_EQ(a.dstudent, nullptr);
@@ -881,12 +882,27 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
   {
     fce_linear_ce_outputs_t a, b = FCE_LINEAR_CE_OUTPUTS_INIT;
     std::memset(&a, 0xcd, sizeof(a));
-    FCE_OK(fce_linear_ce_outputs_init(&a));
+    FCE_OK(fce_linear_ce_outputs_init(&a, sizeof(a)));
     EXPECT_EQ(a.struct_size, b.struct_size);
     for (DLTensor* f : {a.loss, a.lse, a.z_loss, a.argmax, a.entropy, a.dhidden, a.dweight, a.dbias})
       EXPECT_EQ(f, nullptr);
     EXPECT_EQ(a.grad_loss, nullptr);
   }
-  EXPECT_EQ(fce_ce_options_init(nullptr), FCE_STATUS_INVALID_ARGUMENT);
-  EXPECT_EQ(fce_linear_ce_outputs_init(nullptr), FCE_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(fce_ce_options_init(nullptr, sizeof(fce_ce_options_t)), FCE_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(fce_linear_ce_outputs_init(nullptr, sizeof(fce_linear_ce_outputs_t)), FCE_STATUS_INVALID_ARGUMENT);
+  // A newer header's larger struct: the known fields' defaults, zeros past them, struct_size as given.
+  alignas(16) unsigned char buf[sizeof(fce_kd_options_t) + 24];
+  std::memset(buf, 0xcd, sizeof(buf));
+  auto* k = reinterpret_cast<fce_kd_options_t*>(buf);
+  FCE_OK(fce_kd_options_init(k, sizeof(buf)));
+  EXPECT_EQ(k->struct_size, sizeof(buf));
+  EXPECT_EQ(k->temperature, 1.f);
+  EXPECT_EQ(k->ignore_index, -100);
+  for (size_t i = sizeof(fce_kd_options_t); i < sizeof(buf); ++i) EXPECT_EQ(buf[i], 0) << "byte " << i;
+  // Sizes out of range write nothing.
+  std::memset(buf, 0xcd, sizeof(buf));
+  for (size_t bad : {sizeof(fce_kd_options_t) - 4, size_t(FCE_MAX_STRUCT_SIZE) + 1}) {
+    EXPECT_EQ(fce_kd_options_init(k, bad), FCE_STATUS_INVALID_ARGUMENT) << bad;
+    for (unsigned char c : buf) ASSERT_EQ(c, 0xcd) << "written for size " << bad;
+  }
 }
