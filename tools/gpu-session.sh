@@ -68,6 +68,8 @@ for step in $steps; do
         for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce gpu_gpu_extra gpu_contract; do
           f=$filter
           [ $t = gpu_gpu_extra ] && f='GpuPdl.*:GpuContract.*'
+          # initcheck makes a stream-ordered allocation wait for the stream: the host-timing test would fail
+          [ $t = gpu_gpu_extra ] && [ $tool = initcheck ] && f='GpuPdl.*:GpuContract.*:-GpuContract.CachedWorkspace*'
           [ $t = gpu_contract ] && f='Contract.*'
           compute-sanitizer --tool $tool --error-exitcode 9 .gpu/bin/$t --gtest_brief=1 --gtest_filter="$f" \
             > "$OUT/san_${tool}_$t.log" 2>&1
