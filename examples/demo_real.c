@@ -723,6 +723,14 @@ int main(int argc, char** argv) {
   if (fce_version_number() != FCE_VERSION_NUMBER)
     printf("  note: header %d.%d.%d, loaded library %s\n", FCE_VERSION_MAJOR, FCE_VERSION_MINOR, FCE_VERSION_PATCH,
            fce_version_string());
+  fce_build_info_t info = FCE_BUILD_INFO_INIT;
+  if (fce_build_info(&info) == FCE_STATUS_SUCCESS) {
+    if (info.cuda_backend)
+      printf("  built with CUDA %d.%d, cuBLAS %d, GPU code: %s\n", info.cuda_runtime_version / 1000,
+             info.cuda_runtime_version % 1000 / 10, info.cublas_version, info.cuda_architectures);
+    else
+      printf("  built without the CUDA backend\n");
+  }
 
   /* ---- load ---------------------------------------------------------------------------------- */
   Sample s;

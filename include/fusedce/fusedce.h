@@ -1,4 +1,4 @@
-/*
+/** @file
  * libfusedce — fused kernels for the losses at the end of a language model.
  *
  * This header is the whole public contract. It is valid C99 and C++, includes no CUDA header, and is
