@@ -617,6 +617,25 @@ FCE_API fce_status_t fce_linear_cross_entropy_bwd_workspace_size(
     const DLTensor* targets, const DLTensor* lse, const fce_ce_options_t* options,
     const fce_linear_ce_outputs_t* outputs, size_t* bytes);
 
+/* ------------------------------------------------------------------------------------------------ */
+/* Upstream gradients after the fact                                                                */
+/* ------------------------------------------------------------------------------------------------ */
+
+/**
+ * Multiplies the rows of x in place by factors read on the device: x[i, :] *= f_i, each element formed in
+ * fp32 and rounded once, with f an fp32 scalar (every row) or [N]. A row whose factor is exactly 1 is
+ * neither read nor written (x * 1 is x): this applies an upstream gradient, known only after the forward
+ * pass, to a gradient the forward already formed (the fused dlogits of fce_cross_entropy_fwd, the dstudent
+ * of fce_kd_loss, linear cross-entropy's dhidden, dweight and dbias), at no memory cost in the usual case
+ * of an upstream gradient of 1 and with no host synchronization in any case. A NaN factor gives a NaN row.
+ * @param x      [N,V] fp32, bf16 or fp16, unit stride on the last axis, rows may be padded (written
+ *               only in its elements).
+ * @param factor fp32 scalar (ndim 0 or [1]) or [N]; may not overlap x.
+ * @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a NULL handle, x or factor;
+ *         SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; ALIASING), CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_scale_rows(fce_handle_t handle, fce_stream_t stream, DLTensor* x, const DLTensor* factor);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

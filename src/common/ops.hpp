@@ -86,6 +86,12 @@ struct LinearCeProblem {
   bool wants_grad() const { return dhidden || dweight || dbias; }
 };
 
+// x[i, :] *= factor (scalar or [N]), rows with factor 1 untouched (fce_scale_rows).
+struct ScaleProblem {
+  Mat x;
+  Vec factor;
+};
+
 // Every backend implements these; `*_workspace` gives the bytes the op needs (for linear CE: the default).
 namespace cpu {
 size_t ce_workspace(const CeProblem&);
@@ -98,6 +104,7 @@ size_t kd_workspace(const KdProblem&);
 void kd(const KdProblem&, Workspace);
 size_t linear_ce_workspace(const LinearCeProblem&, bool minimum);
 void linear_ce(const LinearCeProblem&, Workspace);
+void scale_rows(const ScaleProblem&);
 }  // namespace cpu
 
 namespace cuda {
@@ -111,6 +118,7 @@ size_t kd_workspace(fce_handle*, const KdProblem&);
 void kd(fce_handle*, fce_stream_t, const KdProblem&, Workspace);
 size_t linear_ce_workspace(fce_handle*, const LinearCeProblem&, bool minimum);
 void linear_ce(fce_handle*, fce_stream_t, const LinearCeProblem&, Workspace);
+void scale_rows(fce_handle*, fce_stream_t, const ScaleProblem&);
 
 // Device management (src/cuda/device.cpp, or stubs without CUDA).
 void create_device(fce_handle*, int device_id);  // fills the handle's CUDA fields; throws NO_DEVICE

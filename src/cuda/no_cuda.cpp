@@ -22,6 +22,9 @@ FCE_NO_CUDA_OP(lse, LseProblem)
 FCE_NO_CUDA_OP(softmax, SoftmaxProblem)
 FCE_NO_CUDA_OP(kd, KdProblem)
 size_t linear_ce_workspace(fce_handle*, const LinearCeProblem&, bool) { return 0; }
+void scale_rows(fce_handle*, fce_stream_t, const ScaleProblem&) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
 void linear_ce(fce_handle*, fce_stream_t, const LinearCeProblem&, Workspace) {
   raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
 }

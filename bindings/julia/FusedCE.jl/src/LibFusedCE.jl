@@ -856,6 +856,23 @@ function fce_linear_cross_entropy_bwd_workspace_size(handle, hidden, weight, bia
     @ccall $(_fptr_fce_linear_cross_entropy_bwd_workspace_size[])(handle::fce_handle_t, hidden::Ptr{DLTensor}, weight::Ptr{DLTensor}, bias::Ptr{DLTensor}, targets::Ptr{DLTensor}, lse::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_linear_ce_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t
 end
 
+"""
+Multiplies the rows of x in place by factors read on the device: x[i, :] *= f_i, each element formed in
+fp32 and rounded once, with f an fp32 scalar (every row) or [N]. A row whose factor is exactly 1 is
+neither read nor written (x * 1 is x): this applies an upstream gradient, known only after the forward
+pass, to a gradient the forward already formed (the fused dlogits of fce_cross_entropy_fwd, the dstudent
+of fce_kd_loss, linear cross-entropy's dhidden, dweight and dbias), at no memory cost in the usual case
+of an upstream gradient of 1 and with no host synchronization in any case. A NaN factor gives a NaN row.
+@param x      [N,V] fp32, bf16 or fp16, unit stride on the last axis, rows may be padded (written
+              only in its elements).
+@param factor fp32 scalar (ndim 0 or [1]) or [N]; may not overlap x.
+@return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a NULL handle, x or factor;
+        SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; ALIASING), CUDA_ERROR.
+"""
+function fce_scale_rows(handle, stream, x, factor)
+    @ccall $(_fptr_fce_scale_rows[])(handle::fce_handle_t, stream::fce_stream_t, x::Ptr{DLTensor}, factor::Ptr{DLTensor})::fce_status_t
+end
+
 # ---- initializer macros (the header's defaults) ----
 const FCE_BUILD_INFO_INIT = fce_build_info_t(
     UInt32(sizeof(fce_build_info_t)),
@@ -962,6 +979,7 @@ const _fptr_fce_linear_cross_entropy_fwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_fwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_bwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_bwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_scale_rows = Ref{Ptr{Cvoid}}(C_NULL)
 
 """
     load_library!(lib::Ptr{Cvoid})
@@ -1001,6 +1019,7 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_linear_cross_entropy_fwd_workspace_size[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_fwd_workspace_size)
     _fptr_fce_linear_cross_entropy_bwd[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_bwd)
     _fptr_fce_linear_cross_entropy_bwd_workspace_size[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_bwd_workspace_size)
+    _fptr_fce_scale_rows[] = Libdl.dlsym(lib, :fce_scale_rows)
     return nothing
 end
 
@@ -1037,6 +1056,7 @@ const FUNCTIONS = (
     :fce_linear_cross_entropy_fwd_workspace_size,
     :fce_linear_cross_entropy_bwd,
     :fce_linear_cross_entropy_bwd_workspace_size,
+    :fce_scale_rows,
 )
 
 end # module LibFusedCE

@@ -2118,3 +2118,22 @@ extern "C" {
         bytes: *mut usize,
     ) -> fce_status_t;
 }
+extern "C" {
+    #[doc = " Multiplies the rows of x in place by factors read on the device: x[i, :] *= f_i, each element formed in"]
+    #[doc = " fp32 and rounded once, with f an fp32 scalar (every row) or [N]. A row whose factor is exactly 1 is"]
+    #[doc = " neither read nor written (x * 1 is x): this applies an upstream gradient, known only after the forward"]
+    #[doc = " pass, to a gradient the forward already formed (the fused dlogits of fce_cross_entropy_fwd, the dstudent"]
+    #[doc = " of fce_kd_loss, linear cross-entropy's dhidden, dweight and dbias), at no memory cost in the usual case"]
+    #[doc = " of an upstream gradient of 1 and with no host synchronization in any case. A NaN factor gives a NaN row."]
+    #[doc = " @param x      [N,V] fp32, bf16 or fp16, unit stride on the last axis, rows may be padded (written"]
+    #[doc = "               only in its elements)."]
+    #[doc = " @param factor fp32 scalar (ndim 0 or [1]) or [N]; may not overlap x."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a NULL handle, x or factor;"]
+    #[doc = "         SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; ALIASING), CUDA_ERROR."]
+    pub fn fce_scale_rows(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        x: *mut DLTensor,
+        factor: *const DLTensor,
+    ) -> fce_status_t;
+}
