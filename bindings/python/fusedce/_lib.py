@@ -194,15 +194,17 @@ class Handle:
 _local = threading.local()
 
 
-def default_handle(device_type, device_id=0):
-    """The calling thread's handle for a device, created on first use."""
+def default_handle(device_type, device_id=0, stream=0):
+    """The calling thread's handle for a device (and, on CUDA, a stream: a handle's cached workspace then
+    never serves two streams at once), created on first use."""
     cache = getattr(_local, "handles", None)
     if cache is None:
         cache = _local.handles = {}
-    key = (int(device_type), int(device_id) if device_type == DEVICE_CUDA else 0)
+    key = (device_type, device_id, stream)
     h = cache.get(key)
     if h is None:
-        h = cache[key] = Handle(key[0], key[1])
+        cuda = int(device_type) == int(DEVICE_CUDA)
+        h = cache[key] = Handle(int(device_type), int(device_id) if cuda else 0)
     return h
 
 

@@ -1,19 +1,89 @@
-"""Arrays and tensors as borrowed DLTensors: numpy arrays (CPU) directly, PyTorch tensors through the
-DLPack protocol (`__dlpack__`, with the current CUDA stream). torch is never imported here: a tensor is
-recognized by its type's module, so the package works without torch installed."""
+"""Arrays and tensors as borrowed DLTensors, and one library call's context (`Call`).
+
+Three kinds of arguments:
+  - PyTorch tensors: the fast path. Their DLTensors are filled straight from the tensor's metadata into
+    this thread's preallocated slots (no DLPack capsule), options/outputs structs are reused per thread
+    (reset to the library's defaults), the stream is torch's current one, and each (device, stream) has its
+    own library handle, so that the handle's cached workspace is never shared by two streams. Outputs come
+    from torch's caching allocator. Host cost: a few microseconds per call above the library's own.
+  - numpy arrays (CPU): described directly.
+  - any other DLPack producer (CuPy, JAX, ...): through `__dlpack__` / `__dlpack_device__`; outputs are
+    allocated with numpy for CPU inputs, with CuPy or torch (whichever is importable) for CUDA inputs.
+torch is never imported here unless a torch tensor is passed: a tensor is recognized by its type's module.
+"""
 import ctypes
+import threading
 
 import numpy as np
 
-from ._lib import DEVICE_CPU, DEVICE_CUDA, default_handle, ffi, lib
+from ._lib import DEVICE_CPU, DEVICE_CUDA, check, default_handle, ffi, lib, new_struct
 
 _PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
 _PyCapsule_GetPointer.restype = ctypes.c_void_p
 _PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
+# A DLTensor with an integer data pointer (same layout, checked below), so that a slot is filled by plain
+# integer assignments.
+ffi.cdef("""
+typedef struct {
+  uintptr_t data;
+  int32_t device_type;
+  int32_t device_id;
+  int32_t ndim;
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+} fce_py_dltensor;
+""")
+for _f in ("data", "ndim", "shape", "strides", "byte_offset"):
+    assert ffi.offsetof("fce_py_dltensor", _f) == ffi.offsetof("DLTensor", _f), _f
+assert ffi.sizeof("fce_py_dltensor") == ffi.sizeof("DLTensor")
+
+_SLOTS = 16  # DLTensors in one call (linear cross-entropy takes 14)
+_DIMS = 2    # the library's tensors have at most 2 dimensions
+
+
+class _ThreadState(threading.local):
+    """Per thread: the DLTensor slots, the reusable structs, the CUDA stream pointers seen."""
+
+    def __init__(self):
+        self.dl = ffi.new("fce_py_dltensor[%d]" % _SLOTS)
+        self.shape = ffi.new("int64_t[%d]" % (_SLOTS * _DIMS))
+        self.stride = ffi.new("int64_t[%d]" % (_SLOTS * _DIMS))
+        self.ptr = []
+        for k in range(_SLOTS):
+            d = self.dl[k]
+            d.shape = self.shape + _DIMS * k
+            d.strides = self.stride + _DIMS * k
+            d.lanes = 1
+            self.ptr.append(ffi.cast("DLTensor *", ffi.addressof(self.dl, k)))
+        self.structs = {}  # ctype -> (struct pointer, its default bytes)
+        self.streams = {}  # stream int -> fce_stream_t
+
+
+_state = _ThreadState()
+
+
+def _struct(keep, ctype):
+    """This thread's `ctype *`, reset to the library's defaults (fce_*_init): one per type and thread,
+    reused call after call (the library keeps no pointer past a call)."""
+    st = _state
+    entry = st.structs.get(ctype)
+    if entry is None:
+        p = new_struct(ctype, [])
+        template = ffi.new("char[]", ffi.sizeof(ctype))
+        ffi.memmove(template, p, ffi.sizeof(ctype))
+        entry = st.structs[ctype] = (p, template)
+    else:
+        ffi.memmove(entry[0], entry[1], ffi.sizeof(ctype))
+    return entry[0]
+
 
 def is_torch(x):
-    return type(x).__module__.startswith("torch") and hasattr(x, "__dlpack__") and hasattr(x, "data_ptr")
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr") and hasattr(x, "__dlpack__")
 
 
 def _np_dldtype(dt):
@@ -26,66 +96,54 @@ def _np_dldtype(dt):
 
 
 class Call:
-    """What one library call needs: the framework, device, handle and stream taken from its first tensor,
-    DLTensors for its arguments, and the Python objects they point into (kept alive until the call
-    object is dropped)."""
+    """What one library call needs: the framework, device, handle and stream taken from its first
+    argument, DLTensors for its arguments, and the objects they point into (kept alive until the call
+    object is dropped). `Call(ref, ...)` makes a TorchCall for torch tensors."""
+
+    def __new__(cls, ref=None, handle=None, stream=None):
+        if cls is Call and is_torch(ref):
+            return object.__new__(TorchCall)
+        return object.__new__(cls)
 
     def __init__(self, ref, handle=None, stream=None):
         self.keep = []
-        if is_torch(ref):
-            import torch
-
-            self.torch = torch
-            self.kind = "torch"
-            self.device = ref.device
-            if ref.device.type == "cuda":
-                self.device_type, self.device_id = DEVICE_CUDA, ref.device.index or 0
-                if stream is None:
-                    s = torch.cuda.current_stream(ref.device).cuda_stream
-                elif isinstance(stream, int):
-                    s = stream
-                else:
-                    s = stream.cuda_stream
-                self.stream_int = int(s)
-                self.stream = ffi.cast("fce_stream_t", self.stream_int)
-            elif ref.device.type == "cpu":
-                self.device_type, self.device_id = DEVICE_CPU, 0
-                self.stream = ffi.NULL
-            else:
-                raise ValueError("fusedce: tensors on %s are not supported (cpu or cuda)" % ref.device)
-        else:
+        self.stream = ffi.NULL
+        self.device_type, self.device_id = DEVICE_CPU, 0
+        if isinstance(ref, np.ndarray) or not hasattr(ref, "__dlpack_device__"):
             self.kind = "numpy"
-            self.torch = None
-            self.device_type, self.device_id = DEVICE_CPU, 0
-            self.stream = ffi.NULL
+        else:
+            dev_type, dev_id = ref.__dlpack_device__()
+            self.kind = "dlpack"
+            self.module = type(ref).__module__.split(".")[0]
+            if int(dev_type) in (int(lib.kDLCUDA), int(lib.kDLCUDAManaged)):
+                self.device_type, self.device_id = DEVICE_CUDA, int(dev_id)
+                self.stream_int = int(stream) if stream is not None else 0
+                self.stream = ffi.cast("fce_stream_t", self.stream_int)
+            elif int(dev_type) not in (int(lib.kDLCPU), int(lib.kDLCUDAHost)):
+                raise ValueError("fusedce: arrays on DLPack device type %d are not supported" % int(dev_type))
         self.handle = handle if handle is not None else default_handle(self.device_type, self.device_id)
+
+    def struct(self, ctype):
+        """A `ctype *` holding the library's defaults (its fce_*_init)."""
+        return new_struct(ctype, self.keep)
 
     # ---- conversions -------------------------------------------------------------------------------
     def native(self, x, dtype=None):
-        """x as this call's framework's array (lists, numpy or scalars converted), optionally cast."""
-        if self.kind == "numpy":
+        """x as an array this call can describe (lists and scalars converted to numpy), optionally cast."""
+        if self.kind == "numpy" or not hasattr(x, "__dlpack__"):
             if is_torch(x):
                 x = x.detach().cpu().numpy()
             a = np.asarray(x)
             return a.astype(dtype) if dtype is not None and a.dtype != np.dtype(dtype) else a
-        t = self.torch
-        if not is_torch(x):
-            x = t.as_tensor(np.asarray(x), device=self.device)
-        if dtype is not None:
-            td = getattr(t, dtype)
-            if x.dtype != td:
-                x = x.to(td)
         return x
 
     def dl(self, x, writable=False):
         """A `DLTensor*` for x (NULL for None)."""
         if x is None:
             return ffi.NULL
-        if self.kind == "numpy" or isinstance(x, np.ndarray):
+        if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__"):
             return self._numpy_dl(np.asarray(x) if not isinstance(x, np.ndarray) else x, writable)
-        if not is_torch(x):
-            x = self.native(x)
-        return self._torch_dl(x)
+        return self._capsule_dl(x)
 
     def _numpy_dl(self, a, writable):
         if writable and not a.flags.writeable:
@@ -113,40 +171,53 @@ class Call:
         self.keep += [a, shape_c, strides_c, t]
         return t
 
-    def _torch_dl(self, x):
-        if x.requires_grad:
-            x = x.detach()
+    def _capsule_dl(self, x):
+        """Any DLPack producer: its capsule's DLTensor (the capsule, never consumed, keeps it alive)."""
         kw = {}
-        if x.device.type == "cuda":
-            # The consumer's stream: the producer orders pending work on it before export (a no-op when
-            # it is the current stream, as here). 0 is ambiguous in the protocol; 1 is the legacy default.
+        if self.device_type == DEVICE_CUDA:
+            # The consumer's stream; 0 is ambiguous in the protocol, 1 is the legacy default stream.
             kw["stream"] = self.stream_int if self.stream_int != 0 else 1
-        cap = x.__dlpack__(**kw)
+        try:
+            cap = x.__dlpack__(**kw)
+        except TypeError:
+            cap = x.__dlpack__()
         ptr = _PyCapsule_GetPointer(cap, b"dltensor")
         mt = ffi.cast("DLManagedTensor*", ptr)
-        # The capsule keeps the DLManagedTensor alive; its destructor calls the deleter (we never consume it).
         self.keep += [x, cap]
         return ffi.addressof(mt[0], "dl_tensor")
 
     # ---- allocation --------------------------------------------------------------------------------
+    def _array_module(self):
+        if self.device_type == DEVICE_CPU:
+            return np
+        for name in ("cupy", "torch"):
+            try:
+                return __import__(name)
+            except ImportError:
+                pass
+        raise ImportError("fusedce: CUDA outputs for a %s array need CuPy or torch; pass output arrays" % self.module)
+
     def empty(self, shape, dtype):
-        if self.kind == "numpy":
-            return np.empty(shape, dtype=dtype)
-        return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device=self.device)
+        m = self._array_module()
+        if m.__name__ == "torch":
+            return m.empty(shape, dtype=getattr(m, dtype), device="cuda:%d" % self.device_id)
+        if m.__name__ == "cupy":
+            with m.cuda.Device(self.device_id):
+                return m.empty(shape, dtype=dtype)
+        if dtype == "bfloat16":
+            import ml_dtypes
+            return np.empty(shape, dtype=ml_dtypes.bfloat16)
+        return np.empty(shape, dtype=dtype)
 
     def empty_like(self, x, dtype=None):
-        if self.kind == "numpy":
-            return np.empty(np.shape(x), dtype=dtype if dtype is not None else np.asarray(x).dtype)
-        t = self.torch
-        return t.empty(tuple(x.shape), dtype=getattr(t, dtype) if dtype is not None else x.dtype,
-                       device=self.device)
+        if dtype is None:
+            dtype = str(np.dtype(x.dtype)) if not hasattr(x, "__dlpack__") or isinstance(x, np.ndarray) else str(x.dtype)
+            dtype = dtype.replace("torch.", "")
+        return self.empty(tuple(x.shape), dtype)
 
     def full(self, shape, value, dtype="float32"):
         a = self.empty(shape, dtype)
-        if self.kind == "numpy":
-            a[...] = value
-        else:
-            a.fill_(value)
+        a[...] = value
         return a
 
     def output(self, spec, make):
@@ -158,12 +229,154 @@ class Call:
         return spec
 
     def scalar_out(self, a):
-        """0-d results: a numpy scalar for numpy calls, a 0-d tensor for torch calls."""
+        """0-d results: a numpy scalar for numpy calls, the framework's 0-d array otherwise."""
         if a is None:
             return None
-        if self.kind == "numpy" and getattr(a, "ndim", 1) == 0:
+        if isinstance(a, np.ndarray) and a.ndim == 0:
             return a[()]
         return a
 
+    # ---- the call ----------------------------------------------------------------------------------
+    def workspace(self, query, args, workspace):
+        """(pointer, bytes) of the workspace: the caller's `workspace`, or NULL for the handle's cache."""
+        if workspace is None:
+            return ffi.NULL, 0
+        t = self.dl(workspace, True)
+        nbytes = 1
+        for i in range(t.ndim):
+            nbytes *= t.shape[i]
+        nbytes *= (t.dtype.bits * t.dtype.lanes + 7) // 8
+        return ffi.cast("void*", int(ffi.cast("uintptr_t", t.data)) + t.byte_offset), nbytes
 
-__all__ = ["Call", "is_torch"]
+    def run_plain(self, function, *args):
+        """Calls lib.<function>(handle, stream, *args) (an op without a workspace) and raises on failure."""
+        check(getattr(lib, function)(self.handle.ptr, self.stream, *args), function)
+
+    def run(self, function, *args, workspace=None):
+        """Calls lib.<function>(handle, stream, *args, workspace, bytes) and raises on failure."""
+        ws, wsb = self.workspace(function + "_workspace_size", args, workspace)
+        check(getattr(lib, function)(self.handle.ptr, self.stream, *args, ws, wsb), function)
+
+
+_TORCH = {}  # torch dtype -> (DLPack code, bits), filled on the first TorchCall
+# Ops whose workspace is large (linear cross-entropy's chunks): always from torch's caching allocator, so
+# that the memory returns to PyTorch after the call instead of staying in a handle.
+_TORCH_WORKSPACE = {"fce_linear_cross_entropy_fwd", "fce_linear_cross_entropy_bwd"}
+
+
+def _torch_tables():
+    import torch
+
+    _TORCH.update({torch.float32: (lib.kDLFloat, 32), torch.bfloat16: (lib.kDLBfloat, 16),
+                   torch.float16: (lib.kDLFloat, 16), torch.int32: (lib.kDLInt, 32), torch.int64: (lib.kDLInt, 64),
+                   torch.uint8: (lib.kDLUInt, 8), torch.float64: (lib.kDLFloat, 64)})
+    return torch
+
+
+class TorchCall(Call):
+    """The fast path for torch tensors (see the module docstring)."""
+
+    torch = None
+
+    def __init__(self, ref, handle=None, stream=None):
+        torch = TorchCall.torch
+        if torch is None:
+            torch = TorchCall.torch = _torch_tables()
+        self.kind = "torch"
+        self.keep = []
+        self.slot = 0
+        self.device = ref.device
+        st = _state
+        if ref.is_cuda:
+            self.device_type = DEVICE_CUDA
+            self.device_id = ref.get_device()
+            if stream is None:
+                s = torch._C._cuda_getCurrentRawStream(self.device_id)
+            else:
+                s = int(stream) if isinstance(stream, int) else int(stream.cuda_stream)
+            self.stream_int = s
+            p = st.streams.get(s)
+            if p is None:
+                p = st.streams[s] = ffi.cast("fce_stream_t", s)
+            self.stream = p
+            # A handle per (device, stream): its cached workspace is never shared by two streams.
+            self.handle = handle if handle is not None else default_handle(DEVICE_CUDA, self.device_id, s)
+        elif ref.device.type == "cpu":
+            self.device_type, self.device_id = DEVICE_CPU, 0
+            self.stream = ffi.NULL
+            self.handle = handle if handle is not None else default_handle(DEVICE_CPU, 0)
+        else:
+            raise ValueError("fusedce: tensors on %s are not supported (cpu or cuda)" % ref.device)
+
+    def struct(self, ctype):
+        return _struct(self.keep, ctype)
+
+    def native(self, x, dtype=None):
+        torch = self.torch
+        if not isinstance(x, torch.Tensor):
+            x = torch.as_tensor(np.asarray(x), device=self.device)
+        if dtype is not None:
+            td = getattr(torch, dtype)
+            if x.dtype != td:
+                x = x.to(td)
+        return x
+
+    def dl(self, x, writable=False):
+        if x is None:
+            return ffi.NULL
+        if not isinstance(x, self.torch.Tensor):
+            x = self.native(x)
+        k = self.slot
+        self.slot = k + 1
+        st = _state
+        d = st.dl[k]
+        d.data = x.data_ptr()
+        d.device_type = self.device_type if x.is_cuda == (self.device_type == DEVICE_CUDA) else (
+            DEVICE_CUDA if x.is_cuda else DEVICE_CPU)
+        d.device_id = x.get_device() if x.is_cuda else 0
+        try:
+            d.code, d.bits = _TORCH[x.dtype]
+        except KeyError:
+            raise TypeError("fusedce: torch tensors of dtype %s cannot be passed to libfusedce" % x.dtype) from None
+        n = x.dim()
+        d.ndim = n
+        if n:
+            b = _DIMS * k
+            if n > _DIMS:
+                raise ValueError("fusedce: a tensor of %d dimensions where the library takes at most 2" % n)
+            shape, stride = x.shape, x.stride()
+            st.shape[b] = shape[0]
+            st.stride[b] = stride[0]
+            if n == 2:
+                st.shape[b + 1] = shape[1]
+                st.stride[b + 1] = stride[1]
+        return st.ptr[k]
+
+    def empty(self, shape, dtype):
+        return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device=self.device)
+
+    def empty_like(self, x, dtype=None):
+        return self.torch.empty(tuple(x.shape), dtype=getattr(self.torch, dtype) if dtype is not None else x.dtype,
+                                device=self.device)
+
+    def full(self, shape, value, dtype="float32"):
+        return self.torch.full(shape, value, dtype=getattr(self.torch, dtype), device=self.device)
+
+    def workspace(self, query, args, workspace):
+        if workspace is not None:
+            return Call.workspace(self, query, args, workspace)
+        torch = self.torch
+        if self.device_type == DEVICE_CUDA and (query[:-len("_workspace_size")] in _TORCH_WORKSPACE
+                                                or torch.cuda.is_current_stream_capturing()):
+            # From torch's caching allocator: stream-ordered, capturable, and visible to PyTorch.
+            need = ffi.new("size_t *")
+            check(getattr(lib, query)(self.handle.ptr, *args, need), query)
+            if need[0] == 0:
+                return ffi.NULL, 0
+            buf = torch.empty(int(need[0]), dtype=torch.uint8, device=self.device)
+            self.keep.append(buf)
+            return ffi.cast("void *", buf.data_ptr()), int(need[0])
+        return ffi.NULL, 0
+
+
+__all__ = ["Call", "TorchCall", "is_torch"]

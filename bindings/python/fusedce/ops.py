@@ -13,7 +13,7 @@ handle's cached one. Failures raise FusedCEError subclasses carrying the library
 """
 from collections import namedtuple
 
-from ._lib import check, defaults, ffi, lib, new_struct
+from ._lib import defaults, ffi
 from ._tensor import Call
 
 _CE = defaults("fce_ce_options_t")
@@ -55,7 +55,7 @@ LinearCrossEntropyGrads = namedtuple("LinearCrossEntropyGrads", "dhidden dweight
 
 
 def _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights):
-    o = new_struct("fce_ce_options_t", c.keep)
+    o = c.struct("fce_ce_options_t")
     o.reduction = _enum(_REDUCTIONS, reduction, "reduction")
     o.ignore_index = int(ignore_index)
     o.label_smoothing = float(label_smoothing)
@@ -104,7 +104,7 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
     ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
     dl_a = c.output(dlogits, lambda: c.empty_like(logits))
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
-    outs = new_struct("fce_ce_outputs_t", c.keep)
+    outs = c.struct("fce_ce_outputs_t")
     outs.loss = c.dl(loss_a, True)
     outs.lse = c.dl(lse_a, True)
     outs.z_loss = c.dl(zl_a, True)
@@ -112,9 +112,7 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
     outs.entropy = c.dl(ent_a, True)
     outs.dlogits = c.dl(dl_a, True)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
-    ws, wsb = _workspace(c, workspace)
-    check(lib.fce_cross_entropy_fwd(c.handle.ptr, c.stream, c.dl(logits), c.dl(targets), opts, outs, ws, wsb),
-          "fce_cross_entropy_fwd")
+    c.run("fce_cross_entropy_fwd", c.dl(logits), c.dl(targets), opts, outs, workspace=workspace)
     return CrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dl_a)
 
 
@@ -135,10 +133,8 @@ def cross_entropy_bwd(logits, targets, lse, *, grad_loss=None, dlogits=None,
     targets = c.native(targets)
     out = dlogits if dlogits is not None else c.empty_like(logits)
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
-    ws, wsb = _workspace(c, workspace)
-    check(lib.fce_cross_entropy_bwd(c.handle.ptr, c.stream, c.dl(logits), c.dl(targets), c.dl(c.native(lse)),
-                                    c.dl(_grad(c, grad_loss)), opts, c.dl(out, True), ws, wsb),
-          "fce_cross_entropy_bwd")
+    c.run("fce_cross_entropy_bwd", c.dl(logits), c.dl(targets), c.dl(c.native(lse)), c.dl(_grad(c, grad_loss)), opts,
+          c.dl(out, True), workspace=workspace)
     return out
 
 
@@ -148,10 +144,9 @@ def logsumexp(x, *, scale=_LSE["scale"], out=None, handle=None, stream=None, wor
     """fce_logsumexp: [N] fp32, log(sum_j exp(scale * x[i, j])) for x [N, V]."""
     c = Call(x, handle, stream)
     out = out if out is not None else c.empty((_rows(x),), "float32")
-    o = new_struct("fce_lse_options_t", c.keep)
+    o = c.struct("fce_lse_options_t")
     o.scale = float(scale)
-    ws, wsb = _workspace(c, workspace)
-    check(lib.fce_logsumexp(c.handle.ptr, c.stream, c.dl(x), o, c.dl(out, True), ws, wsb), "fce_logsumexp")
+    c.run("fce_logsumexp", c.dl(x), o, c.dl(out, True), workspace=workspace)
     return out
 
 
@@ -163,12 +158,10 @@ def temp_softmax(logits, *, temperature=_SM["temperature"], temperatures=None, p
     c = Call(logits, handle, stream)
     p_a = c.output(probs, lambda: c.empty_like(logits, dtype))
     lp_a = c.output(logprobs, lambda: c.empty_like(logits, dtype))
-    o = new_struct("fce_softmax_options_t", c.keep)
+    o = c.struct("fce_softmax_options_t")
     o.temperature = float(temperature)
     o.temperatures = c.dl(None if temperatures is None else c.native(temperatures, "float32"))
-    ws, wsb = _workspace(c, workspace)
-    check(lib.fce_temp_softmax(c.handle.ptr, c.stream, c.dl(logits), o, c.dl(p_a, True), c.dl(lp_a, True), ws, wsb),
-          "fce_temp_softmax")
+    c.run("fce_temp_softmax", c.dl(logits), o, c.dl(p_a, True), c.dl(lp_a, True), workspace=workspace)
     return SoftmaxOutput(p_a, lp_a)
 
 
@@ -193,11 +186,11 @@ def kd_loss(student, teacher_logits=None, *, topk_ids=None, topk_logprobs=None, 
     n = _rows(student)
     loss_a = _loss_buffer(c, reduction, n)
     ds_a = c.output(dstudent, lambda: c.empty_like(student))
-    teacher = new_struct("fce_kd_teacher_t", c.keep)
+    teacher = c.struct("fce_kd_teacher_t")
     teacher.logits = c.dl(None if teacher_logits is None else c.native(teacher_logits))
     teacher.topk_ids = c.dl(None if topk_ids is None else c.native(topk_ids))
     teacher.topk_logprobs = c.dl(None if topk_logprobs is None else c.native(topk_logprobs))
-    o = new_struct("fce_kd_options_t", c.keep)
+    o = c.struct("fce_kd_options_t")
     o.divergence = _enum(_DIVERGENCES, divergence, "divergence")
     o.beta = float(beta)
     o.temperature = float(temperature)
@@ -205,13 +198,12 @@ def kd_loss(student, teacher_logits=None, *, topk_ids=None, topk_logprobs=None, 
     o.topk_norm = _enum(_TOPK_NORMS, topk_norm, "topk_norm")
     o.reduction = _enum(_REDUCTIONS, reduction, "reduction")
     o.ignore_index = int(ignore_index)
-    outs = new_struct("fce_kd_outputs_t", c.keep)
+    outs = c.struct("fce_kd_outputs_t")
     outs.loss = c.dl(loss_a, True)
     outs.dstudent = c.dl(ds_a, True)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
-    ws, wsb = _workspace(c, workspace)
-    check(lib.fce_kd_loss(c.handle.ptr, c.stream, c.dl(student), teacher,
-                          c.dl(None if targets is None else c.native(targets)), o, outs, ws, wsb), "fce_kd_loss")
+    c.run("fce_kd_loss", c.dl(student), teacher, c.dl(None if targets is None else c.native(targets)), o, outs,
+          workspace=workspace)
     return KDOutput(c.scalar_out(loss_a), ds_a)
 
 
@@ -239,7 +231,7 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
     dw_a = c.output(dweight, lambda: c.empty_like(weight))
     db_a = c.output(dbias, lambda: c.empty_like(bias) if bias is not None else _no_bias())
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
-    outs = new_struct("fce_linear_ce_outputs_t", c.keep)
+    outs = c.struct("fce_linear_ce_outputs_t")
     outs.loss = c.dl(loss_a, True)
     outs.lse = c.dl(lse_a, True)
     outs.z_loss = c.dl(zl_a, True)
@@ -249,10 +241,8 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
     outs.dweight = c.dl(dw_a, True)
     outs.dbias = c.dl(db_a, True)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
-    ws, wsb = _workspace(c, workspace)
-    check(lib.fce_linear_cross_entropy_fwd(c.handle.ptr, c.stream, c.dl(hidden), c.dl(c.native(weight)),
-                                           c.dl(None if bias is None else c.native(bias)), c.dl(targets), opts,
-                                           outs, ws, wsb), "fce_linear_cross_entropy_fwd")
+    c.run("fce_linear_cross_entropy_fwd", c.dl(hidden), c.dl(c.native(weight)),
+          c.dl(None if bias is None else c.native(bias)), c.dl(targets), opts, outs, workspace=workspace)
     return LinearCrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dh_a, dw_a, db_a)
 
 
@@ -277,16 +267,14 @@ def linear_cross_entropy_bwd(hidden, weight, targets, lse, *, bias=None, dhidden
     dw_a = c.output(dweight, lambda: c.empty_like(weight))
     db_a = c.output(dbias, lambda: c.empty_like(bias) if bias is not None else _no_bias())
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
-    outs = new_struct("fce_linear_ce_outputs_t", c.keep)
+    outs = c.struct("fce_linear_ce_outputs_t")
     outs.dhidden = c.dl(dh_a, True)
     outs.dweight = c.dl(dw_a, True)
     outs.dbias = c.dl(db_a, True)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
-    ws, wsb = _workspace(c, workspace)
-    check(lib.fce_linear_cross_entropy_bwd(c.handle.ptr, c.stream, c.dl(hidden), c.dl(c.native(weight)),
-                                           c.dl(None if bias is None else c.native(bias)), c.dl(targets),
-                                           c.dl(c.native(lse)), opts, outs, ws, wsb),
-          "fce_linear_cross_entropy_bwd")
+    c.run("fce_linear_cross_entropy_bwd", c.dl(hidden), c.dl(c.native(weight)),
+          c.dl(None if bias is None else c.native(bias)), c.dl(targets), c.dl(c.native(lse)), opts, outs,
+          workspace=workspace)
     return LinearCrossEntropyGrads(dh_a, dw_a, db_a)
 
 
@@ -294,14 +282,13 @@ def _no_bias():
     raise ValueError("dbias needs a bias")
 
 
-def _workspace(c, workspace):
-    """A caller workspace (array/tensor on the call's device, aligned to WORKSPACE_ALIGNMENT = 16 bytes,
-    FCE_WORKSPACE_ALIGNMENT) or the handle's cache."""
-    if workspace is None:
-        return ffi.NULL, 0
-    t = c.dl(workspace, True)
-    nbytes = 1
-    for i in range(t.ndim):
-        nbytes *= t.shape[i]
-    nbytes *= (t.dtype.bits * t.dtype.lanes + 7) // 8
-    return ffi.cast("void*", int(ffi.cast("uintptr_t", t.data)) + t.byte_offset), nbytes
+# ---- upstream gradients after the fact ------------------------------------------------------------
+
+def scale_rows(x, factor, *, handle=None, stream=None):
+    """fce_scale_rows: x[i, :] *= factor[i] in place (factor a number, a scalar array or [N] fp32, read on the
+    device); rows whose factor is exactly 1 are neither read nor written. x: [N, V] or [V] (one row). For an
+    upstream gradient known only after a fused forward. Returns x."""
+    c = Call(x, handle, stream)
+    rows = x if len(x.shape) == 2 else x.reshape(1, -1)
+    c.run_plain("fce_scale_rows", c.dl(rows, True), c.dl(_grad(c, factor)))
+    return x

@@ -1,38 +1,91 @@
-"""PyTorch autograd functions and drop-in losses over libfusedce (CPU and CUDA tensors).
+"""Drop-in PyTorch losses over libfusedce (CPU and CUDA tensors), differentiable, torch.compile-able.
 
     from fusedce.torch import cross_entropy          # instead of torch.nn.functional.cross_entropy
     loss = cross_entropy(logits, targets, ignore_index=-100, label_smoothing=0.1)
 
-Importing this module imports torch; `import fusedce` alone does not.
+Arguments are PyTorch's (`weight`, `ignore_index`, `reduction`, `label_smoothing`), Liger-Kernel's
+(`lse_square_scale`, `softcap=None`, `return_z_loss`, `return_token_accuracy`, `return_predicted_tokens`)
+and Cut Cross-Entropy's (`linear_cross_entropy(e, c, targets, shift=..., ignore_index=..., softcap=...)`)
+where the library computes the same thing. Extra results come back as a NamedTuple when asked for.
 
-Differences from PyTorch, all deliberate (see the header):
-  - the loss is float32 whatever the logits' dtype (PyTorch returns the logits' dtype);
-  - reduction="mean" over rows that are all ignored gives 0, not NaN;
-  - a target outside [0, C) that is not ignore_index gives a NaN loss instead of an error (no host sync);
-  - probability ("soft") targets and float64 logits are handed to torch.nn.functional.cross_entropy.
-Gradients flow to the logits (or hidden/weight/bias) only; targets, class weights and a KD teacher are
-treated as constants. Work is enqueued on the current CUDA stream and never synchronizes the host.
+Every function is a `torch.library` custom op (namespace `fusedce`, see `fusedce._torch_ops`) with a fake
+implementation and registered autograd: torch.compile(fullgraph=True) traces them and CUDA graphs capture
+them. In eager mode the same implementations run without the dispatcher, through `torch.autograd.Function`s
+when a gradient is needed, so that the host cost per call stays a few microseconds above the library's.
+
+Gradients, by op:
+  - cross_entropy: the backward reads the logits again (fce_cross_entropy_bwd, upstream gradient read on the
+    device); with inplace_backward=True the gradient is written over the logits in the forward (Liger's and
+    quack's in-place backward: no [N, V] buffer; the logits are gone after the call) and the backward only
+    applies the upstream gradient where it is not 1 (fce_scale_rows: no pass at all for the usual 1).
+  - kd_loss: dstudent is formed in the forward pass; the backward applies the upstream gradient likewise.
+  - linear_cross_entropy: a reduced loss forms dhidden/dweight/dbias in the forward (6NHV flops in all, no
+    recomputation) and the backward applies the upstream scalar on the device; per-row losses recompute in
+    the backward. With gradients disabled, or no input requiring one, only the forward (2NHV flops) runs.
+Targets, class weights and a KD teacher are constants. lse, z_loss, entropy and the argmax are reported,
+not differentiated (z_loss is a part of the loss, returned for logging).
+
+Differences from PyTorch, all deliberate (see the header): the loss is float32 whatever the logits' dtype;
+reduction="mean" over rows that are all ignored gives 0, not NaN; a target outside [0, C) that is not
+ignore_index gives a NaN loss instead of an error (no host sync); probability ("soft") targets and float64
+logits are handed to torch.nn.functional.cross_entropy. Work is enqueued on the current CUDA stream and
+never synchronizes the host.
 """
+from typing import NamedTuple, Optional
+
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import _torch_ops as _ops
+from . import ops as _arrays
+from ._torch_ops import (CrossEntropyFunction, CrossEntropyInplaceFunction, KDLossFunction,
+                         LinearCrossEntropyFunction, LogsumexpFunction, TempSoftmaxFunction)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_CE = _arrays._CE
+_KD = _arrays._KD
+_REDUCTIONS = _arrays._REDUCTIONS
+_DIVERGENCES = _arrays._DIVERGENCES
+_TOPK_NORMS = _arrays._TOPK_NORMS
 
 
-def _grad_arg(grad):
-    """The upstream gradient as the library wants it: fp32; a stride-0 [N] (from .sum()/.mean() of a
-    reduction="none" loss) is passed as a [1] scalar that the library broadcasts."""
-    if grad.dim() == 1 and grad.numel() > 1 and grad.stride(0) == 0:
-        grad = grad[:1]
-    return grad.to(torch.float32).contiguous()
+class CrossEntropyOutput(NamedTuple):
+    """What cross_entropy and linear_cross_entropy return when an extra result is asked for; the fields
+    not asked for are None. loss and z_loss are shaped like the loss; lse, entropy and predicted_tokens are
+    per token (shaped like the targets); token_accuracy is the float32 fraction of non-ignored tokens whose
+    argmax is the target."""
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+    token_accuracy: Optional[torch.Tensor] = None
+    predicted_tokens: Optional[torch.Tensor] = None
+
+
+class SoftmaxOutput(NamedTuple):
+    probs: Optional[torch.Tensor]
+    logprobs: Optional[torch.Tensor]
+
+
+def _compiling():
+    return torch.compiler.is_compiling()
+
+
+def _wants_grad(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _legacy_reduction(size_average, reduce, reduction):
     if size_average is not None or reduce is not None:
         return torch.nn._reduction.legacy_get_string(size_average, reduce)
     return reduction
+
+
+def _reduction(reduction):
+    try:
+        return _REDUCTIONS[reduction] if isinstance(reduction, str) else int(reduction)
+    except KeyError:
+        raise ValueError("reduction must be one of %s, got %r" % (sorted(_REDUCTIONS), reduction)) from None
 
 
 def _class_weights(weight):
@@ -43,51 +96,56 @@ def _targets(target):
     return target if target.dtype in (torch.int32, torch.int64) else target.to(torch.int64)
 
 
+def _z_loss_scale(lse_square_scale, z_loss_scale):
+    if z_loss_scale is not None:
+        if lse_square_scale:
+            raise ValueError("give lse_square_scale (Liger's name) or z_loss_scale, not both")
+        return float(z_loss_scale)
+    return float(lse_square_scale)
+
+
+def _token_accuracy(argmax, target, ignore_index):
+    valid = target != ignore_index
+    hits = ((argmax == target) & valid).sum(dtype=torch.float32)
+    return hits / valid.sum(dtype=torch.float32).clamp_min(1.0)
+
+
+def _extras(out, tgt, shape, ignore_index, red, want):
+    """CrossEntropyOutput from a (loss, lse, z_loss, argmax, entropy, ...) tuple, or the loss alone."""
+    loss, lse, zl, am, ent = out[:5]
+    if red == _REDUCTIONS["none"]:
+        loss = loss.reshape(shape)
+        if want["z_loss"]:
+            zl = zl.reshape(shape)
+    if not any(want.values()):
+        return loss
+    per_token = lambda t: t.reshape(shape)  # noqa: E731
+    return CrossEntropyOutput(
+        loss, zl if want["z_loss"] else None, per_token(lse) if want["lse"] else None,
+        per_token(ent) if want["entropy"] else None,
+        _token_accuracy(am, tgt, ignore_index) if want["token_accuracy"] else None,
+        per_token(am) if want["predicted_tokens"] else None)
+
+
 # ---- cross-entropy --------------------------------------------------------------------------------
 
-# The library's defaults (its fce_ce_options_init) for its options that PyTorch lacks; PyTorch's own
-# arguments keep PyTorch's defaults (ignore_index=-100, reduction="mean", label_smoothing=0.0).
-_CE = ops._CE
-
-
-class CrossEntropyFunction(torch.autograd.Function):
-    """Cross-entropy of logits [N, V] against targets [N]; forward keeps only the [N] logsumexp, backward
-    calls fce_cross_entropy_bwd with the upstream gradient (read on the device)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, class_weights, reduction, ignore_index, label_smoothing, z_loss_scale,
-                softcap, logit_scale):
-        opts = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                    z_loss_scale=z_loss_scale, softcap=softcap, logit_scale=logit_scale)
-        out = ops.cross_entropy_fwd(logits, targets, class_weights=class_weights, lse=True, **opts)
-        ctx.opts = opts
-        ctx.has_weights = class_weights is not None
-        saved = [logits, targets, out.lse] + ([class_weights] if class_weights is not None else [])
-        ctx.save_for_backward(*saved)
-        return out.loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        saved = ctx.saved_tensors
-        logits, targets, lse = saved[:3]
-        cw = saved[3] if ctx.has_weights else None
-        dlogits = None
-        if ctx.needs_input_grad[0]:
-            dlogits = ops.cross_entropy_bwd(logits, targets, lse, grad_loss=_grad_arg(grad), class_weights=cw,
-                                            **ctx.opts)
-        return (dlogits,) + (None,) * 8
-
-
-def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                  reduction="mean", label_smoothing=0.0, *, z_loss_scale=_CE["z_loss_scale"],
-                  softcap=_CE["softcap"], logit_scale=_CE["logit_scale"]):
-    """Drop-in for torch.nn.functional.cross_entropy (same arguments, plus the library's z_loss_scale,
-    softcap and logit_scale). input: (C), (N, C) or (N, C, d1, ...); target: class indices."""
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
+                  label_smoothing=0.0, *, lse_square_scale=0.0, z_loss_scale=None, softcap=None,
+                  logit_scale=_CE["logit_scale"], return_z_loss=False, return_lse=False, return_entropy=False,
+                  return_token_accuracy=False, return_predicted_tokens=False, inplace_backward=False):
+    """Drop-in for torch.nn.functional.cross_entropy with Liger's extras. input: (C), (N, C) or (N, C, d1, ...)
+    logits (fp32/bf16/fp16); target: class indices. lse_square_scale (alias z_loss_scale): the PaLM z-loss
+    weight; softcap: Gemma 2's logit soft-cap (None = off); logit_scale: multiplies the logits (1/T).
+    inplace_backward: write the gradient over `input` in the forward (its values are gone afterwards).
+    Returns the loss, or a CrossEntropyOutput when a return_* flag is set."""
     reduction = _legacy_reduction(size_average, reduce, reduction)
+    zq = _z_loss_scale(lse_square_scale, z_loss_scale)
+    cap = 0.0 if softcap is None else float(softcap)
     if target.is_floating_point() or input.dtype not in _FLOATS:
-        if (z_loss_scale, softcap, logit_scale) != (_CE["z_loss_scale"], _CE["softcap"], _CE["logit_scale"]):
-            raise NotImplementedError("fusedce: z_loss_scale/softcap/logit_scale need integer targets and "
-                                      "fp32/bf16/fp16 logits")
+        if zq or cap or logit_scale != 1 or return_z_loss or return_lse or return_entropy or return_token_accuracy \
+                or return_predicted_tokens:
+            raise NotImplementedError("fusedce: z-loss, softcap, logit_scale and the extra outputs need integer "
+                                      "targets and fp32/bf16/fp16 logits")
         return F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing)
     if input.dim() == 1:
@@ -97,161 +155,189 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     else:
         c = input.shape[1]
         rows, tgt, shape = input.movedim(1, -1).reshape(-1, c), target.reshape(-1), tuple(target.shape)
-    loss = CrossEntropyFunction.apply(rows, _targets(tgt), _class_weights(weight), reduction, int(ignore_index),
-                                      float(label_smoothing), float(z_loss_scale), float(softcap), float(logit_scale))
-    if reduction == "none":
-        loss = loss.reshape(shape)
-    return loss
+    red = _reduction(reduction)
+    want = dict(z_loss=return_z_loss, lse=return_lse, entropy=return_entropy, token_accuracy=return_token_accuracy,
+                predicted_tokens=return_predicted_tokens)
+    tgt = _targets(tgt)
+    args = (rows, tgt, _class_weights(weight), red, int(ignore_index), float(label_smoothing), zq, cap,
+            float(logit_scale), bool(return_z_loss), bool(return_token_accuracy or return_predicted_tokens),
+            bool(return_entropy))
+    grad = _wants_grad(rows)
+    if _compiling():
+        op = torch.ops.fusedce.cross_entropy_fused if grad and inplace_backward else torch.ops.fusedce.cross_entropy
+        out = op(*args)
+    elif grad:
+        out = (CrossEntropyInplaceFunction if inplace_backward else CrossEntropyFunction).apply(*args)
+    else:
+        out = _ops.call("cross_entropy", *args)
+    return _extras(out, tgt, shape, int(ignore_index), red, want)
 
 
 class CrossEntropyLoss(torch.nn.Module):
-    """Drop-in for torch.nn.CrossEntropyLoss, with the library's extra options."""
+    """Drop-in for torch.nn.CrossEntropyLoss (and Liger's LigerCrossEntropyLoss), with the library's extras;
+    keywords as cross_entropy."""
 
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
-                 label_smoothing=0.0, *, z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"],
-                 logit_scale=_CE["logit_scale"]):
+                 label_smoothing=0.0, **extras):
         super().__init__()
         self.register_buffer("weight", weight)
         self.ignore_index = ignore_index
         self.reduction = _legacy_reduction(size_average, reduce, reduction)
         self.label_smoothing = label_smoothing
-        self.z_loss_scale, self.softcap, self.logit_scale = z_loss_scale, softcap, logit_scale
+        self.extras = extras
 
     def forward(self, input, target):
         return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
-                             label_smoothing=self.label_smoothing, z_loss_scale=self.z_loss_scale,
-                             softcap=self.softcap, logit_scale=self.logit_scale)
+                             label_smoothing=self.label_smoothing, **self.extras)
 
 
 # ---- linear cross-entropy -------------------------------------------------------------------------
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Cross-entropy of hidden [N, H] @ weight[V, H]^T (+ bias) without materializing [N, V] logits;
-    forward keeps the [N] logsumexp, backward recomputes the logits chunk by chunk."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, class_weights, reduction, ignore_index, label_smoothing,
-                z_loss_scale, softcap, logit_scale):
-        opts = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                    z_loss_scale=z_loss_scale, softcap=softcap, logit_scale=logit_scale)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and bias is not None
-        # A reduced loss has a scalar upstream gradient, so the gradients are linear in it: compute them in
-        # this pass (6*N*H*V flops in all, no recomputation) for an upstream gradient of 1, and scale them in
-        # backward. Per-row losses keep the recomputing backward.
-        ctx.fused = reduction != "none" and (need_h or need_w or need_b)
-        out = ops.linear_cross_entropy_fwd(hidden, weight, targets, bias=bias, class_weights=class_weights,
-                                           lse=True, dhidden=ctx.fused and need_h, dweight=ctx.fused and need_w,
-                                           dbias=ctx.fused and need_b, **opts)
-        ctx.opts = opts
-        ctx.has_bias = bias is not None
-        ctx.has_weights = class_weights is not None
-        if ctx.fused:
-            ctx.grads = (out.dhidden if need_h else None, out.dweight if need_w else None,
-                         out.dbias if need_b else None)
-            return out.loss
-        saved = [hidden, weight, targets, out.lse]
-        saved += [bias] if bias is not None else []
-        saved += [class_weights] if class_weights is not None else []
-        ctx.save_for_backward(*saved)
-        return out.loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.fused:
-            dh, dw, db = ctx.grads
-            ctx.grads = None
-            # In place, no host sync: exact for the usual upstream gradient of 1; another scale rounds the
-            # bf16/fp16 gradients a second time (as Liger's fused linear cross-entropy does).
-            scale = grad.detach().to(torch.float32)
-            for g in (dh, dw, db):
-                if g is not None:
-                    g.mul_(scale)
-            return (dh, dw, db) + (None,) * 8
-        saved = list(ctx.saved_tensors)
-        hidden, weight, targets, lse = saved[:4]
-        rest = saved[4:]
-        bias = rest.pop(0) if ctx.has_bias else None
-        cw = rest.pop(0) if ctx.has_weights else None
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and bias is not None
-        dh = dw = db = None
-        if need_h or need_w or need_b:
-            g = ops.linear_cross_entropy_bwd(hidden, weight, targets, lse, bias=bias, dhidden=need_h, dweight=need_w,
-                                             dbias=need_b, grad_loss=_grad_arg(grad), class_weights=cw, **ctx.opts)
-            dh, dw, db = g.dhidden, g.dweight, g.dbias
-        return (dh, dw, db) + (None,) * 8
+def _shifted_targets(targets, shift, ignore_index):
+    """Targets for the hidden state of the token `shift` places earlier (a causal LM's next-token loss): the
+    last `shift` positions of each sequence get ignore_index, so the hidden states are never copied."""
+    s = int(shift)
+    if s <= 0:
+        return targets
+    pad = torch.full(targets.shape[:-1] + (s,), int(ignore_index), dtype=targets.dtype, device=targets.device)
+    return torch.cat([targets[..., s:], pad], dim=-1)
 
 
-def linear_cross_entropy(input, weight, target, bias=None, class_weights=None, ignore_index=-100,
-                         reduction="mean", label_smoothing=0.0, *, z_loss_scale=_CE["z_loss_scale"],
-                         softcap=_CE["softcap"], logit_scale=_CE["logit_scale"]):
-    """F.cross_entropy(F.linear(input, weight, bias), target, class_weights, ...) without the logits.
-    input: (..., H); weight: (V, H); target: (...)."""
-    h = input.reshape(-1, input.shape[-1])
-    tgt = target.reshape(-1)
-    loss = LinearCrossEntropyFunction.apply(h, weight, bias, _targets(tgt), _class_weights(class_weights),
-                                            reduction, int(ignore_index), float(label_smoothing), float(z_loss_scale),
-                                            float(softcap), float(logit_scale))
-    if reduction == "none":
-        loss = loss.reshape(target.shape)
-    return loss
+def linear_cross_entropy(e, c, targets, bias=None, ignore_index=-100, softcap=None, reduction="mean", shift=False, *,
+                         class_weights=None, label_smoothing=0.0, lse_square_scale=0.0, z_loss_scale=None,
+                         logit_scale=_CE["logit_scale"], return_z_loss=False, return_lse=False, return_entropy=False,
+                         return_token_accuracy=False, return_predicted_tokens=False):
+    """F.cross_entropy(F.linear(e, c, bias), targets, ...) without the logits: e (..., H) hidden states (fp32/
+    bf16/fp16), c (V, H) the LM head's weight, targets (...). The order is Cut Cross-Entropy's
+    (linear_cross_entropy(e, c, targets, ...)); shift=True (or k) scores e[..., t, :] against targets[..., t+k]
+    (a causal LM's labels as Hugging Face passes them). Keywords as cross_entropy. Returns the loss, or a
+    CrossEntropyOutput when a return_* flag is set."""
+    zq = _z_loss_scale(lse_square_scale, z_loss_scale)
+    cap = 0.0 if softcap is None else float(softcap)
+    if shift:
+        targets = _shifted_targets(targets, shift, ignore_index)
+    shape = tuple(targets.shape)
+    h = e.reshape(-1, e.shape[-1])
+    tgt = _targets(targets.reshape(-1))
+    red = _reduction(reduction)
+    grad = torch.is_grad_enabled()
+    need = (grad and e.requires_grad, grad and c.requires_grad, grad and bias is not None and bias.requires_grad)
+    fused = tuple(n and red != _REDUCTIONS["none"] for n in need)
+    want = dict(z_loss=return_z_loss, lse=return_lse, entropy=return_entropy, token_accuracy=return_token_accuracy,
+                predicted_tokens=return_predicted_tokens)
+    args = (h, c, bias, tgt, _class_weights(class_weights), red, int(ignore_index), float(label_smoothing), zq, cap,
+            float(logit_scale), bool(return_z_loss), bool(return_token_accuracy or return_predicted_tokens),
+            bool(return_entropy)) + fused
+    if _compiling():
+        out = torch.ops.fusedce.linear_cross_entropy(*args)
+    elif any(need):
+        out = LinearCrossEntropyFunction.apply(*args)
+    else:
+        out = _ops.call("linear_cross_entropy", *args)
+    return _extras(out, tgt, shape, int(ignore_index), red, want)
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
-    """Fused LM head + cross-entropy; called like Liger's LigerFusedLinearCrossEntropyLoss:
-    loss_fn(lm_head.weight, hidden, target, bias=None)."""
+    """Fused LM head + cross-entropy, called like Liger's LigerFusedLinearCrossEntropyLoss:
+    loss_fn(lin_weight, _input, target, bias=None); keywords as linear_cross_entropy."""
 
-    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, class_weights=None, *,
-                 z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"], logit_scale=_CE["logit_scale"]):
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, class_weights=None, **extras):
         super().__init__()
         self.register_buffer("class_weights", class_weights)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
-        self.z_loss_scale, self.softcap, self.logit_scale = z_loss_scale, softcap, logit_scale
+        self.extras = extras
 
     def forward(self, weight, input, target, bias=None):
-        return linear_cross_entropy(input, weight, target, bias, self.class_weights, self.ignore_index,
-                                    self.reduction, self.label_smoothing, z_loss_scale=self.z_loss_scale,
-                                    softcap=self.softcap, logit_scale=self.logit_scale)
+        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index,
+                                    reduction=self.reduction, class_weights=self.class_weights,
+                                    label_smoothing=self.label_smoothing, **self.extras)
+
+
+# ---- logsumexp and temperature softmax ------------------------------------------------------------
+
+def _rows(x, dim):
+    if dim not in (-1, x.dim() - 1):
+        x = x.movedim(dim, -1)
+    return x.reshape(-1, x.shape[-1]), x.shape[:-1]
+
+
+def logsumexp(x, dim=-1, *, scale=1.0):
+    """torch.logsumexp(scale * x, dim) in fp32, the max of the raw values first (fce_logsumexp)."""
+    rows, lead = _rows(x, dim)
+    if _compiling():
+        out = torch.ops.fusedce.logsumexp(rows, float(scale))
+    elif _wants_grad(rows):
+        (out,) = LogsumexpFunction.apply(rows, float(scale))
+    else:
+        out = _ops.call("logsumexp", rows, float(scale))
+    return out.reshape(lead)
+
+
+def temp_softmax(logits, temperature=1.0, dim=-1, *, temperatures=None, probs=True, logprobs=False,
+                 dtype=torch.float32):
+    """Temperature softmax for sampling (fce_temp_softmax): softmax(logits / T) with the max of the raw logits
+    first, T = 0 greedy (one-hot at the first maximum); temperatures: an optional per-row [N] fp32 override.
+    dtype: torch.float32 or the logits' dtype. Returns SoftmaxOutput(probs, logprobs) (None where not asked)."""
+    rows, lead = _rows(logits, dim)
+    if dtype not in (torch.float32, logits.dtype):
+        raise ValueError("fusedce: the softmax's output dtype is float32 or the logits' dtype")
+    t = None if temperatures is None else temperatures.detach().reshape(-1).to(torch.float32).contiguous()
+    args = (rows, float(temperature), t, bool(probs), bool(logprobs), 0 if dtype == torch.float32 else 1)
+    if _compiling():
+        p, lp = torch.ops.fusedce.temp_softmax(*args)
+    elif _wants_grad(rows):
+        p, lp = TempSoftmaxFunction.apply(*args)
+    else:
+        p, lp = _ops.call("temp_softmax", *args)
+
+    def back(a):
+        a = a.reshape(tuple(lead) + (rows.shape[-1],))
+        return a if dim in (-1, logits.dim() - 1) else a.movedim(-1, dim)
+
+    return SoftmaxOutput(back(p) if probs else None, back(lp) if logprobs else None)
+
+
+def softmax(logits, temperature=1.0, dim=-1, **kw):
+    """The probabilities of temp_softmax."""
+    return temp_softmax(logits, temperature, dim, **kw).probs
+
+
+def log_softmax(logits, temperature=1.0, dim=-1, **kw):
+    """The log-probabilities of temp_softmax."""
+    return temp_softmax(logits, temperature, dim, probs=False, logprobs=True, **kw).logprobs
 
 
 # ---- knowledge distillation -----------------------------------------------------------------------
 
-class KDLossFunction(torch.autograd.Function):
-    """Distillation loss; the student's gradient is formed in the forward pass (one pass over the logits)
-    and scaled by the upstream gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, student, teacher_logits, topk_ids, topk_logprobs, targets, divergence, beta, temperature,
-                scale_by_t2, topk_norm, reduction, ignore_index):
-        want = ctx.needs_input_grad[0]
-        out = ops.kd_loss(student, teacher_logits, topk_ids=topk_ids, topk_logprobs=topk_logprobs, targets=targets,
-                          divergence=divergence, beta=beta, temperature=temperature, scale_by_t2=scale_by_t2,
-                          topk_norm=topk_norm, reduction=reduction, ignore_index=ignore_index, dstudent=want)
-        ctx.none = reduction == "none"
-        if want:
-            ctx.save_for_backward(out.dstudent)
-        return out.loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        ds = None
-        if ctx.needs_input_grad[0]:
-            (d,) = ctx.saved_tensors
-            g = grad.to(d.dtype)
-            ds = d * (g.unsqueeze(1) if ctx.none else g)
-        return (ds,) + (None,) * 11
+def _enum(table, value, what):
+    if isinstance(value, int):
+        return value
+    try:
+        return table[str(value).lower()]
+    except KeyError:
+        raise ValueError("%s must be one of %s, got %r" % (what, sorted(table), value)) from None
 
 
-def _kd_rows(x):
-    return x.reshape(-1, x.shape[-1])
+_KD_DIVERGENCE = _arrays._NAME["divergence"][_KD["divergence"]]
+_KD_TOPK_NORM = _arrays._NAME["topk_norm"][_KD["topk_norm"]]
+_KD_REDUCTION = _arrays._NAME["reduction"][_KD["reduction"]]
 
 
-# The library's defaults (its fce_kd_options_init), as ops.kd_loss's keywords.
-_KD = ops._KD
-_KD_DIVERGENCE = ops._NAME["divergence"][_KD["divergence"]]
-_KD_TOPK_NORM = ops._NAME["topk_norm"][_KD["topk_norm"]]
-_KD_REDUCTION = ops._NAME["reduction"][_KD["reduction"]]
+def _kd(student_logits, teacher, ids, lps, target, divergence, beta, temperature, scale_by_t2, topk_norm, reduction,
+        ignore_index):
+    s = student_logits.reshape(-1, student_logits.shape[-1])
+    tg = None if target is None else _targets(target.reshape(-1))
+    red = _reduction(reduction)
+    grad = _wants_grad(s)
+    args = (s, teacher, ids, lps, tg, _enum(_DIVERGENCES, divergence, "divergence"), float(beta), float(temperature),
+            bool(scale_by_t2), _enum(_TOPK_NORMS, topk_norm, "topk_norm"), red, int(ignore_index), grad)
+    if _compiling():
+        loss, _ = torch.ops.fusedce.kd_loss(*args)
+    elif grad:
+        loss, _ = KDLossFunction.apply(*args)
+    else:
+        loss, _ = _ops.call("kd_loss", *args)
+    return loss.reshape(student_logits.shape[:-1]) if red == _REDUCTIONS["none"] else loss
 
 
 def kd_loss(student_logits, teacher_logits, target=None, *, divergence=_KD_DIVERGENCE, beta=_KD["beta"],
@@ -260,28 +346,23 @@ def kd_loss(student_logits, teacher_logits, target=None, *, divergence=_KD_DIVER
     """Distillation divergence between softmax(student/T) and softmax(teacher/T) over the last axis;
     reduction="mean" is batchmean over rows whose target is not ignore_index. divergence: "forward_kl"
     (KL(teacher||student), as F.kl_div(log_softmax(s), log_softmax(t), log_target=True)), "reverse_kl",
-    "jsd" (generalized, weight beta). temperature in [1e-4, 100] (fusedce.KD_TEMPERATURE_MIN/MAX). The
-    teacher gets no gradient."""
-    s = _kd_rows(student_logits)
-    t = _kd_rows(teacher_logits).detach()
-    tg = None if target is None else _targets(target.reshape(-1))
-    loss = KDLossFunction.apply(s, t, None, None, tg, divergence, float(beta), float(temperature), bool(scale_by_t2),
-                                _KD_TOPK_NORM, reduction, int(ignore_index))
-    return loss.reshape(student_logits.shape[:-1]) if reduction == "none" else loss
+    "jsd" (generalized, weight beta: 0 is forward KL, 1 reverse KL). temperature in [1e-4, 100]
+    (fusedce.KD_TEMPERATURE_MIN/MAX). The teacher gets no gradient; dstudent is formed in the forward."""
+    t = teacher_logits.detach().reshape(-1, teacher_logits.shape[-1])
+    return _kd(student_logits, t, None, None, target, divergence, beta, temperature, scale_by_t2, _KD_TOPK_NORM,
+               reduction, ignore_index)
 
 
 def kd_loss_topk(student_logits, topk_ids, topk_logprobs, target=None, *, divergence=_KD_DIVERGENCE, beta=_KD["beta"],
                  temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]), topk_norm=_KD_TOPK_NORM,
                  reduction=_KD_REDUCTION, ignore_index=_KD["ignore_index"]):
     """Distillation from a top-K teacher: topk_ids (..., K) (negative = unused slot) and topk_logprobs
-    (..., K) fp32 log-probabilities at temperature 1 (the axolotl format)."""
-    s = _kd_rows(student_logits)
+    (..., K) fp32 log-probabilities at temperature 1 (the axolotl format); topk_norm "full_vocab" or
+    "renormalize" (the student over the K ids)."""
     ids = _targets(topk_ids.reshape(-1, topk_ids.shape[-1]))
     lps = topk_logprobs.reshape(-1, topk_logprobs.shape[-1]).detach().to(torch.float32).contiguous()
-    tg = None if target is None else _targets(target.reshape(-1))
-    loss = KDLossFunction.apply(s, None, ids, lps, tg, divergence, float(beta), float(temperature), bool(scale_by_t2),
-                                topk_norm, reduction, int(ignore_index))
-    return loss.reshape(student_logits.shape[:-1]) if reduction == "none" else loss
+    return _kd(student_logits, None, ids, lps, target, divergence, beta, temperature, scale_by_t2, topk_norm,
+               reduction, ignore_index)
 
 
 class KDLoss(torch.nn.Module):
@@ -297,5 +378,6 @@ class KDLoss(torch.nn.Module):
         return kd_loss(student_logits, teacher_logits, target, **self.kw)
 
 
-__all__ = ["CrossEntropyFunction", "CrossEntropyLoss", "KDLoss", "KDLossFunction", "LinearCrossEntropyFunction",
-           "LinearCrossEntropyLoss", "cross_entropy", "kd_loss", "kd_loss_topk", "linear_cross_entropy"]
+__all__ = ["CrossEntropyLoss", "CrossEntropyOutput", "KDLoss", "LinearCrossEntropyLoss", "SoftmaxOutput",
+           "cross_entropy", "kd_loss", "kd_loss_topk", "linear_cross_entropy", "log_softmax", "logsumexp", "softmax",
+           "temp_softmax"]

@@ -1,0 +1,452 @@
+"""The library's ops as PyTorch custom ops (namespace `fusedce`), each with a fake (meta) implementation
+and, where it has a gradient, registered autograd, so that torch.compile(fullgraph=True) traces through
+them, CUDA graphs capture them, and `torch.ops.fusedce.*` is differentiable on its own.
+
+In eager mode the public functions of `fusedce.torch` call the same implementations directly (`call`),
+with autograd through `torch.autograd.Function`s made from the same setup/backward pairs (`Function`):
+the dispatcher's per-call cost (~5-10 us for a Python custom op) stays out of the eager path.
+
+Every implementation enqueues on torch's current CUDA stream and never synchronizes the host. Enum
+arguments are the header's integer values (fce_reduction_t, fce_kd_divergence_t, fce_kd_topk_norm_t).
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+_REDUCTION_NONE = ops._REDUCTIONS["none"]
+_NAMES = {v: k for k, v in ops._REDUCTIONS.items()}
+
+
+def _nothing(like, dtype=None):
+    return torch.empty(0, dtype=dtype if dtype is not None else torch.float32, device=like.device)
+
+
+def _loss_shape(reduction, n):
+    return (n,) if reduction == _REDUCTION_NONE else ()
+
+
+# ---- scale_rows_ ----------------------------------------------------------------------------------
+
+def _scale_rows_impl(x: Tensor, factor: Tensor) -> None:
+    """x[i, :] *= factor[i] (or a scalar factor) in place; rows whose factor is 1 untouched (fce_scale_rows)."""
+    ops.scale_rows(x, factor)
+
+
+scale_rows_ = torch.library.custom_op("fusedce::scale_rows_", _scale_rows_impl, mutates_args=("x",))
+
+
+@scale_rows_.register_fake
+def _(x, factor):
+    return None
+
+
+def _factor(grad):
+    """An upstream gradient as fce_scale_rows / grad_loss want it: fp32; a stride-0 [N] (from .sum() or
+    .mean() of a reduction="none" loss) as a [1] scalar the library broadcasts."""
+    if grad.dim() == 1 and grad.numel() > 1 and grad.stride(0) == 0:
+        grad = grad[:1]
+    return grad.to(torch.float32).contiguous()
+
+
+# ---- cross-entropy --------------------------------------------------------------------------------
+
+def _cross_entropy_impl(logits: Tensor, targets: Tensor, weight: Optional[Tensor], reduction: int, ignore_index: int,
+                        label_smoothing: float, z_loss_scale: float, softcap: float, logit_scale: float,
+                        want_z_loss: bool, want_argmax: bool, want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor,
+                        Tensor, Tensor]:
+    """fce_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy); outputs not asked for are empty."""
+    o = ops.cross_entropy_fwd(logits, targets, reduction=reduction, ignore_index=ignore_index,
+                              label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+                              logit_scale=logit_scale, class_weights=weight, lse=True, z_loss=want_z_loss,
+                              argmax=want_argmax, entropy=want_entropy)
+    return (o.loss, o.lse, o.z_loss if want_z_loss else _nothing(logits),
+            o.argmax if want_argmax else _nothing(logits, torch.int64), o.entropy if want_entropy else _nothing(logits))
+
+
+cross_entropy = torch.library.custom_op("fusedce::cross_entropy", _cross_entropy_impl, mutates_args=())
+
+
+@cross_entropy.register_fake
+def _ce_fake(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
+             want_z_loss, want_argmax, want_entropy):
+    n = logits.shape[0]
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    return (logits.new_empty(_loss_shape(reduction, n), **f32), logits.new_empty((n,), **f32),
+            logits.new_empty(_loss_shape(reduction, n) if want_z_loss else (0,), **f32),
+            logits.new_empty((n,) if want_argmax else (0,), dtype=torch.int64, device=logits.device),
+            logits.new_empty((n,) if want_entropy else (0,), **f32))
+
+
+def _cross_entropy_bwd_impl(logits: Tensor, targets: Tensor, lse: Tensor, grad_loss: Tensor, weight: Optional[Tensor],
+                            reduction: int, ignore_index: int, label_smoothing: float, z_loss_scale: float,
+                            softcap: float, logit_scale: float) -> Tensor:
+    """fce_cross_entropy_bwd: d(loss)/d(logits) * grad_loss from the forward's lse."""
+    return ops.cross_entropy_bwd(logits, targets, lse, grad_loss=grad_loss, reduction=reduction,
+                                 ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                 z_loss_scale=z_loss_scale, softcap=softcap, logit_scale=logit_scale,
+                                 class_weights=weight)
+
+
+cross_entropy_bwd = torch.library.custom_op("fusedce::cross_entropy_bwd", _cross_entropy_bwd_impl, mutates_args=())
+
+
+@cross_entropy_bwd.register_fake
+def _(logits, targets, lse, grad_loss, weight, *opts):
+    return torch.empty_like(logits)
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, targets, weight = inputs[:3]
+    ctx.opts = inputs[3:9]
+    ctx.save_for_backward(logits, targets, weight, output[1])
+
+
+def _ce_backward(ctx, g_loss, *unused):
+    # lse, z_loss (a part of the loss, reported alone), argmax and entropy are not differentiated.
+    logits, targets, weight, lse = ctx.saved_tensors
+    d = None
+    if ctx.needs_input_grad[0]:
+        d = call("cross_entropy_bwd", logits, targets, lse, _factor(g_loss), weight, *ctx.opts)
+    return (d,) + (None,) * 11
+
+
+torch.library.register_autograd("fusedce::cross_entropy", _ce_backward, setup_context=_ce_setup)
+
+
+def _cross_entropy_fused_impl(logits: Tensor, targets: Tensor, weight: Optional[Tensor], reduction: int,
+                              ignore_index: int, label_smoothing: float, z_loss_scale: float, softcap: float,
+                              logit_scale: float, want_z_loss: bool, want_argmax: bool,
+                              want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fce_cross_entropy_fwd with the gradient fused (for an upstream gradient of 1): (loss, lse, z_loss,
+    argmax, entropy, dlogits). The in-place mode of fusedce.torch.cross_entropy in eager writes dlogits
+    into the logits themselves instead (`cross_entropy_inplace`)."""
+    o = ops.cross_entropy_fwd(logits, targets, reduction=reduction, ignore_index=ignore_index,
+                              label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+                              logit_scale=logit_scale, class_weights=weight, lse=True, z_loss=want_z_loss,
+                              argmax=want_argmax, entropy=want_entropy, dlogits=True)
+    return (o.loss, o.lse, o.z_loss if want_z_loss else _nothing(logits),
+            o.argmax if want_argmax else _nothing(logits, torch.int64), o.entropy if want_entropy else _nothing(logits),
+            o.dlogits)
+
+
+cross_entropy_fused = torch.library.custom_op("fusedce::cross_entropy_fused", _cross_entropy_fused_impl,
+                                              mutates_args=())
+
+
+@cross_entropy_fused.register_fake
+def _(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
+      want_z_loss, want_argmax, want_entropy):
+    fwd = _ce_fake(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
+                   logit_scale, want_z_loss, want_argmax, want_entropy)
+    return tuple(fwd) + (torch.empty_like(logits),)
+
+
+def cross_entropy_inplace(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
+                          logit_scale, want_z_loss, want_argmax, want_entropy):
+    """The fused forward writing dlogits over the logits (eager only: no op, the memory is the point):
+    (loss, lse, z_loss, argmax, entropy)."""
+    o = ops.cross_entropy_fwd(logits, targets, reduction=reduction, ignore_index=ignore_index,
+                              label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+                              logit_scale=logit_scale, class_weights=weight, lse=True, z_loss=want_z_loss,
+                              argmax=want_argmax, entropy=want_entropy, dlogits=logits)
+    return (o.loss, o.lse, o.z_loss if want_z_loss else _nothing(logits),
+            o.argmax if want_argmax else _nothing(logits, torch.int64), o.entropy if want_entropy else _nothing(logits))
+
+
+def _inplace_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0].detach())  # its memory holds dlogits now
+
+
+def _fused_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[-1])
+
+
+def _fused_backward(ctx, g_loss, *unused):
+    (d,) = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 12
+    call("scale_rows_", d, _factor(g_loss).reshape(-1))  # nothing moves for the usual upstream gradient of 1
+    return (d,) + (None,) * 11
+
+
+torch.library.register_autograd("fusedce::cross_entropy_fused", _fused_backward, setup_context=_fused_setup)
+
+
+# ---- logsumexp and temperature softmax ------------------------------------------------------------
+
+def _logsumexp_impl(x: Tensor, scale: float) -> Tensor:
+    """fce_logsumexp: [N] fp32, log sum_j exp(scale x_ij)."""
+    return ops.logsumexp(x, scale=scale)
+
+
+logsumexp = torch.library.custom_op("fusedce::logsumexp", _logsumexp_impl, mutates_args=())
+
+
+@logsumexp.register_fake
+def _(x, scale):
+    return x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+def _lse_setup(ctx, inputs, output):
+    ctx.scale = inputs[1]
+    ctx.save_for_backward(inputs[0])
+
+
+def _lse_backward(ctx, g):
+    # d lse_i / d x_ij = scale * softmax(scale * x_i)_j
+    (x,) = ctx.saved_tensors
+    p, _ = call("temp_softmax", x, 1.0 / ctx.scale, None, True, False, 0)
+    return (p * (g.to(torch.float32).unsqueeze(1) * ctx.scale)).to(x.dtype), None
+
+
+torch.library.register_autograd("fusedce::logsumexp", _lse_backward, setup_context=_lse_setup)
+
+_DTYPE_CODE = {0: torch.float32, 1: None}  # output dtype: 0 = fp32, 1 = the logits' dtype
+
+
+def _temp_softmax_impl(logits: Tensor, temperature: float, temperatures: Optional[Tensor], want_probs: bool,
+                       want_logprobs: bool, out_dtype: int) -> Tuple[Tensor, Tensor]:
+    """fce_temp_softmax: (probs, logprobs), each [N, V] in fp32 (out_dtype 0) or the logits' dtype (1), or
+    empty when not asked for."""
+    dt = "float32" if out_dtype == 0 else None
+    o = ops.temp_softmax(logits, temperature=temperature, temperatures=temperatures, probs=want_probs,
+                         logprobs=want_logprobs, dtype=dt)
+    return (o.probs if want_probs else _nothing(logits), o.logprobs if want_logprobs else _nothing(logits))
+
+
+temp_softmax = torch.library.custom_op("fusedce::temp_softmax", _temp_softmax_impl, mutates_args=())
+
+
+@temp_softmax.register_fake
+def _(logits, temperature, temperatures, want_probs, want_logprobs, out_dtype):
+    dt = torch.float32 if out_dtype == 0 else logits.dtype
+    shape = tuple(logits.shape)
+    return (logits.new_empty(shape if want_probs else (0,), dtype=dt),
+            logits.new_empty(shape if want_logprobs else (0,), dtype=dt))
+
+
+def _sm_setup(ctx, inputs, output):
+    logits, temperature, temperatures = inputs[:3]
+    ctx.want = inputs[3:5]
+    ctx.temperature = temperature
+    ctx.in_dtype = logits.dtype
+    ctx.save_for_backward(temperatures, *output)
+
+
+def _sm_backward(ctx, g_p, g_lp):
+    # p = softmax(x/T): dx = p (g_p - sum_k g_p,k p_k) / T; log p: dx = (g_lp - p sum_k g_lp,k) / T. T per row
+    # when given; T = 0 (greedy) has no gradient (0).
+    temperatures, probs, logprobs = ctx.saved_tensors
+    p = probs.float() if ctx.want[0] else logprobs.float().exp()
+    inv_t = (1.0 / temperatures.float()).unsqueeze(1) if temperatures is not None else 1.0 / ctx.temperature
+    inv_t = torch.nan_to_num(torch.as_tensor(inv_t, device=p.device), posinf=0.0)
+    dx = torch.zeros_like(p)
+    if g_p is not None and ctx.want[0]:
+        g = g_p.float()
+        dx = dx + p * (g - (g * p).sum(1, keepdim=True))
+    if g_lp is not None and ctx.want[1]:
+        g = g_lp.float()
+        dx = dx + g - p * g.sum(1, keepdim=True)
+    return (dx * inv_t).to(ctx.in_dtype), None, None, None, None, None
+
+
+torch.library.register_autograd("fusedce::temp_softmax", _sm_backward, setup_context=_sm_setup)
+
+
+# ---- knowledge distillation -----------------------------------------------------------------------
+
+def _kd_loss_impl(student: Tensor, teacher_logits: Optional[Tensor], topk_ids: Optional[Tensor],
+                  topk_logprobs: Optional[Tensor], targets: Optional[Tensor], divergence: int, beta: float,
+                  temperature: float, scale_by_t2: bool, topk_norm: int, reduction: int, ignore_index: int,
+                  want_grad: bool) -> Tuple[Tensor, Tensor]:
+    """fce_kd_loss: (loss, dstudent), dstudent formed in the same pass for an upstream gradient of 1 when
+    want_grad (empty otherwise)."""
+    o = ops.kd_loss(student, teacher_logits, topk_ids=topk_ids, topk_logprobs=topk_logprobs, targets=targets,
+                    divergence=divergence, beta=beta, temperature=temperature, scale_by_t2=scale_by_t2,
+                    topk_norm=topk_norm, reduction=reduction, ignore_index=ignore_index, dstudent=want_grad)
+    return o.loss, o.dstudent if want_grad else _nothing(student, student.dtype)
+
+
+kd_loss = torch.library.custom_op("fusedce::kd_loss", _kd_loss_impl, mutates_args=())
+
+
+@kd_loss.register_fake
+def _(student, teacher_logits, topk_ids, topk_logprobs, targets, divergence, beta, temperature, scale_by_t2,
+      topk_norm, reduction, ignore_index, want_grad):
+    n = student.shape[0]
+    return (student.new_empty(_loss_shape(reduction, n), dtype=torch.float32),
+            torch.empty_like(student) if want_grad else student.new_empty((0,)))
+
+
+def _kd_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+
+
+def _kd_backward(ctx, g_loss, unused):
+    (d,) = ctx.saved_tensors
+    if not ctx.needs_input_grad[0] or d.numel() == 0:
+        return (None,) * 13
+    call("scale_rows_", d, _factor(g_loss).reshape(-1))
+    return (d,) + (None,) * 12
+
+
+torch.library.register_autograd("fusedce::kd_loss", _kd_backward, setup_context=_kd_setup)
+
+
+# ---- linear cross-entropy -------------------------------------------------------------------------
+
+def _linear_cross_entropy_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+                               class_weights: Optional[Tensor], reduction: int, ignore_index: int,
+                               label_smoothing: float, z_loss_scale: float, softcap: float, logit_scale: float,
+                               want_z_loss: bool, want_argmax: bool, want_entropy: bool, fused_dh: bool,
+                               fused_dw: bool,
+                               fused_db: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fce_linear_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias); the
+    fused_* gradients (for an upstream gradient of 1) are computed in the same pass, the others are empty."""
+    o = ops.linear_cross_entropy_fwd(hidden, weight, targets, bias=bias, reduction=reduction,
+                                     ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                     z_loss_scale=z_loss_scale, softcap=softcap, logit_scale=logit_scale,
+                                     class_weights=class_weights, lse=True, z_loss=want_z_loss, argmax=want_argmax,
+                                     entropy=want_entropy, dhidden=fused_dh, dweight=fused_dw, dbias=fused_db)
+    return (o.loss, o.lse, o.z_loss if want_z_loss else _nothing(hidden),
+            o.argmax if want_argmax else _nothing(hidden, torch.int64), o.entropy if want_entropy else _nothing(hidden),
+            o.dhidden if fused_dh else _nothing(hidden, hidden.dtype),
+            o.dweight if fused_dw else _nothing(hidden, weight.dtype),
+            o.dbias if fused_db else _nothing(hidden, weight.dtype))
+
+
+linear_cross_entropy = torch.library.custom_op("fusedce::linear_cross_entropy", _linear_cross_entropy_impl,
+                                               mutates_args=())
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, bias, targets, class_weights, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
+      logit_scale, want_z_loss, want_argmax, want_entropy, fused_dh, fused_dw, fused_db):
+    n = hidden.shape[0]
+    f32 = dict(dtype=torch.float32)
+    return (hidden.new_empty(_loss_shape(reduction, n), **f32), hidden.new_empty((n,), **f32),
+            hidden.new_empty(_loss_shape(reduction, n) if want_z_loss else (0,), **f32),
+            hidden.new_empty((n,) if want_argmax else (0,), dtype=torch.int64),
+            hidden.new_empty((n,) if want_entropy else (0,), **f32),
+            torch.empty_like(hidden) if fused_dh else hidden.new_empty((0,)),
+            torch.empty_like(weight) if fused_dw else weight.new_empty((0,)),
+            torch.empty_like(bias) if fused_db else weight.new_empty((0,)))
+
+
+def _linear_cross_entropy_bwd_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+                                   lse: Tensor, grad_loss: Tensor, class_weights: Optional[Tensor], reduction: int,
+                                   ignore_index: int, label_smoothing: float, z_loss_scale: float, softcap: float,
+                                   logit_scale: float, want_dh: bool, want_dw: bool,
+                                   want_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """fce_linear_cross_entropy_bwd: (dhidden, dweight, dbias) (empty where not asked for), recomputing the
+    logits chunk by chunk from the forward's lse."""
+    g = ops.linear_cross_entropy_bwd(hidden, weight, targets, lse, bias=bias, dhidden=want_dh, dweight=want_dw,
+                                     dbias=want_db, grad_loss=grad_loss, reduction=reduction,
+                                     ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                     z_loss_scale=z_loss_scale, softcap=softcap, logit_scale=logit_scale,
+                                     class_weights=class_weights)
+    return (g.dhidden if want_dh else _nothing(hidden, hidden.dtype),
+            g.dweight if want_dw else _nothing(hidden, weight.dtype),
+            g.dbias if want_db else _nothing(hidden, weight.dtype))
+
+
+linear_cross_entropy_bwd = torch.library.custom_op("fusedce::linear_cross_entropy_bwd",
+                                                   _linear_cross_entropy_bwd_impl,
+                                                   mutates_args=())
+
+
+@linear_cross_entropy_bwd.register_fake
+def _(hidden, weight, bias, targets, lse, grad_loss, class_weights, reduction, ignore_index, label_smoothing,
+      z_loss_scale, softcap, logit_scale, want_dh, want_dw, want_db):
+    return (torch.empty_like(hidden) if want_dh else hidden.new_empty((0,)),
+            torch.empty_like(weight) if want_dw else weight.new_empty((0,)),
+            torch.empty_like(bias) if want_db else weight.new_empty((0,)))
+
+
+def _lce_setup(ctx, inputs, output):
+    hidden, weight, bias, targets, cw = inputs[:5]
+    ctx.opts = inputs[5:11]
+    ctx.fused = inputs[14:17]
+    ctx.save_for_backward(hidden, weight, bias, targets, cw, output[1], output[5], output[6], output[7])
+
+
+def _lce_backward(ctx, g_loss, *unused):
+    hidden, weight, bias, targets, cw, lse, dh, dw, db = ctx.saved_tensors
+    want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None)
+    if any(ctx.fused):
+        # A reduced loss: its gradients were formed in the forward for an upstream gradient of 1; the
+        # upstream scalar, read on the device, is applied in place where it is not 1.
+        g = _factor(g_loss).reshape(-1)
+        out = []
+        for w, f, t in zip(want, ctx.fused, (dh, dw, db)):
+            if w and f:
+                call("scale_rows_", t, g)
+            out.append(t if w and f else None)
+        return tuple(out) + (None,) * 14
+    if not any(want):
+        return (None,) * 17
+    dh, dw, db = call("linear_cross_entropy_bwd", hidden, weight, bias, targets, lse, _factor(g_loss), cw, *ctx.opts,
+                      want[0], want[1], want[2])
+    return (dh if want[0] else None, dw if want[1] else None, db if want[2] else None) + (None,) * 14
+
+
+torch.library.register_autograd("fusedce::linear_cross_entropy", _lce_backward, setup_context=_lce_setup)
+
+
+# ---- eager calls and autograd functions -----------------------------------------------------------
+
+_IMPL = {
+    "scale_rows_": _scale_rows_impl,
+    "cross_entropy": _cross_entropy_impl,
+    "cross_entropy_bwd": _cross_entropy_bwd_impl,
+    "cross_entropy_fused": _cross_entropy_fused_impl,
+    "logsumexp": _logsumexp_impl,
+    "temp_softmax": _temp_softmax_impl,
+    "kd_loss": _kd_loss_impl,
+    "linear_cross_entropy": _linear_cross_entropy_impl,
+    "linear_cross_entropy_bwd": _linear_cross_entropy_bwd_impl,
+}
+
+
+def _traced(t):
+    """A tensor being traced (AOTAutograd's fake or functional tensors, or another tensor subclass), not
+    plain data: the dispatcher handles those."""
+    return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+
+
+def call(name, *args):
+    """torch.ops.fusedce.<name>(*args) when traced (torch.compile, including the backward graphs AOTAutograd
+    traces with fake tensors outside Dynamo), the implementation itself in eager mode (no dispatcher on
+    the path)."""
+    if torch.compiler.is_compiling() or _traced(args[0]):
+        return getattr(torch.ops.fusedce, name)(*args)
+    return _IMPL[name](*args)
+
+
+def _function(name, impl, setup, backward):
+    """An autograd.Function running `impl` eagerly with the op's registered setup/backward pair."""
+
+    def forward(ctx, *args):
+        out = impl(*args)
+        setup(ctx, args, out)
+        return tuple(out)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                    "backward": staticmethod(backward)})
+
+
+CrossEntropyFunction = _function("CrossEntropyFunction", _IMPL["cross_entropy"], _ce_setup, _ce_backward)
+CrossEntropyInplaceFunction = _function("CrossEntropyInplaceFunction", cross_entropy_inplace, _inplace_setup,
+                                        _fused_backward)
+LogsumexpFunction = _function("LogsumexpFunction", lambda *a: (_IMPL["logsumexp"](*a),), _lse_setup,
+                              lambda ctx, g: _lse_backward(ctx, g))
+TempSoftmaxFunction = _function("TempSoftmaxFunction", _IMPL["temp_softmax"], _sm_setup, _sm_backward)
+KDLossFunction = _function("KDLossFunction", _IMPL["kd_loss"], _kd_setup, _kd_backward)
+LinearCrossEntropyFunction = _function("LinearCrossEntropyFunction", _IMPL["linear_cross_entropy"], _lce_setup,
+                                       _lce_backward)
+
+__all__ = ["call", "CrossEntropyFunction", "CrossEntropyInplaceFunction", "KDLossFunction",
+           "LinearCrossEntropyFunction", "LogsumexpFunction", "TempSoftmaxFunction"]

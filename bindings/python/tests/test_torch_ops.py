@@ -1,0 +1,337 @@
+"""fusedce.torch as PyTorch users meet it: the custom ops (torch.library.opcheck), torch.compile(fullgraph=True)
+of training steps against eager, the drop-in arguments of PyTorch, Liger-Kernel and Cut Cross-Entropy
+against references written here with torch, the in-place backward, the upstream gradient applied after a
+fused forward, forward-only linear cross-entropy without gradients, and CUDA-graph capture.
+
+CPU tensors always (torch is required: the suite fails without it); CUDA tensors too when torch sees a GPU
+and the library's CUDA backend works.
+"""
+import pytest
+import torch
+
+import fusedce
+import fusedce.torch as ft
+from fusedce import _torch_ops
+
+F = torch.nn.functional
+
+
+def _cuda_ok():
+    if not torch.cuda.is_available():
+        return False
+    try:
+        fusedce.logsumexp(torch.zeros(1, 4, device="cuda"))
+        torch.cuda.synchronize()
+        return True
+    except fusedce.FusedCEError:
+        return False
+
+
+CUDA = _cuda_ok()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device for torch and libfusedce")
+
+
+def _close(a, b, rtol=2e-5, atol=2e-6):
+    torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol)
+
+
+# ---- the custom ops themselves ---------------------------------------------------------------------
+
+def _op_samples(device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape, grad=False):
+        return torch.randn(*shape, generator=g).to(device).requires_grad_(grad)
+
+    x = randn(6, 33, grad=True)
+    t = torch.randint(0, 33, (6,), generator=g).to(device)
+    t[1] = -100
+    none, mean = fusedce.ops._REDUCTIONS["none"], fusedce.ops._REDUCTIONS["mean"]
+    h, w, b = randn(6, 8, grad=True), randn(33, 8, grad=True), randn(33, grad=True)
+    ce_opts = (-100, 0.1, 1e-4, 0.0, 1.0)
+    return [
+        ("cross_entropy", (x, t, None, mean, *ce_opts, True, True, True)),
+        ("cross_entropy", (x, t, None, none, *ce_opts, False, False, False)),
+        ("cross_entropy_fused", (x, t, None, mean, *ce_opts, False, True, False)),
+        ("logsumexp", (x, 0.5)),
+        ("temp_softmax", (x, 0.7, None, True, True, 0)),
+        ("kd_loss", (x, randn(6, 33), None, None, t, 2, 0.5, 2.0, True, 0, mean, -100, True)),
+        ("linear_cross_entropy", (h, w, b, t, None, mean, *ce_opts, True, True, True, True, True, True)),
+        ("linear_cross_entropy", (h, w, b, t, None, none, *ce_opts, False, False, False, False, False, False)),
+    ]
+
+
+# Ops whose backward scales their own gradient output in place (fce_scale_rows: no pass for an upstream
+# gradient of 1): that output is the gradient's buffer, not a result for the caller. opcheck's AOT test
+# returns every output to the caller and so flags the in-place scaling; torch.compile of the public
+# functions, which never return that output, is tested below against eager.
+_GRADIENT_BUFFER_OPS = {"cross_entropy_fused", "kd_loss", "linear_cross_entropy"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    """Schema, fake (meta) implementation, autograd registration and AOT dispatch of every op."""
+    for name, args in _op_samples(device):
+        utils = ("test_schema", "test_autograd_registration", "test_faketensor") + (
+            () if name in _GRADIENT_BUFFER_OPS and any(a is True for a in args[-6:]) else ("test_aot_dispatch_dynamic",))
+        torch.library.opcheck(getattr(torch.ops.fusedce, name).default, args, test_utils=utils)
+    x = torch.randn(4, 9, device=device)
+    torch.library.opcheck(torch.ops.fusedce.scale_rows_.default, (x, torch.tensor([1.0, 2.0, 0.5, 1.0], device=device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_are_differentiable_through_torch_ops(device):
+    """torch.ops.fusedce.* alone (the registered autograd) against torch's own math."""
+    x = torch.randn(5, 19, device=device, requires_grad=True)
+    t = torch.randint(0, 19, (5,), device=device)
+    mean = fusedce.ops._REDUCTIONS["mean"]
+    loss = torch.ops.fusedce.cross_entropy(x, t, None, mean, -100, 0.0, 0.0, 0.0, 1.0, False, False, False)[0]
+    (g,) = torch.autograd.grad(loss * 2, x)
+    (r,) = torch.autograd.grad(F.cross_entropy(x, t) * 2, x)
+    _close(g, r)
+    lse = torch.ops.fusedce.logsumexp(x, 1.0)
+    (g,) = torch.autograd.grad(lse.sum(), x)
+    _close(g, torch.softmax(x, -1).detach())
+
+
+# ---- torch.compile --------------------------------------------------------------------------------
+
+def _steps(lin):
+    def ce_default(h, t):
+        return ft.cross_entropy(lin(h), t, label_smoothing=0.1, lse_square_scale=1e-4)
+
+    def ce_inplace(h, t):
+        return ft.cross_entropy(lin(h), t, label_smoothing=0.1, inplace_backward=True)
+
+    def linear_mean(h, t):
+        return ft.linear_cross_entropy(h, lin.weight, t, bias=lin.bias, softcap=30.0)
+
+    def linear_none(h, t):
+        return ft.linear_cross_entropy(h, lin.weight, t, bias=lin.bias, reduction="none").sum() * 0.5
+
+    def kd_and_sampling(h, t):
+        s = lin(h)
+        return (ft.kd_loss(s, s.detach() * 0.5 + 0.1, temperature=2.0, divergence="jsd") + ft.logsumexp(s).sum() * 0.1
+                + (ft.softmax(s, 0.7) * torch.arange(s.shape[1], device=s.device)).sum() * 0.01
+                + ft.log_softmax(s, 0.7)[:, :3].sum() * 0.01)
+
+    return [ce_default, ce_inplace, linear_mean, linear_none, kd_and_sampling]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_training_steps_match_eager(device):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 37).to(device)
+    h = torch.randn(10, 16, device=device)
+    t = torch.randint(0, 37, (10,), device=device)
+    t[3] = -100
+    for step in _steps(lin):
+        lin.zero_grad()
+        want = step(h, t)
+        want.backward()
+        gw = lin.weight.grad.clone()
+        lin.zero_grad()
+        got = torch.compile(step, fullgraph=True)(h, t)
+        got.backward()
+        _close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+        _close(lin.weight.grad, gw, rtol=1e-5, atol=1e-6)
+
+
+# ---- drop-in arguments ----------------------------------------------------------------------------
+
+def _ref_ce(x, t, ignore_index=-100, label_smoothing=0.0, zq=0.0, cap=None, reduction="mean"):
+    z = x.double()
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    lse = torch.logsumexp(z, -1)
+    per = F.cross_entropy(z, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    valid = (t != ignore_index).double()
+    zl = zq * lse ** 2 * valid
+    per = per + zl
+    n = valid.sum().clamp_min(1)
+    red = {"mean": lambda v: v.sum() / n, "sum": torch.sum, "none": lambda v: v}[reduction]
+    return red(per), red(zl), lse
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_liger_arguments(device, dtype):
+    torch.manual_seed(1)
+    x = (torch.randn(12, 41, device=device) * 3).to(dtype).requires_grad_()
+    t = torch.randint(0, 41, (12,), device=device)
+    t[::5] = -100
+    for red in ("mean", "sum", "none"):
+        out = ft.cross_entropy(x, t, reduction=red, label_smoothing=0.05, lse_square_scale=1e-3, softcap=20.0,
+                               return_z_loss=True, return_lse=True, return_entropy=True, return_token_accuracy=True,
+                               return_predicted_tokens=True)
+        loss, zl, lse = _ref_ce(x.detach(), t, label_smoothing=0.05, zq=1e-3, cap=20.0, reduction=red)
+        tol = dict(rtol=2e-5, atol=2e-5)
+        _close(out.loss, loss.float(), **tol)
+        _close(out.z_loss, zl.float(), **tol)
+        _close(out.lse, lse.float(), **tol)
+        z = 20.0 * torch.tanh(x.detach().double() / 20.0)
+        p = torch.softmax(z, -1)
+        _close(out.entropy, -(p * torch.log_softmax(z, -1)).sum(-1).float(), rtol=1e-4, atol=1e-4)
+        am = x.detach().float().argmax(-1)
+        assert torch.equal(out.predicted_tokens, am)
+        valid = t != -100
+        _close(out.token_accuracy, ((am == t) & valid).sum().float() / valid.sum())
+    # softcap=None is no cap; the loss alone without return_* flags; z_loss_scale is the same knob
+    plain = ft.cross_entropy(x, t, softcap=None)
+    assert torch.is_tensor(plain) and plain.dim() == 0
+    _close(ft.cross_entropy(x, t, z_loss_scale=1e-3), ft.cross_entropy(x, t, lse_square_scale=1e-3))
+    with pytest.raises(ValueError):
+        ft.cross_entropy(x, t, z_loss_scale=1e-3, lse_square_scale=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pytorch_arguments_and_module(device):
+    x = torch.randn(3, 7, 5, device=device, requires_grad=True)  # (N, C, d1)
+    t = torch.randint(0, 7, (3, 5), device=device)
+    w = torch.rand(7, device=device) + 0.5
+    for red in ("mean", "sum", "none"):
+        got = ft.CrossEntropyLoss(weight=w, ignore_index=2, reduction=red, label_smoothing=0.1)(x, t)
+        want = F.cross_entropy(x, t, weight=w, ignore_index=2, reduction=red, label_smoothing=0.1)
+        _close(got, want, rtol=1e-5, atol=1e-6)
+        g1, = torch.autograd.grad(got.sum(), x)
+        g2, = torch.autograd.grad(want.sum(), x)
+        _close(g1, g2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cut_cross_entropy_arguments(device):
+    """linear_cross_entropy(e, c, targets, shift=..., ignore_index=..., softcap=...) on [B, T, H]."""
+    torch.manual_seed(2)
+    e = torch.randn(2, 9, 16, device=device, requires_grad=True)
+    c = (torch.randn(29, 16, device=device) * 0.3).requires_grad_()
+    targets = torch.randint(0, 29, (2, 9), device=device)
+    targets[0, 4] = -100
+    for shift, cap in ((True, None), (2, 15.0), (False, None)):
+        got = ft.linear_cross_entropy(e, c, targets, shift=shift, softcap=cap)
+        s = int(shift)
+        logits = e[:, : e.shape[1] - s] @ c.T if s else e @ c.T
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        want = F.cross_entropy(logits.reshape(-1, 29), targets[:, s:].reshape(-1))
+        _close(got, want, rtol=1e-5, atol=1e-6)
+        g1 = torch.autograd.grad(got, (e, c))
+        g2 = torch.autograd.grad(want, (e, c))
+        for a, b in zip(g1, g2):
+            _close(a, b, rtol=1e-5, atol=1e-6)
+    loss = ft.LinearCrossEntropyLoss(reduction="none")(c, e, targets)
+    assert loss.shape == targets.shape
+
+
+# ---- gradient modes -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_backward(device):
+    torch.manual_seed(3)
+    h = torch.randn(16, 8, device=device, requires_grad=True)
+    w = torch.randn(301, 8, device=device, requires_grad=True)
+    t = torch.randint(0, 301, (16,), device=device)
+    logits = h @ w.T
+    ptr = logits.data_ptr()
+    loss = ft.cross_entropy(logits, t, inplace_backward=True)
+    assert logits.data_ptr() == ptr
+    (loss * 0.25).backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (F.cross_entropy(h2 @ w2.T, t) * 0.25).backward()
+    _close(h.grad, h2.grad)
+    _close(w.grad, w2.grad)
+    _close(loss, F.cross_entropy(h2.detach() @ w2.detach().T, t))
+
+
+@needs_cuda
+def test_inplace_backward_allocates_no_gradient_buffer():
+    n, v = 512, 32000
+    logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, v, (n,), device="cuda")
+    x = logits * 1.0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ft.cross_entropy(x, t, inplace_backward=True).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < n * v * 2 // 4, "in-place backward allocated %d bytes (logits: %d)" % (extra, n * v * 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_upstream_gradient_after_fused_forward(device):
+    """kd_loss and the reduced linear_cross_entropy form their gradient in the forward; the backward applies
+    the upstream gradient (3, or per row)."""
+    torch.manual_seed(4)
+    s = torch.randn(6, 23, device=device, requires_grad=True)
+    te = torch.randn(6, 23, device=device)
+    g1, = torch.autograd.grad(ft.kd_loss(s, te, temperature=1.5) * 3.0, s)
+    lq, lp = F.log_softmax(s / 1.5, -1), F.log_softmax(te / 1.5, -1)
+    g2, = torch.autograd.grad(F.kl_div(lq, lp, log_target=True, reduction="batchmean") * 3.0, s)
+    _close(g1, g2, rtol=1e-5, atol=1e-6)
+    rows = ft.kd_loss(s, te, reduction="none")
+    wts = torch.arange(6.0, device=device)
+    g1, = torch.autograd.grad((rows * wts).sum(), s)
+    g2, = torch.autograd.grad((F.kl_div(F.log_softmax(s, -1), F.log_softmax(te, -1), log_target=True,
+                                        reduction="none").sum(-1) * wts).sum(), s)
+    _close(g1, g2, rtol=1e-5, atol=1e-6)
+    h = torch.randn(7, 8, device=device, requires_grad=True)
+    w = torch.randn(19, 8, device=device, requires_grad=True)
+    t = torch.randint(0, 19, (7,), device=device)
+    a = torch.autograd.grad(ft.linear_cross_entropy(h, w, t, reduction="sum") * -2.0, (h, w))
+    b = torch.autograd.grad(F.cross_entropy(h @ w.T, t, reduction="sum") * -2.0, (h, w))
+    for x, y in zip(a, b):
+        _close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_cross_entropy_forward_only_without_gradients(device, monkeypatch):
+    asked = []
+    real = fusedce.ops.linear_cross_entropy_fwd
+
+    def spy(*a, **kw):
+        asked.append((kw.get("dhidden"), kw.get("dweight"), kw.get("dbias")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fusedce.ops, "linear_cross_entropy_fwd", spy)
+    h = torch.randn(5, 8, device=device, requires_grad=True)
+    w = torch.randn(13, 8, device=device, requires_grad=True)
+    t = torch.randint(0, 13, (5,), device=device)
+    with torch.no_grad():
+        ft.linear_cross_entropy(h, w, t)
+    ft.linear_cross_entropy(h.detach(), w.detach(), t)
+    ft.linear_cross_entropy(h, w, t)
+    assert asked == [(False, False, False), (False, False, False), (True, True, False)]
+
+
+# ---- CUDA graphs ----------------------------------------------------------------------------------
+
+@needs_cuda
+def test_cuda_graph_capture_of_forward_and_backward():
+    torch.manual_seed(5)
+    x = torch.randn(64, 1031, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 1031, (64,), device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the capture (handles, plans)
+        for _ in range(2):
+            x.grad = None
+            ft.cross_entropy(x, t, label_smoothing=0.1).backward()
+            ft.softmax(x.detach(), 0.8)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    x.grad = None
+    with torch.cuda.graph(g):
+        loss = ft.cross_entropy(x, t, label_smoothing=0.1)
+        loss.backward()
+        probs = ft.softmax(x.detach(), 0.8)
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    x2 = x.detach().clone().requires_grad_()
+    want = F.cross_entropy(x2.float(), t, label_smoothing=0.1)
+    want.backward()
+    _close(loss, want, rtol=1e-4, atol=1e-5)
+    _close(x.grad, x2.grad, rtol=2e-2, atol=1e-4)
+    _close(probs, torch.softmax(x.detach().float() / 0.8, -1), rtol=1e-4, atol=1e-6)
