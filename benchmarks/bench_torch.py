@@ -8,8 +8,15 @@
 
 For each op (cross-entropy on [N, V] logits, linear cross-entropy from [N, H] hidden states and a [V, H]
 head, forward-KL distillation on [N, V] student/teacher logits) and each implementation, it times forward +
-backward (median of --iters runs after --warmup, CUDA events), reads the peak CUDA memory above what the
-inputs hold, and checks the loss and gradient against PyTorch eager in fp32. An implementation that is
+backward (median of --iters runs after --warmup, CUDA events), reads the extra memory (PyTorch's peak above
+what the inputs hold, plus device memory held outside PyTorch's allocator after the call, from
+cudaMemGetInfo: the library's handles), and checks the loss and gradient against PyTorch eager in fp32.
+Next to fusedce.torch's autograd paths it times the library's fused C calls through the array API
+(fusedce.ops: one call forming the gradient, no autograd), the reference for "the C path"; "no grad" rows
+time the forward under torch.no_grad().
+--host times the host cost of one call at decode shapes instead (enqueue only: the median of per-call
+wall times over calls that do not wait for the GPU), for fusedce.torch, the array API and the PyTorch op
+each replaces, and the softmax from Python with the L2 flushed (triton.testing.do_bench). An implementation that is
 missing (Liger not installed) or fails (e.g. the library's CUDA backend reporting
 FCE_STATUS_NOT_IMPLEMENTED, or an out-of-memory) is reported as n/a with the reason; nothing is skipped
 silently. Prints a markdown table; --json also writes the rows.
@@ -147,8 +154,79 @@ def cce(op, a):
     return lambda d: linear_cross_entropy(d["hidden"], d["weight"], d["target"])
 
 
+def fusedce_inplace(op, a):
+    import fusedce.torch as ft
+
+    if op != "ce":
+        raise ImportError("the in-place backward is cross-entropy's")
+    return lambda d: ft.cross_entropy(d["logits"] * 1.0 if d["logits"].is_leaf else d["logits"], d["target"],
+                                      inplace_backward=True)
+
+
+def _no_backward(fn):
+    fn.no_backward = True
+    return fn
+
+
+def c_call(op, a):
+    """The library's fused call through the array API: loss and gradient in one call, no autograd. Its
+    gradient lands in the leaf's .grad (for the comparison)."""
+    import fusedce
+
+    if op == "ce":
+        def ce(d):
+            x = d["logits"].detach()
+            out = fusedce.cross_entropy_fwd(x, d["target"], lse=False, dlogits=x)  # in place
+            d["logits"].grad = x
+            return out.loss
+        return _no_backward(ce)
+    if op == "kd":
+        def kd(d):
+            out = fusedce.kd_loss(d["student"].detach(), d["teacher"], targets=d["target"], temperature=a.temperature,
+                                  dstudent=True)
+            d["student"].grad = out.dstudent
+            return out.loss
+        return _no_backward(kd)
+
+    def lce(d):
+        out = fusedce.linear_cross_entropy_fwd(d["hidden"].detach(), d["weight"].detach(), d["target"], lse=False,
+                                               dhidden=True, dweight=True)
+        d["hidden"].grad, d["weight"].grad = out.dhidden, out.dweight
+        return out.loss
+    return _no_backward(lce)
+
+
+def c_fwd_bwd(op, a):
+    """Cross-entropy's forward then backward from the saved lse: what the default (logits-preserving)
+    autograd path calls."""
+    import fusedce
+
+    if op != "ce":
+        raise ImportError("the separate backward is cross-entropy's")
+
+    def ce(d):
+        x = d["logits"].detach()
+        out = fusedce.cross_entropy_fwd(x, d["target"])
+        d["logits"].grad = fusedce.cross_entropy_bwd(x, d["target"], out.lse)
+        return out.loss
+    return _no_backward(ce)
+
+
+def no_grad(factory):
+    def make(op, a):
+        fn = factory(op, a)
+
+        def run(d):
+            with torch.no_grad():
+                return fn({k: v.detach() for k, v in d.items()})
+        return _no_backward(run)
+    return make
+
+
 IMPLS = [("torch eager", eager), ("torch.compile", compiled), ("liger-kernel", liger), ("cut-cross-entropy", cce),
-         ("fusedce", fusedce_impl)]
+         ("fusedce", fusedce_impl), ("fusedce in-place", fusedce_inplace), ("C call (fused)", c_call),
+         ("C fwd + bwd", c_fwd_bwd), ("fusedce no grad", no_grad(fusedce_impl)),
+         ("torch.compile no grad", no_grad(compiled))]
 
 
 # ---- measurement ----------------------------------------------------------------------------------
@@ -156,8 +234,15 @@ IMPLS = [("torch eager", eager), ("torch.compile", compiled), ("liger-kernel", l
 def run_once(fn, op, inp):
     d, names = leaves(op, inp)
     loss = fn(d)
-    loss.backward()
+    if not getattr(fn, "no_backward", False):
+        loss.backward()
     return loss.detach().float(), [d[k].grad for k in names]
+
+
+def outside_torch():
+    """Device bytes in use that PyTorch's allocator does not hold (cudaMemGetInfo): libraries' own memory."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
 
 
 def bench(fn, op, inp, a):
@@ -170,7 +255,8 @@ def bench(fn, op, inp, a):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         loss = fn(d)
-        loss.backward()
+        if not getattr(fn, "no_backward", False):
+            loss.backward()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -182,7 +268,7 @@ def bench(fn, op, inp, a):
     run_once(fn, op, inp)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return statistics.median(times), peak
+    return statistics.median(times), peak, max(0, outside_torch() - a.outside0)
 
 
 def compare(ref, got):
@@ -190,6 +276,77 @@ def compare(ref, got):
     loss_err = abs(float(lr) - float(lg))
     grad_err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(gr, gg))
     return loss_err, grad_err
+
+
+# ---- host cost per call -----------------------------------------------------------------------------
+
+def host_us(fn, calls=400, warmup=50):
+    """Median host wall time of one call (no synchronization inside the loop: enqueue only), in us. The GPU
+    work of these decode shapes is shorter than the host's, so the launch queue never fills."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+
+def host_overheads(a):
+    import fusedce
+    import fusedce.torch as ft
+
+    dev = torch.cuda.get_device_name()
+    print("# bench_torch.py --host on %s, torch %s: host us per call (enqueue only, median of 400)\n"
+          % (dev, torch.__version__))
+    print("| call | shape | fusedce.torch | array API (fusedce.ops) | PyTorch op it replaces | PyTorch us |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for n, v in ((1, 128256), (16, 151936)):
+        x = (torch.randn(n, v, device="cuda") * 3).to(torch.bfloat16)
+        t = torch.randint(0, v, (n,), device="cuda")
+        temps = torch.full((n,), 0.7, device="cuda")
+        lse_out = torch.empty(n, device="cuda")
+        p_out = torch.empty(n, v, device="cuda")
+        xg = x.detach().clone().requires_grad_()
+        cases = [
+            ("cross_entropy (no grad)", lambda: ft.cross_entropy(x, t),
+             lambda: fusedce.cross_entropy_fwd(x, t, lse=False), "F.cross_entropy", lambda: F.cross_entropy(x, t)),
+            ("cross_entropy (forward, logits require grad)", lambda: ft.cross_entropy(xg, t), None,
+             "F.cross_entropy", lambda: F.cross_entropy(xg, t)),
+            ("logsumexp", lambda: ft.logsumexp(x), lambda: fusedce.logsumexp(x, out=lse_out), "torch.logsumexp",
+             lambda: torch.logsumexp(x, -1)),
+            ("temp_softmax, T per row, fp32 out", lambda: ft.softmax(x, temperatures=temps),
+             lambda: fusedce.temp_softmax(x, temperatures=temps, probs=p_out), "softmax(x.float() / T)",
+             lambda: torch.softmax(x.float() / temps[:, None], -1)),
+        ]
+        for name, f_t, f_a, ref_name, f_r in cases:
+            r = dict(call=name, shape="%dx%d" % (n, v), torch_us=host_us(f_t), array_us=host_us(f_a) if f_a else None,
+                     ref=ref_name, ref_us=host_us(f_r))
+            rows.append(r)
+            print("| %s | %s | %.1f | %s | %s | %.1f |" % (name, r["shape"], r["torch_us"],
+                                                          "%.1f" % r["array_us"] if r["array_us"] else "-", ref_name,
+                                                          r["ref_us"]), flush=True)
+    try:
+        from triton.testing import do_bench
+
+        x = (torch.randn(16, 151936, device="cuda") * 3).to(torch.bfloat16)
+        temps = torch.full((16,), 0.7, device="cuda")
+        ours = do_bench(lambda: ft.softmax(x, temperatures=temps), return_mode="median") * 1e3
+        theirs = do_bench(lambda: torch.softmax(x.float() / temps[:, None], -1), return_mode="median") * 1e3
+        print("\nsoftmax 16x151936 from Python, L2 flushed (do_bench median): fusedce.torch %.1f us, torch eager %.1f us"
+              % (ours, theirs))
+        rows.append(dict(call="softmax from Python, L2 flushed", shape="16x151936", torch_us=ours, ref_us=theirs))
+    except ImportError as e:
+        print("\n(no triton: %s)" % e)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(device=dev, torch=torch.__version__, host=rows), fh, indent=1)
 
 
 def main():
@@ -205,6 +362,7 @@ def main():
     ap.add_argument("--impls", default=",".join(n for n, _ in IMPLS))
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--real", help="linear CE on this sample file's hidden states, targets and LM head")
+    ap.add_argument("--host", action="store_true", help="host cost per call at decode shapes instead")
     a = ap.parse_args()
     if a.real:  # the random-data rows use the same shape
         a.vocab, a.hidden = read_safetensors(a.real, ["lm_head"])["lm_head"].shape
@@ -218,8 +376,12 @@ def main():
     print("# bench_torch.py on %s, torch %s, %s, N=%d V=%d H=%d%s\n" % (dev, torch.__version__, a.dtype, a.tokens,
                                                                          a.vocab, a.hidden,
                                                                          ", linear CE on " + a.real if a.real else ""))
-    print("| op | implementation | fwd+bwd ms | peak extra MiB | loss err vs eager fp32 | grad max err | note |")
-    print("|---|---|---|---|---|---|---|")
+    if a.host:
+        return host_overheads(a)
+    a.outside0 = outside_torch()
+    print("| op | implementation | fwd+bwd ms | PyTorch peak extra MiB | held outside PyTorch MiB | loss err vs eager fp32 "
+          "| grad max err | note |")
+    print("|---|---|---|---|---|---|---|---|")
     for op in a.ops.split(","):
         inp = make_inputs(op, a, dtype, "cuda")
         ref_inp = {k: (v.float() if v.is_floating_point() else v) for k, v in inp.items()}
@@ -227,14 +389,15 @@ def main():
         for name, factory in IMPLS:
             if name not in wanted:
                 continue
-            row = dict(op=op, impl=name, ms=None, peak_mib=None, loss_err=None, grad_err=None, note="")
+            row = dict(op=op, impl=name, ms=None, peak_mib=None, outside_mib=None, loss_err=None, grad_err=None,
+                       note="")
             try:
                 fn = factory(op, a)
                 got = run_once(fn, op, inp)
                 row["loss_err"], row["grad_err"] = compare(ref, got)
                 del got
-                ms, peak = bench(fn, op, inp, a)
-                row["ms"], row["peak_mib"] = ms, peak / 2 ** 20
+                ms, peak, held = bench(fn, op, inp, a)
+                row["ms"], row["peak_mib"], row["outside_mib"] = ms, peak / 2 ** 20, held / 2 ** 20
             except ImportError as e:
                 row["note"] = "n/a: not importable (%s)" % e
             except Exception as e:  # noqa: BLE001 - report every failure as a row, keep going
@@ -247,9 +410,9 @@ def main():
             def f(x, fmt):
                 return fmt % x if x is not None else "-"
 
-            print("| %s | %s | %s | %s | %s | %s | %s |" % (op, name, f(row["ms"], "%.3f"), f(row["peak_mib"], "%.0f"),
-                                                           f(row["loss_err"], "%.2e"), f(row["grad_err"], "%.2e"),
-                                                           row["note"]), flush=True)
+            print("| %s | %s | %s | %s | %s | %s | %s | %s |" % (
+                op, name, f(row["ms"], "%.3f"), f(row["peak_mib"], "%.0f"), f(row["outside_mib"], "%.0f"),
+                f(row["loss_err"], "%.2e"), f(row["grad_err"], "%.2e"), row["note"]), flush=True)
         del inp, ref_inp, ref
         torch.cuda.empty_cache()
     if a.json:

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .gpu/ (tools/gpu-pack.sh) carried: the gpu
 # suite, compute-sanitizer, and the benchmarks. Logs go to $OUT.
-# Usage: gpu-session.sh [tests|fallbacks|sanitize|bench|ab|peers|demo]...
+# Usage: gpu-session.sh [tests|fallbacks|sanitize|bench|ab|torch|peers|demo]...
+#   torch: the Python binding on the GPU with .gpu's library: its torch tests, then benchmarks/bench_torch.py
+#       --host (host cost per call) and its fwd+bwd table (TORCH_OPS, default ce,kd,linear_ce) against the
+#       peers; wheels the image lacks (cffi, pycparser, liger-kernel, cut-cross-entropy) come carried in .whl.
 #   ab: an A/B of the library in .gpu/old (GPU_EXTRA="old=<old build>/libfusedce.so.0" when packing) against
 #       the new one, alternating processes, AB_RUNS (3) times each, with AB_BENCH (bench_softmax_kd); the
 #       benchmark's closing table of each run, then the medians per shape.
@@ -112,6 +115,21 @@ for k, d in rows.items():
         print(f"{k:<52} {o:>16.1f} {n:>16.1f} {n / o:>8.3f}")
 PY
       ;;
+    torch)
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl &&
+          export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      export FUSEDCE_LIBRARY=$PWD/.gpu/lib/libfusedce.so.0 PYTHONPATH=$PWD/bindings/python${PYTHONPATH:+:$PYTHONPATH}
+      python3 -m pytest -q -p no:cacheprovider -rs bindings/python/tests/test_torch_ops.py \
+        bindings/python/tests/test_torch_gpu.py > "$OUT/pytest_torch_gpu.log" 2>&1
+      rc=$?
+      case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+      summary+=("pytest torch (GPU) $r: $(tail -1 "$OUT/pytest_torch_gpu.log")")
+      [ $rc -ne 0 ] && tail -40 "$OUT/pytest_torch_gpu.log"
+      python3 benchmarks/bench_torch.py --host --json "$OUT/bench_torch_host.json" 2>&1 | tee "$OUT/bench_torch_host.log"
+      python3 benchmarks/bench_torch.py --ops "${TORCH_OPS:-ce,kd,linear_ce}" --json "$OUT/bench_torch.json" 2>&1 |
+        tee "$OUT/bench_torch.log" ;;
     peers)
       FCE_PEERS=.peers/peers timeout 400 python3 .peers/peers_bench.py ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" | grep -vE "^\{" ;;
     demo)

@@ -50,26 +50,33 @@ class _ThreadState(threading.local):
     """Per thread: the DLTensor slots, the reusable structs, the CUDA stream pointers seen."""
 
     def __init__(self):
-        self.dl = ffi.new("fce_py_dltensor[%d]" % _SLOTS)
-        self.shape = ffi.new("int64_t[%d]" % (_SLOTS * _DIMS))
-        self.stride = ffi.new("int64_t[%d]" % (_SLOTS * _DIMS))
-        self.ptr = []
+        # Slot k: a DLTensor followed by its shape[2] and strides[2] (fusedce._fast writes all 80 bytes at
+        # once; TorchCall sets the fields one by one).
+        self.slots = ffi.new("char[]", _SLOTS * 80 + 8)
+        base = (int(ffi.cast("uintptr_t", self.slots)) + 7) // 8 * 8
+        self.raw, self.ptr, self.dl, self.shape_at, self.stride_at = [], [], [], [], []
         for k in range(_SLOTS):
-            d = self.dl[k]
-            d.shape = self.shape + _DIMS * k
-            d.strides = self.stride + _DIMS * k
+            at = base + 80 * k
+            self.raw.append(ffi.cast("char *", at))
+            self.ptr.append(ffi.cast("DLTensor *", at))
+            d = ffi.cast("fce_py_dltensor *", at)
+            self.shape_at.append(at + 48)
+            self.stride_at.append(at + 64)
+            d.shape = ffi.cast("int64_t *", at + 48)
+            d.strides = ffi.cast("int64_t *", at + 64)
             d.lanes = 1
-            self.ptr.append(ffi.cast("DLTensor *", ffi.addressof(self.dl, k)))
+            self.dl.append(d[0])
         self.structs = {}  # ctype -> (struct pointer, its default bytes)
         self.streams = {}  # stream int -> fce_stream_t
+        self.devices = {}  # (device index, stream int) or "cpu" -> (handle, stream pointer, type, id): _fast
 
 
 _state = _ThreadState()
 
 
-def _struct(keep, ctype):
-    """This thread's `ctype *`, reset to the library's defaults (fce_*_init): one per type and thread,
-    reused call after call (the library keeps no pointer past a call)."""
+def _struct(keep, ctype, reset=True):
+    """This thread's `ctype *`, reset to the library's defaults (fce_*_init) unless the caller sets every
+    field: one per type and thread, reused call after call (the library keeps no pointer past a call)."""
     st = _state
     entry = st.structs.get(ctype)
     if entry is None:
@@ -77,7 +84,7 @@ def _struct(keep, ctype):
         template = ffi.new("char[]", ffi.sizeof(ctype))
         ffi.memmove(template, p, ffi.sizeof(ctype))
         entry = st.structs[ctype] = (p, template)
-    else:
+    elif reset:
         ffi.memmove(entry[0], entry[1], ffi.sizeof(ctype))
     return entry[0]
 
@@ -341,15 +348,12 @@ class TorchCall(Call):
         n = x.dim()
         d.ndim = n
         if n:
-            b = _DIMS * k
             if n > _DIMS:
                 raise ValueError("fusedce: a tensor of %d dimensions where the library takes at most 2" % n)
             shape, stride = x.shape, x.stride()
-            st.shape[b] = shape[0]
-            st.stride[b] = stride[0]
-            if n == 2:
-                st.shape[b + 1] = shape[1]
-                st.stride[b + 1] = stride[1]
+            for i in range(n):
+                d.shape[i] = shape[i]
+                d.strides[i] = stride[i]
         return st.ptr[k]
 
     def empty(self, shape, dtype):

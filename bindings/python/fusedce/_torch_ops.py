@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import ops
+from . import _fast, ops
 
 _REDUCTION_NONE = ops._REDUCTIONS["none"]
 _NAMES = {v: k for k, v in ops._REDUCTIONS.items()}
@@ -32,7 +32,7 @@ def _loss_shape(reduction, n):
 
 def _scale_rows_impl(x: Tensor, factor: Tensor) -> None:
     """x[i, :] *= factor[i] (or a scalar factor) in place; rows whose factor is 1 untouched (fce_scale_rows)."""
-    ops.scale_rows(x, factor)
+    _fast.scale_rows(x, factor)
 
 
 scale_rows_ = torch.library.custom_op("fusedce::scale_rows_", _scale_rows_impl, mutates_args=("x",))
@@ -53,17 +53,25 @@ def _factor(grad):
 
 # ---- cross-entropy --------------------------------------------------------------------------------
 
+def _filled(out, like):
+    """A result tuple with every None (an output not asked for) replaced by a fresh empty tensor: a custom op
+    returns tensors, each its own."""
+    return tuple(_nothing(like, torch.int64 if k == 3 else None) if t is None else t for k, t in enumerate(out))
+
+
+def _ce_eager(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
+              want_z_loss, want_argmax, want_entropy):
+    return _fast.cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale,
+                                   softcap, logit_scale, True, want_z_loss, want_argmax, want_entropy)
+
+
 def _cross_entropy_impl(logits: Tensor, targets: Tensor, weight: Optional[Tensor], reduction: int, ignore_index: int,
                         label_smoothing: float, z_loss_scale: float, softcap: float, logit_scale: float,
-                        want_z_loss: bool, want_argmax: bool, want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor,
-                        Tensor, Tensor]:
+                        want_z_loss: bool, want_argmax: bool,
+                        want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fce_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy); outputs not asked for are empty."""
-    o = ops.cross_entropy_fwd(logits, targets, reduction=reduction, ignore_index=ignore_index,
-                              label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
-                              logit_scale=logit_scale, class_weights=weight, lse=True, z_loss=want_z_loss,
-                              argmax=want_argmax, entropy=want_entropy)
-    return (o.loss, o.lse, o.z_loss if want_z_loss else _nothing(logits),
-            o.argmax if want_argmax else _nothing(logits, torch.int64), o.entropy if want_entropy else _nothing(logits))
+    return _filled(_ce_eager(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
+                             logit_scale, want_z_loss, want_argmax, want_entropy), logits)
 
 
 cross_entropy = torch.library.custom_op("fusedce::cross_entropy", _cross_entropy_impl, mutates_args=())
@@ -84,10 +92,8 @@ def _cross_entropy_bwd_impl(logits: Tensor, targets: Tensor, lse: Tensor, grad_l
                             reduction: int, ignore_index: int, label_smoothing: float, z_loss_scale: float,
                             softcap: float, logit_scale: float) -> Tensor:
     """fce_cross_entropy_bwd: d(loss)/d(logits) * grad_loss from the forward's lse."""
-    return ops.cross_entropy_bwd(logits, targets, lse, grad_loss=grad_loss, reduction=reduction,
-                                 ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                 z_loss_scale=z_loss_scale, softcap=softcap, logit_scale=logit_scale,
-                                 class_weights=weight)
+    return _fast.cross_entropy_bwd(logits, targets, lse, grad_loss, weight, reduction, ignore_index, label_smoothing,
+                                   z_loss_scale, softcap, logit_scale)
 
 
 cross_entropy_bwd = torch.library.custom_op("fusedce::cross_entropy_bwd", _cross_entropy_bwd_impl, mutates_args=())
@@ -123,13 +129,10 @@ def _cross_entropy_fused_impl(logits: Tensor, targets: Tensor, weight: Optional[
     """fce_cross_entropy_fwd with the gradient fused (for an upstream gradient of 1): (loss, lse, z_loss,
     argmax, entropy, dlogits). The in-place mode of fusedce.torch.cross_entropy in eager writes dlogits
     into the logits themselves instead (`cross_entropy_inplace`)."""
-    o = ops.cross_entropy_fwd(logits, targets, reduction=reduction, ignore_index=ignore_index,
-                              label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
-                              logit_scale=logit_scale, class_weights=weight, lse=True, z_loss=want_z_loss,
-                              argmax=want_argmax, entropy=want_entropy, dlogits=True)
-    return (o.loss, o.lse, o.z_loss if want_z_loss else _nothing(logits),
-            o.argmax if want_argmax else _nothing(logits, torch.int64), o.entropy if want_entropy else _nothing(logits),
-            o.dlogits)
+    d = torch.empty_like(logits)
+    out = _fast.cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale,
+                                  softcap, logit_scale, True, want_z_loss, want_argmax, want_entropy, dlogits=d)
+    return _filled(out, logits) + (d,)
 
 
 cross_entropy_fused = torch.library.custom_op("fusedce::cross_entropy_fused", _cross_entropy_fused_impl,
@@ -147,13 +150,9 @@ def _(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_
 def cross_entropy_inplace(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
                           logit_scale, want_z_loss, want_argmax, want_entropy):
     """The fused forward writing dlogits over the logits (eager only: no op, the memory is the point):
-    (loss, lse, z_loss, argmax, entropy)."""
-    o = ops.cross_entropy_fwd(logits, targets, reduction=reduction, ignore_index=ignore_index,
-                              label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
-                              logit_scale=logit_scale, class_weights=weight, lse=True, z_loss=want_z_loss,
-                              argmax=want_argmax, entropy=want_entropy, dlogits=logits)
-    return (o.loss, o.lse, o.z_loss if want_z_loss else _nothing(logits),
-            o.argmax if want_argmax else _nothing(logits, torch.int64), o.entropy if want_entropy else _nothing(logits))
+    (loss, lse, z_loss, argmax, entropy), None where not asked for."""
+    return _fast.cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale,
+                                   softcap, logit_scale, True, want_z_loss, want_argmax, want_entropy, dlogits=logits)
 
 
 def _inplace_setup(ctx, inputs, output):
@@ -179,7 +178,7 @@ torch.library.register_autograd("fusedce::cross_entropy_fused", _fused_backward,
 
 def _logsumexp_impl(x: Tensor, scale: float) -> Tensor:
     """fce_logsumexp: [N] fp32, log sum_j exp(scale x_ij)."""
-    return ops.logsumexp(x, scale=scale)
+    return _fast.logsumexp(x, scale)
 
 
 logsumexp = torch.library.custom_op("fusedce::logsumexp", _logsumexp_impl, mutates_args=())
@@ -204,17 +203,17 @@ def _lse_backward(ctx, g):
 
 torch.library.register_autograd("fusedce::logsumexp", _lse_backward, setup_context=_lse_setup)
 
-_DTYPE_CODE = {0: torch.float32, 1: None}  # output dtype: 0 = fp32, 1 = the logits' dtype
+def _sm_eager(logits, temperature, temperatures, want_probs, want_logprobs, out_dtype):
+    return _fast.temp_softmax(logits, temperature, temperatures, want_probs, want_logprobs,
+                              torch.float32 if out_dtype == 0 else None)
 
 
 def _temp_softmax_impl(logits: Tensor, temperature: float, temperatures: Optional[Tensor], want_probs: bool,
                        want_logprobs: bool, out_dtype: int) -> Tuple[Tensor, Tensor]:
     """fce_temp_softmax: (probs, logprobs), each [N, V] in fp32 (out_dtype 0) or the logits' dtype (1), or
     empty when not asked for."""
-    dt = "float32" if out_dtype == 0 else None
-    o = ops.temp_softmax(logits, temperature=temperature, temperatures=temperatures, probs=want_probs,
-                         logprobs=want_logprobs, dtype=dt)
-    return (o.probs if want_probs else _nothing(logits), o.logprobs if want_logprobs else _nothing(logits))
+    p, lp = _sm_eager(logits, temperature, temperatures, want_probs, want_logprobs, out_dtype)
+    return (p if p is not None else _nothing(logits), lp if lp is not None else _nothing(logits))
 
 
 temp_softmax = torch.library.custom_op("fusedce::temp_softmax", _temp_softmax_impl, mutates_args=())
@@ -258,16 +257,21 @@ torch.library.register_autograd("fusedce::temp_softmax", _sm_backward, setup_con
 
 # ---- knowledge distillation -----------------------------------------------------------------------
 
+def _kd_eager(student, teacher_logits, topk_ids, topk_logprobs, targets, divergence, beta, temperature, scale_by_t2,
+              topk_norm, reduction, ignore_index, want_grad):
+    return _fast.kd_loss(student, teacher_logits, topk_ids, topk_logprobs, targets, divergence, beta, temperature,
+                         scale_by_t2, topk_norm, reduction, ignore_index, want_grad)
+
+
 def _kd_loss_impl(student: Tensor, teacher_logits: Optional[Tensor], topk_ids: Optional[Tensor],
                   topk_logprobs: Optional[Tensor], targets: Optional[Tensor], divergence: int, beta: float,
                   temperature: float, scale_by_t2: bool, topk_norm: int, reduction: int, ignore_index: int,
                   want_grad: bool) -> Tuple[Tensor, Tensor]:
     """fce_kd_loss: (loss, dstudent), dstudent formed in the same pass for an upstream gradient of 1 when
     want_grad (empty otherwise)."""
-    o = ops.kd_loss(student, teacher_logits, topk_ids=topk_ids, topk_logprobs=topk_logprobs, targets=targets,
-                    divergence=divergence, beta=beta, temperature=temperature, scale_by_t2=scale_by_t2,
-                    topk_norm=topk_norm, reduction=reduction, ignore_index=ignore_index, dstudent=want_grad)
-    return o.loss, o.dstudent if want_grad else _nothing(student, student.dtype)
+    loss, ds = _kd_eager(student, teacher_logits, topk_ids, topk_logprobs, targets, divergence, beta, temperature,
+                         scale_by_t2, topk_norm, reduction, ignore_index, want_grad)
+    return loss, ds if ds is not None else _nothing(student, student.dtype)
 
 
 kd_loss = torch.library.custom_op("fusedce::kd_loss", _kd_loss_impl, mutates_args=())
@@ -287,7 +291,7 @@ def _kd_setup(ctx, inputs, output):
 
 def _kd_backward(ctx, g_loss, unused):
     (d,) = ctx.saved_tensors
-    if not ctx.needs_input_grad[0] or d.numel() == 0:
+    if not ctx.needs_input_grad[0] or d is None or d.numel() == 0:
         return (None,) * 13
     call("scale_rows_", d, _factor(g_loss).reshape(-1))
     return (d,) + (None,) * 12
@@ -398,14 +402,15 @@ torch.library.register_autograd("fusedce::linear_cross_entropy", _lce_backward, 
 
 # ---- eager calls and autograd functions -----------------------------------------------------------
 
+# The implementations eager calls run: the ops' own, except that outputs not asked for are None.
 _IMPL = {
     "scale_rows_": _scale_rows_impl,
-    "cross_entropy": _cross_entropy_impl,
+    "cross_entropy": _ce_eager,
     "cross_entropy_bwd": _cross_entropy_bwd_impl,
     "cross_entropy_fused": _cross_entropy_fused_impl,
     "logsumexp": _logsumexp_impl,
-    "temp_softmax": _temp_softmax_impl,
-    "kd_loss": _kd_loss_impl,
+    "temp_softmax": _sm_eager,
+    "kd_loss": _kd_eager,
     "linear_cross_entropy": _linear_cross_entropy_impl,
     "linear_cross_entropy_bwd": _linear_cross_entropy_bwd_impl,
 }

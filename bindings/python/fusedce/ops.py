@@ -14,7 +14,27 @@ handle's cached one. Failures raise FusedCEError subclasses carrying the library
 from collections import namedtuple
 
 from ._lib import defaults, ffi
-from ._tensor import Call
+from ._tensor import Call, is_torch
+
+
+def _lean(ref, handle, stream, workspace):
+    """torch tensors on this thread's handle and the current stream, no caller workspace: fusedce._fast."""
+    global _fast
+    if handle is not None or stream is not None or workspace is not None or not is_torch(ref):
+        return False
+    if _fast is None:
+        from . import _fast as f
+        _fast = f
+    return True
+
+
+_fast = None  # imported with torch, on the first torch call
+
+
+def _grad_torch(g, like):
+    if g is None or is_torch(g):
+        return g if g is None else g.to(_fast.torch.float32)
+    return _fast.torch.full((), float(g), dtype=_fast.torch.float32, device=like.device)
 
 _CE = defaults("fce_ce_options_t")
 _LSE = defaults("fce_lse_options_t")
@@ -94,6 +114,16 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
     Returns CrossEntropyOutput(loss, lse, z_loss, argmax, entropy, dlogits); outputs not asked for are
     None. loss/z_loss are [N] for reduction="none", scalars otherwise; dlogits (gradient times grad_loss)
     has the logits' dtype. See the header's fce_ce_options_t for the math."""
+    if (_lean(logits, handle, stream, workspace) and is_torch(targets) and argmax_dtype == "int64"
+            and all(isinstance(o, bool) for o in (lse, z_loss, argmax, entropy))
+            and (isinstance(dlogits, bool) or is_torch(dlogits)) and (class_weights is None or is_torch(class_weights))):
+        # torch tensors, this thread's handle, the current stream, outputs allocated here: the lean path
+        d = _fast.torch.empty_like(logits) if dlogits is True else dlogits or None
+        loss_t, lse_t, zl_t, am_t, ent_t = _fast.cross_entropy_fwd(
+            logits, targets, class_weights, _enum(_REDUCTIONS, reduction, "reduction"), int(ignore_index),
+            float(label_smoothing), float(z_loss_scale), float(softcap), float(logit_scale), lse, z_loss, argmax,
+            entropy, dlogits=d, grad_loss=_grad_torch(grad_loss, logits))
+        return CrossEntropyOutput(loss_t, lse_t, zl_t, am_t, ent_t, d)
     c = Call(logits, handle, stream)
     targets = c.native(targets)
     n = _rows(logits)
@@ -142,6 +172,8 @@ def cross_entropy_bwd(logits, targets, lse, *, grad_loss=None, dlogits=None,
 
 def logsumexp(x, *, scale=_LSE["scale"], out=None, handle=None, stream=None, workspace=None):
     """fce_logsumexp: [N] fp32, log(sum_j exp(scale * x[i, j])) for x [N, V]."""
+    if _lean(x, handle, stream, workspace) and (out is None or is_torch(out)):
+        return _fast.logsumexp(x, float(scale), out)
     c = Call(x, handle, stream)
     out = out if out is not None else c.empty((_rows(x),), "float32")
     o = c.struct("fce_lse_options_t")
@@ -155,6 +187,13 @@ def temp_softmax(logits, *, temperature=_SM["temperature"], temperatures=None, p
     """fce_temp_softmax: softmax of each row at a temperature (0 = greedy one-hot). temperatures: an
     optional [N] fp32 per-row override. probs/logprobs: False, True (allocated with `dtype`, "float32"
     or None for the logits' dtype) or an array (probs=logits works in place). Returns SoftmaxOutput."""
+    if (_lean(logits, handle, stream, workspace) and (temperatures is None or is_torch(temperatures))
+            and all(isinstance(o, bool) or is_torch(o) for o in (probs, logprobs))):
+        odt = None if dtype is None else getattr(_fast.torch, dtype)
+        p, lp = _fast.temp_softmax(logits, float(temperature), temperatures, probs is not False, logprobs is not False,
+                                   odt, None if isinstance(probs, bool) else probs,
+                                   None if isinstance(logprobs, bool) else logprobs)
+        return SoftmaxOutput(p, lp)
     c = Call(logits, handle, stream)
     p_a = c.output(probs, lambda: c.empty_like(logits, dtype))
     lp_a = c.output(logprobs, lambda: c.empty_like(logits, dtype))

@@ -36,6 +36,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from . import _fast
 from . import _torch_ops as _ops
 from . import ops as _arrays
 from ._torch_ops import (CrossEntropyFunction, CrossEntropyInplaceFunction, KDLossFunction,
@@ -169,7 +170,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     elif grad:
         out = (CrossEntropyInplaceFunction if inplace_backward else CrossEntropyFunction).apply(*args)
     else:
-        out = _ops.call("cross_entropy", *args)
+        out = _fast.cross_entropy_fwd(*args[:9], bool(return_lse), *args[9:])
     return _extras(out, tgt, shape, int(ignore_index), red, want)
 
 

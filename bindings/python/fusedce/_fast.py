@@ -1,0 +1,215 @@
+"""The lean call path for torch tensors: what `fusedce.torch` and the array API run for torch inputs.
+
+One call costs: this thread's (device, stream) entry (handle and stream pointer, cached), DLTensors filled
+straight from the tensors' metadata into this thread's preallocated slots, this thread's options/outputs
+structs with every field set, output tensors from torch's caching allocator, and the C call. Workspaces:
+the handle's cached one (one handle per device and stream, so no two streams share it), or, while the
+stream is being captured into a CUDA graph, one from torch's allocator sized by the op's query.
+"""
+import struct
+
+import torch
+
+from ._lib import DEVICE_CPU, DEVICE_CUDA, check, default_handle, ffi, lib
+from ._tensor import _state, _struct, _torch_tables
+
+_NULL = ffi.NULL
+_CODE = {}  # torch dtype -> (DLPack code, bits)
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+_capturing = torch.cuda.is_current_stream_capturing
+
+
+def _tables():
+    if not _CODE:
+        _torch_tables()
+        from ._tensor import _TORCH
+        _CODE.update(_TORCH)
+
+
+def _device(x):
+    """(handle pointer, stream pointer, DLPack device type, device id) for x's device and the current stream."""
+    st = _state
+    if x.is_cuda:
+        idx = x.get_device()
+        s = _raw_stream(idx)
+        key = (idx, s)
+        entry = st.devices.get(key)
+        if entry is None:
+            entry = st.devices[key] = (default_handle(DEVICE_CUDA, idx, s).ptr, ffi.cast("fce_stream_t", s),
+                                       DEVICE_CUDA, idx)
+        return entry
+    entry = st.devices.get("cpu")
+    if entry is None:
+        entry = st.devices["cpu"] = (default_handle(DEVICE_CPU, 0).ptr, _NULL, DEVICE_CPU, 0)
+    return entry
+
+
+_SLOT = struct.Struct("<QiiiBBHQQQqqqq")  # a DLTensor (48 bytes) followed by shape[2] and strides[2]
+
+
+def _dl(k, x, dev_type, dev_id):
+    """Slot k of this thread as a DLTensor describing x (None gives NULL): one packed write."""
+    if x is None:
+        return _NULL
+    st = _state
+    try:
+        code, bits = _CODE[x.dtype]
+    except KeyError:
+        raise TypeError("fusedce: torch tensors of dtype %s cannot be passed to libfusedce" % x.dtype) from None
+    shape = x.shape
+    n = len(shape)
+    if n == 2:
+        s0, s1 = shape
+        t0, t1 = x.stride()
+    elif n == 1:
+        s0, s1, t0, t1 = shape[0], 0, x.stride()[0], 0
+    elif n == 0:
+        s0 = s1 = t0 = t1 = 0
+    else:
+        raise ValueError("fusedce: a tensor of %d dimensions where the library takes at most 2" % n)
+    if x.is_cuda != (dev_type == DEVICE_CUDA):  # a tensor on another device: the library says so
+        dev_type = DEVICE_CUDA if x.is_cuda else DEVICE_CPU
+    ffi.memmove(st.raw[k], _SLOT.pack(x.data_ptr(), dev_type, dev_id, n, code, bits, 1, st.shape_at[k],
+                                      st.stride_at[k], 0, s0, s1, t0, t1), _SLOT.size)
+    return st.ptr[k]
+
+
+def _run(name, dev, args, x):
+    """lib.<name>(handle, stream, *args, workspace, bytes): the handle's cached workspace, or one from torch's
+    allocator while capturing a CUDA graph (the cache cannot grow inside a capture)."""
+    ws, wsb, buf = _NULL, 0, None
+    if dev[2] == DEVICE_CUDA and _capturing():
+        need = ffi.new("size_t *")
+        check(getattr(lib, name + "_workspace_size")(dev[0], *args, need), name + "_workspace_size")
+        if need[0]:
+            buf = torch.empty(int(need[0]), dtype=torch.uint8, device=x.device)
+            ws, wsb = ffi.cast("void *", buf.data_ptr()), int(need[0])
+    check(getattr(lib, name)(dev[0], dev[1], *args, ws, wsb), name)
+
+
+def _ce_options(o, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev):
+    o.reduction = reduction
+    o.ignore_index = ignore_index
+    o.label_smoothing = label_smoothing
+    o.z_loss_scale = z_loss_scale
+    o.softcap = softcap
+    o.logit_scale = logit_scale
+    o.class_weights = _dl(2, weight, dev[2], dev[3])
+
+
+def cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
+                      logit_scale, want_lse, want_z_loss, want_argmax, want_entropy, dlogits=None, grad_loss=None):
+    """fce_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy), None where not asked for."""
+    _tables()
+    dev = _device(logits)
+    dt, di = dev[2], dev[3]
+    n = logits.shape[0]
+    loss_shape = (n,) if reduction == 0 else ()
+    empty = torch.empty
+    f32 = torch.float32
+    loss = empty(loss_shape, dtype=f32, device=logits.device)
+    lse = empty((n,), dtype=f32, device=logits.device) if want_lse else None
+    zl = empty(loss_shape, dtype=f32, device=logits.device) if want_z_loss else None
+    am = empty((n,), dtype=torch.int64, device=logits.device) if want_argmax else None
+    ent = empty((n,), dtype=f32, device=logits.device) if want_entropy else None
+    o = _struct(None, "fce_ce_options_t", False)
+    _ce_options(o, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev)
+    out = _struct(None, "fce_ce_outputs_t", False)
+    out.loss = _dl(3, loss, dt, di)
+    out.lse = _dl(4, lse, dt, di)
+    out.z_loss = _dl(5, zl, dt, di)
+    out.argmax = _dl(6, am, dt, di)
+    out.entropy = _dl(7, ent, dt, di)
+    out.dlogits = _dl(8, dlogits, dt, di)
+    out.grad_loss = _dl(9, grad_loss, dt, di)
+    _run("fce_cross_entropy_fwd", dev, (_dl(0, logits, dt, di), _dl(1, targets, dt, di), o, out), logits)
+    return loss, lse, zl, am, ent
+
+
+def cross_entropy_bwd(logits, targets, lse, grad_loss, weight, reduction, ignore_index, label_smoothing,
+                      z_loss_scale, softcap, logit_scale, dlogits=None):
+    """fce_cross_entropy_bwd: dlogits (a new tensor unless given)."""
+    _tables()
+    dev = _device(logits)
+    dt, di = dev[2], dev[3]
+    d = dlogits if dlogits is not None else torch.empty_like(logits)
+    o = _struct(None, "fce_ce_options_t", False)
+    _ce_options(o, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev)
+    _run("fce_cross_entropy_bwd", dev, (_dl(0, logits, dt, di), _dl(1, targets, dt, di), _dl(3, lse, dt, di),
+                                        _dl(4, grad_loss, dt, di), o, _dl(5, d, dt, di)), logits)
+    return d
+
+
+def logsumexp(x, scale, out=None):
+    """fce_logsumexp: [N] fp32."""
+    _tables()
+    dev = _device(x)
+    dt, di = dev[2], dev[3]
+    if out is None:
+        out = torch.empty((x.shape[0],), dtype=torch.float32, device=x.device)
+    o = _struct(None, "fce_lse_options_t", False)
+    o.scale = scale
+    _run("fce_logsumexp", dev, (_dl(0, x, dt, di), o, _dl(1, out, dt, di)), x)
+    return out
+
+
+def temp_softmax(logits, temperature, temperatures, want_probs, want_logprobs, out_dtype, probs=None,
+                 logprobs=None):
+    """fce_temp_softmax: (probs, logprobs), None where not asked for; out_dtype a torch dtype (None: the
+    logits')."""
+    _tables()
+    dev = _device(logits)
+    dt, di = dev[2], dev[3]
+    odt = out_dtype if out_dtype is not None else logits.dtype
+    if want_probs and probs is None:
+        probs = torch.empty(logits.shape, dtype=odt, device=logits.device)
+    if want_logprobs and logprobs is None:
+        logprobs = torch.empty(logits.shape, dtype=odt, device=logits.device)
+    o = _struct(None, "fce_softmax_options_t", False)
+    o.temperature = temperature
+    o.temperatures = _dl(1, temperatures, dt, di)
+    _run("fce_temp_softmax", dev, (_dl(0, logits, dt, di), o, _dl(2, probs if want_probs else None, dt, di),
+                                   _dl(3, logprobs if want_logprobs else None, dt, di)), logits)
+    return (probs if want_probs else None), (logprobs if want_logprobs else None)
+
+
+def kd_loss(student, teacher_logits, topk_ids, topk_logprobs, targets, divergence, beta, temperature, scale_by_t2,
+            topk_norm, reduction, ignore_index, want_grad):
+    """fce_kd_loss: (loss, dstudent or None)."""
+    _tables()
+    dev = _device(student)
+    dt, di = dev[2], dev[3]
+    n = student.shape[0]
+    loss = torch.empty((n,) if reduction == 0 else (), dtype=torch.float32, device=student.device)
+    ds = torch.empty_like(student) if want_grad else None
+    teacher = _struct(None, "fce_kd_teacher_t", False)
+    teacher.logits = _dl(1, teacher_logits, dt, di)
+    teacher.topk_ids = _dl(2, topk_ids, dt, di)
+    teacher.topk_logprobs = _dl(3, topk_logprobs, dt, di)
+    o = _struct(None, "fce_kd_options_t", False)
+    o.divergence = divergence
+    o.beta = beta
+    o.temperature = temperature
+    o.scale_by_t2 = 1 if scale_by_t2 else 0
+    o.topk_norm = topk_norm
+    o.reduction = reduction
+    o.ignore_index = ignore_index
+    out = _struct(None, "fce_kd_outputs_t", False)
+    out.loss = _dl(5, loss, dt, di)
+    out.dstudent = _dl(6, ds, dt, di)
+    out.grad_loss = _NULL
+    _run("fce_kd_loss", dev, (_dl(0, student, dt, di), teacher, _dl(4, targets, dt, di), o, out), student)
+    return loss, ds
+
+
+def scale_rows(x, factor):
+    """fce_scale_rows in place on x ([N, V], or [V] as one row); factor an fp32 scalar or [N] tensor."""
+    _tables()
+    dev = _device(x)
+    dt, di = dev[2], dev[3]
+    rows = x if x.dim() == 2 else x.reshape(1, -1)
+    check(lib.fce_scale_rows(dev[0], dev[1], _dl(0, rows, dt, di), _dl(1, factor, dt, di)), "fce_scale_rows")
+    return x
+
+
+__all__ = ["cross_entropy_bwd", "cross_entropy_fwd", "kd_loss", "logsumexp", "scale_rows", "temp_softmax"]
