@@ -24,32 +24,77 @@ KD_TEMPERATURE_MIN = MACROS["FCE_KD_TEMPERATURE_MIN"]
 KD_TEMPERATURE_MAX = MACROS["FCE_KD_TEMPERATURE_MAX"]
 
 
+LIBRARY_NAME = "libfusedce.so.%d" % ABI_VERSION  # the soname; the file a wheel bundles in the package
+
+
 def _candidates():
-    """FUSEDCE_LIBRARY (a file or a folder), then the in-tree build, then the system loader."""
+    """[(path or name, why it was skipped or None)]: FUSEDCE_LIBRARY (a file, or a folder holding
+    libfusedce.so or libfusedce.so.<ABI>) alone when set; else the library bundled in the package (a wheel
+    built by `pip install .`: fusedce/libfusedce.so.<ABI>), the in-tree build (<repo>/build/libfusedce.so,
+    when these modules are the sources in <repo>/bindings/python), and the system loader."""
     env = os.environ.get("FUSEDCE_LIBRARY")
     if env:
         p = Path(env)
-        return [str(p / "libfusedce.so" if p.is_dir() else p)]  # an explicit choice is never replaced
+        if p.is_dir():
+            p = next((p / n for n in ("libfusedce.so", LIBRARY_NAME) if (p / n).exists()), p / "libfusedce.so")
+        return [(str(p), None)]  # an explicit choice is never replaced
+    here = Path(__file__).resolve().parent
     out = []
-    here = Path(__file__).resolve().parent  # <repo>/bindings/python/fusedce
-    intree = here.parents[2] / "build" / "libfusedce.so"
-    if intree.exists():
-        out.append(str(intree))
-    out.append("libfusedce.so.%d" % ABI_VERSION)
+    bundled = here / LIBRARY_NAME
+    out.append((str(bundled), None if bundled.exists() else "not present"))
+    if here.parent.name == "python" and here.parent.parent.name == "bindings":
+        intree = here.parents[2] / "build" / "libfusedce.so"
+        out.append((str(intree), None if intree.exists() else "not present"))
+    out.append((LIBRARY_NAME, None))
     found = ctypes.util.find_library("fusedce")
-    if found:
-        out.append(found)
+    if found and found != LIBRARY_NAME:
+        out.append((found, None))
     return out
 
 
+def _preload_cuda_library(message):
+    """A library built with CUDA that failed to load for want of a CUDA library (libcudart.so.13): that
+    library from an NVIDIA wheel on sys.path (PyTorch's: site-packages/nvidia/cu13/lib, or
+    nvidia/cuda_runtime/lib for CUDA 12), loaded RTLD_GLOBAL so that the retry finds it by its soname.
+    Returns its path, or None. (The bundled library's RUNPATH already names ../nvidia/cu<N>/lib of its own
+    site-packages and the CUDA toolkit it was built with; this covers another site-packages.)"""
+    import re
+    import sys
+
+    m = re.search(r"(libcu[a-z]+\.so\.\d+)", message)
+    if not m:
+        return None
+    for entry in sys.path:
+        nvidia = Path(entry or ".") / "nvidia"
+        if not nvidia.is_dir():
+            continue
+        for cand in sorted(nvidia.glob("*/lib/" + m.group(1))):
+            try:
+                ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+                return str(cand)
+            except OSError:
+                continue
+    return None
+
+
 def _load():
-    errors = []
-    for cand in _candidates():
+    tried = []
+    for cand, skipped in _candidates():
+        if skipped:
+            tried.append("%s: %s" % (cand, skipped))
+            continue
         try:
             lib = ffi.dlopen(cand)
         except OSError as e:
-            errors.append("%s: %s" % (cand, e))
-            continue
+            preloaded = _preload_cuda_library(str(e))
+            if preloaded is None:
+                tried.append("%s: %s" % (cand, e))
+                continue
+            try:
+                lib = ffi.dlopen(cand)
+            except OSError as e2:
+                tried.append("%s: %s (after loading %s)" % (cand, e2, preloaded))
+                continue
         abi = lib.fce_abi_version()
         if abi != ABI_VERSION:
             raise ImportError("fusedce: %s has ABI %d but these bindings were generated for ABI %d "
@@ -59,8 +104,8 @@ def _load():
             raise ImportError("fusedce: %s is libfusedce %s, older than the header these bindings were generated "
                               "from (%s)" % (cand, ffi.string(lib.fce_version_string()).decode(), VERSION))
         return lib, cand
-    raise ImportError("fusedce: cannot load libfusedce; set FUSEDCE_LIBRARY to its path. Tried:\n  " +
-                      "\n  ".join(errors))
+    raise ImportError("fusedce: cannot load libfusedce; install the package with its library (pip install . at "
+                      "the repository root) or set FUSEDCE_LIBRARY to its path. Tried:\n  " + "\n  ".join(tried))
 
 
 lib, library_path = _load()
