@@ -159,8 +159,9 @@ def fusedce_inplace(op, a):
 
     if op != "ce":
         raise ImportError("the in-place backward is cross-entropy's")
-    return lambda d: ft.cross_entropy(d["logits"] * 1.0 if d["logits"].is_leaf else d["logits"], d["target"],
-                                      inplace_backward=True)
+    # The logits are a fresh copy each call (leaves()), so they may be overwritten; their gradient is their
+    # own memory.
+    return lambda d: ft.cross_entropy(d["logits"], d["target"], inplace_backward=True)
 
 
 def _no_backward(fn):
@@ -274,6 +275,8 @@ def bench(fn, op, inp, a):
 def compare(ref, got):
     (lr, gr), (lg, gg) = ref, got
     loss_err = abs(float(lr) - float(lg))
+    if any(b is None for b in gg):  # a forward-only row
+        return loss_err, None
     grad_err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(gr, gg))
     return loss_err, grad_err
 

@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Python binding (bindings/python): sourced by tools/install-deps.sh, which defines apt_install.
 #  - libonnx-testdata: the ONNX conformance vectors the pytest suite checks against.
-#  - the pinned test requirements (cffi, numpy, pytest, onnx, ml_dtypes), installed with pip only when
+#  - the pinned test requirements (cffi, numpy, pytest, onnx, ml_dtypes, torch), installed with pip only when
 #    one is missing or at another version, so a second run takes well under a second.
 #  - venv for the test python-pip-install (tests/packaging/pip_install.py): Debian's python3 has no
 #    ensurepip without python3-venv (a pyenv or python.org python has it). That test's own packages (the

@@ -14,6 +14,7 @@ from ._lib import DEVICE_CPU, DEVICE_CUDA, check, default_handle, ffi, lib
 from ._tensor import _state, _struct, _torch_tables
 
 _NULL = ffi.NULL
+_memmove = ffi._backend.memmove  # ffi.memmove without its Python wrapper
 _CODE = {}  # torch dtype -> (DLPack code, bits)
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 _capturing = torch.cuda.is_current_stream_capturing
@@ -69,9 +70,49 @@ def _dl(k, x, dev_type, dev_id):
         raise ValueError("fusedce: a tensor of %d dimensions where the library takes at most 2" % n)
     if x.is_cuda != (dev_type == DEVICE_CUDA):  # a tensor on another device: the library says so
         dev_type = DEVICE_CUDA if x.is_cuda else DEVICE_CPU
-    ffi.memmove(st.raw[k], _SLOT.pack(x.data_ptr(), dev_type, dev_id, n, code, bits, 1, st.shape_at[k],
-                                      st.stride_at[k], 0, s0, s1, t0, t1), _SLOT.size)
+    _memmove(st.raw[k], _SLOT.pack(x.data_ptr(), dev_type, dev_id, n, code, bits, 1, st.shape_at[k],
+                                   st.stride_at[k], 0, s0, s1, t0, t1), 80)
     return st.ptr[k]
+
+
+def _at(k, x, dev_type, dev_id):
+    """_dl as an address (0 for None), for a pointer field of a packed struct."""
+    if x is None:
+        return 0
+    _dl(k, x, dev_type, dev_id)
+    return _state.addr[k]
+
+
+class _Packed:
+    """A library struct written in one packed copy (every field after struct_size, in declaration order;
+    pointer fields as addresses): this thread's instance, the C call's argument."""
+
+    _FMT = {"uint32_t": "I", "int32_t": "i", "int64_t": "q", "float": "f"}
+
+    def __init__(self, ctype):
+        self.ctype = ctype
+        self.size = ffi.sizeof(ctype)
+        fmt, at = "<I", 4
+        for name, f in ffi.typeof(ctype).fields[1:]:
+            fmt += "x" * (f.offset - at) + ("Q" if f.type.kind == "pointer" else self._FMT[f.type.cname])
+            at = f.offset + ffi.sizeof(f.type)
+        fmt += "x" * (self.size - at)
+        self.pack = struct.Struct(fmt).pack
+        assert struct.calcsize(fmt) == self.size, ctype
+
+    def __call__(self, *fields):
+        p = _struct(None, self.ctype, False)
+        _memmove(p, self.pack(self.size, *fields), self.size)
+        return p
+
+
+_CE_OPTIONS = _Packed("fce_ce_options_t")
+_CE_OUTPUTS = _Packed("fce_ce_outputs_t")
+_LSE_OPTIONS = _Packed("fce_lse_options_t")
+_SOFTMAX_OPTIONS = _Packed("fce_softmax_options_t")
+_KD_OPTIONS = _Packed("fce_kd_options_t")
+_KD_TEACHER = _Packed("fce_kd_teacher_t")
+_KD_OUTPUTS = _Packed("fce_kd_outputs_t")
 
 
 def _run(name, dev, args, x):
@@ -87,14 +128,9 @@ def _run(name, dev, args, x):
     check(getattr(lib, name)(dev[0], dev[1], *args, ws, wsb), name)
 
 
-def _ce_options(o, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev):
-    o.reduction = reduction
-    o.ignore_index = ignore_index
-    o.label_smoothing = label_smoothing
-    o.z_loss_scale = z_loss_scale
-    o.softcap = softcap
-    o.logit_scale = logit_scale
-    o.class_weights = _dl(2, weight, dev[2], dev[3])
+def _ce_options(weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev):
+    return _CE_OPTIONS(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
+                       _at(2, weight, dev[2], dev[3]))
 
 
 def cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
@@ -112,16 +148,9 @@ def cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_sm
     zl = empty(loss_shape, dtype=f32, device=logits.device) if want_z_loss else None
     am = empty((n,), dtype=torch.int64, device=logits.device) if want_argmax else None
     ent = empty((n,), dtype=f32, device=logits.device) if want_entropy else None
-    o = _struct(None, "fce_ce_options_t", False)
-    _ce_options(o, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev)
-    out = _struct(None, "fce_ce_outputs_t", False)
-    out.loss = _dl(3, loss, dt, di)
-    out.lse = _dl(4, lse, dt, di)
-    out.z_loss = _dl(5, zl, dt, di)
-    out.argmax = _dl(6, am, dt, di)
-    out.entropy = _dl(7, ent, dt, di)
-    out.dlogits = _dl(8, dlogits, dt, di)
-    out.grad_loss = _dl(9, grad_loss, dt, di)
+    o = _ce_options(weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev)
+    out = _CE_OUTPUTS(_at(3, loss, dt, di), _at(4, lse, dt, di), _at(5, zl, dt, di), _at(6, am, dt, di),
+                      _at(7, ent, dt, di), _at(8, dlogits, dt, di), _at(9, grad_loss, dt, di))
     _run("fce_cross_entropy_fwd", dev, (_dl(0, logits, dt, di), _dl(1, targets, dt, di), o, out), logits)
     return loss, lse, zl, am, ent
 
@@ -133,8 +162,7 @@ def cross_entropy_bwd(logits, targets, lse, grad_loss, weight, reduction, ignore
     dev = _device(logits)
     dt, di = dev[2], dev[3]
     d = dlogits if dlogits is not None else torch.empty_like(logits)
-    o = _struct(None, "fce_ce_options_t", False)
-    _ce_options(o, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev)
+    o = _ce_options(weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev)
     _run("fce_cross_entropy_bwd", dev, (_dl(0, logits, dt, di), _dl(1, targets, dt, di), _dl(3, lse, dt, di),
                                         _dl(4, grad_loss, dt, di), o, _dl(5, d, dt, di)), logits)
     return d
@@ -147,8 +175,7 @@ def logsumexp(x, scale, out=None):
     dt, di = dev[2], dev[3]
     if out is None:
         out = torch.empty((x.shape[0],), dtype=torch.float32, device=x.device)
-    o = _struct(None, "fce_lse_options_t", False)
-    o.scale = scale
+    o = _LSE_OPTIONS(scale)
     _run("fce_logsumexp", dev, (_dl(0, x, dt, di), o, _dl(1, out, dt, di)), x)
     return out
 
@@ -165,9 +192,7 @@ def temp_softmax(logits, temperature, temperatures, want_probs, want_logprobs, o
         probs = torch.empty(logits.shape, dtype=odt, device=logits.device)
     if want_logprobs and logprobs is None:
         logprobs = torch.empty(logits.shape, dtype=odt, device=logits.device)
-    o = _struct(None, "fce_softmax_options_t", False)
-    o.temperature = temperature
-    o.temperatures = _dl(1, temperatures, dt, di)
+    o = _SOFTMAX_OPTIONS(temperature, _at(1, temperatures, dt, di))
     _run("fce_temp_softmax", dev, (_dl(0, logits, dt, di), o, _dl(2, probs if want_probs else None, dt, di),
                                    _dl(3, logprobs if want_logprobs else None, dt, di)), logits)
     return (probs if want_probs else None), (logprobs if want_logprobs else None)
@@ -182,22 +207,9 @@ def kd_loss(student, teacher_logits, topk_ids, topk_logprobs, targets, divergenc
     n = student.shape[0]
     loss = torch.empty((n,) if reduction == 0 else (), dtype=torch.float32, device=student.device)
     ds = torch.empty_like(student) if want_grad else None
-    teacher = _struct(None, "fce_kd_teacher_t", False)
-    teacher.logits = _dl(1, teacher_logits, dt, di)
-    teacher.topk_ids = _dl(2, topk_ids, dt, di)
-    teacher.topk_logprobs = _dl(3, topk_logprobs, dt, di)
-    o = _struct(None, "fce_kd_options_t", False)
-    o.divergence = divergence
-    o.beta = beta
-    o.temperature = temperature
-    o.scale_by_t2 = 1 if scale_by_t2 else 0
-    o.topk_norm = topk_norm
-    o.reduction = reduction
-    o.ignore_index = ignore_index
-    out = _struct(None, "fce_kd_outputs_t", False)
-    out.loss = _dl(5, loss, dt, di)
-    out.dstudent = _dl(6, ds, dt, di)
-    out.grad_loss = _NULL
+    teacher = _KD_TEACHER(_at(1, teacher_logits, dt, di), _at(2, topk_ids, dt, di), _at(3, topk_logprobs, dt, di))
+    o = _KD_OPTIONS(divergence, beta, temperature, 1 if scale_by_t2 else 0, topk_norm, reduction, ignore_index)
+    out = _KD_OUTPUTS(_at(5, loss, dt, di), _at(6, ds, dt, di), 0)
     _run("fce_kd_loss", dev, (_dl(0, student, dt, di), teacher, _dl(4, targets, dt, di), o, out), student)
     return loss, ds
 

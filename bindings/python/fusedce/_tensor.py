@@ -54,9 +54,10 @@ class _ThreadState(threading.local):
         # once; TorchCall sets the fields one by one).
         self.slots = ffi.new("char[]", _SLOTS * 80 + 8)
         base = (int(ffi.cast("uintptr_t", self.slots)) + 7) // 8 * 8
-        self.raw, self.ptr, self.dl, self.shape_at, self.stride_at = [], [], [], [], []
+        self.raw, self.ptr, self.dl, self.shape_at, self.stride_at, self.addr = [], [], [], [], [], []
         for k in range(_SLOTS):
             at = base + 80 * k
+            self.addr.append(at)
             self.raw.append(ffi.cast("char *", at))
             self.ptr.append(ffi.cast("DLTensor *", at))
             d = ffi.cast("fce_py_dltensor *", at)

@@ -53,6 +53,29 @@ def _factor(grad):
 
 # ---- cross-entropy --------------------------------------------------------------------------------
 
+def _hold(ctx, saved, grads):
+    """Saves `saved` for the backward, and `grads` (gradients formed in the forward) for the backward to hand
+    on. Eager (`_function`), the gradients stay on ctx and the backward takes them, so that autograd holds the
+    only reference and AccumulateGrad adopts the buffer as a leaf's .grad instead of copying it (saved
+    tensors keep a second reference); the eager Function does not return them, which keeps ctx free of
+    reference cycles. Traced, everything is saved."""
+    if getattr(ctx, "eager", False):
+        ctx.save_for_backward(*saved)
+        ctx.held = tuple(grads)
+    else:
+        ctx.save_for_backward(*saved, *grads)
+        ctx.n_held = len(grads)
+
+
+def _take(ctx):
+    """(saved, grads) as `_hold` kept them; the gradients leave ctx."""
+    if getattr(ctx, "eager", False):
+        grads, ctx.held = ctx.held, None
+        return ctx.saved_tensors, grads
+    t = ctx.saved_tensors
+    return t[:len(t) - ctx.n_held], t[len(t) - ctx.n_held:]
+
+
 def _filled(out, like):
     """A result tuple with every None (an output not asked for) replaced by a fresh empty tensor: a custom op
     returns tensors, each its own."""
@@ -114,7 +137,7 @@ def _ce_backward(ctx, g_loss, *unused):
     # lse, z_loss (a part of the loss, reported alone), argmax and entropy are not differentiated.
     logits, targets, weight, lse = ctx.saved_tensors
     d = None
-    if ctx.needs_input_grad[0]:
+    if ctx.needs_input_grad[0] and g_loss is not None:
         d = call("cross_entropy_bwd", logits, targets, lse, _factor(g_loss), weight, *ctx.opts)
     return (d,) + (None,) * 11
 
@@ -156,16 +179,16 @@ def cross_entropy_inplace(logits, targets, weight, reduction, ignore_index, labe
 
 
 def _inplace_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0].detach())  # its memory holds dlogits now
+    _hold(ctx, (), (inputs[0].detach(),))  # its memory holds dlogits now
 
 
 def _fused_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[-1])
+    _hold(ctx, (), (output[-1],))
 
 
 def _fused_backward(ctx, g_loss, *unused):
-    (d,) = ctx.saved_tensors
-    if not ctx.needs_input_grad[0]:
+    _, (d,) = _take(ctx)
+    if not ctx.needs_input_grad[0] or g_loss is None:
         return (None,) * 12
     call("scale_rows_", d, _factor(g_loss).reshape(-1))  # nothing moves for the usual upstream gradient of 1
     return (d,) + (None,) * 11
@@ -197,6 +220,8 @@ def _lse_setup(ctx, inputs, output):
 def _lse_backward(ctx, g):
     # d lse_i / d x_ij = scale * softmax(scale * x_i)_j
     (x,) = ctx.saved_tensors
+    if g is None:
+        return None, None
     p, _ = call("temp_softmax", x, 1.0 / ctx.scale, None, True, False, 0)
     return (p * (g.to(torch.float32).unsqueeze(1) * ctx.scale)).to(x.dtype), None
 
@@ -286,12 +311,12 @@ def _(student, teacher_logits, topk_ids, topk_logprobs, targets, divergence, bet
 
 
 def _kd_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[1])
+    _hold(ctx, (), (output[1],))
 
 
-def _kd_backward(ctx, g_loss, unused):
-    (d,) = ctx.saved_tensors
-    if not ctx.needs_input_grad[0] or d is None or d.numel() == 0:
+def _kd_backward(ctx, g_loss, *unused):
+    _, (d,) = _take(ctx)
+    if not ctx.needs_input_grad[0] or g_loss is None or d is None or d.numel() == 0:
         return (None,) * 13
     call("scale_rows_", d, _factor(g_loss).reshape(-1))
     return (d,) + (None,) * 12
@@ -374,12 +399,14 @@ def _lce_setup(ctx, inputs, output):
     hidden, weight, bias, targets, cw = inputs[:5]
     ctx.opts = inputs[5:11]
     ctx.fused = inputs[14:17]
-    ctx.save_for_backward(hidden, weight, bias, targets, cw, output[1], output[5], output[6], output[7])
+    _hold(ctx, (hidden, weight, bias, targets, cw, output[1]), output[5:8])
 
 
 def _lce_backward(ctx, g_loss, *unused):
-    hidden, weight, bias, targets, cw, lse, dh, dw, db = ctx.saved_tensors
+    (hidden, weight, bias, targets, cw, lse), (dh, dw, db) = _take(ctx)
     want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None)
+    if g_loss is None:  # the loss is not used (only lse, z_loss, entropy or the argmax)
+        return (None,) * 17
     if any(ctx.fused):
         # A reduced loss: its gradients were formed in the forward for an upstream gradient of 1; the
         # upstream scalar, read on the device, is applied in place where it is not 1.
@@ -431,27 +458,36 @@ def call(name, *args):
     return _IMPL[name](*args)
 
 
-def _function(name, impl, setup, backward):
-    """An autograd.Function running `impl` eagerly with the op's registered setup/backward pair."""
+def _function(name, impl, setup, backward, held=()):
+    """An autograd.Function running `impl` eagerly with the op's registered setup/backward pair; the outputs
+    at `held` (gradients formed in the forward, kept by `_hold`) come back as None. Its `run(*args)` is
+    `apply` without the Python layer of Function.apply (argument binding for setup_context, functorch's
+    dead-wrapper unwrapping: neither applies here unless a functorch transform is active)."""
 
     def forward(ctx, *args):
+        ctx.eager = True
+        ctx.set_materialize_grads(False)  # no zeros for outputs the loss does not use (each backward copes)
         out = impl(*args)
         setup(ctx, args, out)
-        return tuple(out)
+        return tuple(None if k in held else o for k, o in enumerate(out))
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
-                                                    "backward": staticmethod(backward)})
+    cls = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward)})
+    raw = super(torch.autograd.Function, cls).apply
+    transforms = torch._C._are_functorch_transforms_active
+    cls.run = staticmethod(lambda *args: cls.apply(*args) if transforms() else raw(*args))
+    return cls
 
 
 CrossEntropyFunction = _function("CrossEntropyFunction", _IMPL["cross_entropy"], _ce_setup, _ce_backward)
 CrossEntropyInplaceFunction = _function("CrossEntropyInplaceFunction", cross_entropy_inplace, _inplace_setup,
-                                        _fused_backward)
+                                        _fused_backward)  # the gradient is the logits' own memory
 LogsumexpFunction = _function("LogsumexpFunction", lambda *a: (_IMPL["logsumexp"](*a),), _lse_setup,
                               lambda ctx, g: _lse_backward(ctx, g))
 TempSoftmaxFunction = _function("TempSoftmaxFunction", _IMPL["temp_softmax"], _sm_setup, _sm_backward)
-KDLossFunction = _function("KDLossFunction", _IMPL["kd_loss"], _kd_setup, _kd_backward)
+KDLossFunction = _function("KDLossFunction", _IMPL["kd_loss"], _kd_setup, _kd_backward, held=(1,))
 LinearCrossEntropyFunction = _function("LinearCrossEntropyFunction", _IMPL["linear_cross_entropy"], _lce_setup,
-                                       _lce_backward)
+                                       _lce_backward, held=(5, 6, 7))
 
 __all__ = ["call", "CrossEntropyFunction", "CrossEntropyInplaceFunction", "KDLossFunction",
            "LinearCrossEntropyFunction", "LogsumexpFunction", "TempSoftmaxFunction"]

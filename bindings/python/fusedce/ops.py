@@ -118,7 +118,7 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
             and all(isinstance(o, bool) for o in (lse, z_loss, argmax, entropy))
             and (isinstance(dlogits, bool) or is_torch(dlogits)) and (class_weights is None or is_torch(class_weights))):
         # torch tensors, this thread's handle, the current stream, outputs allocated here: the lean path
-        d = _fast.torch.empty_like(logits) if dlogits is True else dlogits or None
+        d = _fast.torch.empty_like(logits) if dlogits is True else (None if dlogits is False else dlogits)
         loss_t, lse_t, zl_t, am_t, ent_t = _fast.cross_entropy_fwd(
             logits, targets, class_weights, _enum(_REDUCTIONS, reduction, "reduction"), int(ignore_index),
             float(label_smoothing), float(z_loss_scale), float(softcap), float(logit_scale), lse, z_loss, argmax,

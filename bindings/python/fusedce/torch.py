@@ -48,6 +48,7 @@ _KD = _arrays._KD
 _REDUCTIONS = _arrays._REDUCTIONS
 _DIVERGENCES = _arrays._DIVERGENCES
 _TOPK_NORMS = _arrays._TOPK_NORMS
+_REDUCTION_NONE = _REDUCTIONS["none"]
 
 
 class CrossEntropyOutput(NamedTuple):
@@ -77,7 +78,7 @@ def _wants_grad(*tensors):
 
 
 def _legacy_reduction(size_average, reduce, reduction):
-    if size_average is not None or reduce is not None:
+    if size_average is not None or reduce is not None:  # PyTorch's deprecated pair
         return torch.nn._reduction.legacy_get_string(size_average, reduce)
     return reduction
 
@@ -112,13 +113,14 @@ def _token_accuracy(argmax, target, ignore_index):
 
 
 def _extras(out, tgt, shape, ignore_index, red, want):
-    """CrossEntropyOutput from a (loss, lse, z_loss, argmax, entropy, ...) tuple, or the loss alone."""
+    """CrossEntropyOutput from a (loss, lse, z_loss, argmax, entropy, ...) tuple, or the loss alone (want
+    None: no extra result asked for)."""
     loss, lse, zl, am, ent = out[:5]
-    if red == _REDUCTIONS["none"]:
+    if red == _REDUCTION_NONE:
         loss = loss.reshape(shape)
-        if want["z_loss"]:
+        if want and want["z_loss"]:
             zl = zl.reshape(shape)
-    if not any(want.values()):
+    if not want:
         return loss
     per_token = lambda t: t.reshape(shape)  # noqa: E731
     return CrossEntropyOutput(
@@ -157,8 +159,10 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         c = input.shape[1]
         rows, tgt, shape = input.movedim(1, -1).reshape(-1, c), target.reshape(-1), tuple(target.shape)
     red = _reduction(reduction)
-    want = dict(z_loss=return_z_loss, lse=return_lse, entropy=return_entropy, token_accuracy=return_token_accuracy,
-                predicted_tokens=return_predicted_tokens)
+    want = None
+    if return_z_loss or return_lse or return_entropy or return_token_accuracy or return_predicted_tokens:
+        want = dict(z_loss=return_z_loss, lse=return_lse, entropy=return_entropy,
+                    token_accuracy=return_token_accuracy, predicted_tokens=return_predicted_tokens)
     tgt = _targets(tgt)
     args = (rows, tgt, _class_weights(weight), red, int(ignore_index), float(label_smoothing), zq, cap,
             float(logit_scale), bool(return_z_loss), bool(return_token_accuracy or return_predicted_tokens),
@@ -168,7 +172,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         op = torch.ops.fusedce.cross_entropy_fused if grad and inplace_backward else torch.ops.fusedce.cross_entropy
         out = op(*args)
     elif grad:
-        out = (CrossEntropyInplaceFunction if inplace_backward else CrossEntropyFunction).apply(*args)
+        out = (CrossEntropyInplaceFunction if inplace_backward else CrossEntropyFunction).run(*args)
     else:
         out = _fast.cross_entropy_fwd(*args[:9], bool(return_lse), *args[9:])
     return _extras(out, tgt, shape, int(ignore_index), red, want)
@@ -224,15 +228,17 @@ def linear_cross_entropy(e, c, targets, bias=None, ignore_index=-100, softcap=No
     grad = torch.is_grad_enabled()
     need = (grad and e.requires_grad, grad and c.requires_grad, grad and bias is not None and bias.requires_grad)
     fused = tuple(n and red != _REDUCTIONS["none"] for n in need)
-    want = dict(z_loss=return_z_loss, lse=return_lse, entropy=return_entropy, token_accuracy=return_token_accuracy,
-                predicted_tokens=return_predicted_tokens)
+    want = None
+    if return_z_loss or return_lse or return_entropy or return_token_accuracy or return_predicted_tokens:
+        want = dict(z_loss=return_z_loss, lse=return_lse, entropy=return_entropy,
+                    token_accuracy=return_token_accuracy, predicted_tokens=return_predicted_tokens)
     args = (h, c, bias, tgt, _class_weights(class_weights), red, int(ignore_index), float(label_smoothing), zq, cap,
             float(logit_scale), bool(return_z_loss), bool(return_token_accuracy or return_predicted_tokens),
             bool(return_entropy)) + fused
     if _compiling():
         out = torch.ops.fusedce.linear_cross_entropy(*args)
     elif any(need):
-        out = LinearCrossEntropyFunction.apply(*args)
+        out = LinearCrossEntropyFunction.run(*args)
     else:
         out = _ops.call("linear_cross_entropy", *args)
     return _extras(out, tgt, shape, int(ignore_index), red, want)
@@ -256,6 +262,18 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
 # ---- logsumexp and temperature softmax ------------------------------------------------------------
 
+def _f32_vector(t):
+    """A per-row fp32 [N] constant (temperatures) as the library reads it: t itself when it already is one."""
+    if t.dtype is torch.float32 and t.dim() == 1 and t.is_contiguous() and not t.requires_grad:
+        return t
+    return t.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def _plain_rows(x, dim):
+    """x is a plain (not traced) 2-D tensor reduced over its last dimension, outside torch.compile."""
+    return type(x) is torch.Tensor and x.dim() == 2 and (dim == -1 or dim == 1) and not _compiling()
+
+
 def _rows(x, dim):
     if dim not in (-1, x.dim() - 1):
         x = x.movedim(dim, -1)
@@ -264,11 +282,13 @@ def _rows(x, dim):
 
 def logsumexp(x, dim=-1, *, scale=1.0):
     """torch.logsumexp(scale * x, dim) in fp32, the max of the raw values first (fce_logsumexp)."""
+    if _plain_rows(x, dim) and not (x.requires_grad and torch.is_grad_enabled()):
+        return _fast.logsumexp(x, float(scale))  # the common call, nothing to reshape or record
     rows, lead = _rows(x, dim)
     if _compiling():
         out = torch.ops.fusedce.logsumexp(rows, float(scale))
     elif _wants_grad(rows):
-        (out,) = LogsumexpFunction.apply(rows, float(scale))
+        (out,) = LogsumexpFunction.run(rows, float(scale))
     else:
         out = _ops.call("logsumexp", rows, float(scale))
     return out.reshape(lead)
@@ -279,15 +299,19 @@ def temp_softmax(logits, temperature=1.0, dim=-1, *, temperatures=None, probs=Tr
     """Temperature softmax for sampling (fce_temp_softmax): softmax(logits / T) with the max of the raw logits
     first, T = 0 greedy (one-hot at the first maximum); temperatures: an optional per-row [N] fp32 override.
     dtype: torch.float32 or the logits' dtype. Returns SoftmaxOutput(probs, logprobs) (None where not asked)."""
-    rows, lead = _rows(logits, dim)
-    if dtype not in (torch.float32, logits.dtype):
+    if dtype is not torch.float32 and dtype != logits.dtype:
         raise ValueError("fusedce: the softmax's output dtype is float32 or the logits' dtype")
-    t = None if temperatures is None else temperatures.detach().reshape(-1).to(torch.float32).contiguous()
+    t = None if temperatures is None else _f32_vector(temperatures)
+    if _plain_rows(logits, dim) and not (logits.requires_grad and torch.is_grad_enabled()):
+        # the common call (sampling): nothing to reshape or record
+        return SoftmaxOutput(*_fast.temp_softmax(logits, float(temperature), t, bool(probs), bool(logprobs),
+                                                 torch.float32 if dtype is torch.float32 else None))
+    rows, lead = _rows(logits, dim)
     args = (rows, float(temperature), t, bool(probs), bool(logprobs), 0 if dtype == torch.float32 else 1)
     if _compiling():
         p, lp = torch.ops.fusedce.temp_softmax(*args)
     elif _wants_grad(rows):
-        p, lp = TempSoftmaxFunction.apply(*args)
+        p, lp = TempSoftmaxFunction.run(*args)
     else:
         p, lp = _ops.call("temp_softmax", *args)
 
@@ -335,7 +359,7 @@ def _kd(student_logits, teacher, ids, lps, target, divergence, beta, temperature
     if _compiling():
         loss, _ = torch.ops.fusedce.kd_loss(*args)
     elif grad:
-        loss, _ = KDLossFunction.apply(*args)
+        loss, _ = KDLossFunction.run(*args)
     else:
         loss, _ = _ops.call("kd_loss", *args)
     return loss.reshape(student_logits.shape[:-1]) if red == _REDUCTIONS["none"] else loss

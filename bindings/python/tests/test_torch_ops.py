@@ -243,19 +243,62 @@ def test_inplace_backward(device):
     _close(loss, F.cross_entropy(h2.detach() @ w2.detach().T, t))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_gradients_become_grad_without_a_copy(device, monkeypatch):
+    """A gradient formed in the forward (kd_loss, reduced linear_cross_entropy, the in-place cross-entropy)
+    becomes the leaf's .grad as it is: the very buffer the library wrote, no copy (a copy costs one more
+    [N, V] of memory and a pass over it)."""
+    torch.manual_seed(5)
+    written = {}
+
+    def spy(name, *keys):
+        real = getattr(_torch_ops._fast, name) if name != "linear_cross_entropy_fwd" else fusedce.ops.linear_cross_entropy_fwd
+
+        def wrapped(*a, **k):
+            out = real(*a, **k)
+            for key in keys:
+                t = out[key] if isinstance(key, int) else getattr(out, key)
+                if t is not None:
+                    written[key] = t.data_ptr()
+            return out
+        return wrapped
+
+    monkeypatch.setattr(_torch_ops._fast, "kd_loss", spy("kd_loss", 1))
+    s = torch.randn(5, 37, device=device, requires_grad=True)
+    ft.kd_loss(s, torch.randn(5, 37, device=device)).backward()
+    assert s.grad.data_ptr() == written[1]
+
+    monkeypatch.setattr(_torch_ops.ops, "linear_cross_entropy_fwd",
+                        spy("linear_cross_entropy_fwd", "dhidden", "dweight"))
+    h = torch.randn(5, 8, device=device, requires_grad=True)
+    w = torch.randn(37, 8, device=device, requires_grad=True)
+    t = torch.randint(0, 37, (5,), device=device)
+    ft.linear_cross_entropy(h, w, t).backward()
+    assert h.grad.data_ptr() == written["dhidden"] and w.grad.data_ptr() == written["dweight"]
+
+    x = torch.randn(5, 37, device=device, requires_grad=True)
+    ptr = x.data_ptr()
+    ft.cross_entropy(x, t, inplace_backward=True).backward()
+    assert x.grad.data_ptr() == ptr  # the logits' own memory
+
+
 @needs_cuda
 def test_inplace_backward_allocates_no_gradient_buffer():
     n, v = 512, 32000
-    logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    h = torch.randn(n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(v, 64, device="cuda", dtype=torch.bfloat16)
     t = torch.randint(0, v, (n,), device="cuda")
-    x = logits * 1.0
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    ft.cross_entropy(x, t, inplace_backward=True).backward()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    assert extra < n * v * 2 // 4, "in-place backward allocated %d bytes (logits: %d)" % (extra, n * v * 2)
+    for leaf in (False, True):
+        x = (h @ w.T) if not leaf else torch.randn(n, v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ft.cross_entropy(x, t, inplace_backward=True).backward()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        # dhidden ([n, 64]) and small per-row outputs only; a gradient buffer would be n * v * 2 bytes.
+        assert extra < n * v * 2 // 8, "in-place backward allocated %d bytes (logits: %d)" % (extra, n * v * 2)
+        del x
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -335,3 +378,19 @@ def test_cuda_graph_capture_of_forward_and_backward():
     _close(loss, want, rtol=1e-4, atol=1e-5)
     _close(x.grad, x2.grad, rtol=2e-2, atol=1e-4)
     _close(probs, torch.softmax(x.detach().float() / 0.8, -1), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_through_a_reported_output_only(device):
+    """lse and z_loss are reported, not differentiated: a backward through them alone gives the logits no
+    gradient (and no zeros materialized for the unused loss)."""
+    x = torch.randn(4, 11, device=device, requires_grad=True)
+    t = torch.randint(0, 11, (4,), device=device)
+    out = ft.cross_entropy(x, t, return_z_loss=True, lse_square_scale=1e-4)
+    out.z_loss.backward()
+    assert x.grad is None
+    h = torch.randn(4, 6, device=device, requires_grad=True)
+    w = torch.randn(11, 6, device=device, requires_grad=True)
+    out = ft.linear_cross_entropy(h, w, t, return_lse=True)
+    out.lse.sum().backward()
+    assert h.grad is None and w.grad is None
