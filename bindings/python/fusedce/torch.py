@@ -334,15 +334,7 @@ def log_softmax(logits, temperature=1.0, dim=-1, **kw):
 
 # ---- knowledge distillation -----------------------------------------------------------------------
 
-def _enum(table, value, what):
-    if isinstance(value, int):
-        return value
-    try:
-        return table[str(value).lower()]
-    except KeyError:
-        raise ValueError("%s must be one of %s, got %r" % (what, sorted(table), value)) from None
-
-
+_enum = _arrays._enum
 _KD_DIVERGENCE = _arrays._NAME["divergence"][_KD["divergence"]]
 _KD_TOPK_NORM = _arrays._NAME["topk_norm"][_KD["topk_norm"]]
 _KD_REDUCTION = _arrays._NAME["reduction"][_KD["reduction"]]
