@@ -14,6 +14,7 @@ double round_to(DT dt, double v) {
 }  // namespace
 
 TEST(ScaleRows, ScalarAndPerRowFactors) {
+  Handle h;  // one for the test: a CUDA handle costs seconds to make under the sanitizers
   for (DT dt : {DT::F32, DT::BF16, DT::F16}) {
     for (auto [N, V] : {std::pair<int64_t, int64_t>{1, 7}, {37, 1031}, {300, 4099}}) {
       for (int mode = 0; mode < 4; ++mode) {  // scalar 1, scalar 0.5, per-row mixed, [1]-shaped 2
@@ -31,7 +32,6 @@ TEST(ScaleRows, ScalarAndPerRowFactors) {
         }
         if (mode != 2) factor.set(0, f[0]);
         factor.upload();
-        Handle h;
         FCE_OK(fce_scale_rows(h, test_stream(), x.dl(), factor.dl()));
         const std::vector<double> orig = [&] {
           Tensor o(dt, {N, V}, V + 3);

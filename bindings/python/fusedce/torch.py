@@ -322,14 +322,18 @@ def temp_softmax(logits, temperature=1.0, dim=-1, *, temperatures=None, probs=Tr
     return SoftmaxOutput(back(p) if probs else None, back(lp) if logprobs else None)
 
 
-def softmax(logits, temperature=1.0, dim=-1, **kw):
+def softmax(logits, temperature=1.0, dim=-1, *, temperatures=None, dtype=torch.float32):
     """The probabilities of temp_softmax."""
-    return temp_softmax(logits, temperature, dim, **kw).probs
+    if dtype is torch.float32 and _plain_rows(logits, dim) and not (logits.requires_grad and torch.is_grad_enabled()):
+        t = None if temperatures is None else _f32_vector(temperatures)
+        return _fast.temp_softmax(logits, float(temperature), t, True, False, torch.float32)[0]
+    return temp_softmax(logits, temperature, dim, temperatures=temperatures, dtype=dtype).probs
 
 
-def log_softmax(logits, temperature=1.0, dim=-1, **kw):
+def log_softmax(logits, temperature=1.0, dim=-1, *, temperatures=None, dtype=torch.float32):
     """The log-probabilities of temp_softmax."""
-    return temp_softmax(logits, temperature, dim, probs=False, logprobs=True, **kw).logprobs
+    return temp_softmax(logits, temperature, dim, temperatures=temperatures, probs=False, logprobs=True,
+                        dtype=dtype).logprobs
 
 
 # ---- knowledge distillation -----------------------------------------------------------------------
