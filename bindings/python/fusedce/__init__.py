@@ -3,11 +3,12 @@
     import numpy as np, fusedce
     out = fusedce.cross_entropy_fwd(logits, targets, reduction="mean", dlogits=True)
 
-The library is loaded with cffi in ABI mode (no compiler needed) from, in order: the FUSEDCE_LIBRARY
-environment variable, the in-tree build (<repo>/build/libfusedce.so), the system loader. Its declarations
-come from fusedce/_generated.py, generated from include/fusedce/fusedce.h by bindings/python/gen_cdef.py.
-Inputs are numpy arrays (CPU) or PyTorch tensors (CPU or CUDA, passed through DLPack on the current
-stream). PyTorch autograd functions and drop-in losses are in `fusedce.torch` (torch imported lazily).
+The library is loaded with cffi in ABI mode (no compiler needed): the FUSEDCE_LIBRARY environment variable
+alone when set; else the library bundled in this package (`pip install .` at the repository root), the
+in-tree build (<repo>/build/libfusedce.so), the system loader. Its declarations come from
+fusedce/_generated.py, generated from include/fusedce/fusedce.h by bindings/python/gen_cdef.py. Inputs are
+numpy arrays, PyTorch tensors or any DLPack producer, on the CPU or CUDA (the current stream). Drop-in
+PyTorch losses, differentiable and torch.compile-able, are in `fusedce.torch` (torch imported lazily).
 `fusedce.build_info()` tells what the loaded library was built with; `python3 -m fusedce` prints it.
 """
 from ._generated import MACROS as _MACROS
