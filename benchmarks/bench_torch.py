@@ -15,8 +15,8 @@ Next to fusedce.torch's autograd paths it times the library's fused C calls thro
 (fusedce.ops: one call forming the gradient, no autograd), the reference for "the C path"; "no grad" rows
 time the forward under torch.no_grad().
 --host times the host cost of one call at decode shapes instead (enqueue only: the median of per-call
-wall times over calls that do not wait for the GPU), for fusedce.torch, the array API and the PyTorch op
-each replaces, and the softmax from Python with the L2 flushed (triton.testing.do_bench). An implementation that is
+wall times over calls that do not wait for the GPU), for fusedce.torch (its eager fast path, and the cffi
+path it takes without libfusedce_torch.so), the array API and the PyTorch op each replaces, and the softmax from Python with the L2 flushed (triton.testing.do_bench). An implementation that is
 missing (Liger not installed) or fails (e.g. the library's CUDA backend reporting
 FCE_STATUS_NOT_IMPLEMENTED, or an out-of-memory) is reported as n/a with the reason; nothing is skipped
 silently. Prints a markdown table; --json also writes the rows.
@@ -283,21 +283,31 @@ def compare(ref, got):
 
 # ---- host cost per call -----------------------------------------------------------------------------
 
-def host_us(fn, calls=400, warmup=50):
-    """Median host wall time of one call (no synchronization inside the loop: enqueue only), in us. The GPU
-    work of these decode shapes is shorter than the host's, so the launch queue never fills."""
+def host_us(fns, rounds=10, calls=40, warmup=50):
+    """Median host wall time of one call (no synchronization inside a timed block: enqueue only), in us, for
+    each of fns, a list of (setup, fn) where setup() -> restore() is run around each block of calls outside
+    the timing (choosing a path). The implementations take turns in blocks of `calls`, `rounds` times, so
+    that the machine's drift over the run falls on all alike. The GPU work of these decode shapes is shorter
+    than the host's, so the launch queue never fills."""
     import time
 
-    for _ in range(warmup):
-        fn()
+    ts = [[] for _ in fns]
+    for setup, fn in fns:
+        restore = setup()
+        for _ in range(warmup):
+            fn()
+        restore()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(ts) * 1e6
+    for _ in range(rounds):
+        for k, (setup, fn) in enumerate(fns):
+            restore = setup()
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                ts[k].append(time.perf_counter() - t0)
+            restore()
+            torch.cuda.synchronize()
+    return [statistics.median(t) * 1e6 for t in ts]
 
 
 def host_overheads(a):
@@ -305,10 +315,26 @@ def host_overheads(a):
     import fusedce.torch as ft
 
     dev = torch.cuda.get_device_name()
-    print("# bench_torch.py --host on %s, torch %s: host us per call (enqueue only, median of 400)\n"
+    print("# bench_torch.py --host on %s, torch %s: host us per call (enqueue only, median of 400, the implementations taking turns in blocks of 40)\n"
           % (dev, torch.__version__))
-    print("| call | shape | fusedce.torch | array API (fusedce.ops) | PyTorch op it replaces | PyTorch us |")
-    print("|---|---|---|---|---|---|")
+    from fusedce import _eager
+
+    print("fusedce.torch eager fast path (libfusedce_torch.so): %s\n"
+          % ("loaded" if _eager.available else "not loaded: %s" % _eager.why))
+    print("| call | shape | fusedce.torch | fusedce.torch, cffi path | array API (fusedce.ops) | PyTorch op it replaces "
+          "| PyTorch us |")
+    print("|---|---|---|---|---|---|---|")
+
+    def as_is():
+        return lambda: None
+
+    def cffi_path():
+        saved, ft._EAGER = ft._EAGER, False
+
+        def restore():
+            ft._EAGER = saved
+        return restore
+
     rows = []
     for n, v in ((1, 128256), (16, 151936)):
         x = (torch.randn(n, v, device="cuda") * 3).to(torch.bfloat16)
@@ -329,12 +355,20 @@ def host_overheads(a):
              lambda: torch.softmax(x.float() / temps[:, None], -1)),
         ]
         for name, f_t, f_a, ref_name, f_r in cases:
-            r = dict(call=name, shape="%dx%d" % (n, v), torch_us=host_us(f_t), array_us=host_us(f_a) if f_a else None,
-                     ref=ref_name, ref_us=host_us(f_r))
+            fns = [(as_is, f_r), (cffi_path, f_t)] + ([(as_is, f_a)] if f_a else [])
+            if _eager.available:
+                fns.append((as_is, f_t))
+            us = host_us(fns)
+            ref_us, cffi = us[:2]
+            array_us = us[2] if f_a else None
+            fast = us[-1] if _eager.available else None
+            r = dict(call=name, shape="%dx%d" % (n, v), torch_us=fast, torch_cffi_us=cffi, array_us=array_us,
+                     ref=ref_name, ref_us=ref_us)
             rows.append(r)
-            print("| %s | %s | %.1f | %s | %s | %.1f |" % (name, r["shape"], r["torch_us"],
-                                                          "%.1f" % r["array_us"] if r["array_us"] else "-", ref_name,
-                                                          r["ref_us"]), flush=True)
+            f1 = lambda u: "%.1f" % u if u is not None else "n/a"  # noqa: E731
+            print("| %s | %s | %s | %s | %s | %s | %.1f |" % (name, r["shape"], f1(fast), f1(cffi),
+                                                               f1(array_us) if f_a else "-", ref_name,
+                                                               r["ref_us"]), flush=True)
     try:
         from triton.testing import do_bench
 

@@ -11,6 +11,10 @@ rm -rf .gpu .gpu-stage && mkdir -p .gpu-stage/bin .gpu-stage/lib
 G=.gpu-stage
 cp -a "$BUILD"/libfusedce.so "$BUILD"/libfusedce.so.[0-9]* $G/lib/
 rm -rf $G/lib/*.p
+# fusedce.torch's eager fast path (built when torch is importable here), found beside the library
+for f in "$BUILD"/bindings/python/src/libfusedce_torch.so "$BUILD"/bindings/python/src/libfusedce_torch.torch; do
+  if [ -f "$f" ]; then cp "$f" $G/lib/; fi
+done
 cp "$BUILD"/tests/gpu_* $G/bin/ 2>/dev/null || true
 rm -rf $G/bin/*.p
 for b in "$BUILD"/benchmarks/bench_* "$BUILD"/examples/demo_real_cuda "$BUILD"/examples/quickstart; do

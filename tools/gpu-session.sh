@@ -121,12 +121,18 @@ PY
           export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       fi
       export FUSEDCE_LIBRARY=$PWD/.gpu/lib/libfusedce.so.0 PYTHONPATH=$PWD/bindings/python${PYTHONPATH:+:$PYTHONPATH}
-      python3 -m pytest -q -p no:cacheprovider -rs bindings/python/tests/test_torch_ops.py \
-        bindings/python/tests/test_torch_gpu.py > "$OUT/pytest_torch_gpu.log" 2>&1
-      rc=$?
-      case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
-      summary+=("pytest torch (GPU) $r: $(tail -1 "$OUT/pytest_torch_gpu.log")")
-      [ $rc -ne 0 ] && tail -40 "$OUT/pytest_torch_gpu.log"
+      # the eager fast path (libfusedce_torch.so, packed beside the library when built), then the cffi path
+      eager=0; [ -f .gpu/lib/libfusedce_torch.so ] && eager=1
+      for path in fast cffi; do
+        if [ $path = fast ]; then e=(FUSEDCE_EXPECT_TORCH_EAGER=$eager); else e=(FUSEDCE_TORCH_EAGER=0 FUSEDCE_EXPECT_TORCH_EAGER=0); fi
+        env "${e[@]}" python3 -m pytest -q -p no:cacheprovider -rs bindings/python/tests/test_torch_ops.py \
+          bindings/python/tests/test_torch_gpu.py > "$OUT/pytest_torch_gpu_$path.log" 2>&1
+        rc=$?
+        case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+        summary+=("pytest torch (GPU, $path path) $r: $(tail -1 "$OUT/pytest_torch_gpu_$path.log")")
+        [ $rc -ne 0 ] && tail -40 "$OUT/pytest_torch_gpu_$path.log"
+        [ $eager = 1 ] || break
+      done
       python3 benchmarks/bench_torch.py --host --json "$OUT/bench_torch_host.json" 2>&1 | tee "$OUT/bench_torch_host.log"
       python3 benchmarks/bench_torch.py --ops "${TORCH_OPS:-ce,kd,linear_ce}" --json "$OUT/bench_torch.json" 2>&1 |
         tee "$OUT/bench_torch.log" ;;

@@ -6,12 +6,16 @@
 1. A fresh venv in a temporary folder; `pip install SOURCE_ROOT` in it (pyproject.toml: meson-python builds
    libfusedce again with -Dpython_package=true, its build folder inside the temporary folder, so nothing is
    written into the source tree). The build requirements and cffi/numpy come from the package index.
-2. What was installed: only fusedce/ and its dist-info (the RECORD); the library fusedce/libfusedce.so.<ABI>,
-   its soname, and a RUNPATH with no relative or build-folder entry (readelf).
+   Where torch is importable here, the venv sees it (--system-site-packages) and the package builds the
+   eager fast path libfusedce_torch.so against it.
+2. What was installed: only fusedce/ and its dist-info (the RECORD); the library fusedce/libfusedce.so.<ABI>
+   (and libfusedce_torch.so with its torch stamp exactly when torch is importable), its soname, and a
+   RUNPATH with no relative or build-folder entry (readelf).
 3. With no environment variable but PATH and HOME, from the temporary folder: `import fusedce` loads the
    bundled library; fusedce.build_info() reports the CUDA backend exactly when nvcc is on PATH or in
    /usr/local/cuda/bin (meson.build's -Dcuda=auto finds it there); one cross-entropy on the CPU against a
-   float64 numpy reference; `python -m fusedce` exits 0.
+   float64 numpy reference; with torch, fusedce.torch on the fast path against torch; `python -m fusedce`
+   exits 0.
 4. FUSEDCE_LIBRARY=BUILD_TREE_LIBRARY still overrides the bundled library.
 
 Every failure, a failed install included, is a test failure (exit 1), never a skip. The pip log is printed
@@ -60,6 +64,22 @@ err = np.abs(np.asarray(out.loss, np.float64) - ref).max()
 print("cpu cross_entropy_fwd [16, 3000], label smoothing 0.1: max |loss - float64 reference| = %.2e" % err)
 assert err < 1e-4, err
 assert np.allclose(out.lse, lse, rtol=1e-6, atol=1e-5)
+if expect["torch"]:
+    # built against this environment's torch: the eager fast path loads and is the path taken
+    import torch
+    import fusedce.torch as ft
+    from fusedce import _eager
+    assert _eager.available, _eager.why
+    xt = torch.from_numpy(logits).requires_grad_()
+    tt = torch.from_numpy(targets)
+    loss = ft.cross_entropy(xt, tt, label_smoothing=0.1)
+    assert loss.grad_fn.name() == "CrossEntropyBackward", loss.grad_fn.name()
+    loss.backward()
+    xr = torch.from_numpy(x).requires_grad_()
+    want = torch.nn.functional.cross_entropy(xr, tt, label_smoothing=0.1)
+    want.backward()
+    assert abs(loss.item() - want.item()) < 1e-4 and (xt.grad.double() - xr.grad).abs().max().item() < 1e-6
+    print("torch %s: eager fast path loaded, cross_entropy forward + backward match" % torch.__version__)
 print("ok")
 '''
 
@@ -85,8 +105,14 @@ def main():
         sys.exit(__doc__)
     source, version, tree_lib = Path(sys.argv[1]).resolve(), sys.argv[2], sys.argv[3]
     expect_cuda = bool(shutil.which("nvcc")) or os.access("/usr/local/cuda/bin/nvcc", os.X_OK)
-    expect = {"version": version, "cuda": expect_cuda}
-    print("source %s, version %s, nvcc found: %s" % (source, version, expect_cuda))
+    try:
+        import torch  # noqa: F401
+        expect_torch = True
+    except ImportError:
+        expect_torch = False
+    expect = {"version": version, "cuda": expect_cuda, "torch": expect_torch}
+    print("source %s, version %s, nvcc found: %s, torch importable: %s" % (source, version, expect_cuda,
+                                                                          expect_torch))
 
     tmp = Path(tempfile.mkdtemp(prefix="fusedce-pip-"))
     try:
@@ -94,7 +120,11 @@ def main():
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("FUSEDCE_", "PYTHON", "MESON"))
                and k not in ("LD_LIBRARY_PATH", "VIRTUAL_ENV", "MALLOC_PERTURB_")}
-        r, _ = run([sys.executable, "-m", "venv", str(tmp / "venv")], env=env)
+        # With torch here, the venv sees it (--system-site-packages), as a user's environment with torch: the
+        # package then builds libfusedce_torch.so against it (tools/torch_build_flags.py finds it through
+        # pip's build isolation) and must load it.
+        venv = [sys.executable, "-m", "venv"] + (["--system-site-packages"] if expect_torch else [])
+        r, _ = run(venv + [str(tmp / "venv")], env=env)
         if r.returncode:
             fail("python3 -m venv failed (Debian: python3-venv, tools/deps.d/python.sh)", r.stdout)
         py = str(tmp / "venv" / "bin" / "python")
@@ -119,8 +149,10 @@ def main():
         if stray:
             fail("files installed outside the package: %s" % stray)
         libs = [p for p in installed if re.fullmatch(r"fusedce/libfusedce\.so\.\d+", p)]
-        if len(libs) != 1 or any("libfusedce" in p and p not in libs for p in installed):
-            fail("expected one library fusedce/libfusedce.so.<ABI>: %s" % [p for p in installed if "libfusedce" in p])
+        eager = ["fusedce/libfusedce_torch.so", "fusedce/libfusedce_torch.torch"] if expect_torch else []
+        if len(libs) != 1 or sorted(p for p in installed if "libfusedce" in p and p not in libs) != eager:
+            fail("expected the library fusedce/libfusedce.so.<ABI>%s: %s"
+                 % (" and the eager fast path" if expect_torch else "", [p for p in installed if "libfusedce" in p]))
         modules = sorted(p for p in installed if p.startswith("fusedce/") and p.endswith(".py"))
         print("installed: %s, %d modules (%s)" % (libs[0], len(modules), ", ".join(Path(p).name for p in modules)))
         for want in ("fusedce/__init__.py", "fusedce/_lib.py", "fusedce/_generated.py", "fusedce/__main__.py"):

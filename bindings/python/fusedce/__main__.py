@@ -3,7 +3,8 @@
 The self-check: one cross-entropy on the CPU (loss, lse and dlogits of an fp32 batch with an ignored row,
 against a float64 numpy reference), and, when the CUDA backend is built, torch is importable and a GPU is
 present, the same on the GPU (torch tensors, against the same reference). Exit status 0 when every check
-that ran passed, 1 otherwise. `--no-check`: the build information alone.
+that ran passed, 1 otherwise. `--no-check`: the build information alone (and whether fusedce.torch's eager fast path,
+libfusedce_torch.so, is loaded).
 """
 import argparse
 import sys
@@ -85,6 +86,17 @@ def _cuda_check(info):
                     _reference(logits, targets))
 
 
+def _fast_path():
+    """Whether fusedce.torch runs its eager calls through libfusedce_torch.so, and why not."""
+    try:
+        import torch  # noqa: F401
+    except Exception as e:  # not installed, or broken: fusedce.torch is unavailable either way
+        return "no (torch cannot be imported: %s)" % e
+    from . import _eager
+
+    return "yes (%s)" % _eager._path() if _eager.available else "no (%s)" % _eager.why
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m fusedce", description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-check", action="store_true", help="print the build information only")
@@ -96,6 +108,7 @@ def main(argv=None):
     print("bindings generated from header %s" % fusedce.HEADER_VERSION)
     for k, v in info.as_dict().items():
         print("  %-21s %r" % (k, v))
+    print("fusedce.torch eager fast path: %s" % _fast_path())
     if args.no_check:
         return 0
 

@@ -10,8 +10,10 @@ where the library computes the same thing. Extra results come back as a NamedTup
 
 Every function is a `torch.library` custom op (namespace `fusedce`, see `fusedce._torch_ops`) with a fake
 implementation and registered autograd: torch.compile(fullgraph=True) traces them and CUDA graphs capture
-them. In eager mode the same implementations run without the dispatcher, through `torch.autograd.Function`s
-when a gradient is needed, so that the host cost per call stays a few microseconds above the library's.
+them. In eager mode, cross_entropy, logsumexp and the softmax run through libfusedce_torch.so when it is
+loaded (`fusedce._eager`: C++ against libtorch, cross-entropy's autograd node in C++), the rest (and all of
+them without it) through the same implementations as the ops without the dispatcher, with
+`torch.autograd.Function`s when a gradient is needed.
 
 Gradients, by op:
   - cross_entropy: the backward reads the logits again (fce_cross_entropy_bwd, upstream gradient read on the
@@ -36,13 +38,14 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from . import _fast
+from . import _eager, _fast
 from . import _torch_ops as _ops
 from . import ops as _arrays
 from ._torch_ops import (CrossEntropyFunction, CrossEntropyInplaceFunction, KDLossFunction,
                          LinearCrossEntropyFunction, LogsumexpFunction, TempSoftmaxFunction)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX = (torch.int64, torch.int32)
 _CE = _arrays._CE
 _KD = _arrays._KD
 _REDUCTIONS = _arrays._REDUCTIONS
@@ -71,6 +74,15 @@ class SoftmaxOutput(NamedTuple):
 
 def _compiling():
     return torch.compiler.is_compiling()
+
+
+_transforms = torch._C._are_functorch_transforms_active
+_EAGER = _eager.available
+
+
+def _eager_ok(x):
+    """x is a plain tensor outside torch.compile and functorch transforms: libfusedce_torch's ops may run."""
+    return _EAGER and type(x) is torch.Tensor and not _compiling() and not _transforms()
 
 
 def _wants_grad(*tensors):
@@ -141,6 +153,21 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     weight; softcap: Gemma 2's logit soft-cap (None = off); logit_scale: multiplies the logits (1/T).
     inplace_backward: write the gradient over `input` in the forward (its values are gone afterwards).
     Returns the loss, or a CrossEntropyOutput when a return_* flag is set."""
+    if (_EAGER and type(input) is torch.Tensor and input.dim() == 2 and reduction.__class__ is str and weight is None
+            and size_average is None and reduce is None and z_loss_scale is None and softcap is None
+            and not (return_z_loss or return_lse or return_entropy or return_token_accuracy
+                     or return_predicted_tokens)
+            and input.dtype in _FLOATS and target.dtype in _INDEX and not _compiling() and not _transforms()):
+        # the common call: libfusedce_torch's op with nothing to reshape
+        red = _REDUCTIONS.get(reduction)
+        if red is not None:
+            try:
+                return _eager.cross_entropy_loss(input, target, red, ignore_index, label_smoothing,
+                                                 lse_square_scale, logit_scale, inplace_backward)
+            except RuntimeError as e:
+                _eager.reraise(e)
+            except TypeError:  # an argument the op's schema does not take as is (a numpy scalar): converted below
+                pass
     reduction = _legacy_reduction(size_average, reduce, reduction)
     zq = _z_loss_scale(lse_square_scale, z_loss_scale)
     cap = 0.0 if softcap is None else float(softcap)
@@ -167,6 +194,12 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     args = (rows, tgt, _class_weights(weight), red, int(ignore_index), float(label_smoothing), zq, cap,
             float(logit_scale), bool(return_z_loss), bool(return_token_accuracy or return_predicted_tokens),
             bool(return_entropy))
+    if _eager_ok(rows):
+        try:
+            out = _eager.cross_entropy(*args[:9], bool(return_lse), *args[9:], bool(inplace_backward))
+        except RuntimeError as e:
+            _eager.reraise(e)
+        return _extras(out, tgt, shape, int(ignore_index), red, want)
     grad = _wants_grad(rows)
     if _compiling():
         op = torch.ops.fusedce.cross_entropy_fused if grad and inplace_backward else torch.ops.fusedce.cross_entropy
@@ -283,7 +316,13 @@ def _rows(x, dim):
 def logsumexp(x, dim=-1, *, scale=1.0):
     """torch.logsumexp(scale * x, dim) in fp32, the max of the raw values first (fce_logsumexp)."""
     if _plain_rows(x, dim) and not (x.requires_grad and torch.is_grad_enabled()):
-        return _fast.logsumexp(x, float(scale))  # the common call, nothing to reshape or record
+        # the common call, nothing to reshape or record
+        if _EAGER and not _transforms():
+            try:
+                return _eager.logsumexp(x, float(scale))
+            except RuntimeError as e:
+                _eager.reraise(e)
+        return _fast.logsumexp(x, float(scale))
     rows, lead = _rows(x, dim)
     if _compiling():
         out = torch.ops.fusedce.logsumexp(rows, float(scale))
@@ -292,6 +331,16 @@ def logsumexp(x, dim=-1, *, scale=1.0):
     else:
         out = _ops.call("logsumexp", rows, float(scale))
     return out.reshape(lead)
+
+
+def _softmax(logits, temperature, temperatures, probs, logprobs, fp32):
+    """(probs, logprobs) of a plain 2-D tensor needing no gradient: libfusedce_torch's op, or the cffi path."""
+    if _EAGER and not _transforms():
+        try:
+            return _eager.temp_softmax(logits, temperature, temperatures, probs, logprobs, fp32)
+        except RuntimeError as e:
+            _eager.reraise(e)
+    return _fast.temp_softmax(logits, temperature, temperatures, probs, logprobs, torch.float32 if fp32 else None)
 
 
 def temp_softmax(logits, temperature=1.0, dim=-1, *, temperatures=None, probs=True, logprobs=False,
@@ -304,8 +353,8 @@ def temp_softmax(logits, temperature=1.0, dim=-1, *, temperatures=None, probs=Tr
     t = None if temperatures is None else _f32_vector(temperatures)
     if _plain_rows(logits, dim) and not (logits.requires_grad and torch.is_grad_enabled()):
         # the common call (sampling): nothing to reshape or record
-        return SoftmaxOutput(*_fast.temp_softmax(logits, float(temperature), t, bool(probs), bool(logprobs),
-                                                 torch.float32 if dtype is torch.float32 else None))
+        return SoftmaxOutput(*_softmax(logits, float(temperature), t, bool(probs), bool(logprobs),
+                                       dtype is torch.float32))
     rows, lead = _rows(logits, dim)
     args = (rows, float(temperature), t, bool(probs), bool(logprobs), 0 if dtype == torch.float32 else 1)
     if _compiling():
@@ -326,7 +375,7 @@ def softmax(logits, temperature=1.0, dim=-1, *, temperatures=None, dtype=torch.f
     """The probabilities of temp_softmax."""
     if dtype is torch.float32 and _plain_rows(logits, dim) and not (logits.requires_grad and torch.is_grad_enabled()):
         t = None if temperatures is None else _f32_vector(temperatures)
-        return _fast.temp_softmax(logits, float(temperature), t, True, False, torch.float32)[0]
+        return _softmax(logits, float(temperature), t, True, False, True)[0]
     return temp_softmax(logits, temperature, dim, temperatures=temperatures, dtype=dtype).probs
 
 

@@ -394,3 +394,57 @@ def test_backward_through_a_reported_output_only(device):
     out = ft.linear_cross_entropy(h, w, t, return_lse=True)
     out.lse.sum().backward()
     assert h.grad is None and w.grad is None
+
+
+# ---- the eager fast path (libfusedce_torch.so) ----------------------------------------------------
+
+def test_eager_fast_path_is_the_one_expected():
+    """The build's tests set FUSEDCE_EXPECT_TORCH_EAGER: 1 where libfusedce_torch.so was built (its calls
+    must then be the ones running), 0 where the suite runs on the cffi path."""
+    import os
+
+    from fusedce import _eager
+    want = os.environ.get("FUSEDCE_EXPECT_TORCH_EAGER")
+    if want is None:
+        pytest.skip("FUSEDCE_EXPECT_TORCH_EAGER not set (outside the build's tests)")
+    assert _eager.available == (want == "1"), _eager.why
+    x = torch.randn(3, 7, requires_grad=True)
+    loss = ft.cross_entropy(x, torch.tensor([0, 6, 2]))
+    # a C++ autograd node on the fast path, the Python autograd.Function otherwise
+    assert (loss.grad_fn.name() == "CrossEntropyBackward") == (want == "1"), loss.grad_fn.name()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_raises_the_bindings_exceptions(device):
+    """A call the library refuses raises the binding's exception class with the library's message, on
+    either path, records no autograd node and writes nothing (the in-place logits keep their values)."""
+    x = torch.randn(4, 9, device=device, requires_grad=True)
+    with pytest.raises(fusedce.ShapeMismatchError, match="fce_cross_entropy_fwd"):
+        ft.cross_entropy(x, torch.zeros(5, dtype=torch.int64, device=device))
+    y = x.detach().clone().requires_grad_()
+    before = y.detach().clone()
+    with pytest.raises(fusedce.InvalidArgumentError, match="label_smoothing"):
+        ft.cross_entropy(y, torch.zeros(4, dtype=torch.int64, device=device), label_smoothing=2.0,
+                         inplace_backward=True)
+    assert torch.equal(y.detach(), before) and y.grad is None
+    with pytest.raises(fusedce.InvalidArgumentError, match="scale"):
+        ft.logsumexp(x.detach(), scale=-1.0)
+    with pytest.raises(fusedce.InvalidArgumentError, match="temperature"):
+        ft.softmax(x.detach(), -0.5)
+    with pytest.raises(fusedce.UnsupportedDtypeError):
+        ft.logsumexp(x.detach().double())
+
+
+def test_arguments_of_other_python_types():
+    """numpy scalars, ints for floats and the like reach the library as the values they stand for."""
+    import numpy as np
+    x = torch.randn(5, 12)
+    t = torch.randint(0, 12, (5,))
+    t[2] = -1
+    want = F.cross_entropy(x, t, ignore_index=-1, label_smoothing=0.25)
+    for kw in (dict(ignore_index=np.int64(-1), label_smoothing=np.float32(0.25)),
+               dict(ignore_index=-1, label_smoothing=0.25, inplace_backward=np.bool_(False)),
+               dict(ignore_index=-1, label_smoothing=1 / 4)):
+        _close(ft.cross_entropy(x, t, **kw), want)
+    _close(ft.cross_entropy(x, t, ignore_index=-1, label_smoothing=0, lse_square_scale=np.float64(0.0)),
+           F.cross_entropy(x, t, ignore_index=-1))
