@@ -328,11 +328,14 @@ def host_overheads(a):
     def as_is():
         return lambda: None
 
+    from fusedce import _fast
+
     def cffi_path():
-        saved, ft._EAGER = ft._EAGER, False
+        saved = ft._EAGER, _fast._EAGER
+        ft._EAGER = _fast._EAGER = False
 
         def restore():
-            ft._EAGER = saved
+            ft._EAGER, _fast._EAGER = saved
         return restore
 
     rows = []

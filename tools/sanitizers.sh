@@ -27,7 +27,7 @@ run_asan() {
   need meson ninja
   if [ ! -f "$ASAN_BUILD/build.ninja" ]; then
     # b_lundef=false: a sanitized shared library leaves the sanitizer runtime's symbols to the executable.
-    meson setup "$ASAN_BUILD" -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled -Dbenchmarks=false \
+    meson setup "$ASAN_BUILD" -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled -Dbenchmarks=false -Dtorch_eager=disabled \
       -Dbuildtype=debugoptimized
   fi
   ninja -C "$ASAN_BUILD"

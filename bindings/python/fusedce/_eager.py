@@ -1,6 +1,7 @@
 """The eager fast path of fusedce.torch: libfusedce_torch.so (bindings/python/src/torch_eager.cpp), C++
 against libtorch, defining the ops `fusedce_eager::*` (cross_entropy with its autograd, and cross_entropy_loss,
-its common call: the loss alone; logsumexp and temp_softmax without autograd). A call costs a bound OpOverload (about 1 us from Python) and the library's own
+its common call: the loss alone; logsumexp and temp_softmax without autograd, and their _out forms
+for the array API's preallocated outputs). A call costs a bound OpOverload (about 1 us from Python) and the library's own
 time; the cffi path of `_fast` costs several microseconds more per tensor and a Python autograd.Function.
 
 Found as FUSEDCE_TORCH_EAGER (a path; "0" turns the fast path off), else beside the loaded libfusedce
@@ -62,7 +63,9 @@ if available:
     cross_entropy = _ops.cross_entropy.default
     cross_entropy_loss = _ops.cross_entropy_loss.default
     logsumexp = _ops.logsumexp.default
+    logsumexp_out = _ops.logsumexp_out.default
     temp_softmax = _ops.temp_softmax.default
+    temp_softmax_out = _ops.temp_softmax_out.default
 
 _STATUS = re.compile(r"fusedce-status:(-?\d+):(\w+)")
 

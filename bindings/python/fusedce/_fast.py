@@ -1,5 +1,9 @@
 """The lean call path for torch tensors: what `fusedce.torch` and the array API run for torch inputs.
 
+Where libfusedce_torch.so is loaded (`_eager`), cross_entropy_fwd without a fused gradient, logsumexp and
+temp_softmax call its ops (C++: no DLTensor or struct written from Python); `_EAGER = False` turns that off
+(the benchmark's cffi column). Otherwise, and for the other calls:
+
 One call costs: this thread's (device, stream) entry (handle and stream pointer, cached), DLTensors filled
 straight from the tensors' metadata into this thread's preallocated slots, this thread's options/outputs
 structs with every field set, output tensors from torch's caching allocator, and the C call. Workspaces:
@@ -10,6 +14,7 @@ import struct
 
 import torch
 
+from . import _eager
 from ._lib import DEVICE_CPU, DEVICE_CUDA, check, default_handle, ffi, lib
 from ._tensor import _state, _struct, _torch_tables
 
@@ -18,6 +23,7 @@ _memmove = ffi._backend.memmove  # ffi.memmove without its Python wrapper
 _CODE = {}  # torch dtype -> (DLPack code, bits)
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 _capturing = torch.cuda.is_current_stream_capturing
+_EAGER = _eager.available
 
 
 def _tables():
@@ -136,6 +142,13 @@ def _ce_options(weight, reduction, ignore_index, label_smoothing, z_loss_scale, 
 def cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
                       logit_scale, want_lse, want_z_loss, want_argmax, want_entropy, dlogits=None, grad_loss=None):
     """fce_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy), None where not asked for."""
+    if (_EAGER and dlogits is None and grad_loss is None and type(logits) is torch.Tensor
+            and not (logits.requires_grad and torch.is_grad_enabled())):
+        try:
+            return _eager.cross_entropy(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale,
+                                        softcap, logit_scale, want_lse, want_z_loss, want_argmax, want_entropy, False)
+        except RuntimeError as e:
+            _eager.reraise(e)
     _tables()
     dev = _device(logits)
     dt, di = dev[2], dev[3]
@@ -170,6 +183,14 @@ def cross_entropy_bwd(logits, targets, lse, grad_loss, weight, reduction, ignore
 
 def logsumexp(x, scale, out=None):
     """fce_logsumexp: [N] fp32."""
+    if _EAGER and type(x) is torch.Tensor:
+        try:
+            if out is None:
+                return _eager.logsumexp(x, scale)
+            _eager.logsumexp_out(x, scale, out)
+            return out
+        except RuntimeError as e:
+            _eager.reraise(e)
     _tables()
     dev = _device(x)
     dt, di = dev[2], dev[3]
@@ -184,10 +205,24 @@ def temp_softmax(logits, temperature, temperatures, want_probs, want_logprobs, o
                  logprobs=None):
     """fce_temp_softmax: (probs, logprobs), None where not asked for; out_dtype a torch dtype (None: the
     logits')."""
+    odt = out_dtype if out_dtype is not None else logits.dtype
+    if _EAGER and type(logits) is torch.Tensor and odt in (torch.float32, logits.dtype):
+        try:
+            if probs is None and logprobs is None:
+                return _eager.temp_softmax(logits, temperature, temperatures, want_probs, want_logprobs,
+                                           odt is torch.float32)
+            if want_probs and probs is None:
+                probs = torch.empty(logits.shape, dtype=odt, device=logits.device)
+            if want_logprobs and logprobs is None:
+                logprobs = torch.empty(logits.shape, dtype=odt, device=logits.device)
+            p, lp = (probs if want_probs else None), (logprobs if want_logprobs else None)
+            _eager.temp_softmax_out(logits, temperature, temperatures, p, lp)
+            return p, lp
+        except RuntimeError as e:
+            _eager.reraise(e)
     _tables()
     dev = _device(logits)
     dt, di = dev[2], dev[3]
-    odt = out_dtype if out_dtype is not None else logits.dtype
     if want_probs and probs is None:
         probs = torch.empty(logits.shape, dtype=odt, device=logits.device)
     if want_logprobs and logprobs is None:

@@ -310,10 +310,8 @@ Tensor cross_entropy_loss(const Tensor& logits, const Tensor& targets, int64_t r
                                    z_loss_scale, 0.0, logit_scale, false, false, false, false, inplace));
 }
 
-// fusedce_eager::logsumexp (no gradient: a differentiable call takes the Python path).
-Tensor logsumexp(const Tensor& x, double scale) {
+void logsumexp_into(const Tensor& x, double scale, const Tensor& out) {
   const Where w = locate(x);
-  Tensor out = at::empty({x.dim() > 0 ? x.size(0) : 0}, x.options().dtype(at::kFloat));
   DLTensor xd = dl(x), od = dl(out);
   fce_lse_options_t o = FCE_LSE_OPTIONS_INIT;
   o.scale = static_cast<float>(scale);
@@ -322,17 +320,21 @@ Tensor logsumexp(const Tensor& x, double scale) {
                       "fce_logsumexp_workspace_size");
   fce_status_t st = api.lse(w.handle, w.stream, &xd, &o, &od, ws.first, ws.second);
   if (st != FCE_STATUS_SUCCESS) fail(st, "fce_logsumexp");
+}
+
+// fusedce_eager::logsumexp (no gradient: a differentiable call takes the Python path).
+Tensor logsumexp(const Tensor& x, double scale) {
+  Tensor out = at::empty({x.dim() > 0 ? x.size(0) : 0}, x.options().dtype(at::kFloat));
+  logsumexp_into(x, scale, out);
   return out;
 }
 
-// fusedce_eager::temp_softmax (no gradient): (probs, logprobs), undefined where not asked for; fp32 outputs
-// or the logits' dtype.
-std::tuple<Tensor, Tensor> temp_softmax(const Tensor& logits, double temperature,
-                                        const c10::optional<Tensor>& temperatures, bool want_probs,
-                                        bool want_logprobs, bool fp32) {
+// fusedce_eager::logsumexp_out: into the caller's [N] fp32 (the array API's out=).
+void logsumexp_out(const Tensor& x, double scale, const Tensor& out) { logsumexp_into(x, scale, out); }
+
+void temp_softmax_into(const Tensor& logits, double temperature, const c10::optional<Tensor>& temperatures,
+                       const Tensor& p, const Tensor& lp) {
   const Where w = locate(logits);
-  const auto opts = fp32 ? logits.options().dtype(at::kFloat) : logits.options();
-  Tensor p = maybe_empty(want_probs, logits.sizes(), opts), lp = maybe_empty(want_logprobs, logits.sizes(), opts);
   DLTensor x = dl(logits), pd, lpd, td;
   if (p.defined()) pd = dl(p);
   if (lp.defined()) lpd = dl(lp);
@@ -349,7 +351,23 @@ std::tuple<Tensor, Tensor> temp_softmax(const Tensor& logits, double temperature
                       "fce_temp_softmax_workspace_size");
   fce_status_t st = api.softmax(w.handle, w.stream, &x, &o, pp, lpp, ws.first, ws.second);
   if (st != FCE_STATUS_SUCCESS) fail(st, "fce_temp_softmax");
+}
+
+// fusedce_eager::temp_softmax (no gradient): (probs, logprobs), undefined where not asked for; fp32 outputs
+// or the logits' dtype.
+std::tuple<Tensor, Tensor> temp_softmax(const Tensor& logits, double temperature,
+                                        const c10::optional<Tensor>& temperatures, bool want_probs,
+                                        bool want_logprobs, bool fp32) {
+  const auto opts = fp32 ? logits.options().dtype(at::kFloat) : logits.options();
+  Tensor p = maybe_empty(want_probs, logits.sizes(), opts), lp = maybe_empty(want_logprobs, logits.sizes(), opts);
+  temp_softmax_into(logits, temperature, temperatures, p, lp);
   return {p, lp};
+}
+
+// fusedce_eager::temp_softmax_out: into the caller's probs and/or logprobs (the array API's).
+void temp_softmax_out(const Tensor& logits, double temperature, const c10::optional<Tensor>& temperatures,
+                      const c10::optional<Tensor>& probs, const c10::optional<Tensor>& logprobs) {
+  temp_softmax_into(logits, temperature, temperatures, probs ? *probs : Tensor(), logprobs ? *logprobs : Tensor());
 }
 
 }  // namespace
@@ -365,7 +383,11 @@ TORCH_LIBRARY(fusedce_eager, m) {
         "float z_loss_scale, float logit_scale, bool inplace) -> Tensor",
         &cross_entropy_loss);
   m.def("logsumexp(Tensor x, float scale) -> Tensor", &logsumexp);
+  m.def("logsumexp_out(Tensor x, float scale, Tensor(a!) out) -> ()", &logsumexp_out);
   m.def("temp_softmax(Tensor logits, float temperature, Tensor? temperatures, bool want_probs, "
         "bool want_logprobs, bool fp32) -> (Tensor, Tensor)",
         &temp_softmax);
+  m.def("temp_softmax_out(Tensor logits, float temperature, Tensor? temperatures, Tensor(a!)? probs, "
+        "Tensor(b!)? logprobs) -> ()",
+        &temp_softmax_out);
 }

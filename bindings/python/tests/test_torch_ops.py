@@ -448,3 +448,42 @@ def test_arguments_of_other_python_types():
         _close(ft.cross_entropy(x, t, **kw), want)
     _close(ft.cross_entropy(x, t, ignore_index=-1, label_smoothing=0, lse_square_scale=np.float64(0.0)),
            F.cross_entropy(x, t, ignore_index=-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_array_api_with_torch_tensors(device):
+    """The array API's torch path (libfusedce_torch's ops where loaded, cffi otherwise): outputs it allocates
+    and the caller's (out=, probs=), against torch in float64; outputs poisoned before the call."""
+    torch.manual_seed(11)
+    x = (torch.randn(7, 131, device=device) * 4).to(torch.bfloat16)
+    t = torch.randint(0, 131, (7,), device=device)
+    t[3] = -100
+    xd = x.double()
+    lse = torch.logsumexp(xd * 0.5, -1)
+    _close(fusedce.logsumexp(x, scale=0.5), lse, rtol=1e-6, atol=1e-6)
+    out = torch.full((7,), float("nan"), device=device)
+    assert fusedce.logsumexp(x, scale=0.5, out=out) is out
+    _close(out, lse, rtol=1e-6, atol=1e-6)
+    temps = torch.linspace(0.5, 2.0, 7, device=device)
+    probs = torch.full((7, 131), float("nan"), device=device)
+    o = fusedce.temp_softmax(x, temperatures=temps, probs=probs, logprobs=True)
+    assert o.probs is probs
+    _close(o.probs, torch.softmax(xd / temps.double()[:, None], -1), rtol=1e-5, atol=1e-7)
+    _close(o.logprobs, torch.log_softmax(xd / temps.double()[:, None], -1), rtol=1e-5, atol=1e-5)
+    o = fusedce.temp_softmax(x, temperature=0.7, dtype=None, logprobs=True)
+    assert o.probs.dtype == torch.bfloat16 and o.logprobs.dtype == torch.bfloat16
+    _close(o.probs, torch.softmax(xd / 0.7, -1), rtol=1e-2, atol=1e-3)
+    r = fusedce.cross_entropy_fwd(x, t, reduction="none", z_loss_scale=1e-3, z_loss=True, entropy=True, argmax=True)
+    ll = torch.logsumexp(xd, -1)
+    nll = torch.where(t == -100, 0.0, ll - xd.gather(1, t.clamp_min(0)[:, None])[:, 0])
+    zl = torch.where(t == -100, 0.0, 1e-3 * ll ** 2)
+    _close(r.loss, nll + zl, rtol=1e-5, atol=1e-5)
+    _close(r.z_loss, zl, rtol=1e-5, atol=1e-6)
+    _close(r.lse, ll, rtol=1e-6, atol=1e-6)
+    p = torch.softmax(xd, -1)
+    _close(r.entropy, -(p * torch.log_softmax(xd, -1)).sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(r.argmax, x.float().argmax(-1)) and r.dlogits is None
+    with pytest.raises(fusedce.InvalidArgumentError):
+        fusedce.temp_softmax(x, temperature=float("nan"))
+    with pytest.raises(fusedce.ShapeMismatchError):
+        fusedce.logsumexp(x, out=torch.empty(3, device=device))
