@@ -1,9 +1,9 @@
 // CUDA linear cross-entropy: token chunks. For each chunk a cuBLAS GEMM (fp32 accumulation) writes the
 // chunk's logits in the inputs' dtype into the workspace, the cross-entropy rows kernel turns them into
 // losses and, in place, dlogits (formed in fp32, rounded once), then GEMMs write the chunk's dhidden and add
-// its dweight into an fp32 accumulator. 6*N*H*V flops with gradients, 2*N*H*V without; no [N,V] tensor
-// ever exists. Logits in the inputs' dtype (as torch.nn.functional.linear) halve the chunk's bytes, so
-// chunks are twice as long and the fp32 dweight accumulator is streamed half as often.
+// its dweight into the dweight output (the GEMM's fp32 compute, beta = 1: rounded once per chunk, no
+// accumulator). 6*N*H*V flops with gradients, 2*N*H*V without; no [N,V] tensor ever exists. Logits in
+// the inputs' dtype (as torch.nn.functional.linear) halve the chunk's bytes, so chunks are twice as long.
 #include <algorithm>
 
 #include "cuda/blas.hpp"
@@ -13,7 +13,9 @@
 namespace fce::cuda {
 namespace {
 
-constexpr size_t kDefaultChunkBytes = size_t(512) << 20;  // per the memory budget of the chunk buffers
+// The default workspace (a caller's may be larger or smaller): with the cuBLAS handle's own memory, a call
+// holds at most 512 MiB beyond its inputs and outputs.
+constexpr size_t kDefaultWorkspaceBytes = size_t(448) << 20;
 
 cudaDataType cuda_type(DType t) {
   switch (t) {
@@ -26,77 +28,56 @@ cudaDataType cuda_type(DType t) {
 
 int64_t padded(int64_t V) { return (V + 127) / 128 * 128; }  // 256-byte aligned rows
 
-// Workspace: fixed part (prep, row losses, fp32 accumulators) then per-chunk buffers.
+// Rows per chunk for at most `max_rows` (>= 1): the N rows in equal chunks, a multiple of 128 rows where
+// chunks are long (GEMM tiles), so that no short last chunk pays a whole pass over dweight.
+int64_t chunk_rows(int64_t N, int64_t max_rows) {
+  const int64_t chunks = (N + max_rows - 1) / max_rows;
+  int64_t C = (N + chunks - 1) / chunks;
+  if (C >= 256) {
+    const int64_t up = (C + 127) / 128 * 128;
+    C = up <= max_rows ? up : C / 128 * 128;
+  }
+  return C;
+}
+
+// Workspace: fixed part (prep, row losses, the fp32 dbias accumulator, split-row scratch) then the chunk
+// buffer.
 struct LceLayout {
   double* prep = nullptr;
-  float *row_loss = nullptr, *row_zl = nullptr, *dw_acc = nullptr, *db_acc = nullptr;
+  float *row_loss = nullptr, *row_zl = nullptr, *db_acc = nullptr;
   char* logits = nullptr;  // [C, ldl] in the inputs' dtype; dlogits overwrite it in place
   void* rows = nullptr;
-  size_t fixed = 0, per_row = 0, total = 0;
-  int64_t C = 0, C_ws = 0;  // rows per chunk; rows of the chunk buffer held in the workspace
-  bool borrowed = false;    // the chunk buffer lives in the dweight output
+  size_t total = 0;
+  int64_t C = 0;  // rows per chunk
 
   LceLayout(fce_handle* h, const LinearCeProblem& p, void* base, size_t bytes_or_zero, bool minimum) {
-    const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows, ldl = padded(V);
+    const int64_t N = p.hidden.rows, V = p.weight.rows;
     const bool grad = p.wants_grad(), reduced = !p.saved_lse && p.o.reduction != FCE_REDUCTION_NONE;
-    per_row = size_t(ldl) * dtype_size(p.hidden.dtype);
-    const bool acc = p.dweight && p.dweight.dtype != DType::F32;  // dweight accumulates in fp32 here
-    // Fixed part, measured with a dry carve.
+    const size_t per_row = size_t(padded(V)) * dtype_size(p.hidden.dtype);
     auto carve = [&](void* at, int64_t C_) {
       Carver c(at);
       prep = ce_needs_prep(p.o) ? c.take<double>(2) : nullptr;
       row_loss = reduced ? c.take<float>(size_t(N)) : nullptr;
       row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
-      dw_acc = acc ? c.take<float>(size_t(V) * size_t(H)) : nullptr;
       db_acc = p.dbias ? c.take<float>(size_t(V)) : nullptr;
       // The rows' scratch (split rows) for a full chunk and for the shorter last one, which may split
       // where a full chunk does not.
-      const int64_t full = std::max<int64_t>(C_ > 0 ? C_ : C, 1), last = N % full;
+      const int64_t full = std::max<int64_t>(C_, 1), last = N % full;
       const bool b = static_cast<bool>(p.saved_lse);
       rows = c.take<char>(std::max(ce_rows_workspace(h, full, V, grad, b),
                                    last ? ce_rows_workspace(h, last, V, grad, b) : size_t(0)));
       logits = c.take<char>(size_t(C_) * per_row);
       return c.used;
     };
-    fixed = carve(nullptr, 0);
-    // With a bf16/fp16 dweight (accumulated in fp32 in the workspace), the dweight output itself is free
-    // until the final conversion: the chunk buffer borrows it when that gives longer chunks, which
-    // streams the fp32 accumulator fewer times.
-    // (Decided from the problem: a dry carve leaves dw_acc and every other pointer null.)
-    const bool can_borrow = grad && acc && reinterpret_cast<uintptr_t>(p.dweight.data) % 256 == 0;
-    const int64_t borrow_rows = can_borrow ? int64_t(Validator::span(p.dweight) / per_row) : 0;
-    if (minimum) {
-      C = borrow_rows >= 1 ? 0 : 1;
-    } else if (bytes_or_zero) {
-      C = bytes_or_zero > fixed ? int64_t((bytes_or_zero - fixed) / per_row) : 0;
-      C = std::min(C, N);
-      FCE_CHECK(C >= 1 || borrow_rows >= 1, FCE_STATUS_WORKSPACE_TOO_SMALL,
-                "workspace of %zu bytes holds no token chunk (%zu needed)", bytes_or_zero, fixed + per_row);
-    } else {
-      C = std::max<int64_t>(1, std::min<int64_t>(N, int64_t(kDefaultChunkBytes / per_row)));
-      if (C >= 256) C = C / 128 * 128;
-    }
-    if (borrow_rows > C) {
-      int64_t B = std::min(N, borrow_rows);
-      if (B >= 256) B = B / 128 * 128;
-      borrowed = true;
-      C_ws = 0;
-      C = B;
-      if (minimum) {  // the smaller of a full borrowed chunk and one row (few rows may need split scratch)
-        const size_t full = carve(nullptr, 0);
-        C = 1;
-        if (carve(nullptr, 0) > full) C = B;
-      }
-    } else {
-      C_ws = C;
-    }
+    const size_t fixed = carve(nullptr, 1) - per_row;
+    const size_t budget = minimum ? 0 : bytes_or_zero ? bytes_or_zero : kDefaultWorkspaceBytes;
+    const int64_t max_rows = budget > fixed ? std::min<int64_t>(N, int64_t((budget - fixed) / per_row)) : 0;
+    FCE_CHECK(minimum || !bytes_or_zero || max_rows >= 1, FCE_STATUS_WORKSPACE_TOO_SMALL,
+              "workspace of %zu bytes holds no token chunk (%zu needed)", bytes_or_zero, fixed + per_row);
+    C = chunk_rows(N, std::max<int64_t>(max_rows, 1));
     // The split-row scratch depends on C: shrink C until the final carve fits a caller's workspace.
-    while (bytes_or_zero && C > 1 && carve(nullptr, C_ws) > bytes_or_zero) {
-      --C;
-      if (!borrowed) C_ws = C;
-    }
-    total = carve(base, C_ws);
-    if (borrowed) logits = p.dweight.data;
+    while (bytes_or_zero && C > 1 && carve(nullptr, C) > bytes_or_zero) --C;
+    total = carve(base, C);
     FCE_CHECK(!bytes_or_zero || total <= bytes_or_zero, FCE_STATUS_WORKSPACE_TOO_SMALL,
               "workspace of %zu bytes is below the %zu needed", bytes_or_zero, total);
   }
@@ -169,8 +150,9 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
                             size_t(lay.C), s),
           "cudaMemset2DAsync");
   if (lay.db_acc) check(cudaMemsetAsync(lay.db_acc, 0, size_t(V) * 4, s), "cudaMemsetAsync");
-  float* dw = lay.dw_acc ? lay.dw_acc : (p.dweight ? reinterpret_cast<float*>(p.dweight.data) : nullptr);
-  const int64_t lddw = lay.dw_acc ? H : (p.dweight ? p.dweight.ld : 0);
+  void* dw = p.dweight ? static_cast<void*>(p.dweight.data) : nullptr;
+  const int64_t lddw = p.dweight ? p.dweight.ld : 0;
+  const cudaDataType dwt = p.dweight ? cuda_type(p.dweight.dtype) : CUDA_R_32F;
 
   for (int64_t r0 = 0; r0 < N; r0 += lay.C) {
     const int64_t rows = std::min(lay.C, N - r0);
@@ -232,7 +214,7 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
       // dW (col-major H x V) += hidden^T (H x rows) * dl^T (rows x V)
       const float b = r0 == 0 ? 0.f : 1.f;
       check_blas(api.gemm_ex(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(rows), &one, hid, ct,
-                             int(p.hidden.ld), lay.logits, ct, int(ldl), &b, dw, CUDA_R_32F, int(lddw), CUBLAS_COMPUTE_32F,
+                             int(p.hidden.ld), lay.logits, ct, int(ldl), &b, dw, dwt, int(lddw), CUBLAS_COMPUTE_32F,
                              CUBLAS_GEMM_DEFAULT),
                  "dweight GEMM");
     }
@@ -245,7 +227,6 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
       check_launch("dbias kernel");
     }
   }
-  if (lay.dw_acc) convert(s, lay.dw_acc, V, H, H, p.dweight.data, p.dweight.dtype, p.dweight.ld);
   if (lay.db_acc) convert(s, lay.db_acc, 1, V, V, p.dbias.data, p.dbias.dtype, V);
   if (!bwd && !none)
     ce_finalize(s, lay.row_loss, lay.row_zl, N, p.o.reduction, lay.prep, reinterpret_cast<float*>(p.loss.data),
