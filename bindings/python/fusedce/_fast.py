@@ -24,6 +24,9 @@ _CODE = {}  # torch dtype -> (DLPack code, bits)
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 _capturing = torch.cuda.is_current_stream_capturing
 _EAGER = _eager.available
+# The array API's shortest path (ops.cross_entropy_fwd) takes these when _EAGER is set.
+eager_cross_entropy = _eager.cross_entropy if _EAGER else None
+reraise = _eager.reraise
 
 
 def _tables():

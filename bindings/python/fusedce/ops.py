@@ -114,6 +114,21 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
     Returns CrossEntropyOutput(loss, lse, z_loss, argmax, entropy, dlogits); outputs not asked for are
     None. loss/z_loss are [N] for reduction="none", scalars otherwise; dlogits (gradient times grad_loss)
     has the logits' dtype. See the header's fce_ce_options_t for the math."""
+    if (_fast is not None and _fast._EAGER and dlogits is False and grad_loss is None and class_weights is None
+            and handle is None and stream is None and workspace is None and type(logits) is _fast.torch.Tensor
+            and type(targets) is _fast.torch.Tensor and argmax_dtype == "int64" and lse.__class__ is bool
+            and z_loss.__class__ is bool and argmax.__class__ is bool and entropy.__class__ is bool
+            and not logits.requires_grad):
+        # the common torch call, straight to libfusedce_torch's op (fusedce._eager)
+        try:
+            return CrossEntropyOutput(*_fast.eager_cross_entropy(
+                logits, targets, None, _REDUCTIONS[reduction] if reduction.__class__ is str else int(reduction),
+                ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, lse, z_loss, argmax, entropy, False),
+                None)
+        except RuntimeError as e:
+            _fast.reraise(e)
+        except (TypeError, KeyError):  # an argument of another type: the general path converts or refuses it
+            pass
     if (_lean(logits, handle, stream, workspace) and is_torch(targets) and argmax_dtype == "int64"
             and all(isinstance(o, bool) for o in (lse, z_loss, argmax, entropy))
             and (isinstance(dlogits, bool) or is_torch(dlogits)) and (class_weights is None or is_torch(class_weights))):
