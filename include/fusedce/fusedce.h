@@ -544,7 +544,7 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
 
 /**
  * Outputs of linear cross-entropy. Initialize with FCE_LINEAR_CE_OUTPUTS_INIT. Gradients are written
- * (not accumulated into), each formed with fp32 accumulation. dhidden and dbias are rounded once to their
+ * (added into with FCE_LINEAR_CE_ACCUMULATE), each formed with fp32 accumulation. dhidden and dbias are rounded once to their
  * dtype, and so is dweight on the CPU and whenever it is fp32. On CUDA a bf16/fp16 dweight is accumulated
  * over the token chunks in its own dtype by the GEMM's fp32 compute, so it is rounded once per chunk
  * (ceil(N / C) chunks of C tokens; the default workspace holds about 448 MiB / (V * 2 bytes) tokens): no
@@ -562,11 +562,20 @@ typedef struct fce_linear_ce_outputs {
   DLTensor* dweight;    /**< optional [V,H], fp32/bf16/fp16 */
   DLTensor* dbias;      /**< optional [V], fp32/bf16/fp16; only with a bias */
   const DLTensor* grad_loss; /**< upstream gradient as in fce_ce_outputs_t; NULL = 1 */
+  /** FCE_LINEAR_CE_* bits; default 0. Other bits are FCE_STATUS_INVALID_ARGUMENT. (Since 0.2.0: a
+   *  struct_size of an older header, which ends before this field, means 0.) */
+  uint64_t flags;
 } fce_linear_ce_outputs_t;
+
+/** fce_linear_ce_outputs_t.flags: add the gradients into dhidden, dweight and dbias instead of overwriting
+ *  them (gradient accumulation across micro-batches; an fp32 dweight as Megatron's main_grad). The sum is
+ *  formed in fp32 and rounded as the output's own gradient is (a bf16/fp16 dweight on CUDA once per token
+ *  chunk, the first chunk adding into the current values). The outputs are then read as well as written. */
+#define FCE_LINEAR_CE_ACCUMULATE 1u
 
 /** Initializer of fce_linear_ce_outputs_t: struct_size and every default. */
 #define FCE_LINEAR_CE_OUTPUTS_INIT \
-  { (uint32_t)sizeof(fce_linear_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL }
+  { (uint32_t)sizeof(fce_linear_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0 }
 
 /** Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use
  *  FCE_LINEAR_CE_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are

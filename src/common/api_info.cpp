@@ -19,7 +19,7 @@ FCE_NO_TAIL_PADDING(fce_softmax_options_t, temperatures);
 FCE_NO_TAIL_PADDING(fce_kd_options_t, ignore_index);
 FCE_NO_TAIL_PADDING(fce_kd_teacher_t, topk_logprobs);
 FCE_NO_TAIL_PADDING(fce_kd_outputs_t, grad_loss);
-FCE_NO_TAIL_PADDING(fce_linear_ce_outputs_t, grad_loss);
+FCE_NO_TAIL_PADDING(fce_linear_ce_outputs_t, flags);
 FCE_NO_TAIL_PADDING(fce_build_info_t, cuda_architectures);
 #undef FCE_NO_TAIL_PADDING
 

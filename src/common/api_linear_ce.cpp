@@ -63,6 +63,10 @@ LinearCeProblem linear_ce_problem(fce_handle* h, const DLTensor* hidden, const D
               (long long)p.dbias.n, (long long)V);
     val.output("outputs->dbias", p.dbias.data, Validator::span(p.dbias));
   }
+  FCE_CHECK((out.flags & ~uint64_t(FCE_LINEAR_CE_ACCUMULATE)) == 0, FCE_STATUS_INVALID_ARGUMENT,
+            "outputs->flags is 0x%llx: bits other than FCE_LINEAR_CE_ACCUMULATE (0x%x) are not defined",
+            (unsigned long long)out.flags, FCE_LINEAR_CE_ACCUMULATE);
+  p.accumulate = (out.flags & FCE_LINEAR_CE_ACCUMULATE) != 0;
   if (p.wants_grad()) p.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, N);
   return p;
 }

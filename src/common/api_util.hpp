@@ -1,6 +1,7 @@
 // Pieces of argument validation shared by several entry points.
 #pragma once
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 
 #include "common/error.hpp"
@@ -23,7 +24,12 @@ FCE_STRUCT_TRAITS(fce_softmax_options_t, FCE_SOFTMAX_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_kd_options_t, FCE_KD_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_kd_teacher_t, FCE_KD_TEACHER_INIT)
 FCE_STRUCT_TRAITS(fce_kd_outputs_t, FCE_KD_OUTPUTS_INIT)
-FCE_STRUCT_TRAITS(fce_linear_ce_outputs_t, FCE_LINEAR_CE_OUTPUTS_INIT)
+// Grown in 0.2.0 (flags): 0.1.0's struct ends at grad_loss.
+inline const char* struct_name(const fce_linear_ce_outputs_t*) { return "fce_linear_ce_outputs_t"; }
+inline fce_linear_ce_outputs_t struct_defaults(const fce_linear_ce_outputs_t*) {
+  return fce_linear_ce_outputs_t(FCE_LINEAR_CE_OUTPUTS_INIT);
+}
+constexpr size_t struct_first_size(const fce_linear_ce_outputs_t*) { return offsetof(fce_linear_ce_outputs_t, flags); }
 FCE_STRUCT_TRAITS(fce_build_info_t, FCE_BUILD_INFO_INIT)
 #undef FCE_STRUCT_TRAITS
 

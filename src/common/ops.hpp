@@ -83,6 +83,7 @@ struct LinearCeProblem {
   Vec dbias;
   Vec grad_loss;
   Vec saved_lse;  // backward only
+  bool accumulate = false;  // FCE_LINEAR_CE_ACCUMULATE: add into dhidden, dweight, dbias
   bool wants_grad() const { return dhidden || dweight || dbias; }
 };
 

@@ -78,9 +78,14 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
   if (p.dweight) {
     dW = lay.dweight != SIZE_MAX ? at(ws, lay.dweight) : reinterpret_cast<float*>(p.dweight.data);
     lddw = lay.dweight != SIZE_MAX ? H : p.dweight.ld;
+    if (p.accumulate && lay.dweight != SIZE_MAX)  // the sum starts from the current values, in fp32
+#pragma omp parallel for schedule(static)
+      for (int64_t v = 0; v < V; ++v) load_row(p.dweight, v, dW + size_t(v * H));
   }
   float* db = p.dbias ? at(ws, lay.dbias) : nullptr;
-  if (db) std::fill(db, db + V, 0.f);
+  if (db)
+    for (int64_t v = 0; v < V; ++v)
+      db[v] = p.accumulate ? load(p.dbias.data + dtype_size(p.dbias.dtype) * size_t(v), p.dbias.dtype) : 0.f;
   std::vector<float> bias(p.bias ? size_t(V) : 0);
   for (int64_t v = 0; v < int64_t(bias.size()); ++v) bias[size_t(v)] = load(p.bias.data + dtype_size(p.bias.dtype) * size_t(v), p.bias.dtype);
 
@@ -135,18 +140,21 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       const bool direct = lay.dhidden == SIZE_MAX;
       float* dH = direct ? reinterpret_cast<float*>(row_ptr_mut(p.dhidden, r0)) : at(ws, lay.dhidden);
       const int64_t lddh = direct ? p.dhidden.ld : H;
+      if (p.accumulate && !direct)
+        for (int64_t r = 0; r < rows; ++r) load_row(p.dhidden, r0 + r, dH + size_t(r * H));
       // dhidden reduces over V. OpenBLAS blocks a long reduction differently with its thread count, so
       // the reduction is cut here into slices no longer than any OpenBLAS kernel's reduction block, added
       // in order: the result does not depend on the number of threads.
       for (int64_t v0 = 0; v0 < V; v0 += kReductionSlice)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(H), int(std::min(kReductionSlice, V - v0)),
-                    1.f, L + v0, int(V), W + size_t(v0 * ldw), int(ldw), v0 == 0 ? 0.f : 1.f, dH, int(lddh));
+                    1.f, L + v0, int(V), W + size_t(v0 * ldw), int(ldw), v0 == 0 && !p.accumulate ? 0.f : 1.f, dH,
+                    int(lddh));
       if (!direct)
         for (int64_t r = 0; r < rows; ++r) store_row(p.dhidden, r0 + r, dH + size_t(r * H));
     }
     if (dW)
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(V), int(H), int(rows), 1.f, L, int(V), Hc, int(ldh),
-                  r0 == 0 ? 0.f : 1.f, dW, int(lddw));
+                  r0 == 0 && !p.accumulate ? 0.f : 1.f, dW, int(lddw));
     if (db) {
 #pragma omp parallel for schedule(static)
       for (int64_t v = 0; v < V; ++v)

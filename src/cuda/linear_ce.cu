@@ -101,18 +101,21 @@ __global__ void column_sum_kernel(const T* dl, int64_t ldd, int64_t rows, int64_
   acc[j] = s;
 }
 
+// out = in (or out + in, the sum in fp32), rounded once to O.
 template <class O>
-__global__ void convert_kernel(const float* in, int64_t rows, int64_t cols, int64_t ldi, O* out, int64_t ldo) {
+__global__ void convert_kernel(const float* in, int64_t rows, int64_t cols, int64_t ldi, O* out, int64_t ldo,
+                               bool add) {
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < cols; j += int64_t(gridDim.x) * blockDim.x)
-    out[r * ldo + j] = from_float<O>(in[r * ldi + j]);
+    out[r * ldo + j] = from_float<O>(add ? to_float(out[r * ldo + j]) + in[r * ldi + j] : in[r * ldi + j]);
 }
 
-void convert(cudaStream_t s, const float* in, int64_t rows, int64_t cols, int64_t ldi, void* out, DType ot, int64_t ldo) {
+void convert(cudaStream_t s, const float* in, int64_t rows, int64_t cols, int64_t ldi, void* out, DType ot, int64_t ldo,
+             bool add) {
   const dim3 grid(unsigned(std::min<int64_t>((cols + 255) / 256, 64)), unsigned(std::min<int64_t>(rows, 65535)));
   dispatch_float(ot, [&](auto tag) {
     using O = decltype(tag);
-    convert_kernel<O><<<grid, 256, 0, s>>>(in, rows, cols, ldi, static_cast<O*>(out), ldo);
+    convert_kernel<O><<<grid, 256, 0, s>>>(in, rows, cols, ldi, static_cast<O*>(out), ldo, add);
   });
   check_launch("convert kernel");
 }
@@ -206,13 +209,14 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
       // dhidden (col-major H x rows) = W (H x V, col-major view of [V,H]) * dl (V x rows)
       char* dh = p.dhidden.data + size_t(r0) * size_t(p.dhidden.ld) * dtype_size(p.dhidden.dtype);
       check_blas(api.gemm_ex(blas, CUBLAS_OP_N, CUBLAS_OP_N, int(H), int(rows), int(V), &one, p.weight.data, ct,
-                             int(p.weight.ld), lay.logits, ct, int(ldl), &zero, dh, cuda_type(p.dhidden.dtype),
+                             int(p.weight.ld), lay.logits, ct, int(ldl), p.accumulate ? &one : &zero, dh,
+                             cuda_type(p.dhidden.dtype),
                              int(p.dhidden.ld), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "dhidden GEMM");
     }
     if (dw) {
       // dW (col-major H x V) += hidden^T (H x rows) * dl^T (rows x V)
-      const float b = r0 == 0 ? 0.f : 1.f;
+      const float b = r0 == 0 && !p.accumulate ? 0.f : 1.f;
       check_blas(api.gemm_ex(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(rows), &one, hid, ct,
                              int(p.hidden.ld), lay.logits, ct, int(ldl), &b, dw, dwt, int(lddw), CUBLAS_COMPUTE_32F,
                              CUBLAS_GEMM_DEFAULT),
@@ -227,7 +231,7 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
       check_launch("dbias kernel");
     }
   }
-  if (lay.db_acc) convert(s, lay.db_acc, 1, V, V, p.dbias.data, p.dbias.dtype, V);
+  if (lay.db_acc) convert(s, lay.db_acc, 1, V, V, p.dbias.data, p.dbias.dtype, V, p.accumulate);
   if (!bwd && !none)
     ce_finalize(s, lay.row_loss, lay.row_zl, N, p.o.reduction, lay.prep, reinterpret_cast<float*>(p.loss.data),
                 p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);

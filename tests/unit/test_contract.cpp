@@ -3,6 +3,7 @@
 // with zero-probability classes, KD invariance to a common logit offset, results independent of BLAS
 // threads), and the ABI rules of the header's conventions (growing structs, workspace alignment, device
 // types, the init functions, build info). Every expected value is float64 arithmetic written here.
+#include <cstddef>
 #include <dlfcn.h>
 
 #include <cfloat>
@@ -492,8 +493,10 @@ TEST(Contract, LinearCrossEntropyIndependentOfThreadCounts) {
 namespace {
 // `call(p)` runs one op with the struct at p in place of `base`, every output poisoned first, and returns
 // its status and the bytes of its outputs.
+// first_size: the struct's first published size (sizeof for a struct that has not grown), the smallest
+// struct_size taken; below it is refused.
 template <class T, class Call>
-void check_struct_growth(const char* type_name, const T& base, Call call) {
+void check_struct_growth(const char* type_name, const T& base, Call call, size_t first_size = sizeof(T)) {
   SCOPED_TRACE(type_name);
   constexpr size_t kExtra = 40;
   alignas(16) unsigned char buf[sizeof(T) + kExtra];
@@ -530,8 +533,14 @@ void check_struct_growth(const char* type_name, const T& base, Call call) {
   }
   reset(FCE_MAX_STRUCT_SIZE + 1);
   EXPECT_TRUE(refused("above FCE_MAX_STRUCT_SIZE").second == call.poisoned());
-  reset(uint32_t(sizeof(T) - 4));
-  EXPECT_TRUE(refused("below the library's size").second == call.poisoned());
+  reset(uint32_t(first_size - 4));
+  EXPECT_TRUE(refused("below the struct's first published size").second == call.poisoned());
+  if (first_size < sizeof(T)) {  // an older header's struct: the fields it lacks get their defaults
+    reset(uint32_t(first_size));
+    const auto old = call(p);
+    ASSERT_EQ(old.first, FCE_STATUS_SUCCESS) << fce_last_error_message();
+    EXPECT_TRUE(old.second == plain.second) << "an older header's struct changed the results";
+  }
 }
 
 // One op's call for check_struct_growth: `run(options or outputs pointer)` makes the call; the outputs are
@@ -639,9 +648,10 @@ TEST(Contract, GrowingStructsZeroTailAcceptedNonZeroTailRefused) {
   fce_linear_ce_outputs_t lce = FCE_LINEAR_CE_OUTPUTS_INIT;
   lce.loss = loss.dl();
   lce.dhidden = dh.dl();
+  // Grown in 0.2.0 by `flags`: 0.1.0's struct, which ends before it, is still taken.
   check_struct_growth("fce_linear_ce_outputs_t", lce, growth_call<fce_linear_ce_outputs_t>({&loss, &dh}, [&](fce_handle_t h, const fce_linear_ce_outputs_t* p) {
     return fce_linear_cross_entropy_fwd(h, test_stream(), hid.dl(), w.dl(), nullptr, tg.dl(), &co, p, nullptr, 0);
-  }));
+  }), offsetof(fce_linear_ce_outputs_t, flags));
 }
 
 // fce_build_info fills what it knows and zeroes the rest of a larger struct; refuses a short one.
@@ -887,6 +897,15 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
     for (DLTensor* f : {a.loss, a.lse, a.z_loss, a.argmax, a.entropy, a.dhidden, a.dweight, a.dbias})
       EXPECT_EQ(f, nullptr);
     EXPECT_EQ(a.grad_loss, nullptr);
+    EXPECT_EQ(a.flags, 0u);
+    // 0.1.0's size (before `flags`) is taken and leaves the bytes past it alone; 4 bytes less is refused.
+    std::memset(&a, 0xcd, sizeof(a));
+    FCE_OK(fce_linear_ce_outputs_init(&a, offsetof(fce_linear_ce_outputs_t, flags)));
+    EXPECT_EQ(a.struct_size, offsetof(fce_linear_ce_outputs_t, flags));
+    EXPECT_EQ(a.dweight, nullptr);
+    EXPECT_EQ(a.flags, 0xcdcdcdcdcdcdcdcdull);
+    EXPECT_EQ(fce_linear_ce_outputs_init(&a, offsetof(fce_linear_ce_outputs_t, flags) - 4),
+              FCE_STATUS_INVALID_ARGUMENT);
   }
   EXPECT_EQ(fce_ce_options_init(nullptr, sizeof(fce_ce_options_t)), FCE_STATUS_INVALID_ARGUMENT);
   EXPECT_EQ(fce_linear_ce_outputs_init(nullptr, sizeof(fce_linear_ce_outputs_t)), FCE_STATUS_INVALID_ARGUMENT);

@@ -216,3 +216,87 @@ TEST(LinearCrossEntropy, QueriedWorkspace) {
   lc.grad_dt = DT::BF16;
   run_case(lc);
 }
+
+// FCE_LINEAR_CE_ACCUMULATE adds the gradients into dhidden, dweight and dbias: the forward (fused) and the
+// backward from the saved lse, fp32 and bf16 gradients, one chunk and many (the bf16 dweight then sums
+// chunk by chunk into the current values). Expected: the current values plus the same call's gradients
+// without the flag, within the roundings of both (per chunk for a bf16 dweight). Unknown flag bits are
+// refused with nothing written.
+TEST(LinearCrossEntropy, AccumulateAddsIntoGradients) {
+  const int64_t N = 37, V = 1031, H = 64;
+  Tensor hidden(DT::BF16, {N, H}), weight(DT::BF16, {V, H}), bias(DT::BF16, {V}), targets(DT::I64, {N});
+  fill_logits(hidden, 1.0, false);
+  fill_logits(weight, 0.5, false);
+  fill_logits(bias, 1.0, false);
+  for (int64_t i = 0; i < N; ++i) targets.set_int(i, i % 5 == 3 ? -100 : int64_t(rng()() % uint64_t(V)));
+  targets.upload();
+  std::normal_distribution<double> nd(0, 1);
+  for (DT gdt : {DT::F32, DT::BF16})
+    for (int ws_rows : {0, 5})
+      for (bool bwd : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << dt_name(gdt) << " ws_rows=" << ws_rows << " bwd=" << bwd);
+        Handle h;
+        Tensor loss(DT::F32, {}), lse(DT::F32, {N}), dh(gdt, {N, H}), dw(gdt, {V, H}), db(gdt, {V});
+        fce_linear_ce_outputs_t fo = FCE_LINEAR_CE_OUTPUTS_INIT;
+        fo.loss = loss.dl();
+        fo.lse = lse.dl();
+        FCE_OK(fce_linear_cross_entropy_fwd(h, test_stream(), hidden.dl(), weight.dl(), bias.dl(), targets.dl(), nullptr,
+                                            &fo, nullptr, 0));
+        // Workspace of ws_rows one-token minimums (0: the default).
+        size_t one = 0;
+        {
+          Tensor h1(DT::BF16, {1, H}), t1(DT::I64, {1});
+          fce_linear_ce_outputs_t o1 = FCE_LINEAR_CE_OUTPUTS_INIT;
+          Tensor l1(DT::F32, {}), dh1(gdt, {1, H}), dw1(gdt, {V, H}), db1(gdt, {V});
+          o1.loss = l1.dl(); o1.dhidden = dh1.dl(); o1.dweight = dw1.dl(); o1.dbias = db1.dl();
+          FCE_OK(fce_linear_cross_entropy_fwd_workspace_size(h, h1.dl(), weight.dl(), bias.dl(), t1.dl(), nullptr, &o1,
+                                                             &one));
+        }
+        Tensor ws(DT::F32, {int64_t((one * std::max(ws_rows, 1) + 2 * N * 4) / 4 + 64)});
+        auto run = [&](uint64_t flags) {
+          fce_linear_ce_outputs_t o = FCE_LINEAR_CE_OUTPUTS_INIT;
+          o.dhidden = dh.dl(); o.dweight = dw.dl(); o.dbias = db.dl();
+          o.flags = flags;
+          void* w = ws_rows ? ws.dl()->data : nullptr;
+          const size_t wb = ws_rows ? size_t(ws.size()) * 4 : 0;
+          if (bwd)
+            return fce_linear_cross_entropy_bwd(h, test_stream(), hidden.dl(), weight.dl(), bias.dl(), targets.dl(),
+                                                lse.dl(), nullptr, &o, w, wb);
+          o.loss = loss.dl();
+          return fce_linear_cross_entropy_fwd(h, test_stream(), hidden.dl(), weight.dl(), bias.dl(), targets.dl(),
+                                              nullptr, &o, w, wb);
+        };
+        for (Tensor* t : {&dh, &dw, &db}) { t->poison(); t->upload(); }
+        FCE_OK(run(0));
+        for (Tensor* t : {&dh, &dw, &db}) t->download();
+        const std::vector<double> g[3] = {values(dh), values(dw), values(db)};
+        std::vector<double> g0[3];
+        int k = 0;
+        for (Tensor* t : {&dh, &dw, &db}) {
+          for (int64_t r = 0; r < t->rows(); ++r)
+            for (int64_t c = 0; c < t->cols(); ++c) t->set(t->dl()->ndim == 1 ? c : r, t->dl()->ndim == 1 ? -1 : c,
+                                                          1e-3 * nd(rng()));
+          t->upload();
+          g0[k++] = values(*t);
+        }
+        EXPECT_EQ(run(2), FCE_STATUS_INVALID_ARGUMENT);
+        EXPECT_NE(std::string(fce_last_error_message()).find("flags"), std::string::npos);
+        for (Tensor* t : {&dh, &dw, &db}) t->download();
+        for (int j = 0; j < 3; ++j) EXPECT_TRUE(values(j == 0 ? dh : j == 1 ? dw : db) == g0[j]) << "written by a refused call";
+        FCE_OK(run(FCE_LINEAR_CE_ACCUMULATE));
+        for (Tensor* t : {&dh, &dw, &db}) t->download();
+        const double u = gdt == DT::BF16 ? 1.0 / 256 : 1e-6;
+        const int64_t chunks = ws_rows ? (N + ws_rows - 1) / ws_rows : 1;
+        k = 0;
+        for (Tensor* t : {&dh, &dw, &db}) {
+          const std::vector<double> got = values(*t);
+          const double per = k == 1 ? double(chunks + 1) : 2.0;  // roundings: this call's and the one without
+          for (size_t i = 0; i < got.size(); ++i) {
+            const double want = g0[k][i] + g[k][i];
+            ASSERT_NEAR(got[i], want, per * u * (std::fabs(g0[k][i]) + std::fabs(g[k][i])) + 1e-7)
+                << (k == 0 ? "dhidden" : k == 1 ? "dweight" : "dbias") << " " << i;
+          }
+          ++k;
+        }
+      }
+}

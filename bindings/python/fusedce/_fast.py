@@ -26,6 +26,7 @@ _capturing = torch.cuda.is_current_stream_capturing
 _EAGER = _eager.available
 # The array API's shortest path (ops.cross_entropy_fwd) takes these when _EAGER is set.
 eager_cross_entropy = _eager.cross_entropy if _EAGER else None
+eager_cross_entropy_loss = _eager.cross_entropy_loss if _EAGER else None
 reraise = _eager.reraise
 
 

@@ -207,6 +207,7 @@ typedef struct fce_linear_ce_outputs {
   DLTensor* dweight;
   DLTensor* dbias;
   const DLTensor* grad_loss;
+  uint64_t flags;
 } fce_linear_ce_outputs_t;
 fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs, size_t struct_size);
 fce_status_t fce_linear_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream,
@@ -243,6 +244,7 @@ MACROS = {
     'FCE_MAX_STRUCT_SIZE': 4096,
     'FCE_KD_TEMPERATURE_MIN': 9.999999747378752e-05,
     'FCE_KD_TEMPERATURE_MAX': 100.0,
+    'FCE_LINEAR_CE_ACCUMULATE': 1,
 }
 
 VERSION = '0.2.0'
@@ -320,5 +322,6 @@ INITS = {
         'dweight': None,
         'dbias': None,
         'grad_loss': None,
+        'flags': 0,
     }),
 }

@@ -13,6 +13,7 @@ handle's cached one. Failures raise FusedCEError subclasses carrying the library
 """
 from collections import namedtuple
 
+from ._generated import MACROS
 from ._lib import defaults, ffi
 from ._tensor import Call, is_torch
 
@@ -121,6 +122,10 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
             and not logits.requires_grad):
         # the common torch call, straight to libfusedce_torch's op (fusedce._eager)
         try:
+            if not (lse or z_loss or argmax or entropy) and softcap == 0:  # the loss alone
+                return CrossEntropyOutput(_fast.eager_cross_entropy_loss(
+                    logits, targets, _REDUCTIONS[reduction] if reduction.__class__ is str else int(reduction),
+                    ignore_index, label_smoothing, z_loss_scale, logit_scale, False), None, None, None, None, None)
             return CrossEntropyOutput(*_fast.eager_cross_entropy(
                 logits, targets, None, _REDUCTIONS[reduction] if reduction.__class__ is str else int(reduction),
                 ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, lse, z_loss, argmax, entropy, False),
@@ -268,11 +273,14 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
                              label_smoothing=_CE["label_smoothing"], z_loss_scale=_CE["z_loss_scale"],
                              softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None,
                              lse=True, z_loss=False, argmax=False, entropy=False, dhidden=False, dweight=False,
-                             dbias=False, grad_loss=None, argmax_dtype="int64", handle=None, stream=None,
-                             workspace=None):
+                             dbias=False, grad_loss=None, argmax_dtype="int64", accumulate=False, handle=None,
+                             stream=None, workspace=None):
     """fce_linear_cross_entropy_fwd: cross-entropy of hidden [N, H] @ weight[V, H]^T (+ bias [V]) without
-    materializing the logits; gradients asked for are computed in the same call.
+    materializing the logits; gradients asked for are computed in the same call. accumulate=True adds them
+    into the arrays given as dhidden/dweight/dbias (FCE_LINEAR_CE_ACCUMULATE: gradient accumulation, e.g. an
+    fp32 main_grad) instead of overwriting them.
     Returns LinearCrossEntropyOutput(loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias)."""
+    _accumulating(accumulate, dhidden, dweight, dbias)
     c = Call(hidden, handle, stream)
     targets = c.native(targets)
     n = _rows(hidden)
@@ -295,6 +303,7 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
     outs.dweight = c.dl(dw_a, True)
     outs.dbias = c.dl(db_a, True)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
+    outs.flags = _ACCUMULATE if accumulate else 0
     c.run("fce_linear_cross_entropy_fwd", c.dl(hidden), c.dl(c.native(weight)),
           c.dl(None if bias is None else c.native(bias)), c.dl(targets), opts, outs, workspace=workspace)
     return LinearCrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dh_a, dw_a, db_a)
@@ -309,10 +318,12 @@ def linear_cross_entropy_bwd(hidden, weight, targets, lse, *, bias=None, dhidden
                              grad_loss=None, reduction=_NAME["reduction"][_CE["reduction"]],
                              ignore_index=_CE["ignore_index"], label_smoothing=_CE["label_smoothing"],
                              z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"],
-                             logit_scale=_CE["logit_scale"], class_weights=None, handle=None, stream=None,
-                             workspace=None):
+                             logit_scale=_CE["logit_scale"], class_weights=None, accumulate=False, handle=None,
+                             stream=None, workspace=None):
     """fce_linear_cross_entropy_bwd: the gradients asked for (dbias defaults to "if there is a bias"),
-    recomputing the logits chunk by chunk from the forward's lse. Returns LinearCrossEntropyGrads."""
+    recomputing the logits chunk by chunk from the forward's lse; accumulate=True adds them into the arrays
+    given (as linear_cross_entropy_fwd). Returns LinearCrossEntropyGrads."""
+    _accumulating(accumulate, dhidden, dweight, dbias)
     c = Call(hidden, handle, stream)
     targets = c.native(targets)
     if dbias is None:
@@ -326,10 +337,22 @@ def linear_cross_entropy_bwd(hidden, weight, targets, lse, *, bias=None, dhidden
     outs.dweight = c.dl(dw_a, True)
     outs.dbias = c.dl(db_a, True)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
+    outs.flags = _ACCUMULATE if accumulate else 0
     c.run("fce_linear_cross_entropy_bwd", c.dl(hidden), c.dl(c.native(weight)),
           c.dl(None if bias is None else c.native(bias)), c.dl(targets), c.dl(c.native(lse)), opts, outs,
           workspace=workspace)
     return LinearCrossEntropyGrads(dh_a, dw_a, db_a)
+
+
+_ACCUMULATE = MACROS["FCE_LINEAR_CE_ACCUMULATE"]
+
+
+def _accumulating(accumulate, *grads):
+    """accumulate=True adds into arrays the caller gives: a gradient asked for with True would be allocated
+    here, uninitialized, and adding into it is never meant."""
+    if accumulate and any(g is True for g in grads):
+        raise ValueError("accumulate=True adds into the arrays given as dhidden/dweight/dbias; pass arrays, "
+                         "not True")
 
 
 def _no_bias():

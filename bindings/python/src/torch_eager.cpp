@@ -296,9 +296,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cross_entropy(
     if (weight) node->weight = torch::autograd::SavedVariable(*weight, false);
     node->lse = torch::autograd::SavedVariable(out[1], false);
   }
+  if (!want_lse) out[1] = Tensor();  // the backward's own (saved above), not returned
   for (int k : {0, 1, 2, 4})
     if (out[k].defined()) torch::autograd::set_history(out[k], node);
-  if (!want_lse) out[1] = Tensor();
   return {out[0], out[1], out[2], out[3], out[4]};
 }
 

@@ -456,3 +456,30 @@ def test_python_side_errors():
     ro.flags.writeable = False
     with pytest.raises(ValueError):
         fusedce.logsumexp(X, out=ro)
+
+
+def test_linear_cross_entropy_accumulate_adds_into_the_arrays_given():
+    """accumulate=True (FCE_LINEAR_CE_ACCUMULATE) adds the gradients into dhidden/dweight/dbias as given, in
+    the forward and the backward; True (an array allocated here) is refused."""
+    rng = np.random.default_rng(21)
+    n, h, v = 9, 6, 37
+    hid = rng.standard_normal((n, h)).astype(np.float32)
+    w = rng.standard_normal((v, h)).astype(np.float32)
+    b = rng.standard_normal(v).astype(np.float32)
+    t = rng.integers(0, v, n)
+    t[2] = -100
+    plain = fusedce.linear_cross_entropy_fwd(hid, w, t, bias=b, dhidden=True, dweight=True, dbias=True)
+    starts = [rng.standard_normal(a.shape).astype(np.float32) for a in (plain.dhidden, plain.dweight, plain.dbias)]
+    got = [s.copy() for s in starts]
+    out = fusedce.linear_cross_entropy_fwd(hid, w, t, bias=b, dhidden=got[0], dweight=got[1], dbias=got[2],
+                                           accumulate=True)
+    for g, s, p in zip(got, starts, (plain.dhidden, plain.dweight, plain.dbias)):
+        np.testing.assert_allclose(g, s + p, rtol=1e-5, atol=1e-6)
+    assert out.dweight is got[1]
+    got = [s.copy() for s in starts]
+    fusedce.linear_cross_entropy_bwd(hid, w, t, plain.lse, bias=b, dhidden=got[0], dweight=got[1], dbias=got[2],
+                                     accumulate=True)
+    for g, s, p in zip(got, starts, (plain.dhidden, plain.dweight, plain.dbias)):
+        np.testing.assert_allclose(g, s + p, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="accumulate"):
+        fusedce.linear_cross_entropy_fwd(hid, w, t, dweight=True, accumulate=True)

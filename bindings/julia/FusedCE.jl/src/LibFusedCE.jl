@@ -19,6 +19,7 @@ const FCE_WORKSPACE_ALIGNMENT = 16
 const FCE_MAX_STRUCT_SIZE = 4096
 const FCE_KD_TEMPERATURE_MIN = 1.0f-4
 const FCE_KD_TEMPERATURE_MAX = 100.0f0
+const FCE_LINEAR_CE_ACCUMULATE = 1
 
 # ---- types and functions, in header order ----
 
@@ -762,7 +763,7 @@ end
 
 """
 Outputs of linear cross-entropy. Initialize with FCE_LINEAR_CE_OUTPUTS_INIT. Gradients are written
-(not accumulated into), each formed with fp32 accumulation. dhidden and dbias are rounded once to their
+(added into with FCE_LINEAR_CE_ACCUMULATE), each formed with fp32 accumulation. dhidden and dbias are rounded once to their
 dtype, and so is dweight on the CPU and whenever it is fp32. On CUDA a bf16/fp16 dweight is accumulated
 over the token chunks in its own dtype by the GEMM's fp32 compute, so it is rounded once per chunk
 (ceil(N / C) chunks of C tokens; the default workspace holds about 448 MiB / (V * 2 bytes) tokens): no
@@ -790,8 +791,11 @@ struct fce_linear_ce_outputs
     dbias::Ptr{DLTensor}
     # upstream gradient as in fce_ce_outputs_t; NULL = 1
     grad_loss::Ptr{DLTensor}
+    # FCE_LINEAR_CE_* bits; default 0. Other bits are FCE_STATUS_INVALID_ARGUMENT. (Since 0.2.0: a
+    #  struct_size of an older header, which ends before this field, means 0.)
+    flags::UInt64
 end
-@assert sizeof(fce_linear_ce_outputs) == 80
+@assert sizeof(fce_linear_ce_outputs) == 88
 @assert fieldoffset(fce_linear_ce_outputs, 1) == 0
 @assert fieldoffset(fce_linear_ce_outputs, 2) == 8
 @assert fieldoffset(fce_linear_ce_outputs, 3) == 16
@@ -802,6 +806,7 @@ end
 @assert fieldoffset(fce_linear_ce_outputs, 8) == 56
 @assert fieldoffset(fce_linear_ce_outputs, 9) == 64
 @assert fieldoffset(fce_linear_ce_outputs, 10) == 72
+@assert fieldoffset(fce_linear_ce_outputs, 11) == 80
 
 const fce_linear_ce_outputs_t = fce_linear_ce_outputs
 
@@ -952,7 +957,8 @@ const FCE_LINEAR_CE_OUTPUTS_INIT = fce_linear_ce_outputs_t(
     C_NULL,
     C_NULL,
     C_NULL,
-    C_NULL)
+    C_NULL,
+    0)
 
 # ---- symbol resolution ----
 const _fptr_fce_version_number = Ref{Ptr{Cvoid}}(C_NULL)

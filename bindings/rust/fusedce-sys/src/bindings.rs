@@ -9,6 +9,7 @@ pub const FCE_WORKSPACE_ALIGNMENT: u32 = 16;
 pub const FCE_MAX_STRUCT_SIZE: u32 = 4096;
 pub const FCE_KD_TEMPERATURE_MIN: f64 = 0.0001;
 pub const FCE_KD_TEMPERATURE_MAX: f64 = 100.0;
+pub const FCE_LINEAR_CE_ACCUMULATE: u32 = 1;
 pub const kDLCPU: DLDeviceType = 1;
 pub const kDLCUDA: DLDeviceType = 2;
 pub const kDLCUDAHost: DLDeviceType = 3;
@@ -1821,7 +1822,7 @@ extern "C" {
     ) -> fce_status_t;
 }
 #[doc = " Outputs of linear cross-entropy. Initialize with FCE_LINEAR_CE_OUTPUTS_INIT. Gradients are written"]
-#[doc = " (not accumulated into), each formed with fp32 accumulation. dhidden and dbias are rounded once to their"]
+#[doc = " (added into with FCE_LINEAR_CE_ACCUMULATE), each formed with fp32 accumulation. dhidden and dbias are rounded once to their"]
 #[doc = " dtype, and so is dweight on the CPU and whenever it is fp32. On CUDA a bf16/fp16 dweight is accumulated"]
 #[doc = " over the token chunks in its own dtype by the GEMM's fp32 compute, so it is rounded once per chunk"]
 #[doc = " (ceil(N / C) chunks of C tokens; the default workspace holds about 448 MiB / (V * 2 bytes) tokens): no"]
@@ -1850,12 +1851,15 @@ pub struct fce_linear_ce_outputs {
     pub dbias: *mut DLTensor,
     #[doc = "< upstream gradient as in fce_ce_outputs_t; NULL = 1"]
     pub grad_loss: *const DLTensor,
+    #[doc = " FCE_LINEAR_CE_* bits; default 0. Other bits are FCE_STATUS_INVALID_ARGUMENT. (Since 0.2.0: a"]
+    #[doc = "  struct_size of an older header, which ends before this field, means 0.)"]
+    pub flags: u64,
 }
 #[test]
 fn bindgen_test_layout_fce_linear_ce_outputs() {
     assert_eq!(
         ::std::mem::size_of::<fce_linear_ce_outputs>(),
-        80usize,
+        88usize,
         concat!("Size of: ", stringify!(fce_linear_ce_outputs))
     );
     assert_eq!(
@@ -2033,9 +2037,26 @@ fn bindgen_test_layout_fce_linear_ce_outputs() {
         );
     }
     test_field_grad_loss();
+    fn test_field_flags() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_linear_ce_outputs>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).flags) as usize - ptr as usize
+            },
+            80usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_linear_ce_outputs),
+                "::",
+                stringify!(flags)
+            )
+        );
+    }
+    test_field_flags();
 }
 #[doc = " Outputs of linear cross-entropy. Initialize with FCE_LINEAR_CE_OUTPUTS_INIT. Gradients are written"]
-#[doc = " (not accumulated into), each formed with fp32 accumulation. dhidden and dbias are rounded once to their"]
+#[doc = " (added into with FCE_LINEAR_CE_ACCUMULATE), each formed with fp32 accumulation. dhidden and dbias are rounded once to their"]
 #[doc = " dtype, and so is dweight on the CPU and whenever it is fp32. On CUDA a bf16/fp16 dweight is accumulated"]
 #[doc = " over the token chunks in its own dtype by the GEMM's fp32 compute, so it is rounded once per chunk"]
 #[doc = " (ceil(N / C) chunks of C tokens; the default workspace holds about 448 MiB / (V * 2 bytes) tokens): no"]
