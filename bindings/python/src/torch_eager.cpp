@@ -10,8 +10,10 @@
 // Python turns that into the binding's exception class with the library's message (still in this thread).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#ifdef FCE_TORCH_CUDA  // a CUDA build of torch (meson.build); a CPU-only torch has no CUDA tensors
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+#endif
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
@@ -70,6 +72,7 @@ Where locate(const Tensor& x) {
   // one synchronizes the device, which a thread's exit must not do behind the user's back).
   thread_local std::map<std::tuple<int, int, void*>, fce_handle_t> handles;
   Where w{};
+#ifdef FCE_TORCH_CUDA
   if (x.is_cuda()) {
     const int idx = x.get_device();
     cudaStream_t s = c10::cuda::getCurrentCUDAStream(idx).stream();
@@ -77,7 +80,9 @@ Where locate(const Tensor& x) {
     w.device = DLDevice{kDLCUDA, idx};
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     w.capturing = cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
-  } else {
+  } else
+#endif
+  {
     w.stream = nullptr;
     w.device = DLDevice{kDLCPU, 0};
     w.capturing = false;
