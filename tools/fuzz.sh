@@ -56,7 +56,7 @@ if [ ! -x "$OUT/fuzz_api" ] || [ "$(cat "$OUT/stamp" 2>/dev/null)" != "$stamp" ]
     if [ ${#pids[@]} -ge "$(nproc)" ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
   done
   for p in "${pids[@]}"; do wait "$p"; done
-  $CXX $CXXFLAGS -fsanitize=fuzzer tests/fuzz/fuzz_api.cpp "${objs[@]}" -lopenblas -o "$OUT/fuzz_api"
+  $CXX $CXXFLAGS -fsanitize=fuzzer tests/fuzz/fuzz_api.cpp "${objs[@]}" -lopenblas -lhwy -o "$OUT/fuzz_api"
   echo "$stamp" > "$OUT/stamp"
 fi
 [ "$mode" = build ] && exit 0

@@ -20,7 +20,7 @@ rm -rf $G/bin/*.p
 for b in "$BUILD"/benchmarks/bench_* "$BUILD"/examples/demo_real_cuda "$BUILD"/examples/quickstart; do
   if [ -f "$b" ] && [ -x "$b" ]; then cp "$b" $G/bin/; fi
 done
-for l in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libcjson.so.1; do
+for l in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libcjson.so.1 libhwy.so.1; do
   # no early exit in awk: ldconfig would die of SIGPIPE, which pipefail turns into a failed pack
   p=$(ldconfig -p | awk -v l="$l" '$1 == l && !f {print $NF; f = 1}')
   [ -n "$p" ] && cp -L "$p" $G/lib/

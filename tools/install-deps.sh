@@ -4,7 +4,7 @@
 # everything is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-APT_PKGS=(meson ninja-build pkg-config g++ libdlpack-dev libopenblas-dev libgtest-dev libcjson-dev
+APT_PKGS=(meson ninja-build pkg-config g++ libdlpack-dev libopenblas-dev libhwy-dev libgtest-dev libcjson-dev
           python3 python3-pip)
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 apt_install() {  # installs the named Debian packages that are missing

@@ -51,7 +51,9 @@
  * Errors: every function returns an fce_status_t. On failure a per-thread message is available from
  * fce_last_error_message(), and no output tensor has been written (validation precedes all writes).
  * Determinism: results are bitwise identical run to run on the same device and library build (fixed-order
- * reductions, no floating-point atomics).
+ * reductions, no floating-point atomics), and on a CPU handle whatever the number of threads. The CPU
+ * backend's vector kernels are chosen at run time for the CPU's instruction set, so CPUs of different vector
+ * widths (e.g. AVX2 and AVX-512) may differ in the last bits.
  */
 #ifndef FUSEDCE_FUSEDCE_H_
 #define FUSEDCE_FUSEDCE_H_

@@ -133,13 +133,13 @@ struct KdTerm {
 // NaN; +inf logits keep inf - inf = NaN). x - m must not overflow fp32 (|x| and |m| near FLT_MAX), or a
 // huge T would lose the true difference: the GPU forms it halved, fma(x, 1/2, -m/2) * (2/T), exact for
 // normal numbers and as cheap as (x - m) * (1/T) (where 2/T overflows, at a subnormal T, x - m overflowing
-// gives -inf rightly); the CPU in double. T = +inf gives 0 for every finite logit.
+// gives -inf rightly); the CPU's vector kernel (simd::softmax_exp) forms the same. T = +inf gives 0 for every
+// finite logit. operator() is the scalar form.
 struct SoftmaxShift {
   float m;     // the max, or NaN when it is +inf (then no logit compares equal to it)
-  float mraw;  // the max as it is
   float inv_t;
   float a, b, c;  // (x - m)/T = fma(x, a, b) * c
-  FCE_HD SoftmaxShift(float max, float inv_t_) : m(max < INFINITY ? max : NAN), mraw(max), inv_t(inv_t_) {
+  FCE_HD SoftmaxShift(float max, float inv_t_) : m(max < INFINITY ? max : NAN), inv_t(inv_t_) {
     const bool big = inv_t_ > 0x1p127f;
     a = big ? 1.f : 0.5f;
     b = -a * max;
@@ -148,11 +148,7 @@ struct SoftmaxShift {
   FCE_HD float operator()(float x) const {
     if (x == -INFINITY) return -INFINITY;
     if (x == m) return 0.f;
-#if defined(__CUDA_ARCH__)
     return fmaf(x, a, b) * c;
-#else
-    return float((double(x) - double(mraw)) * double(inv_t));
-#endif
   }
 };
 // Largest temperature at which the softmax's lean kernels may form (x - max)/T directly: an overflowing

@@ -1,5 +1,6 @@
 // Cross-entropy on one fp32 row, shared by the cross-entropy and linear cross-entropy CPU backends.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -7,6 +8,7 @@
 #include "common/math.hpp"
 #include "common/ops.hpp"
 #include "cpu/cpu_util.hpp"
+#include "cpu/simd.hpp"
 
 namespace fce::cpu {
 
@@ -29,6 +31,14 @@ struct CeContext {
     }
   }
   float weight(int64_t j) const { return w.empty() ? 1.f : w[size_t(j)]; }
+  const float* weights() const { return w.empty() ? nullptr : w.data(); }
+  bool identity() const { return tf.softcap == 0.f && tf.scale == 1.f; }
+  // The transformed logits of raw row x: x itself for the identity transform, else zbuf (may be x).
+  const float* transformed(const float* x, float* zbuf) const {
+    if (identity()) return x;
+    simd::transform(tf, x, V, zbuf);
+    return zbuf;
+  }
   bool ignored(int64_t t) const { return t == o.ignore_index; }
   bool in_range(int64_t t) const { return t >= 0 && t < V; }
 
@@ -53,38 +63,33 @@ struct CeContext {
 struct CeRow {
   float lse = 0, loss = 0, z_loss = 0, entropy = 0;
   int64_t argmax = 0;
+  const float* z = nullptr;  // the transformed logits (CeContext::transformed)
 };
 
-// x: raw logits (fp32, V); z: scratch receiving the transformed logits.
-inline CeRow ce_row_forward(const CeContext& c, const float* x, float* z, int64_t target) {
+// x: raw logits (fp32, V); zbuf: scratch for the transformed logits (may be x).
+inline CeRow ce_row_forward(const CeContext& c, const float* x, float* zbuf, int64_t target, bool want_argmax) {
   const int64_t V = c.V;
   CeRow r;
   // Max and argmax of the raw row first (NaN counts as the largest, lowest index wins).
-  float xmax = x[0];
-  int64_t amax = 0;
-  bool nan_seen = std::isnan(xmax);
-  for (int64_t j = 1; j < V && !nan_seen; ++j) {
-    if (std::isnan(x[j])) { amax = j; xmax = x[j]; nan_seen = true; }
-    else if (x[j] > xmax) { xmax = x[j]; amax = j; }
-  }
-  r.argmax = amax;
-  const float m = c.tf(xmax);
-  double s = 0, sz = 0, swz = 0;
+  const simd::MaxNan mx = simd::max_nan(x, V);
+  if (want_argmax) r.argmax = simd::find_first(x, V, mx.nan ? NAN : mx.max);
+  const float* z = r.z = c.transformed(x, zbuf);
   const bool smooth = c.o.label_smoothing > 0.f;
-  for (int64_t j = 0; j < V; ++j) {
-    const float zj = c.tf(x[j]);
-    z[j] = zj;
-    const float e = std::exp(zj - m);
-    s += e;
-    if (e > 0.f) sz += double(e) * zj;
-    if (smooth) swz += double(c.weight(j)) * zj;
-  }
-  if (m == -INFINITY) {  // every logit -inf: no distribution
+  double swz = 0;
+  const float m = simd::transform1(c.tf, mx.max);
+  if (mx.nan) {
+    r.lse = r.entropy = NAN;
+  } else if (m == -INFINITY) {  // every logit -inf: no distribution
     r.lse = -INFINITY;
     r.entropy = NAN;
-  } else {
-    r.lse = float(double(m) + std::log(s));
-    r.entropy = float(double(r.lse) - sz / s);
+  }
+  if (!mx.nan) {
+    const simd::CeSums s = simd::ce_sums(z, V, m, c.weights(), smooth);
+    swz = s.swz;
+    if (m != -INFINITY) {
+      r.lse = float(double(m) + std::log(s.s));
+      r.entropy = float(double(r.lse) - s.sz / s.s);
+    }
   }
   if (c.ignored(target)) return r;
   if (!c.in_range(target)) {
@@ -104,18 +109,15 @@ inline CeRow ce_row_forward(const CeContext& c, const float* x, float* z, int64_
 inline void ce_row_grad(const CeContext& c, const float* z, float lse, int64_t target, float g, float* dx) {
   const int64_t V = c.V;
   if (!c.ignored(target) && !c.in_range(target)) {  // NaN whatever the upstream gradient (the contract)
-    for (int64_t j = 0; j < V; ++j) dx[j] = NAN;
+    std::fill(dx, dx + V, NAN);
     return;
   }
   if (c.ignored(target) || g == 0.f) {
-    for (int64_t j = 0; j < V; ++j) dx[j] = 0.f;
+    std::fill(dx, dx + V, 0.f);
     return;
   }
   const CeGrad grad(g, c.o.label_smoothing, c.weight(target), float(c.W), 1.f / float(V), c.o.z_loss_scale, lse);
-  for (int64_t j = 0; j < V; ++j) {
-    const float dz = grad(std::exp(z[j] - lse), c.weight(j), j == target);
-    dx[j] = dz * c.tf.derivative(z[j]);
-  }
+  simd::ce_grad(z, V, lse, grad, c.weights(), target, c.tf, dx);
 }
 
 // Writes the SUM or MEAN of per-row losses (fixed order: deterministic whatever the thread count).

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/tensor.hpp"
+#include "cpu/simd.hpp"
 
 namespace fce::cpu {
 
@@ -107,19 +108,22 @@ inline const char* row_ptr(const Mat& m, int64_t r) {
 }
 inline char* row_ptr_mut(const Mat& m, int64_t r) { return const_cast<char*>(row_ptr(m, r)); }
 
-// Converts one row to fp32.
-inline void load_row(const Mat& m, int64_t r, float* out) {
-  const char* p = row_ptr(m, r);
-  const size_t es = dtype_size(m.dtype);
-  if (m.dtype == DType::F32) { std::memcpy(out, p, sizeof(float) * size_t(m.cols)); return; }
-  for (int64_t j = 0; j < m.cols; ++j) out[j] = load(p + es * size_t(j), m.dtype);
-}
+// Converts one row to fp32, and back (round to nearest even).
+inline void load_row(const Mat& m, int64_t r, float* out) { simd::to_f32(row_ptr(m, r), m.dtype, m.cols, out); }
+inline void store_row(const Mat& m, int64_t r, const float* in) { simd::from_f32(in, m.cols, m.dtype, row_ptr_mut(m, r)); }
 
-inline void store_row(const Mat& m, int64_t r, const float* in) {
-  char* p = row_ptr_mut(m, r);
-  const size_t es = dtype_size(m.dtype);
-  if (m.dtype == DType::F32) { std::memcpy(p, in, sizeof(float) * size_t(m.cols)); return; }
-  for (int64_t j = 0; j < m.cols; ++j) store(p + es * size_t(j), m.dtype, in[j]);
+// Row r as fp32 without a copy where m is fp32: the row itself, else `buf` holding it converted.
+inline const float* row_in(const Mat& m, int64_t r, float* buf) {
+  if (m.dtype == DType::F32) return reinterpret_cast<const float*>(row_ptr(m, r));
+  load_row(m, r, buf);
+  return buf;
+}
+// Where to form row r of an output: the row itself where m is fp32, else `buf`, which row_out_done stores.
+inline float* row_out(const Mat& m, int64_t r, float* buf) {
+  return m.dtype == DType::F32 ? reinterpret_cast<float*>(row_ptr_mut(m, r)) : buf;
+}
+inline void row_out_done(const Mat& m, int64_t r, const float* buf) {
+  if (m.dtype != DType::F32) store_row(m, r, buf);
 }
 
 inline float load_f32(const Vec& v, int64_t i) { return load(v.data + 4 * size_t(v.scalar ? 0 : i), DType::F32); }

@@ -15,17 +15,19 @@ void ce(const CeProblem& p, Workspace) {
 
 #pragma omp parallel
   {
-    std::vector<float> x(static_cast<size_t>(V)), z(static_cast<size_t>(V));
+    simd::Row xbuf(V), zbuf(V), gbuf(V);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
       const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
-      load_row(p.logits, i, x.data());
+      const float* x = row_in(p.logits, i, xbuf.data());
       float lse;
+      const float* z;
       if (p.backward()) {
         lse = load_f32(p.saved_lse, i);
-        for (int64_t j = 0; j < V; ++j) z[size_t(j)] = c.tf(x[size_t(j)]);
+        z = c.transformed(x, zbuf.data());
       } else {
-        const CeRow r = ce_row_forward(c, x.data(), z.data(), t);
+        const CeRow r = ce_row_forward(c, x, zbuf.data(), t, static_cast<bool>(p.argmax));
+        z = r.z;
         lse = r.lse;
         row_loss[size_t(i)] = r.loss;
         row_zl[size_t(i)] = r.z_loss;
@@ -37,9 +39,10 @@ void ce(const CeProblem& p, Workspace) {
           if (p.z_loss) store_f32(p.z_loss, i, r.z_loss);
         }
       }
-      if (want_grad) {
-        ce_row_grad(c, z.data(), lse, t, c.grad_scale(p.grad_loss, i, denom), x.data());
-        store_row(p.dlogits, i, x.data());
+      if (want_grad) {  // z is read whole before dx is written (dlogits may be the logits, or z)
+        float* dx = row_out(p.dlogits, i, gbuf.data());
+        ce_row_grad(c, z, lse, t, c.grad_scale(p.grad_loss, i, denom), dx);
+        row_out_done(p.dlogits, i, dx);
       }
     }
   }

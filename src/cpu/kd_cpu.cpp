@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -8,26 +9,6 @@
 namespace fce::cpu {
 
 size_t kd_workspace(const KdProblem&) { return 0; }
-
-namespace {
-
-// Log-softmax of x[0..n) / T from max-shifted values: u_j = (x_j - max) / T in double (the difference is
-// exact), log q_j = u_j - log sum_k e^(u_k), rounded once to fp32, so no error grows with a common offset
-// of the logits. -inf stays -inf; NaN, or a row without a finite value, gives NaN everywhere.
-void log_softmax(const float* x, int64_t n, double inv_t, float* out) {
-  float m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) m = std::fmax(m, x[j]);
-  if (m == -INFINITY) {
-    for (int64_t j = 0; j < n; ++j) out[j] = NAN;
-    return;
-  }
-  double s = 0;
-  for (int64_t j = 0; j < n; ++j) s += std::exp((double(x[j]) - double(m)) * inv_t);
-  const double log_s = std::log(s);
-  for (int64_t j = 0; j < n; ++j) out[j] = float((double(x[j]) - double(m)) * inv_t - log_s);
-}
-
-}  // namespace
 
 void kd(const KdProblem& p, Workspace) {
   const int64_t N = p.student.rows, V = p.student.cols;
@@ -52,27 +33,25 @@ void kd(const KdProblem& p, Workspace) {
 
 #pragma omp parallel
   {
-    const size_t nt = size_t(p.topk() ? K : V);
-    std::vector<float> xs(static_cast<size_t>(V)), lq(static_cast<size_t>(V)), xt(nt), lpt(nt), a(nt),
-        grad(static_cast<size_t>(V)), sel(nt), lsel(nt);
+    const int64_t nt = p.topk() ? K : V;
+    simd::Row xsbuf(V), lq(V), gbuf(V), xt(nt), lpt(nt), a(nt), sel(nt), lsel(nt);
     std::vector<int64_t> ids(static_cast<size_t>(K));
+    auto log_softmax = [&](const float* x, int64_t n, float* out) {  // NaN everywhere for a row without one
+      if (!simd::log_softmax(x, n, float(inv_t), out)) std::fill(out, out + n, NAN);
+    };
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
       const bool masked = masked_row(i);
-      load_row(p.student, i, xs.data());
-      log_softmax(xs.data(), V, inv_t, lq.data());
-      double loss = 0, asum = 0;
+      const float* xs = row_in(p.student, i, xsbuf.data());
+      log_softmax(xs, V, lq.data());
+      double loss = 0;
+      float A = 0.f;
       bool bad = false;
       if (!p.topk()) {
-        load_row(p.teacher, i, xt.data());
-        log_softmax(xt.data(), V, inv_t, lpt.data());
-        for (int64_t j = 0; j < V; ++j) {
-          float aj;
-          loss += term(lpt[size_t(j)], lq[size_t(j)], &aj);
-          a[size_t(j)] = aj;
-          asum += aj;
-        }
-        for (int64_t j = 0; j < V; ++j) grad[size_t(j)] = kd_grad(a[size_t(j)], std::exp(lq[size_t(j)]), float(asum), 1.f);
+        log_softmax(row_in(p.teacher, i, xt.data()), V, lpt.data());
+        const simd::KdSums ks = simd::kd_terms(term, lpt.data(), lq.data(), V, a.data());
+        loss = ks.loss;
+        A = float(ks.asum);
       } else {
         // Teacher over its K ids: softmax_K(logprobs / T); negative ids are unused slots.
         const char* idrow = row_ptr(p.topk_ids, i);
@@ -80,49 +59,53 @@ void kd(const KdProblem& p, Workspace) {
         for (int64_t k = 0; k < K; ++k) {
           ids[size_t(k)] = load_index(idrow, p.topk_ids.dtype, k);
           if (ids[size_t(k)] >= V) bad = true;
-          xt[size_t(k)] = ids[size_t(k)] >= 0 ? load(lprow + 4 * size_t(k), DType::F32) : -INFINITY;
-          sel[size_t(k)] = ids[size_t(k)] >= 0 && !bad ? xs[size_t(ids[size_t(k)])] : -INFINITY;
+          xt[k] = ids[size_t(k)] >= 0 ? load(lprow + 4 * size_t(k), DType::F32) : -INFINITY;
+          sel[k] = ids[size_t(k)] >= 0 && !bad ? xs[ids[size_t(k)]] : -INFINITY;
         }
         if (!masked && !bad) {
-          log_softmax(xt.data(), K, inv_t, lpt.data());
-          if (renorm) log_softmax(sel.data(), K, inv_t, lsel.data());
-          float A = 0.f;
+          log_softmax(xt.data(), K, lpt.data());
+          if (renorm) log_softmax(sel.data(), K, lsel.data());
+          double asum = 0;
           for (int64_t k = 0; k < K; ++k) {
-            a[size_t(k)] = 0.f;
+            a[k] = 0.f;
             if (ids[size_t(k)] < 0) continue;
-            const float lqk = renorm ? lsel[size_t(k)] : lq[size_t(ids[size_t(k)])];
+            const float lqk = renorm ? lsel[k] : lq[ids[size_t(k)]];
             float ak;
-            loss += term(lpt[size_t(k)], lqk, &ak);
-            a[size_t(k)] = ak;
+            loss += term(lpt[k], lqk, &ak);
+            a[k] = ak;
             asum += ak;
           }
           A = float(asum);
+        }
+      }
+      if (bad && !masked) loss = NAN;
+      row_loss[size_t(i)] = masked ? 0.0 : loss * t2;
+      if (p.o.reduction == FCE_REDUCTION_NONE) store_f32(p.loss, i, float(row_loss[size_t(i)]));
+      if (!p.dstudent) continue;
+      float* grad = row_out(p.dstudent, i, gbuf.data());  // x and lq are read whole: dstudent may be the student
+      if (masked) {
+        std::fill(grad, grad + V, 0.f);
+      } else if (bad) {
+        std::fill(grad, grad + V, NAN);
+      } else {
+        float g = p.grad_loss ? load_f32(p.grad_loss, i) : 1.f;
+        if (p.o.reduction == FCE_REDUCTION_MEAN) g = float(double(g) / double(used));
+        const float s = g * t2 * float(inv_t);
+        auto scaled = [s](float v) { return (s == 0.f && std::isinf(v)) ? 0.f : v * s; };
+        if (!p.topk()) {
+          simd::kd_grad_row(a.data(), lq.data(), V, A, s, grad);
+        } else {
           // -q_j A everywhere (full vocabulary), then a_k - q_k A at the ids.
-          for (int64_t j = 0; j < V; ++j) grad[size_t(j)] = renorm ? 0.f : kd_grad(0.f, std::exp(lq[size_t(j)]), A, 1.f);
+          if (renorm) std::fill(grad, grad + V, 0.f);
+          else simd::kd_grad_row(nullptr, lq.data(), V, A, s, grad);
           for (int64_t k = 0; k < K; ++k) {
             const int64_t id = ids[size_t(k)];
             if (id < 0) continue;
-            grad[size_t(id)] = kd_grad(a[size_t(k)], std::exp(renorm ? lsel[size_t(k)] : lq[size_t(id)]), A, 1.f);
+            grad[id] = scaled(kd_grad(a[k], std::exp(renorm ? lsel[k] : lq[id]), A, 1.f));
           }
         }
       }
-      if (bad && !masked) {
-        loss = NAN;
-        for (float& g : grad) g = NAN;
-      }
-      row_loss[size_t(i)] = masked ? 0.0 : loss * t2;
-      if (p.o.reduction == FCE_REDUCTION_NONE) store_f32(p.loss, i, float(row_loss[size_t(i)]));
-      if (p.dstudent) {
-        if (masked) {
-          for (float& g : grad) g = 0.f;
-        } else {
-          float g = p.grad_loss ? load_f32(p.grad_loss, i) : 1.f;
-          if (p.o.reduction == FCE_REDUCTION_MEAN) g = float(double(g) / double(used));
-          const float s = g * t2 * float(inv_t);
-          for (float& v : grad) v = (s == 0.f && std::isinf(v)) ? 0.f : v * s;
-        }
-        store_row(p.dstudent, i, grad.data());
-      }
+      row_out_done(p.dstudent, i, grad);
     }
   }
   double sum = 0;

@@ -115,9 +115,9 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       float lse;
       if (bwd) {
         lse = load_f32(p.saved_lse, i);
-        for (int64_t j = 0; j < V; ++j) x[j] = c.tf(x[j]);
+        simd::transform(c.tf, x, V, x);
       } else {
-        const CeRow cr = ce_row_forward(c, x, x, t);  // z overwrites x in place
+        const CeRow cr = ce_row_forward(c, x, x, t, static_cast<bool>(p.argmax));  // z overwrites x in place
         lse = cr.lse;
         row_loss[size_t(i)] = cr.loss;
         row_zl[size_t(i)] = cr.z_loss;

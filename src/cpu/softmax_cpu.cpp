@@ -1,5 +1,5 @@
 #include <cmath>
-#include <vector>
+#include <algorithm>
 
 #include "common/math.hpp"
 #include "common/ops.hpp"
@@ -13,45 +13,34 @@ void softmax(const SoftmaxProblem& p, Workspace) {
   const int64_t N = p.logits.rows, V = p.logits.cols;
 #pragma omp parallel
   {
-    std::vector<float> x(static_cast<size_t>(V)), prob(static_cast<size_t>(V)), logp(static_cast<size_t>(V));
+    simd::Row xbuf(V), pbuf(V), lbuf(V);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
-      load_row(p.logits, i, x.data());
+      const float* x = row_in(p.logits, i, xbuf.data());
       const float T = p.temperatures ? load_f32(p.temperatures, i) : p.temperature;
       // Max of the raw logits first; NaN anywhere (or a bad temperature, or no finite logit) poisons the row.
-      float m = -INFINITY;
-      int64_t amax = 0;
-      bool nan = std::isnan(T) || T < 0.f;
-      for (int64_t j = 0; j < V; ++j) {
-        nan |= std::isnan(x[size_t(j)]);
-        if (x[size_t(j)] > m) { m = x[size_t(j)]; amax = j; }
-      }
-      if (m == -INFINITY) nan = true;
+      const simd::MaxNan mx = simd::max_nan(x, V);
+      const float m = mx.max;
+      const bool nan = mx.nan || std::isnan(T) || T < 0.f || m == -INFINITY;
+      const int64_t amax = !nan && T == 0.f ? simd::find_first(x, V, m) : 0;
+      // The outputs are written once x is read whole (probs may be the logits).
+      float* prob = p.probs ? row_out(p.probs, i, pbuf.data()) : pbuf.data();
+      float* logp = p.logprobs ? row_out(p.logprobs, i, lbuf.data()) : lbuf.data();
       if (nan) {
-        for (int64_t j = 0; j < V; ++j) prob[size_t(j)] = logp[size_t(j)] = NAN;
+        std::fill(prob, prob + V, NAN);
+        std::fill(logp, logp + V, NAN);
       } else if (T == 0.f) {  // greedy: one-hot at the first maximum
-        for (int64_t j = 0; j < V; ++j) {
-          prob[size_t(j)] = j == amax ? 1.f : 0.f;
-          logp[size_t(j)] = j == amax ? 0.f : -INFINITY;
-        }
+        std::fill(prob, prob + V, 0.f);
+        std::fill(logp, logp + V, -INFINITY);
+        prob[amax] = 1.f;
+        logp[amax] = 0.f;
       } else {
         const SoftmaxShift shift(m, 1.f / T);  // +inf temperature: the uniform distribution over finite logits
-        double s = 0;
-        for (int64_t j = 0; j < V; ++j) {
-          const float d = shift(x[size_t(j)]);
-          logp[size_t(j)] = d;
-          s += std::exp(double(d));
-        }
-        const float log_s = float(std::log(s));
-        const float inv_s = float(1.0 / s);
-        for (int64_t j = 0; j < V; ++j) {
-          const float d = logp[size_t(j)];
-          prob[size_t(j)] = std::exp(d) * inv_s;
-          logp[size_t(j)] = d - log_s;
-        }
+        const double s = simd::softmax_exp(shift, x, V, logp, prob);
+        simd::softmax_finish(prob, logp, V, float(1.0 / s), float(std::log(s)));
       }
-      if (p.probs) store_row(p.probs, i, prob.data());
-      if (p.logprobs) store_row(p.logprobs, i, logp.data());
+      if (p.probs) row_out_done(p.probs, i, prob);
+      if (p.logprobs) row_out_done(p.logprobs, i, logp);
     }
   }
 }
