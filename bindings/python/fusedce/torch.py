@@ -429,7 +429,7 @@ def kd_loss_topk(student_logits, topk_ids, topk_logprobs, target=None, *, diverg
     """Distillation from a top-K teacher: topk_ids (..., K) (negative = unused slot) and topk_logprobs
     (..., K) fp32 log-probabilities at temperature 1 (the axolotl format); topk_norm "full_vocab" or
     "renormalize" (the student over the K ids)."""
-    ids = _targets(topk_ids.reshape(-1, topk_ids.shape[-1]))
+    ids = _targets(topk_ids.reshape(-1, topk_ids.shape[-1])).contiguous()  # e.g. an expanded arange
     lps = topk_logprobs.reshape(-1, topk_logprobs.shape[-1]).detach().to(torch.float32).contiguous()
     return _kd(student_logits, None, ids, lps, target, divergence, beta, temperature, scale_by_t2, topk_norm,
                reduction, ignore_index)
