@@ -8,7 +8,7 @@
 // per second per SM of the slowest block. Answers whether a few-row kernel's stores are bound by the SM
 // (few blocks: the rate stays the same per block) or by L2/HBM (many blocks: it falls), and whether bulk
 // copies beat plain stores (H100, 2026-11-22: 64 GB/s per SM with 16 blocks, 33-37 GB/s with 96-132, bulk
-// copies slower; see docs/benchmarks.md, eighth session).
+// copies slower; see docs/lab-notes.md, eighth session).
 //
 // Build and run on the GPU machine from the repository root:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 tools/probe_store_rate.cu -o probe_store_rate
