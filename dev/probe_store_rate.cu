@@ -1,4 +1,4 @@
-// How fast one SM can store (a diagnostic, not part of the build or of CI).
+// How fast one SM can store (a diagnostic, not part of the library; -Ddev=true builds it).
 //
 // B blocks of one row each write S KiB of fp32 to their own part of a buffer, after the benchmarks' L2 flush
 // (256 MiB memset), by 16-byte stores (512 or 1024 threads, plain or evict-first) or by bulk copies from
@@ -10,9 +10,8 @@
 // copies beat plain stores (H100, 2026-11-22: 64 GB/s per SM with 16 blocks, 33-37 GB/s with 96-132, bulk
 // copies slower; see docs/lab-notes.md, eighth session).
 //
-// Build and run on the GPU machine from the repository root:
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 tools/probe_store_rate.cu -o probe_store_rate
-//   ./probe_store_rate
+// Build: meson setup build -Ddev=true && ninja -C build dev/probe_store_rate; run on the GPU machine:
+//   build/dev/probe_store_rate
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// Where the few-row register kernels' time goes (a diagnostic, not part of the build or of CI).
+// Where the few-row register kernels' time goes (a diagnostic, not part of the library; -Ddev=true builds it).
 //
 // A copy of the logsumexp / softmax few-row kernel structure built from the library's own device code
 // (src/cuda/row_plan.cuh), with probes: every block records %globaltimer at entry and exit, and the block
@@ -10,10 +10,8 @@
 // (bench::time_ms: 256 MiB memset before each run, events, median of 20); with --l2, the logits are also
 // written by a copy after the flush, so that they sit in L2 (bench::time_ms_input_in_l2).
 //
-// Build and run on the GPU machine from the repository root:
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -Ibenchmarks tools/probe_few_rows.cu \
-//     -o probe_few_rows
-//   ./probe_few_rows [--l2] [--ladder]
+// Build: meson setup build -Ddev=true && ninja -C build dev/probe_few_rows; run on the GPU machine:
+//   build/dev/probe_few_rows [--l2] [--ladder]
 // --ladder: instead of the phases, the softmax plans' floor ladder (event time, same harness): a kernel with
 // the same loads and stores and no dependency between its threads, then a block barrier after the data,
 // then the row's dependency alone (that and one cluster exchange of a dummy value), then the real
