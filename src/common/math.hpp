@@ -11,23 +11,6 @@
 
 namespace fce {
 
-// Online softmax state (Milakov & Gimelshein 2018): running max m and sum d of exp(x - m).
-// update: m' = max(m, x); d' = d*e^(m-m') + e^(x-m'). Merging two states is the same rule.
-struct OnlineSoftmax {
-  float m;
-  float d;
-  FCE_HD OnlineSoftmax() : m(-INFINITY), d(0.f) {}
-  FCE_HD OnlineSoftmax(float m_, float d_) : m(m_), d(d_) {}
-  FCE_HD void merge(OnlineSoftmax o) {
-    const float mn = fmaxf(m, o.m);
-    if (mn == -INFINITY) return;  // both empty: keep (-inf, 0), avoid -inf - -inf
-    d = d * expf(m - mn) + o.d * expf(o.m - mn);
-    m = mn;
-  }
-  // log(sum exp) of what was seen; -inf when nothing finite was seen.
-  FCE_HD float lse() const { return m == -INFINITY ? -INFINITY : m + logf(d); }
-};
-
 // Cross-entropy's transform of a raw logit: z = c*tanh(s*x/c) (soft-cap, Gemma 2) or s*x.
 // For a subnormal c, 1/c overflows fp32 (and 0 * inf would be NaN at x = 0): s*x/c is then formed as
 // (s*2^64*x) * (1/(c*2^64)), and z/c as (z*2^64) * (1/(c*2^64)); for any other c, arg_scale = s and

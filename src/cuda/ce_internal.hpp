@@ -1,5 +1,5 @@
 // Cross-entropy over a block of rows, as a host-side building block shared by the cross-entropy op and
-// linear cross-entropy (which feeds it fp32 logits chunks and takes dlogits in the GEMM dtype).
+// linear cross-entropy (which feeds it chunks of logits in the GEMM dtype and takes dlogits in place).
 #pragma once
 #include <cuda_runtime.h>
 
