@@ -21,8 +21,11 @@ Target& target() { static Target t{kDLCUDA, 0}; return t; }
 void* dev_alloc(size_t bytes) {
   void* p = nullptr;
   check(cudaMalloc(&p, bytes), "cudaMalloc");
-  // Initialized (padding included), so compute-sanitizer's initcheck flags only the library's reads.
-  check(cudaMemset(p, 0xee, bytes), "cudaMemset");
+  // Initialized (padding included), so compute-sanitizer's initcheck flags only the library's reads. On the
+  // tests' stream and waited for: a cudaMemset on the legacy stream is not ordered with a non-blocking
+  // stream, and under initcheck it once landed after the library's kernels, over their results.
+  check(cudaMemsetAsync(p, 0xee, bytes, g_stream), "cudaMemsetAsync");
+  check(cudaStreamSynchronize(g_stream), "cudaMemsetAsync sync");
   return p;
 }
 void dev_free(void* p) { cudaFree(p); }
