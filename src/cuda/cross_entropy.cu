@@ -511,8 +511,7 @@ __global__ void merge_kernel(CeParams p) {
 }
 
 // The merge as a programmatic dependent of partial_kernel (sm_90 code on an sm_90 device): its launch
-// overlaps the partials (H100, bf16 x 151936, logsumexp 64 / 128 / 256 rows: 18.9 / 26.7 / 44.0 against
-// 20.4 / 28.0 / 45.6 us, same call).
+// overlaps the partials (faster; measured in docs/lab-notes.md, "Kernel choices").
 template <class T>
 void launch_merge(cudaStream_t s, const CeParams& k, bool dependent) {
   launch_ex(merge_kernel<T>, dim3(unsigned((k.N + 127) / 128)), dim3(128), 0, s, 0, dependent, "merge kernel", k);
@@ -541,12 +540,10 @@ __device__ __forceinline__ CeAcc from_wire(const CeWire& w) {
 // Split rows in one launch: the splits of a row (2..kMaxGatherCluster) form a cluster; each block's
 // statistics (partial_kernel's slices) go to rank 0's shared memory, and rank 0 merges them in split order,
 // as merge_kernel does, and writes the row's outputs: no second launch, no partials through device memory.
-// H100, bf16 x 151936, against partial + merge (same call): logsumexp 64 / 128 / 256 rows 17.1 / 26.2 /
-// 43.3 against 20.5 / 28.2 / 45.8 us, CE mean 20.9 / 30.6 / 47.0 against 25.7 / 33.7 / 50.9. At most 64
-// registers, as partial_kernel (4 blocks per SM): at 80, 2x256 rows no longer fit in one wave (50.0 us).
-// Not a programmatic dependent launch, unlike the register kernels: it lets its own dependents launch at
-// once, so back to back (a graph of logsumexp calls, 100x151936) each launch's blocks were placed while the
-// one before still ran, 17.3 against 16.4 us per call.
+// Faster than partial + merge (docs/lab-notes.md, "Kernel choices"). At most 64 registers, as partial_kernel
+// (4 blocks per SM): at 80, 2x256 rows no longer fit in one wave. Not a programmatic dependent launch,
+// unlike the register kernels: it lets its own dependents launch at once, so back to back each launch's
+// blocks would be placed while the one before still ran (slower).
 template <class T>
 __global__ void __launch_bounds__(kRowThreads, 4) split_cluster_kernel(CeParams p) {
   const int C = p.splits;
@@ -591,9 +588,8 @@ __global__ void __launch_bounds__(kRowThreads) grad_kernel(CeParams p) {
 }
 
 // Rows up to which logsumexp and the cross-entropy forward keep rows in registers where plan_regs finds a
-// plan that fits in one wave (it refuses the rest: at 64x151936 the split path runs). H100, bf16, V=151936,
-// logsumexp / CE mean against the split path: 17 rows 8.3 / 11.1 against 19.4 / 24.4 us, 32 rows 10.2 /
-// 13.4 against 18.7 / 24.0, 48 rows 14.6 / 17.3 against 18.6 / 24.3.
+// plan that fits in one wave (it refuses the rest: at 64x151936 the split path runs); faster than the split
+// path up to there (docs/lab-notes.md, "Kernel choices").
 #ifndef FCE_LSE_REG_ROWS
 #define FCE_LSE_REG_ROWS 64  // a tuning macro
 #endif
@@ -612,7 +608,7 @@ __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
   uint4 raw[R];
   reg_load_lean<T, R>(x, f.n, raw);
   // The cluster's barrier arrival after the loads are issued, so that nothing but the addresses precedes
-  // them (H100, 16x151936 bf16: 8.19 against 8.22 us, 1x128256 5.28 against 5.44, same call).
+  // them.
   few_arrive<false>(p.splits);
   if constexpr (kCe) allow_dependents();  // the finalize kernel of a reduction may start its launch
   RowHints hint{};
@@ -623,8 +619,8 @@ __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
     }
   }
   const float c = p.scale * kLog2e;  // the raw max first, then the scale (scale > 0)
-  // Only warp 0 goes on to the exchange (H100, 16x151936 bf16: 8.38 against 8.51 us, 16x128256 7.94 against
-  // 8.06, same machine, alternating processes); the others leave once the block merge has their partials.
+  // Only warp 0 goes on to the exchange (a little faster); the others leave once the block merge has their
+  // partials.
   const MaxSum part = few_partial<T, R, false, true>(raw, f.n, c);
   if (threadIdx.x >= 32 && p.splits > 1) return;
   const FewStats t = few_merge<false>(part, c, p.splits, f.rank);  // rank 0 writes the result

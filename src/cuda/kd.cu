@@ -685,7 +685,7 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
       else add(vs, vt, K, ms, mt);
     };
     // The uncached part first: its loads need no wait, and the slots' copies issued at the end of the
-    // previous row land meanwhile (H100, bf16 4096x128256, C = 2: 84.2% of copy bandwidth against 83.2%).
+    // previous row land meanwhile.
     if (!masked) {
       for (int base = v0 + cv + int(threadIdx.x); base < v1; base += 2 * int(blockDim.x)) {
         uint4 rs[2], rt[2];
@@ -1139,8 +1139,8 @@ bool kd_grad_pipe(const fce_handle* h, const KdProblem& p) {
 }
 
 // Blocks per row pair of kd_kl_grad_pipe_kernel: 2 (a cluster) when the pair does not fit one SM's shared
-// memory, else 1. H100, bf16 4096x128256 forward KL + dstudent: 84.2% of copy bandwidth with 2, 80.3% with
-// 1, 56.6% with 4 (per-row costs four times over). FCE_DEBUG_KD=c1 forces 1 (tests and measurements).
+// memory, else 1 (4 pays the per-row costs four times over; docs/lab-notes.md, "Kernel choices").
+// FCE_DEBUG_KD=c1 forces 1 (tests and measurements).
 int kd_pipe_blocks(const fce_handle* h, int64_t vecs, int64_t fit) {
   const char* e = std::getenv("FCE_DEBUG_KD");
   if ((e && !std::strcmp(e, "c1")) || vecs <= fit || !clusters_available(h)) return 1;

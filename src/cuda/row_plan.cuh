@@ -177,8 +177,7 @@ __device__ __forceinline__ void smem_visit(const T* sm, int n, F&& f) {
 // element and padded with -inf (which changes no max or sum), as are the slots past the slice.
 // Decode-sized calls are latency-bound: these kernels keep to one __syncthreads and one exchange (the
 // partials are pushed, not pulled; few_merge), 32-bit slice arithmetic and the partial vector read out of
-// line (H100, 1x128256 bf16 logsumexp: 9.5 us with the first version, 5.6-5.9 us now, 3.1 us an empty
-// kernel).
+// line (docs/lab-notes.md, "Kernel choices").
 template <class T>
 __device__ __forceinline__ T neg_inf_of() {
   if constexpr (std::is_same_v<T, float>) return -INFINITY;
@@ -217,9 +216,7 @@ __device__ __forceinline__ unsigned cluster_index_x(int C) {
 
 // C blocks per row (1..kMaxFewCluster); slices as split_range (multiples of 64 columns, so 16-byte aligned
 // starts), `chunk` = slice_cols(V, C) from the host; the slices of a register-resident row fit 32-bit indices
-// (plan_regs). No division here: the kernels' loads wait on this (H100, with the two divisions and the
-// per-slot tests of the loads moved off that path: logsumexp 16x151936 8.22 against 8.38 us, softmax
-// 16x151936 10.94 against 11.10, 1x128256 logsumexp 5.50 against 5.57; same call, alternating processes).
+// (plan_regs). No division here: the kernels' loads wait on this.
 __device__ __forceinline__ FewCtx few_ctx(int64_t V, int C, int chunk) {
   FewCtx f;
   f.rank = cluster_rank_of(C);
@@ -245,7 +242,7 @@ __device__ __noinline__ uint4 load_partial_vec(const T* __restrict__ src, int cn
 // blockDim.x of the slice. kHalf = true: slot r holds two 8-byte half vectors, numbers threadIdx.x + (2r + h) *
 // blockDim.x (h = 0, 1) in 8-byte units, so that writing a half's values as fp32 is one 16-byte store and a
 // warp's store covers 512 contiguous bytes (two 16-byte stores 32 bytes apart per thread leave each store
-// instruction half of every sector it touches: H100, bf16 -> fp32 of 256x151936, 114 against 87 us).
+// instruction half of every sector it touches, measurably slower).
 // Values per store when T is written as O: a 16-byte vector of the narrower type (half a vector of T for
 // fp32 out of 16-bit in, which the kernels then read 8 bytes at a time; see above).
 template <class T, class O>
@@ -358,8 +355,8 @@ __device__ __forceinline__ int merge_group(int n) { return n <= 1 ? 1 : 1 << (32
 
 // Warp merge, the result bitwise the same in every lane: the max first (exact), then each lane's d rescaled
 // once to it and summed by a butterfly (commutative adds) over groups of `group` lanes that each hold every
-// partial. Half the latency of five pairwise (max, sum) merges, whose exponentials sit on the chain (H100,
-// 1x128256 logsumexp: three of these per call).
+// partial. Half the latency of five pairwise (max, sum) merges, whose exponentials sit on the chain
+// (a 1x128256 logsumexp does three of these per call).
 __device__ __forceinline__ MaxSum warp_ms_all(MaxSum v, float c, int group = 32) {
   const float M = warp_max_all(v.m);
   float d = sum_at(v, M, c);
@@ -394,8 +391,8 @@ struct FewStats {
 // The cluster exchange of the few-row kernels. Each block's partials go straight into the shared memory of
 // the blocks that need them (every block of the row, or only rank 0 where one block writes the result) by
 // st.async, whose arrival counts on the receiver's mbarrier (complete_tx): a receiver waits on its own
-// mbarrier for the bytes of all C blocks, and nobody waits on a cluster-wide barrier after the push (H100,
-// micro-benchmark of 1x128256 logsumexp: 5.8 us with a cluster barrier, 5.3 us so; softmax 6.5 -> 6.1 us).
+// mbarrier for the bytes of all C blocks, and nobody waits on a cluster-wide barrier after the push (the
+// barrier was slower: docs/lab-notes.md, "Kernel choices").
 // A receiver leaves only once everything sent to it has arrived, so no block writes into one that has left.
 // Senders must not write before the receivers have initialized their mbarriers: every thread arrives on the
 // cluster barrier first thing (few_arrive, after the initialization) and waits just before the push
@@ -757,8 +754,8 @@ struct RegPlan {
 };
 
 // Blocks that a register plan may take: up to 3/4 of the SMs, so that the clusters fit at once with room to
-// spare (H100, 16x151936 bf16: clusters of 7 or 8 blocks, which the occupancy query accepts, were at times
-// placed in two waves, the last ones starting 4.6-9.2 us late; clusters of 6 never were).
+// spare (clusters the occupancy query accepts were at times placed in two waves at 7 or 8 blocks; at 6
+// never: docs/lab-notes.md, "Kernel choices").
 int64_t reg_block_limit(const fce_handle* h) { return int64_t(h->sm_count > 0 ? h->sm_count : 1) * 3 / 4; }
 
 // The kernel a register plan launches for R = 1, 2, 4 vectors per thread (for the residency query: their
@@ -775,8 +772,7 @@ struct RegKernels {
 // that no slot is idle. reads_only (a kernel that writes one value per row, logsumexp): a multiple of four
 // warps above 128 threads, so that each of an SM's four schedulers (and its share of the special-function
 // units) gets as many warps (25 warps put 7 on one of them); plan_regs then allows up to two blocks per SM,
-// whose exponentials, merges and exchanges overlap (H100, logsumexp bf16, clusters of 16 against 6 blocks at
-// 16 rows: 16x151936 7.74 against 8.13 us, 16x128256 7.30 against 7.65, 8x151936 6.69 against 6.85).
+// whose exponentials, merges and exchanges overlap (faster: docs/lab-notes.md, "Kernel choices").
 bool reg_plan_at(int64_t V, int C, int esize, bool reads_only, RegPlan* out) {
   const int64_t K = 16 / esize;
   const int64_t vecs = (slice_cols(V, C) + K - 1) / K;
@@ -810,9 +806,8 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
   }
   if (C > cmax) return RegPlan{};
   // At most 5/4 of a block per SM: beyond that, these one-shot clusters run in waves whose packing varies
-  // from process to process (H100, softmax bf16 -> fp32: 48x151936 in 26 or 43 us, 40x151936 in 21 or 41.5
-  // us, by process; 64x151936 50.6 us against 43.0 for the shared-memory kernel); the callers' other paths
-  // overlap their blocks. Two blocks per SM for reads_only kernels (see reg_plan_at).
+  // from process to process (docs/lab-notes.md, "Kernel choices"); the callers' other paths overlap their
+  // blocks. Two blocks per SM for reads_only kernels (see reg_plan_at).
   const int64_t cap = reads_only ? 2 * int64_t(sm) : int64_t(sm) * 5 / 4;
   auto capped = [&](const RegPlan& r) { return int64_t(r.C) * N > cap ? RegPlan{} : r; };
   for (int c = C; c > 1; --c) {
@@ -823,9 +818,7 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
   }
   if (p.C > kMaxCluster) return RegPlan{};  // no non-portable cluster fits: not this path
   // No smaller cluster fits in one wave either. one_wave: refuse (the softmax's shared-memory kernel does
-  // better then; H100, bf16 -> fp32, clusters of 5 at x151936, of which the query holds 22: 22 rows 12.8 us,
-  // 23 rows 17.2 against 14.4 for the shared-memory kernel, 24 rows 17.6 against 15.3; clusters of 4 at
-  // x128256, 30 held: 30 rows 13.5, 32 rows 18.4 against 15.7). Otherwise the first choice.
+  // better then: docs/lab-notes.md, "Kernel choices"). Otherwise the first choice.
   if (one_wave && C > 1) return RegPlan{};
   return capped(p);
 }
@@ -833,9 +826,8 @@ RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const vo
 // Replicas for a register plan `p` whose blocks each write `out_bytes`: D copies of each row's cluster (D
 // clusters per row, gridDim.y) each compute the row's statistics from their own loads and write 1/D of the
 // row, so that D times as many SMs share the stores; the other copies' loads hit L2. Worth it where a block
-// would store at least kReplicateBytes (H100: one SM stores ~64 GB/s, tools/probe_store_rate.cu, so the 32
-// KiB of fp32 probabilities of a block at 1x128256 take ~0.5 us; softmax 1x128256 bf16 -> fp32 5.8-5.9 us
-// with 6 replicas against 6.1-6.2 us without, same machine). D stays within reg_block_limit, the warps of a
+// would store at least kReplicateBytes (one SM's store rate bounds a block's stores: dev/probe_store_rate.cu;
+// docs/lab-notes.md, "Kernel choices"). D stays within reg_block_limit, the warps of a
 // block (a replica writes the values of every D-th warp) and the clusters the device holds at once.
 constexpr int64_t kReplicateBytes = 24 << 10;
 constexpr int kMaxReplicas = 8;

@@ -20,8 +20,8 @@
 // Every reduction has a fixed order (block_reduce trees, rank-ordered merges): bitwise repeatable.
 // No float atomics, no host synchronization, no allocation; capturable in a CUDA graph.
 // Calls that want probabilities only take lean kernels with one exchange of (max, sum) per row instead of
-// the two above and no first-maximum index per element: softmax_smem_kernel where the resident mode applies
-// (H100, 256x151936 bf16 -> fp32: 106 us against 128 us when it came; 88 us now), and
+// the two above and no first-maximum index per element: softmax_smem_kernel where the resident mode applies,
+// and
 //   registers up to 64 rows, 16-byte aligned, probabilities only: the slices live in registers
 //             (plan_regs), one launch, clusters of up to 16 blocks per row, one exchange of (max, sum)
 //             (softmax_regs_kernel); rows needing the special cases fall back to the global-memory code;
@@ -89,9 +89,8 @@ struct SmArgs {
 // Where a block's slice lives between the phases.
 enum Mode { kGlobal, kShared };
 
-// Rows up to which the register-resident kernel is used (when they fit, see plan_regs); a tuning macro.
-// H100, bf16 -> fp32, when chosen: 16x151936 16.7 us against 20.7 (shared-memory clusters), 64x128256 39.4
-// against 42.3.
+// Rows up to which the register-resident kernel is used (when they fit, see plan_regs); a tuning macro
+// (docs/lab-notes.md, "Kernel choices").
 #ifndef FCE_SOFTMAX_REG_ROWS
 #define FCE_SOFTMAX_REG_ROWS 64
 #endif
@@ -370,10 +369,7 @@ size_t softmax_workspace(fce_handle* h, const SoftmaxProblem& p) {
 // registers leave room for two blocks per SM. With the 64-register kernel not all N such clusters fit at
 // once (an H100 holds 15 clusters of 8 one-per-SM blocks: one GPC is short), so the plan stays at 6 blocks
 // per row for 16 rows; with room for two blocks per SM all N fit at once. More SMs (128 of 132) then share
-// the row's exponentials and stores. H100, bf16 -> fp32, against the library before in alternating
-// processes (5 x 3 medians; two machines): 16x151936 10.72 / 10.75 us against 10.82 / 11.14 after the flush,
-// 9.09 / 9.12 against 9.31 / 9.54 with the logits in L2, 8.33 / 8.37 against 8.46 / 8.76 per call in a graph;
-// 13-15 rows 0.19-0.35 us less. Clusters of 7 (16x128256, 112 blocks) were slower: 10.30 against 10.18.
+// the row's exponentials and stores (faster; clusters of 7 were slower: docs/lab-notes.md, "Kernel choices").
 RegPlan spread_regs(const fce_handle* h, int64_t N, int64_t V, int esize, RegPlan rp, const void* kernel) {
   constexpr int C = kMaxCluster;
   if (rp.R != kMaxRegVecs || rp.D > 1 || rp.C >= C || N * C > h->sm_count) return rp;
