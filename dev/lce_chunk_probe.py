@@ -12,10 +12,13 @@ noise.
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bindings", "python"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch  # noqa: E402
 
 import fusedce  # noqa: E402
+from lce_accuracy import timed as timed_median  # noqa: E402
 
 n, h, v = (int(x) for x in sys.argv[1:4])
 cs = [int(c) for c in sys.argv[4].split(",")]
@@ -38,17 +41,10 @@ def chunk_rows(n, mx):
 
 
 def timed(fn, reps=5):
+    """Median ms of reps calls after one warm-up call."""
     fn()
     torch.cuda.synchronize()
-    ms = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ms.append(a.elapsed_time(b))
-    return sorted(ms)[reps // 2]
+    return timed_median(fn, reps)
 
 
 ref = torch.compile(lambda h_, w_, t_: torch.nn.functional.cross_entropy((h_ @ w_.T).float(), t_))

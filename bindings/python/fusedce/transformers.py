@@ -48,9 +48,7 @@ _MARK = "_fusedce_patch"  # the attribute holding what apply_fusedce replaced
 
 def _shift(labels, shift_labels, ignore_index):
     """transformers' next-token targets: labels[..., 1:] with ignore_index appended, or shift_labels."""
-    if shift_labels is not None:
-        return shift_labels
-    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels if shift_labels is not None else _ft._shifted_targets(labels, 1, ignore_index)
 
 
 def _reduce(loss_sum_or_mean, num_items_in_batch):
