@@ -1,6 +1,6 @@
 // Cross-entropy and logsumexp benchmark on the GPU: each op as a fraction of the device's copy bandwidth,
 // measured in the same run (the decode-size logsumexp also with its logits in L2, no target). Prints a table;
-// usage: bench_ce [--quick]
+// usage: bench_ce [--quick] [--json FILE]
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -101,9 +101,14 @@ void lse_graph_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, double
   report(label, N, V, name(bf16()), us * 1e-3, double(N) * double(V) * 2, copy_gbs, -1);
 }
 
+std::string target_text(double target) {
+  return target > 0 ? std::to_string(int(target * 100)) + "%" : target < 0 ? "none" : "time";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::string json = take_json_arg(argc, argv);
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   cudaStream_t s;
   ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
@@ -149,8 +154,15 @@ int main(int argc, char** argv) {
   std::printf("\n| op | shape | dtype | time (us) | GB/s | of copy bw | target |\n|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows)
     std::printf("| %s | %s | %s | %.1f | %.0f | %.1f%% | %s |\n", r.op.c_str(), r.shape.c_str(), r.dtype.c_str(), r.us,
-                r.gbs, 100 * r.frac,
-                r.target > 0 ? (std::to_string(int(r.target * 100)) + "%").c_str() : r.target < 0 ? "none" : "time");
+                r.gbs, 100 * r.frac, target_text(r.target).c_str());
   fce_handle_destroy(h);
+  if (!json.empty()) {
+    std::vector<JsonRow> out;
+    for (const Row& r : rows)
+      out.push_back({jstr("op", r.op), jstr("shape", r.shape), jstr("dtype", r.dtype), jnum("time_us", r.us),
+                     jnum("gbps", r.gbs), jnum("pct_of_baseline", 100 * r.frac),
+                     jstr("target", target_text(r.target))});
+    if (!write_json(json, "bench_ce", {jnum("copy_gbps", copy)}, out)) return 1;
+  }
   return 0;
 }

@@ -1,5 +1,6 @@
 // Linear cross-entropy benchmark: time and TFLOP/s of forward(+backward) against a plain cuBLAS bf16 GEMM
 // of the same shape in the same run, with the extra device memory the call needs.
+// usage: bench_linear_ce [--debug] [--json FILE]
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -11,6 +12,12 @@
 using namespace bench;
 
 namespace {
+
+struct Gemm {  // an in-run cuBLAS baseline
+  double tflops;
+  std::string shape;  // MxNxK
+};
+std::vector<JsonRow> g_rows;
 
 double gemm_tflops(cublasHandle_t blas, cudaStream_t s, int64_t M, int64_t N, int64_t K) {
   Buf a({M, K}, bf16()), b({N, K}, bf16()), c({M, N}, bf16());
@@ -24,8 +31,9 @@ double gemm_tflops(cublasHandle_t blas, cudaStream_t s, int64_t M, int64_t N, in
   return 2.0 * double(M) * double(N) * double(K) / (ms * 1e9);
 }
 
-void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, bool grad, double gemm_rate,
+void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, bool grad, const Gemm& gemm,
               DLDataType dwt = bf16(), bool with_dw = true) {
+  const double gemm_rate = gemm.tflops;
   Buf hid({N, H}, bf16()), w({V, H}, bf16()), tg({N}, i32()), loss({}, f32());
   fill_random(hid, 1.f, 1, s);
   fill_random(w, 0.02f, 2, s);
@@ -67,19 +75,31 @@ void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, b
   ck(cudaMemcpy(&hl, loss.p, 4, cudaMemcpyDeviceToHost), "copy back");
   std::printf("  (device memory taken by the calls beyond the caller's buffers, cudaMemGetInfo: %.1f MiB)\n",
               (double(free0) - double(free1)) / 1048576.0);
-  std::printf("  (loss %.6f; non-finite gradient elements: dhidden %zu, dweight %zu)\n", hl,
-              grad ? nonfinite(dh) : size_t(0), grad && with_dw ? nonfinite(dw) : size_t(0));
+  const size_t bad_dh = grad ? nonfinite(dh) : size_t(0), bad_dw = grad && with_dw ? nonfinite(dw) : size_t(0);
+  std::printf("  (loss %.6f; non-finite gradient elements: dhidden %zu, dweight %zu)\n", hl, bad_dh, bad_dw);
   const double flops = (grad ? 6.0 : 2.0) * double(N) * double(H) * double(V);
   const double rate = flops / (ms * 1e9);
-  std::printf("| linear CE %s | N=%lld H=%lld V=%lld | %.2f | %.0f | %.1f%% | %.0f MiB workspace |\n",
-              grad ? "fwd+bwd" : "fwd", (long long)N, (long long)H, (long long)V, ms, rate, 100 * rate / gemm_rate,
-              double(wsb) / 1048576.0);
+  const std::string op = grad ? "linear CE fwd+bwd" : "linear CE fwd";
+  char shape[96];
+  std::snprintf(shape, sizeof shape, "N=%lld H=%lld V=%lld", (long long)N, (long long)H, (long long)V);
+  std::printf("| %s | %s | %.2f | %.0f | %.1f%% | %.0f MiB workspace |\n", op.c_str(), shape, ms, rate,
+              100 * rate / gemm_rate, double(wsb) / 1048576.0);
   std::fflush(stdout);
+  g_rows.push_back({jstr("op", op), jstr("shape", shape), jstr("dtype", dwt.bits == 32 ? "bf16, fp32 dweight" : "bf16"),
+                    jstr("outputs", !grad ? "loss" : with_dw ? "loss, dhidden, dweight" : "loss, dhidden"),
+                    jnum("time_ms", ms), jnum("tflops", rate), jnum("pct_of_baseline", 100 * rate / gemm_rate),
+                    jstr("baseline_gemm", gemm.shape), jnum("baseline_tflops", gemm_rate),
+                    jnum("workspace_mib", double(wsb) / 1048576.0),
+                    jnum("device_mib_beyond_buffers", (double(free0) - double(free1)) / 1048576.0),
+                    jnum("loss", double(hl)),
+                    grad ? jnum("nonfinite_dhidden", double(bad_dh)) : jnull("nonfinite_dhidden"),
+                    grad && with_dw ? jnum("nonfinite_dweight", double(bad_dw)) : jnull("nonfinite_dweight")});
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::string json = take_json_arg(argc, argv);
   cudaStream_t s;
   ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   cublasHandle_t blas;
@@ -88,8 +108,10 @@ int main(int argc, char** argv) {
   fce_handle_t h;
   ok(fce_handle_create(kDLCUDA, 0, &h), "handle");
   std::printf("device: %s\n", device_name().c_str());
-  const double g1 = gemm_tflops(blas, s, 8192, 128256, 4096), g2 = gemm_tflops(blas, s, 8192, 256000, 2304);
-  std::printf("cuBLAS bf16 GEMM: %.0f TFLOP/s (8192x128256x4096), %.0f TFLOP/s (8192x256000x2304)\n\n", g1, g2);
+  const Gemm g1{gemm_tflops(blas, s, 8192, 128256, 4096), "8192x128256x4096"},
+      g2{gemm_tflops(blas, s, 8192, 256000, 2304), "8192x256000x2304"};
+  std::printf("cuBLAS bf16 GEMM: %.0f TFLOP/s (8192x128256x4096), %.0f TFLOP/s (8192x256000x2304)\n\n", g1.tflops,
+              g2.tflops);
   std::printf("| op | shape | ms | TFLOP/s | of cuBLAS | extra memory |\n|---|---|---|---|---|---|\n");
   if (argc > 1 && std::strcmp(argv[1], "--debug") == 0) {  // variants that locate a gradient problem
     std::printf("fp32 dweight:\n");
@@ -106,5 +128,9 @@ int main(int argc, char** argv) {
   lce_case(h, s, 8192, 2304, 256000, true, g2);
   fce_handle_destroy(h);
   cublasDestroy(blas);
+  if (!json.empty() &&
+      !write_json(json, "bench_linear_ce",
+                  {jobj("cublas_tflops", {jnum(g1.shape, g1.tflops), jnum(g2.shape, g2.tflops)})}, g_rows))
+    return 1;
   return 0;
 }

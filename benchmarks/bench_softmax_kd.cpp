@@ -6,6 +6,7 @@
 // bandwidth, and the target; a compact table with PASS/MISS closes the run. A light sanity check of each
 // result (probabilities summing to 1, a finite loss) is printed too. The decode shapes run a second time with the
 // logits written just before each run (in L2, as at decode), without a target. Runs in a few seconds.
+// usage: bench_softmax_kd [--json FILE]
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -23,7 +24,7 @@ using namespace bench;
 namespace {
 
 struct Result {
-  std::string name;
+  std::string name, op, shape, dtype;  // name: the table's first column, op + shape + dtype
   double us, gbs, frac;
   std::string target;
   bool pass, has_target;
@@ -50,10 +51,16 @@ void upload(Buf& b, const void* host, size_t bytes, cudaStream_t s) {
   ck(cudaStreamSynchronize(s), "upload sync");
 }
 
+std::string nxv(int64_t N, int64_t V) { return std::to_string(N) + "x" + std::to_string(V); }
+
 // Records one shape: `bytes` moved at least once, and either a time limit (us) or a bandwidth fraction.
-void record(const std::string& name, double ms, double bytes, double max_us, double min_frac) {
+void record(const std::string& name, const std::string& op, const std::string& shape, const std::string& dtype,
+            double ms, double bytes, double max_us, double min_frac) {
   Result r;
   r.name = name;
+  r.op = op;
+  r.shape = shape;
+  r.dtype = dtype;
   r.us = ms * 1e3;
   r.gbs = bytes / (ms * 1e6);
   r.frac = r.gbs / g_copy;
@@ -103,7 +110,8 @@ void bench_softmax(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, double 
   std::snprintf(name, sizeof name, "softmax %lldx%lld bf16->f32, T per row%s", (long long)N, (long long)V,
                 in_l2 ? ", in L2" : "");
   std::printf("%s: workspace %zu B, last row sums to %.6f\n", name, wsb, sum);
-  record(name, ms, double(x.bytes() + p.bytes()), max_us, min_frac);
+  record(name, in_l2 ? "softmax, T per row, in L2" : "softmax, T per row", nxv(N, V), "bf16->f32", ms,
+         double(x.bytes() + p.bytes()), max_us, min_frac);
 }
 
 // The same with log-probabilities too (the general kernel): two fp32 outputs, no target.
@@ -125,7 +133,7 @@ void bench_softmax_logp(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V) {
   char name[96];
   std::snprintf(name, sizeof name, "softmax + logprobs %lldx%lld bf16->2xf32", (long long)N, (long long)V);
   std::printf("%s: workspace %zu B, exp(logp[0]) - p[0] = %.3g\n", name, wsb, std::exp(double(l0)) - double(p0));
-  record(name, ms, double(x.bytes() + p.bytes() + lp.bytes()), 0, 0);
+  record(name, "softmax + logprobs", nxv(N, V), "bf16->2xf32", ms, double(x.bytes() + p.bytes() + lp.bytes()), 0, 0);
 }
 
 // A divergence (forward KL unless said) between two bf16 [N,V] logit matrices, batchmean; with or without
@@ -157,7 +165,8 @@ void bench_kd_full(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, bool gr
   const char* dn = div == FCE_KD_FORWARD_KL ? "fwd KL" : div == FCE_KD_REVERSE_KL ? "rev KL" : "JSD";
   std::snprintf(name, sizeof name, "KD %s %lldx%lld bf16%s", dn, (long long)N, (long long)V, grad ? " + dstudent" : "");
   std::printf("%s: workspace %zu B, loss %.6f\n", name, wsb, double(l));
-  record(name, ms, double(st.bytes()) * (grad ? 3 : 2), 0, min_frac);
+  record(name, std::string("KD ") + dn + (grad ? " + dstudent" : ""), nxv(N, V), "bf16", ms,
+         double(st.bytes()) * (grad ? 3 : 2), 0, min_frac);
 }
 
 // Top-K teacher (int32 ids, fp32 log-probs), student normalized over the full vocabulary, forward only.
@@ -193,7 +202,8 @@ void bench_kd_topk(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V, int64_t
   std::snprintf(name, sizeof name, "KD top-%lld %lldx%lld bf16, full-vocab lse", (long long)K, (long long)N,
                 (long long)V);
   std::printf("%s: workspace %zu B, loss %.6f\n", name, wsb, double(l));
-  record(name, ms, double(st.bytes()), 0, min_frac);  // the student read once
+  record(name, "KD top-" + std::to_string(K) + ", full-vocab lse", nxv(N, V), "bf16", ms, double(st.bytes()), 0,
+         min_frac);  // the student read once
 }
 
 }  // namespace
@@ -229,10 +239,12 @@ void bench_softmax_graph(fce_handle_t h, cudaStream_t s, int64_t N, int64_t V) {
   char name[96];
   std::snprintf(name, sizeof name, "softmax %lldx%lld bf16->f32, in a graph (%d sets)", (long long)N, (long long)V,
                 sets);
-  record(name, us * 1e-3, double(N * V) * 6, 0, 0);
+  record(name, "softmax, in a graph (" + std::to_string(sets) + " sets)", nxv(N, V), "bf16->f32", us * 1e-3,
+         double(N * V) * 6, 0, 0);
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const std::string json = take_json_arg(argc, argv);
   cudaStream_t s;
   ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   fce_handle_t h = nullptr;
@@ -269,5 +281,13 @@ int main() {
   std::printf("%d of %d targets met\n", pass, targets);
   fce_handle_destroy(h);
   cudaStreamDestroy(s);
+  if (!json.empty()) {
+    std::vector<JsonRow> out;
+    for (const Result& r : g_results)
+      out.push_back({jstr("op", r.op), jstr("shape", r.shape), jstr("dtype", r.dtype), jnum("time_us", r.us),
+                     jnum("gbps", r.gbs), jnum("pct_of_baseline", 100 * r.frac), jstr("target", r.target),
+                     r.has_target ? jstr("result", r.pass ? "PASS" : "MISS") : jnull("result"), jstr("label", r.name)});
+    if (!write_json(json, "bench_softmax_kd", {jnum("copy_gbps", g_copy)}, out)) return 1;
+  }
   return 0;
 }

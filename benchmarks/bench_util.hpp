@@ -1,14 +1,22 @@
 // Benchmark support: device buffers, CUDA-event timing (median of repeats), the device's copy bandwidth
-// measured in the same run, and a table printer.
+// measured in the same run, a table printer, and the --json FILE output (cJSON; FCE_BENCH_JSON when found).
 #pragma once
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <ctime>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
+
+#ifdef FCE_BENCH_JSON
+#include <cJSON.h>
+#endif
 
 #include "fusedce/fusedce.h"
 
@@ -164,6 +172,134 @@ inline std::string device_name() {
   cudaDeviceProp p{};
   cudaGetDeviceProperties(&p, 0);
   return p.name;
+}
+
+// --json FILE: the result rows as JSON. A field is a number, a string, null or an object of fields;
+// a row is a list of fields, written in order.
+struct Field {
+  enum Kind { kNum, kStr, kNull, kObj } kind = kNull;
+  std::string key;
+  double num = 0;
+  std::string str;
+  std::vector<Field> sub;
+};
+inline Field jnum(std::string k, double v) {
+  Field f;
+  f.kind = std::isfinite(v) ? Field::kNum : Field::kNull;
+  f.key = std::move(k);
+  f.num = v;
+  return f;
+}
+inline Field jstr(std::string k, std::string v) {
+  Field f;
+  f.kind = Field::kStr;
+  f.key = std::move(k);
+  f.str = std::move(v);
+  return f;
+}
+inline Field jnull(std::string k) {
+  Field f;
+  f.key = std::move(k);
+  return f;
+}
+inline Field jobj(std::string k, std::vector<Field> sub) {
+  Field f;
+  f.kind = Field::kObj;
+  f.key = std::move(k);
+  f.sub = std::move(sub);
+  return f;
+}
+using JsonRow = std::vector<Field>;
+
+// Takes `--json FILE` (or `--json=FILE`) out of argv, so the programs' own parsing sees the rest as before;
+// returns FILE, or "" without the option. Exits 2 when FILE is missing or the build has no cJSON.
+inline std::string take_json_arg(int& argc, char** argv) {
+  std::string path;
+  int out = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--json") == 0) {
+      if (i + 1 >= argc || argv[i + 1][0] == '\0') {
+        std::fprintf(stderr, "%s: --json needs a FILE\n", argv[0]);
+        std::exit(2);
+      }
+      path = argv[++i];
+    } else if (std::strncmp(argv[i], "--json=", 7) == 0 && argv[i][7] != '\0') {
+      path = argv[i] + 7;
+    } else {
+      argv[out++] = argv[i];
+    }
+  }
+  argc = out;
+  argv[argc] = nullptr;
+#ifndef FCE_BENCH_JSON
+  if (!path.empty()) {
+    std::fprintf(stderr,
+                 "%s: --json is not available: this build found no cJSON (install libcjson-dev and reconfigure)\n",
+                 argv[0]);
+    std::exit(2);
+  }
+#endif
+  return path;
+}
+
+#ifdef FCE_BENCH_JSON
+inline void json_add(cJSON* obj, const Field& f) {
+  switch (f.kind) {
+    case Field::kNum: cJSON_AddItemToObject(obj, f.key.c_str(), cJSON_CreateNumber(f.num)); break;
+    case Field::kStr: cJSON_AddItemToObject(obj, f.key.c_str(), cJSON_CreateString(f.str.c_str())); break;
+    case Field::kNull: cJSON_AddItemToObject(obj, f.key.c_str(), cJSON_CreateNull()); break;
+    case Field::kObj: {
+      cJSON* o = cJSON_CreateObject();
+      for (const Field& g : f.sub) json_add(o, g);
+      cJSON_AddItemToObject(obj, f.key.c_str(), o);
+      break;
+    }
+  }
+}
+#endif
+
+// Writes {"program", "device", "driver", "runtime", "date", "library_version", <top>..., "rows": [...]} to
+// `path`; false (with a message) when it cannot. `top` holds the in-run baseline (copy_gbps or cublas_tflops).
+inline bool write_json(const std::string& path, const char* program, const std::vector<Field>& top,
+                       const std::vector<JsonRow>& rows) {
+#ifdef FCE_BENCH_JSON
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  char date[32] = "";
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  cJSON* doc = cJSON_CreateObject();
+  cJSON_AddStringToObject(doc, "program", program);
+  cJSON_AddStringToObject(doc, "device", prop.name);
+  cJSON_AddNumberToObject(doc, "driver", driver);
+  cJSON_AddNumberToObject(doc, "runtime", runtime);
+  cJSON_AddStringToObject(doc, "date", date);
+  cJSON_AddStringToObject(doc, "library_version", fce_version_string());
+  for (const Field& f : top) json_add(doc, f);
+  cJSON* arr = cJSON_AddArrayToObject(doc, "rows");
+  for (const JsonRow& r : rows) {
+    cJSON* o = cJSON_CreateObject();
+    for (const Field& f : r) json_add(o, f);
+    cJSON_AddItemToArray(arr, o);
+  }
+  char* text = cJSON_Print(doc);
+  cJSON_Delete(doc);
+  bool ok = text != nullptr;
+  std::FILE* fp = ok ? std::fopen(path.c_str(), "w") : nullptr;
+  ok = fp != nullptr && std::fputs(text, fp) >= 0 && std::fputc('\n', fp) != EOF;
+  if (fp && std::fclose(fp) != 0) ok = false;
+  cJSON_free(text);
+  if (!ok) std::fprintf(stderr, "%s: cannot write %s\n", program, path.c_str());
+  return ok;
+#else
+  (void)path, (void)program, (void)top, (void)rows;
+  return false;
+#endif
 }
 
 // Fills a bf16/fp16/fp32 buffer with pseudo-random normal-ish values * scale (device-side generator).
