@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .gpu/ (tools/gpu-pack.sh) carried: the gpu
 # suite, compute-sanitizer, and the benchmarks. Logs go to $OUT.
-# Usage: gpu-session.sh [tests|fallbacks|sanitize|bench|ab|torch|peers|demo]...
+# Usage: gpu-session.sh [tests|paths|sanitize|bench|ab|torch|peers|demo]...
+#   paths: every path of every op, forced (tests/gpu/forced_paths.txt; meson's suite gpu-paths).
 #   torch: the Python binding on the GPU with .gpu's library: its torch tests, then benchmarks/bench_torch.py
 #       --host (host cost per call) and its fwd+bwd table (TORCH_OPS, default ce,kd,linear_ce) against the
 #       peers; wheels the image lacks (cffi, pycparser, liger-kernel, cut-cross-entropy) come carried in .whl.
 #   ab: an A/B of the library in .gpu/old (GPU_EXTRA="old=<old build>/libfusedce.so.0" when packing) against
-#       the new one, alternating processes, AB_RUNS (3) times each, with AB_BENCH (bench_softmax_kd); the
-#       benchmark's closing table of each run, then the medians per shape.
+#       the new one, alternating processes, AB_RUNS (3) times each, with AB_BENCH ("bench_ce;bench_softmax_kd",
+#       each run with --json); the medians of each result row, old and new.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -33,36 +34,24 @@ for step in $steps; do
         summary+=("$name $r $(( $(date +%s) - start ))s")
         [ $rc -ne 0 ] && [ $rc -ne 77 ] && tail -30 "$OUT/$name.log"
       done ;;
-    fallbacks)  # the paths the planner would not pick at these shapes, forced
-      for f in nocluster stream split noregs; do
-        for t in gpu_logsumexp_softmax gpu_kd gpu_contract; do
-          FCE_DEBUG_ROWS=$f .gpu/bin/$t --gtest_brief=1 > "$OUT/fallback_${f}_$t.log" 2>&1
-          rc=$?
-          case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
-          summary+=("FCE_DEBUG_ROWS=$f $t $r")
+    paths)  # every path of every op forced (tests/gpu/forced_paths.txt), four processes at a time
+      mapfile -t lines < <(grep -v '^#' tests/gpu/forced_paths.txt | grep .)
+      for ((i = 0; i < ${#lines[@]}; i += 4)); do
+        pids=()
+        for line in "${lines[@]:i:4}"; do
+          read -r force prog <<<"$line"
+          FCE_FORCE_PATH=$force .gpu/bin/$prog --gtest_brief=1 > "$OUT/path_${force/:/_}_$prog.log" 2>&1 &
+          pids+=("$!:$force:$prog")
         done
-      done
-      # the few-row cross-entropy forward without its register path
-      FCE_DEBUG_ROWS=noregs .gpu/bin/gpu_cross_entropy --gtest_brief=1 --gtest_filter='CrossEntropy.FewRows*' \
-        > "$OUT/fallback_noregs_ce.log" 2>&1
-      rc=$?
-      case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
-      summary+=("FCE_DEBUG_ROWS=noregs gpu_cross_entropy FewRows* $r")
-      # split rows through partial + merge kernels instead of one cluster launch
-      FCE_DEBUG_ROWS=nocluster .gpu/bin/gpu_cross_entropy --gtest_brief=1 \
-        --gtest_filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.FewRows*' \
-        > "$OUT/fallback_nocluster_ce.log" 2>&1
-      rc=$?
-      case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
-      summary+=("FCE_DEBUG_ROWS=nocluster gpu_cross_entropy $r")
-      FCE_DEBUG_KD=c1 .gpu/bin/gpu_kd --gtest_brief=1 > "$OUT/fallback_kd_c1.log" 2>&1
-      rc=$?
-      case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
-      summary+=("FCE_DEBUG_KD=c1 gpu_kd $r")
-      FCE_DEBUG_CE=cached .gpu/bin/gpu_cross_entropy --gtest_brief=1 > "$OUT/fallback_cached_ce.log" 2>&1
-      rc=$?
-      case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
-      summary+=("FCE_DEBUG_CE=cached gpu_cross_entropy $r") ;;
+        for p in "${pids[@]}"; do
+          IFS=: read -r pid force op prog <<<"$p"
+          wait "$pid"
+          rc=$?
+          case $rc in 0) pass=$((pass+1)); r=PASS;; 77) skip=$((skip+1)); r=SKIP;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+          summary+=("FCE_FORCE_PATH=$force:$op $prog $r")
+          [ $rc -ne 0 ] && [ $rc -ne 77 ] && tail -20 "$OUT/path_${force}_${op}_$prog.log"
+        done
+      done ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
         filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.*'
@@ -89,30 +78,36 @@ for step in $steps; do
         [ -x "$b" ] && "$b" 2>&1 | tee "$OUT/$(basename "$b").log"
       done ;;
     ab)
-      bench=${AB_BENCH:-bench_softmax_kd}
+      # AB_BENCH: benchmark commands separated by ';' (each takes --json); medians of time per result row.
+      IFS=';' read -ra benches <<<"${AB_BENCH:-bench_ce;bench_softmax_kd}"
       for i in $(seq 1 "${AB_RUNS:-3}"); do
         for v in old new; do
           lib=$PWD/.gpu/lib
           [ $v = old ] && lib=$PWD/.gpu/old
-          LD_LIBRARY_PATH="$lib:$LD_LIBRARY_PATH" .gpu/bin/$bench > "$OUT/ab_${v}_$i.log" 2>&1
+          for cmd in "${benches[@]}"; do
+            read -ra c <<<"$cmd"
+            LD_LIBRARY_PATH="$lib:$LD_LIBRARY_PATH" .gpu/bin/"${c[0]}" "${c[@]:1}" \
+              --json "$OUT/ab_${c[0]}_${v}_$i.json" > "$OUT/ab_${c[0]}_${v}_$i.log" 2>&1
+          done
         done
       done
-      python3 - "$OUT" "${AB_RUNS:-3}" <<'PY'
-import re, statistics, sys
-out, runs = sys.argv[1], int(sys.argv[2])
+      python3 - "$OUT" <<'PY'
+import glob, json, statistics, sys
 rows = {}
-for v in ("old", "new"):
-    for i in range(1, runs + 1):
-        text = open(f"{out}/ab_{v}_{i}.log").read().split("\nshape ")[-1]
-        for line in text.splitlines()[1:]:
-            m = re.match(r"(.+?)\s{2,}([0-9.]+)\s+[0-9]+\s+[0-9.]+%", line)
-            if m:
-                rows.setdefault(m.group(1).strip(), {"old": [], "new": []})[v].append(float(m.group(2)))
-print(f"{'shape':<52} {'old us (median)':>16} {'new us (median)':>16} {'new/old':>8}")
-for k, d in rows.items():
+for f in sorted(glob.glob(sys.argv[1] + "/ab_*_*_*.json")):
+    v = f.rsplit("_", 2)[-2]
+    doc = json.load(open(f))
+    for r in doc["rows"]:
+        t = r.get("time_us") or (r.get("time_ms") or 0) * 1e3
+        if t:
+            key = " ".join(str(r.get(k, "")) for k in ("op", "shape", "dtype", "label", "outputs")).strip()
+            rows.setdefault((doc["program"], key), {"old": [], "new": []})[v].append(t)
+print("| program | row | old µs (median) | new µs (median) | new/old |")
+print("|---|---|---|---|---|")
+for (prog, key), d in rows.items():
     if d["old"] and d["new"]:
         o, n = statistics.median(d["old"]), statistics.median(d["new"])
-        print(f"{k:<52} {o:>16.1f} {n:>16.1f} {n / o:>8.3f}")
+        print(f"| {prog} | {key[:70]} | {o:.1f} | {n:.1f} | {n / o:.3f} |")
 PY
       ;;
     torch)

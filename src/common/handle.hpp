@@ -1,6 +1,8 @@
 #pragma once
 #include <cstddef>
+#include <vector>
 
+#include "common/device_caps.hpp"
 #include "common/ops.hpp"
 #include "common/tensor.hpp"
 
@@ -12,9 +14,8 @@ struct fce_handle {
   void* cached_ws = nullptr;
   size_t cached_ws_bytes = 0;
   // CUDA state (unused for CPU handles).
-  int sm_count = 0;
-  int max_smem_optin = 0;
-  bool mempools = false;  // stream-ordered allocation (cudaMallocAsync) supported
+  fce::DeviceCaps caps;
+  std::vector<fce::ClusterFitEntry> cluster_fits;  // occupancy answers (src/cuda/device.cu)
   void* blas = nullptr;  // backend-owned BLAS state (cuBLAS handle etc.)
 };
 

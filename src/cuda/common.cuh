@@ -12,6 +12,7 @@
 #include "common/math.hpp"
 #include "common/ops.hpp"
 #include "cuda/cuda_util.hpp"
+#include "cuda/plan.hpp"
 
 namespace fce::cuda {
 
@@ -348,31 +349,6 @@ struct MaxF {
 #define FCE_ROW_THREADS 256  // faster than 512 and 1024 (H100); overridable for tuning builds
 #endif
 constexpr int kRowThreads = FCE_ROW_THREADS;
-#ifndef FCE_SPLIT_BLOCKS_PER_SM
-#define FCE_SPLIT_BLOCKS_PER_SM 2  // split_count's blocks per SM; 4 and 8 were slower (H100); for tuning builds
-#endif
-
-// Blocks per row: 1 when there are enough rows to fill the GPU, else enough to give every SM ~2 blocks,
-// each with at least kMinSplitCols columns. Depends only on (N, V, SM count): deterministic.
-inline int split_count(const fce_handle* h, int64_t N, int64_t V) {
-  constexpr int64_t kMinSplitCols = 4096;
-  const int64_t target = int64_t(h->sm_count) * FCE_SPLIT_BLOCKS_PER_SM;
-  if (N >= target) return 1;
-  int64_t s = (target + N - 1) / N;
-  const int64_t by_cols = V / kMinSplitCols;
-  if (s > by_cols) s = by_cols;
-  if (s > 256) s = 256;
-  return s < 1 ? 1 : int(s);
-}
-
-// Columns [begin, end) of split `k` of `splits` over V (multiples of 64 so vector loads stay aligned).
-__host__ __device__ __forceinline__ void split_range(int64_t V, int splits, int k, int64_t* begin, int64_t* end) {
-  int64_t chunk = (V + splits - 1) / splits;
-  chunk = (chunk + 63) / 64 * 64;
-  *begin = chunk * k < V ? chunk * k : V;
-  *end = chunk * (k + 1) < V ? chunk * (k + 1) : V;
-}
-
 inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
 
 // cudaLaunchKernelEx with the launch attributes the library uses: clusters of `cluster` blocks along x

@@ -12,7 +12,7 @@
 // clusters are the rows (split_cluster_kernel, up to 8 splits), else by a partial and a merge kernel, and
 // a gradient kernel writes each split's slice. Reductions over rows go through a
 // single-block finalize kernel in a fixed order (a programmatic dependent launch on sm_90): no float
-// atomics, bitwise repeatable, no host sync. FCE_DEBUG_CE=cached forces the non-pipelined gradient kernel.
+// atomics, bitwise repeatable, no host sync. The paths: cuda/plan.hpp (CePath, LsePath).
 #include "cuda/ce_internal.hpp"
 #include "cuda/common.cuh"
 #include "cuda/row_plan.cuh"
@@ -564,18 +564,17 @@ __global__ void __launch_bounds__(kRowThreads, 4) split_cluster_kernel(CeParams 
   if (p.row_lse) p.row_lse[row] = lse;
 }
 
-// Launches the split rows' statistics and outputs: one cluster launch where allowed, else partial_kernel
-// then merge_kernel (FCE_DEBUG_ROWS=nocluster forces that).
+// Launches the split rows' statistics and outputs: one cluster launch (`cluster`: the plan's split_cluster
+// path), else partial_kernel then merge_kernel (split_phased).
 template <class T>
-void launch_split_rows(const fce_handle* h, cudaStream_t s, const CeParams& k) {
-  const bool cl = clusters_available(h);
-  if (cl && k.splits <= kMaxGatherCluster && forced_path() != Force::NoCluster) {
+void launch_split_rows(const fce_handle* h, cudaStream_t s, const CeParams& k, bool cluster) {
+  if (cluster) {
     launch_ex(split_cluster_kernel<T>, dim3(unsigned(k.splits), unsigned(k.N)), dim3(kRowThreads), 0, s, k.splits,
               false, "split rows kernel", k);
     return;
   }
   partial_kernel<T><<<dim3(unsigned(k.splits), unsigned(k.N)), kRowThreads, 0, s>>>(k);
-  launch_merge<T>(s, k, cl);
+  launch_merge<T>(s, k, h->caps.clusters);
 }
 
 // Split rows (and the backward), phase 3: gradient of split blockIdx.x of row blockIdx.y.
@@ -586,14 +585,6 @@ __global__ void __launch_bounds__(kRowThreads) grad_kernel(CeParams p) {
   split_range(p.V, p.splits, blockIdx.x, &b, &e);
   write_grad<T, O>(p, row, b, e, p.saved_lse ? p.saved_lse[row] : p.row_lse[row]);
 }
-
-// Rows up to which logsumexp and the cross-entropy forward keep rows in registers where plan_regs finds a
-// plan that fits in one wave (it refuses the rest: at 64x151936 the split path runs); faster than the split
-// path up to there (docs/lab-notes.md, "Kernel choices").
-#ifndef FCE_LSE_REG_ROWS
-#define FCE_LSE_REG_ROWS 64  // a tuning macro
-#endif
-constexpr int64_t kLseRegRows = FCE_LSE_REG_ROWS;
 
 // Few rows of logsumexp in one launch: C blocks per row (a cluster of up to 16), each holding its slice in
 // registers; the blocks' (max, sum) partials are pushed to rank 0, which merges them in a fixed order
@@ -646,25 +637,25 @@ bool ce_regs_ok(const CeParams& k) {
   return !k.dx && !k.saved_lse && k.softcap == 0.f && k.eps == 0.f && !k.entropy && !k.argmax;
 }
 
-// Launches lse_regs_kernel for N rows when a register plan fits (false if not): logsumexp, or (kCe) the
-// cross-entropy forward. `k.splits` must hold the split path's count (> 1: few rows).
+// The kernels of the register path (for the planner's occupancy questions).
 template <class T, bool kCe>
-bool launch_lse_regs(fce_handle* h, cudaStream_t s, CeParams k) {
-  if (k.splits <= 1) return false;
-  const RegPlan rp = plan_regs(h, k.N, k.V, int(sizeof(T)), k.x, k.ld,
-                               RegKernels(reinterpret_cast<const void*>(lse_regs_kernel<T, 1, kCe>),
-                                          reinterpret_cast<const void*>(lse_regs_kernel<T, 2, kCe>),
-                                          reinterpret_cast<const void*>(lse_regs_kernel<T, 4, kCe>)),
-                               kLseRegRows, /*reads_only=*/true);
-  if (rp.C == 0) return false;
+RegKernels lse_regs_kernels(fce_handle* h) {
+  return RegKernels(h, reinterpret_cast<const void*>(lse_regs_kernel<T, 1, kCe>),
+                    reinterpret_cast<const void*>(lse_regs_kernel<T, 2, kCe>),
+                    reinterpret_cast<const void*>(lse_regs_kernel<T, 4, kCe>));
+}
+
+// Launches lse_regs_kernel for N rows with register plan `rp`: logsumexp, or (kCe) the cross-entropy
+// forward.
+template <class T, bool kCe>
+void launch_lse_regs(fce_handle* h, cudaStream_t s, CeParams k, const RegPlan& rp) {
   k.splits = rp.C;
   k.chunk = int(slice_cols(k.V, rp.C));
-  const bool dependent = clusters_available(h);  // sm_90 code on an sm_90 device
+  const bool dependent = h->caps.clusters;  // sm_90 code on an sm_90 device
   dispatch_regs(rp.R, [&](auto r) {
     launch_rows(lse_regs_kernel<T, decltype(r)::value, kCe>, as_row_plan(rp), k.N, k, s,
                 kCe ? "cross-entropy kernel" : "logsumexp kernel", dependent);
   });
-  return true;
 }
 
 struct SumD {
@@ -813,64 +804,86 @@ void ce_finalize(cudaStream_t s, const float* loss_rows, const float* zl_rows, i
 }
 
 size_t ce_rows_workspace(fce_handle* h, int64_t N, int64_t V, bool grad, bool backward) {
-  return backward ? 0 : RowsScratch(nullptr, N, split_count(h, N, V), grad).bytes;
+  return backward ? 0 : RowsScratch(nullptr, N, ce_splits(h->caps, N, V), grad).bytes;
 }
 
-// The pipelined kernel wants logits and dlogits of one dtype, both with 16-byte aligned rows, and rows
-// long enough to fill a good part of shared memory. FCE_DEBUG_CE=cached forces the older cached kernel.
-bool pipe_ok(const fce_handle* h, const CeRows& r, size_t xs, size_t os) {
-  static const bool off = [] {
-    const char* e = std::getenv("FCE_DEBUG_CE");
-    return e && !std::strcmp(e, "cached");
-  }();
-  if (off || xs != os || h->sm_count <= 0) return false;
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(r.x) | reinterpret_cast<uintptr_t>(r.dx) |
-                         uintptr_t(r.ld * int64_t(xs)) | uintptr_t(r.ldd * int64_t(os));
-  return (bits & 15u) == 0 && r.V * int64_t(xs) >= 16 * 1024;
+namespace {
+
+// The plan of the rows of `r` (src/cuda/plan.hpp: CePath).
+CePlan ce_plan(fce_handle* h, const CeRows& r, const CeParams& k) {
+  const size_t xs = dtype_size(r.xt), os = r.dx ? dtype_size(r.dxt) : xs;
+  CeShape sh;
+  sh.N = r.N;
+  sh.V = r.V;
+  sh.esize = int(xs);
+  sh.grad = r.dx != nullptr;
+  sh.backward = r.saved_lse != nullptr;
+  sh.regs_options = ce_regs_ok(k);
+  sh.aligned16 = aligned16(r.x, r.ld, int(xs));
+  // The pipelined kernel: logits and dlogits of one dtype, 16-byte aligned rows long enough to fill a good
+  // part of shared memory.
+  sh.pipe_layout = sh.grad && xs == os && sh.aligned16 && aligned16(r.dx, r.ldd, int(os)) &&
+                   r.V * int64_t(xs) >= 16 * 1024;
+  CePlan plan;
+  dispatch_float(r.xt, [&](auto tag) { plan = plan_ce(sh, h->caps, lse_regs_kernels<decltype(tag), true>(h)); });
+  return plan;
 }
+
+}  // namespace
 
 void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
-  const int splits = split_count(h, r.N, r.V);
   const bool grad = r.dx != nullptr;
   CeParams k = params_of(r);
-  k.splits = splits;
+  const CePlan plan = ce_plan(h, r, k);
+  k.splits = plan.splits;
   const unsigned N = unsigned(r.N);
   dispatch_pair(r.xt, grad ? r.dxt : r.xt, [&](auto ti, auto to) {
     using T = decltype(ti);
     using O = decltype(to);
-    if (r.saved_lse) {
-      grad_kernel<T, O><<<dim3(unsigned(splits), N), kRowThreads, 0, s>>>(k);
-    } else if (ce_regs_ok(k) && launch_lse_regs<T, true>(h, s, k)) {
-      // few rows, forward only: one launch
-    } else if (splits == 1 && grad && pipe_ok(h, r, sizeof(T), sizeof(O))) {
-      // Shared memory for as much of the row as fits (16-byte vectors), one persistent block per SM.
-      const int64_t row_vecs = r.V * int64_t(sizeof(T)) / 16;
-      const int64_t max_vecs = pipe_smem(h) / 16;
-      const int64_t cache_vecs = row_vecs < max_vecs ? row_vecs : max_vecs;
-      const size_t smem = size_t(cache_vecs) * 16;
-      const int64_t grid = pipe_grid(h, r.N);
-      const bool plain = k.softcap == 0.f && !k.weights && k.eps == 0.f && !k.entropy && !k.argmax;
-      auto kernel = plain ? row_kernel_pipe_plain<T> : row_kernel_pipe<T>;
-      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-            "cudaFuncSetAttribute");
-      kernel<<<unsigned(grid), kCachedThreads, smem, s>>>(k, cache_vecs);
-    } else if (splits == 1 && grad) {
-      // Shared memory for as much of the row as fits (16-byte vectors), one block per SM.
-      const int64_t row_vecs = r.V * int64_t(sizeof(T)) / 16 + 1;
-      const int64_t max_vecs = (int64_t(h->max_smem_optin) / kCachedBlocks - 2048) / 16;
-      const int64_t cache_vecs = row_vecs < max_vecs ? row_vecs : max_vecs;
-      const size_t smem = size_t(cache_vecs > 0 ? cache_vecs : 0) * 16;
-      check(cudaFuncSetAttribute(row_kernel_cached<T, O>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-            "cudaFuncSetAttribute");
-      row_kernel_cached<T, O><<<N, kCachedThreads, smem, s>>>(k, cache_vecs);
-    } else if (splits == 1) {
-      row_kernel<T, O><<<N, kRowThreads, 0, s>>>(k);
-    } else {
-      const RowsScratch scratch(ws, r.N, splits, grad);
-      k.partial = scratch.partial;
-      k.row_lse = scratch.row_lse;
-      launch_split_rows<T>(h, s, k);
-      if (grad) grad_kernel<T, O><<<dim3(unsigned(splits), N), kRowThreads, 0, s>>>(k);
+    switch (plan.path) {
+      case CePath::Backward:
+        grad_kernel<T, O><<<dim3(unsigned(plan.splits), N), kRowThreads, 0, s>>>(k);
+        break;
+      case CePath::Regs:  // few rows, forward only: one launch
+        launch_lse_regs<T, true>(h, s, k, plan.regs);
+        break;
+      case CePath::Pipe: {
+        // Shared memory for as much of the row as fits (16-byte vectors), one persistent block per SM.
+        const int64_t row_vecs = r.V * int64_t(sizeof(T)) / 16;
+        const int64_t max_vecs = pipe_smem(h->caps) / 16;
+        const int64_t cache_vecs = row_vecs < max_vecs ? row_vecs : max_vecs;
+        const size_t smem = size_t(cache_vecs) * 16;
+        const int64_t grid = pipe_grid(h->caps, r.N);
+        const bool plain = k.softcap == 0.f && !k.weights && k.eps == 0.f && !k.entropy && !k.argmax;
+        auto kernel = plain ? row_kernel_pipe_plain<T> : row_kernel_pipe<T>;
+        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+              "cudaFuncSetAttribute");
+        kernel<<<unsigned(grid), kCachedThreads, smem, s>>>(k, cache_vecs);
+        break;
+      }
+      case CePath::Cached: {
+        // Shared memory for as much of the row as fits (16-byte vectors), one block per SM.
+        const int64_t row_vecs = r.V * int64_t(sizeof(T)) / 16 + 1;
+        const int64_t max_vecs = (int64_t(h->caps.max_smem_optin) / kCachedBlocks - 2048) / 16;
+        const int64_t cache_vecs = row_vecs < max_vecs ? row_vecs : max_vecs;
+        const size_t smem = size_t(cache_vecs > 0 ? cache_vecs : 0) * 16;
+        check(cudaFuncSetAttribute(row_kernel_cached<T, O>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+              "cudaFuncSetAttribute");
+        row_kernel_cached<T, O><<<N, kCachedThreads, smem, s>>>(k, cache_vecs);
+        break;
+      }
+      case CePath::Row:
+        row_kernel<T, O><<<N, kRowThreads, 0, s>>>(k);
+        break;
+      case CePath::SplitCluster:
+      case CePath::SplitPhased: {
+        const RowsScratch scratch(ws, r.N, plan.splits, grad);
+        k.partial = scratch.partial;
+        k.row_lse = scratch.row_lse;
+        launch_split_rows<T>(h, s, k, plan.path == CePath::SplitCluster);
+        if (grad) grad_kernel<T, O><<<dim3(unsigned(plan.splits), N), kRowThreads, 0, s>>>(k);
+        break;
+      }
     }
   });
   check_launch("cross-entropy kernels");
@@ -938,20 +951,18 @@ void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
     const CeDenominator den{&p.o, p.targets.data, t64, p.logits.cols};
     // A programmatic dependent launch needs what clusters need: an sm_90 device running sm_90 code.
     ce_finalize(s, ws.row_loss, ws.row_zl, p.logits.rows, p.o.reduction, r.prep, reinterpret_cast<float*>(p.loss.data),
-                p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr, &den, clusters_available(h));
+                p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr, &den, h->caps.clusters);
   }
 }
 
 size_t lse_workspace(fce_handle* h, const LseProblem& p) {
-  return RowsScratch(nullptr, p.x.rows, split_count(h, p.x.rows, p.x.cols), false).bytes;
+  return RowsScratch(nullptr, p.x.rows, lse_splits(h->caps, p.x.rows, p.x.cols), false).bytes;
 }
 
 void lse(fce_handle* h, fce_stream_t stream, const LseProblem& p, Workspace w) {
   DeviceGuard guard(h->device_id);
   const cudaStream_t s = stream_of(stream);
   const int64_t N = p.x.rows;
-  const int splits = split_count(h, N, p.x.cols);
-  const RowsScratch ws(w.ptr, N, splits, false);
   CeParams k{};
   k.x = p.x.data;
   k.ld = p.x.ld;
@@ -960,16 +971,25 @@ void lse(fce_handle* h, fce_stream_t stream, const LseProblem& p, Workspace w) {
   k.scale = p.scale;
   k.full = false;
   k.lse = reinterpret_cast<float*>(p.lse.data);
-  k.splits = splits;
-  k.partial = ws.partial;
   dispatch_float(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (launch_lse_regs<T, false>(h, s, k)) {
-      // few rows: one launch
-    } else if (splits == 1) {
-      row_kernel<T, T><<<unsigned(N), kRowThreads, 0, s>>>(k);
-    } else {
-      launch_split_rows<T>(h, s, k);
+    const int es = int(sizeof(T));
+    const LsePlan plan = plan_lse(N, p.x.cols, es, aligned16(p.x.data, p.x.ld, es), h->caps,
+                                  lse_regs_kernels<T, false>(h));
+    const RowsScratch ws(w.ptr, N, plan.splits, false);
+    k.splits = plan.splits;
+    k.partial = ws.partial;
+    switch (plan.path) {
+      case LsePath::Regs:  // few rows: one launch
+        launch_lse_regs<T, false>(h, s, k, plan.regs);
+        break;
+      case LsePath::Row:
+        row_kernel<T, T><<<unsigned(N), kRowThreads, 0, s>>>(k);
+        break;
+      case LsePath::SplitCluster:
+      case LsePath::SplitPhased:
+        launch_split_rows<T>(h, s, k, plan.path == LsePath::SplitCluster);
+        break;
     }
   });
   check_launch("logsumexp kernels");

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "common/error.hpp"
+#include "common/handle.hpp"
 
 namespace fce::cuda {
 
@@ -30,5 +31,14 @@ class DeviceGuard {
  private:
   int prev_ = 0;
 };
+
+// Clusters larger than the portable 8 blocks need a per-kernel, per-device opt-in: true once `kernel` may
+// launch clusters of C blocks on the current device (set once per process and device).
+bool allow_cluster(const void* kernel, int C);
+
+// Clusters of C blocks of `threads` threads (`smem` dynamic shared bytes) of `kernel` that the handle's
+// device holds at once (0 when the runtime cannot say), asked once per handle. Clusters of C blocks must fit
+// in one GPC each, so fewer fit than SMs / C (H100: 15 of 8 blocks of 1024 threads, not 16).
+int max_active_clusters(fce_handle* h, const void* kernel, int C, int threads, size_t smem = 0);
 
 }  // namespace fce::cuda

@@ -41,9 +41,7 @@
 // loss (kd_kl_onepass_kernel, kd_topk_onepass_kernel: each row read once); with dstudent, forward and
 // reverse KL of one dtype with aligned rows use persistent blocks (or clusters of two for long rows) that
 // pipeline the rows through shared memory (kd_kl_grad_pipe_kernel: two passes, A known in closed form).
-// FCE_DEBUG_ROWS=nocluster|stream|split|noregs in the environment forces a fallback (to test those paths;
-// any of them also turns the faster paths off); FCE_DEBUG_KD=c1 keeps the pipelined kernel to one block per
-// row pair.
+// The paths: cuda/plan.hpp (KdPath, and plan_rows for the rows path).
 #include <cooperative_groups.h>
 
 #include <atomic>
@@ -1121,48 +1119,24 @@ int effective_div(const KdProblem& p) {
   return div;
 }
 
-// Forward only, with rows enough to fill the GPU one block each, and a divergence that needs no
-// normalized probability per element: one streaming pass (kd_kl_onepass_kernel, kd_topk_onepass_kernel).
-// With dstudent: forward or reverse KL, student, teacher and dstudent of one dtype with 16-byte aligned rows,
-// rows enough to fill the GPU, rows long enough to be worth the pipeline: kd_kl_grad_pipe_kernel.
-bool kd_grad_pipe(const fce_handle* h, const KdProblem& p) {
-  if (!p.dstudent || p.topk() || forced_path() != Force::None) return false;
-  if (p.student.rows < int64_t(h->sm_count > 0 ? h->sm_count : 1)) return false;
+// The plan of a call (src/cuda/plan.hpp: KdPath).
+KdPlan kd_plan(const fce_handle* h, const KdProblem& p) {
+  KdShape sh;
+  sh.N = p.student.rows;
+  sh.V = p.student.cols;
+  sh.student_size = int(dtype_size(p.student.dtype));
+  sh.teacher_size = p.topk() ? 0 : int(dtype_size(p.teacher.dtype));
+  sh.dstudent = static_cast<bool>(p.dstudent);
+  sh.topk = p.topk();
+  sh.renormalized = renormalized(p);
   const int div = effective_div(p);
-  if (div != FCE_KD_FORWARD_KL && div != FCE_KD_REVERSE_KL) return false;
-  if (p.teacher.dtype != p.student.dtype || p.dstudent.dtype != p.student.dtype) return false;
-  const size_t es = dtype_size(p.student.dtype);
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(p.student.data) | reinterpret_cast<uintptr_t>(p.teacher.data) |
-                         reinterpret_cast<uintptr_t>(p.dstudent.data) | uintptr_t(p.student.ld * int64_t(es)) |
-                         uintptr_t(p.teacher.ld * int64_t(es)) | uintptr_t(p.dstudent.ld * int64_t(es));
-  return (bits & 15u) == 0 && p.student.cols * int64_t(es) >= 16 * 1024;
-}
-
-// Blocks per row pair of kd_kl_grad_pipe_kernel: 2 (a cluster) when the pair does not fit one SM's shared
-// memory, else 1 (4 pays the per-row costs four times over; docs/lab-notes.md, "Kernel choices").
-// FCE_DEBUG_KD=c1 forces 1 (tests and measurements).
-int kd_pipe_blocks(const fce_handle* h, int64_t vecs, int64_t fit) {
-  const char* e = std::getenv("FCE_DEBUG_KD");
-  if ((e && !std::strcmp(e, "c1")) || vecs <= fit || !clusters_available(h)) return 1;
-  return 2;
-}
-
-bool kd_onepass(const fce_handle* h, const KdProblem& p) {
-  if (p.dstudent || renormalized(p) || forced_path() != Force::None) return false;
-  if (p.student.rows < 2 * int64_t(h->sm_count > 0 ? h->sm_count : 1)) return false;
-  const int div = effective_div(p);
-  return p.topk() || div == FCE_KD_FORWARD_KL || div == FCE_KD_REVERSE_KL;
-}
-
-RowPlan kd_plan(const fce_handle* h, const KdProblem& p) {
-  if (renormalized(p) || kd_onepass(h, p) || kd_grad_pipe(h, p)) {
-    RowPlan r;
-    r.threads = 128;
-    return r;
+  sh.kl = div == FCE_KD_FORWARD_KL || div == FCE_KD_REVERSE_KL;
+  if (p.dstudent && !p.topk() && p.teacher.dtype == p.student.dtype && p.dstudent.dtype == p.student.dtype) {
+    const int es = sh.student_size;
+    sh.pipe_layout = aligned16(p.student.data, p.student.ld, es) && aligned16(p.teacher.data, p.teacher.ld, es) &&
+                     aligned16(p.dstudent.data, p.dstudent.ld, es) && p.student.cols * int64_t(es) >= 16 * 1024;
   }
-  const int ss = int(dtype_size(p.student.dtype));
-  const int st = p.topk() ? 0 : int(dtype_size(p.teacher.dtype));
-  return plan_rows(h, p.student.rows, p.student.cols, ss, st, kKdThreads);
+  return plan_kd(sh, h->caps, kKdThreads);
 }
 
 struct KdWorkspace {
@@ -1215,14 +1189,15 @@ void run_phases(void (*kernel)(Args), const RowPlan& pl, int64_t N, Args a, cuda
 
 size_t kd_workspace(fce_handle* h, const KdProblem& p) {
   DeviceGuard guard(h->device_id);
-  return kd_layout(p, kd_plan(h, p), nullptr).bytes;
+  return kd_layout(p, kd_plan(h, p).rows, nullptr).bytes;
 }
 
 void kd(fce_handle* h, fce_stream_t stream, const KdProblem& p, Workspace w) {
   DeviceGuard guard(h->device_id);
   const cudaStream_t s = stream_of(stream);
   const int64_t N = p.student.rows, V = p.student.cols;
-  const RowPlan pl = kd_plan(h, p);
+  const KdPlan plan = kd_plan(h, p);
+  const RowPlan& pl = plan.rows;
   const KdWorkspace ws = kd_layout(p, pl, w.ptr);
   const bool reduced = p.o.reduction != FCE_REDUCTION_NONE;
 
@@ -1276,65 +1251,76 @@ void kd(fce_handle* h, fce_stream_t stream, const KdProblem& p, Workspace w) {
   dispatch_float(p.student.dtype, [&](auto stag) {
     using Ts = decltype(stag);
     const unsigned grid = unsigned(N < (int64_t(1) << 30) ? N : (int64_t(1) << 30));
-    if (renormalized(p)) {
-      kd_topk_renorm_kernel<Ts><<<grid, pl.threads, 0, s>>>(a);
-      check_launch("KD top-K kernel");
-    } else if (kd_onepass(h, p) && p.topk()) {
-      kd_topk_onepass_kernel<Ts><<<grid, kKdThreads, 0, s>>>(a);
-      check_launch("KD top-K kernel");
-    } else if (kd_grad_pipe(h, p)) {
-      const int64_t vecs = V * int64_t(sizeof(Ts)) / 16;
-      const int64_t fit = pipe_smem(h) / 32;  // both rows' slots
-      const int C = kd_pipe_blocks(h, vecs, fit);
-      const int64_t slice = (vecs + C - 1) / C;
-      const int64_t cache_vecs = slice < fit ? slice : fit;
-      const size_t smem = size_t(cache_vecs) * 32;
-      void (*kernel)(const KdArgs, int64_t) = nullptr;
-      auto pick = [&](auto cc) {
-        constexpr int CC = decltype(cc)::value;
-        kernel = div == FCE_KD_FORWARD_KL ? kd_kl_grad_pipe_kernel<Ts, FCE_KD_FORWARD_KL, CC>
-                                          : kd_kl_grad_pipe_kernel<Ts, FCE_KD_REVERSE_KL, CC>;
-      };
-      if (C == 2) pick(std::integral_constant<int, 2>{});
-      else pick(std::integral_constant<int, 1>{});
-      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-            "cudaFuncSetAttribute");
-      // Persistent clusters (blocks when C = 1): as few as give the same rows each as all that fit at once.
-      const int sm = h->sm_count > 0 ? h->sm_count : 1;
-      int64_t groups = C > 1 ? max_active_clusters(h, reinterpret_cast<const void*>(kernel), C, 1024, smem) : sm;
-      if (groups <= 0) groups = sm / C > 0 ? sm / C : 1;
-      const int64_t rows_each = (N + groups - 1) / groups;
-      const int64_t g = (N + rows_each - 1) / rows_each;
-      RowPlan lp;
-      lp.C = C;
-      lp.cluster = C > 1;
-      lp.threads = 1024;
-      lp.smem = smem;
-      lp.resident = false;
-      launch_grid(kernel, lp, g * C, s, "KD kernel", false, a, cache_vecs);
-    } else if (kd_onepass(h, p)) {
-      dispatch_float(p.teacher.dtype, [&](auto ttag) {
-        using Tt = decltype(ttag);
-        if (div == FCE_KD_FORWARD_KL) kd_kl_onepass_kernel<Ts, Tt, FCE_KD_FORWARD_KL><<<grid, kKdThreads, 0, s>>>(a);
-        else kd_kl_onepass_kernel<Ts, Tt, FCE_KD_REVERSE_KL><<<grid, kKdThreads, 0, s>>>(a);
-      });
-      check_launch("KD kernel");
-    } else if (p.topk()) {
-      if (pl.resident) run_phases(kd_topk_kernel<Ts, true>, pl, N, a, s, "KD top-K kernel");
-      else run_phases(kd_topk_kernel<Ts, false>, pl, N, a, s, "KD top-K kernel");
-    } else {
-      dispatch_float(p.teacher.dtype, [&](auto ttag) {
-        using Tt = decltype(ttag);
-        if (!pl.resident) {
-          run_phases(kd_full_kernel<Ts, Tt, -1, false>, pl, N, a, s, "KD kernel");
-        } else if (div == FCE_KD_FORWARD_KL) {
-          run_phases(kd_full_kernel<Ts, Tt, FCE_KD_FORWARD_KL, true>, pl, N, a, s, "KD kernel");
-        } else if (div == FCE_KD_REVERSE_KL) {
-          run_phases(kd_full_kernel<Ts, Tt, FCE_KD_REVERSE_KL, true>, pl, N, a, s, "KD kernel");
-        } else {
-          run_phases(kd_full_kernel<Ts, Tt, FCE_KD_JSD, true>, pl, N, a, s, "KD kernel");
+    switch (plan.path) {
+      case KdPath::Renorm:
+        kd_topk_renorm_kernel<Ts><<<grid, pl.threads, 0, s>>>(a);
+        check_launch("KD top-K kernel");
+        break;
+      case KdPath::Onepass:
+        if (p.topk()) {
+          kd_topk_onepass_kernel<Ts><<<grid, kKdThreads, 0, s>>>(a);
+          check_launch("KD top-K kernel");
+          break;
         }
-      });
+        dispatch_float(p.teacher.dtype, [&](auto ttag) {
+          using Tt = decltype(ttag);
+          if (div == FCE_KD_FORWARD_KL) kd_kl_onepass_kernel<Ts, Tt, FCE_KD_FORWARD_KL><<<grid, kKdThreads, 0, s>>>(a);
+          else kd_kl_onepass_kernel<Ts, Tt, FCE_KD_REVERSE_KL><<<grid, kKdThreads, 0, s>>>(a);
+        });
+        check_launch("KD kernel");
+        break;
+      case KdPath::Pipe:
+      case KdPath::PipeC1: {
+        const int64_t vecs = V * int64_t(sizeof(Ts)) / 16;
+        const int64_t fit = pipe_smem(h->caps) / 32;  // both rows' slots
+        const int C = plan.pipe_blocks;
+        const int64_t slice = (vecs + C - 1) / C;
+        const int64_t cache_vecs = slice < fit ? slice : fit;
+        const size_t smem = size_t(cache_vecs) * 32;
+        void (*kernel)(const KdArgs, int64_t) = nullptr;
+        auto pick = [&](auto cc) {
+          constexpr int CC = decltype(cc)::value;
+          kernel = div == FCE_KD_FORWARD_KL ? kd_kl_grad_pipe_kernel<Ts, FCE_KD_FORWARD_KL, CC>
+                                            : kd_kl_grad_pipe_kernel<Ts, FCE_KD_REVERSE_KL, CC>;
+        };
+        if (C == 2) pick(std::integral_constant<int, 2>{});
+        else pick(std::integral_constant<int, 1>{});
+        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+              "cudaFuncSetAttribute");
+        // Persistent clusters (blocks when C = 1): as few as give the same rows each as all that fit at once.
+        const int sm = h->caps.sm_count > 0 ? h->caps.sm_count : 1;
+        int64_t groups = C > 1 ? max_active_clusters(h, reinterpret_cast<const void*>(kernel), C, 1024, smem) : sm;
+        if (groups <= 0) groups = sm / C > 0 ? sm / C : 1;
+        const int64_t rows_each = (N + groups - 1) / groups;
+        const int64_t g = (N + rows_each - 1) / rows_each;
+        RowPlan lp;
+        lp.C = C;
+        lp.cluster = C > 1;
+        lp.threads = 1024;
+        lp.smem = smem;
+        lp.resident = false;
+        launch_grid(kernel, lp, g * C, s, "KD kernel", false, a, cache_vecs);
+        break;
+      }
+      case KdPath::Rows:
+        if (p.topk()) {
+          if (pl.resident) run_phases(kd_topk_kernel<Ts, true>, pl, N, a, s, "KD top-K kernel");
+          else run_phases(kd_topk_kernel<Ts, false>, pl, N, a, s, "KD top-K kernel");
+          break;
+        }
+        dispatch_float(p.teacher.dtype, [&](auto ttag) {
+          using Tt = decltype(ttag);
+          if (!pl.resident) {
+            run_phases(kd_full_kernel<Ts, Tt, -1, false>, pl, N, a, s, "KD kernel");
+          } else if (div == FCE_KD_FORWARD_KL) {
+            run_phases(kd_full_kernel<Ts, Tt, FCE_KD_FORWARD_KL, true>, pl, N, a, s, "KD kernel");
+          } else if (div == FCE_KD_REVERSE_KL) {
+            run_phases(kd_full_kernel<Ts, Tt, FCE_KD_REVERSE_KL, true>, pl, N, a, s, "KD kernel");
+          } else {
+            run_phases(kd_full_kernel<Ts, Tt, FCE_KD_JSD, true>, pl, N, a, s, "KD kernel");
+          }
+        });
+        break;
     }
   });
   if (reduced) {

@@ -4,26 +4,18 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
-#include <mutex>
-#include <vector>
 #include <type_traits>
 #include <utility>
 
 #include "cuda/common.cuh"
+#include "cuda/plan.hpp"
 
 namespace fce::cuda {
 namespace {
 
 // ==== row machinery =================================================================================
 
-constexpr int kMaxCluster = 8;                    // portable cluster size
-constexpr int kMaxFewCluster = 16;                // register-resident rows: non-portable clusters where allowed
-constexpr size_t kSoftSmem = size_t(64) << 10;    // preferred shared bytes per block (3 blocks per SM)
-constexpr int64_t kMinCols = 4096;                // fewest columns worth one more block for few rows
 constexpr int kLoadUnroll = 8;                    // 16-byte loads in flight per thread loading a slice
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -495,7 +487,6 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
 // after few_arrive<false>(C, sizeof(P)), thread 0 of every block sends its P into slot `rank` of rank 0,
 // whose warp 0 waits for all C and gets the slots (in rank order, for a fixed merge order); nullptr
 // elsewhere. Call from warp 0 (the other warps may have left).
-constexpr int kMaxGatherCluster = 8;
 template <class P>
 __device__ __forceinline__ const P* few_gather_rank0(const P& v, int C, int rank) {
   static_assert(sizeof(P) % 16 == 0 && alignof(P) <= 16, "16-byte words");
@@ -577,267 +568,24 @@ __device__ __forceinline__ void store_vals(O* out, const float (&v)[G], int cnt)
     if (k < cnt) out[k] = from_float<O>(v[k]);
 }
 
-// ---- host side: the plan of a call -----------------------------------------------------------------
+// ---- host side: launching a plan (the plans: cuda/plan.hpp) ----------------------------------------
 
-__global__ void arch_probe_kernel() {}
-
-// Thread-block clusters need a device that launches them and device code built for sm_90 or later (a
-// build that only JIT-compiles older PTX has no cluster code).
-bool clusters_available(const fce_handle* h) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices];  // 0 unknown, 1 yes, 2 no
-  const int dev = h->device_id;
-  const bool cacheable = dev >= 0 && dev < kMaxDevices;
-  if (cacheable) {
-    const int c = cache[dev].load(std::memory_order_relaxed);
-    if (c) return c == 1;
-  }
-  int launch = 0;
-  bool ok = cudaDeviceGetAttribute(&launch, cudaDevAttrClusterLaunch, dev) == cudaSuccess && launch != 0;
-  if (ok) {
-    cudaFuncAttributes fa{};
-    ok = cudaFuncGetAttributes(&fa, arch_probe_kernel) == cudaSuccess && fa.ptxVersion >= 90;
-  }
-  if (!ok) cudaGetLastError();  // a failed query is an answer, not an error to report later
-  if (cacheable) cache[dev].store(ok ? 1 : 2, std::memory_order_relaxed);
-  return ok;
-}
-
-enum class Force { None, NoCluster, Stream, Split, NoRegs };
-
-Force forced_path() {
-  const char* e = std::getenv("FCE_DEBUG_ROWS");
-  if (!e) return Force::None;
-  if (!std::strcmp(e, "nocluster")) return Force::NoCluster;
-  if (!std::strcmp(e, "stream")) return Force::Stream;
-  if (!std::strcmp(e, "split")) return Force::Split;
-  if (!std::strcmp(e, "noregs")) return Force::NoRegs;
-  return Force::None;
-}
-
-struct RowPlan {
-  int C = 1;              // blocks per row
-  bool cluster = false;   // fused launch whose C > 1 blocks per row form a cluster
-  bool resident = false;  // slices kept in shared memory
-  bool phased = false;    // one launch per phase, partials through the workspace
-  int threads = 256;
-  size_t smem = 0;        // dynamic shared bytes per block
-  int replicas = 1;       // gridDim.y
-};
-
-size_t round16(int64_t bytes) { return size_t((bytes + 15) / 16 * 16); }
-
-int64_t slice_cols(int64_t V, int C) {
-  int64_t b, e;
-  split_range(V, C, 0, &b, &e);  // rank 0 has the widest slice
-  return e - b;
-}
-
-// Threads per block: short slices get small blocks; long ones wide blocks when the blocks are few (or when
-// a streamed row is long), 256 otherwise (several blocks per SM overlap their phases).
-int threads_for(int64_t blocks, int64_t cols, int sm, bool streaming, int max_threads) {
-  int t = 256;
-  if (cols <= 1024) t = 64;
-  else if (cols <= 4096) t = 128;
-  else if (blocks < sm || (streaming && cols > 16384)) t = 512;
-  return t < max_threads ? t : max_threads;
-}
-
-// The plan for N rows of V columns whose resident slices take `sa` (+ `sb`) bytes per column, for a kernel
-// of at most `max_threads` threads per block.
-RowPlan plan_rows(const fce_handle* h, int64_t N, int64_t V, int sa, int sb, int max_threads) {
-  const Force force = forced_path();
-  const int sm = h->sm_count > 0 ? h->sm_count : 1;
-  const size_t budget = h->max_smem_optin > 8192 ? size_t(h->max_smem_optin) - 4096 : 0;  // static smem margin
-  RowPlan p;
-  if (force == Force::None || force == Force::NoCluster || force == Force::NoRegs) {
-    const int cmax = force != Force::NoCluster && clusters_available(h) ? kMaxCluster : 1;
-    for (int C = 1; C <= cmax; C *= 2) {
-      const int64_t cols = slice_cols(V, C);
-      const size_t smem = round16(cols * sa) + (sb ? round16(cols * sb) : 0);
-      if (smem > budget) continue;
-      const bool few = N * C < 2 * int64_t(sm) && cols >= 2 * kMinCols;  // worth splitting further
-      if (C < cmax && (smem > kSoftSmem || few)) continue;
-      if (few && cmax == 1) break;  // no clusters: few long rows go to the phased split
-      p.C = C;
-      p.cluster = C > 1;
-      p.resident = true;
-      p.threads = threads_for(N * C, cols, sm, false, max_threads);
-      p.smem = smem;
-      return p;
-    }
-  }
-  int S = split_count(h, N, V);
-  if (force == Force::Stream) S = 1;
-  if (force == Force::Split && S < 4) S = 4;
-  p.C = S;
-  p.phased = S > 1 || force == Force::Split;
-  p.threads = threads_for(N * S, slice_cols(V, S), sm, true, max_threads);
-  return p;
-}
-
-// Clusters larger than the portable 8 blocks need a per-kernel, per-device opt-in: true once `kernel` may
-// launch clusters of C blocks on the current device (set once, then cached).
-bool allow_cluster(const void* kernel, int C) {
-  if (C <= kMaxCluster) return true;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  struct Entry {
-    int dev;
-    const void* kernel;
-    bool ok;
-  };
-  static std::mutex mu;
-  static std::vector<Entry> done;
-  std::lock_guard<std::mutex> lock(mu);
-  for (const Entry& d : done)
-    if (d.dev == dev && d.kernel == kernel) return d.ok;
-  const bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-  if (!ok) cudaGetLastError();  // no opt-in: the caller stays at 8
-  done.push_back({dev, kernel, ok});
-  return ok;
-}
-
-// Clusters of C blocks of `threads` threads of `kernel` that the handle's device holds at once (0 when the
-// runtime cannot say), cached per device: a plan costs no query after the first. Clusters of C blocks
-// must fit in one GPC each, so fewer fit than SMs / C (H100: 15 of 8 blocks of 1024 threads, not 16).
-int max_active_clusters(const fce_handle* h, const void* kernel, int C, int threads, size_t smem = 0) {
-  struct Entry {
-    int dev;
-    const void* kernel;
-    int C, threads;
-    size_t smem;
-    int n;
-  };
-  static std::mutex mu;
-  static std::vector<Entry> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  for (const Entry& e : cache)
-    if (e.dev == h->device_id && e.kernel == kernel && e.C == C && e.threads == threads && e.smem == smem)
-      return e.n;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(C));
-  cfg.blockDim = dim3(unsigned(threads));
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(C);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (!allow_cluster(kernel, C) || cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-    cudaGetLastError();  // no answer is not an error of the call
-    n = 0;
-  }
-  cache.push_back({h->device_id, kernel, C, threads, smem, n});
-  return n;
-}
-
-// Register-resident plan for decode batches (C blocks per row, a cluster when C > 1, R vectors per thread),
-// or C = 0 when the rows do not fit (more than kMaxRegVecs vectors for 1024 threads would spill), are not
-// 16-byte aligned, are more than max_rows, or a path is forced. C grows while the N * C blocks stay within
-// 3/4 of the SMs (two blocks per SM for reads_only) and the slices are long; then it shrinks while the N
-// clusters would not all be resident at once (a second wave of clusters costs a whole kernel's latency).
-// `kernels` are the ones to launch (for the residency query). Plans of more than 5/4 of a block per SM (two
-// for reads_only) are refused (see `capped`).
-constexpr int kMaxRegVecs = 4;
-constexpr int64_t kMaxRegRows = 64;
-struct RegPlan {
-  int C = 0, R = 0, threads = 512;
-  int D = 1;         // replicas of each row's cluster (gridDim.y; see replicate_rows)
-  bool two = false;  // the softmax's kernel with registers for two blocks per SM (spread_regs)
-};
-
-// Blocks that a register plan may take: up to 3/4 of the SMs, so that the clusters fit at once with room to
-// spare (clusters the occupancy query accepts were at times placed in two waves at 7 or 8 blocks; at 6
-// never: docs/lab-notes.md, "Kernel choices").
-int64_t reg_block_limit(const fce_handle* h) { return int64_t(h->sm_count > 0 ? h->sm_count : 1) * 3 / 4; }
-
-// The kernel a register plan launches for R = 1, 2, 4 vectors per thread (for the residency query: their
-// register counts differ), or one stand-in for all three.
-struct RegKernels {
+// The kernels a register plan launches for R = 1, 2, 4 vectors per thread (their register counts differ),
+// or one stand-in for all three, as the planner's ClusterFit: the runtime's occupancy answers, asked once
+// per handle.
+struct RegKernels : ClusterFit {
+  fce_handle* h;
   const void* k[3];
-  RegKernels(const void* all) : k{all, all, all} {}  // NOLINT: one kernel for every R
-  RegKernels(const void* r1, const void* r2, const void* r4) : k{r1, r2, r4} {}
+  RegKernels(fce_handle* hh, const void* all) : h(hh), k{all, all, all} {}
+  RegKernels(fce_handle* hh, const void* r1, const void* r2, const void* r4) : h(hh), k{r1, r2, r4} {}
   const void* of(int R) const { return k[R <= 1 ? 0 : R == 2 ? 1 : 2]; }
+  int clusters(int R, int C, int threads) const override { return max_active_clusters(h, of(R), C, threads); }
+  bool nonportable(int R) const override { return allow_cluster(of(R), kMaxFewCluster); }
 };
 
-// The register plan of C blocks per row for rows of V values of `esize` bytes (false when a slice needs
-// more than 1024 threads). Threads sized to the slice (two or four vectors each, a multiple of a warp), so
-// that no slot is idle. reads_only (a kernel that writes one value per row, logsumexp): a multiple of four
-// warps above 128 threads, so that each of an SM's four schedulers (and its share of the special-function
-// units) gets as many warps (25 warps put 7 on one of them); plan_regs then allows up to two blocks per SM,
-// whose exponentials, merges and exchanges overlap (faster: docs/lab-notes.md, "Kernel choices").
-bool reg_plan_at(int64_t V, int C, int esize, bool reads_only, RegPlan* out) {
-  const int64_t K = 16 / esize;
-  const int64_t vecs = (slice_cols(V, C) + K - 1) / K;
-  const int64_t R = vecs <= 64 ? 1 : vecs <= 2 * 1024 ? 2 : kMaxRegVecs;
-  int64_t threads = std::max<int64_t>(64, ((vecs + R - 1) / R + 31) / 32 * 32);
-  if (reads_only && threads > 128) threads = (threads + 127) / 128 * 128;
-  out->C = C;
-  out->threads = int(std::min<int64_t>(threads, 1024));
-  out->R = int(R);
-  return threads <= 1024;
-}
-
-RegPlan plan_regs(const fce_handle* h, int64_t N, int64_t V, int esize, const void* data, int64_t ld,
-                  RegKernels kernels, int64_t max_rows = kMaxRegRows, bool reads_only = false,
-                  bool one_wave = false) {
-  RegPlan p;
-  const int sm = h->sm_count > 0 ? h->sm_count : 1;
-  if (forced_path() != Force::None || N > max_rows) return p;
-  if (((reinterpret_cast<uintptr_t>(data)) | uintptr_t(ld * esize)) & 15u) return p;
-  // Non-portable clusters (9..16 blocks) only where the device reports room for all N of them at once.
-  const int cmax = !clusters_available(h)                  ? 1
-                   : allow_cluster(kernels.of(kMaxRegVecs), kMaxFewCluster) ? kMaxFewCluster
-                                                           : kMaxCluster;
-  auto plan = [&](int C, RegPlan* out) { return reg_plan_at(V, C, esize, reads_only, out); };
-  const int64_t limit = reads_only ? 2 * int64_t(sm) : reg_block_limit(h);
-  int C = 1;
-  for (; C <= cmax; ++C) {
-    if (!plan(C, &p)) continue;
-    if (C < cmax && N * (C + 1) <= limit && slice_cols(V, C) >= 2 * kMinCols) continue;
-    break;
-  }
-  if (C > cmax) return RegPlan{};
-  // At most 5/4 of a block per SM: beyond that, these one-shot clusters run in waves whose packing varies
-  // from process to process (docs/lab-notes.md, "Kernel choices"); the callers' other paths overlap their
-  // blocks. Two blocks per SM for reads_only kernels (see reg_plan_at).
-  const int64_t cap = reads_only ? 2 * int64_t(sm) : int64_t(sm) * 5 / 4;
-  auto capped = [&](const RegPlan& r) { return int64_t(r.C) * N > cap ? RegPlan{} : r; };
-  for (int c = C; c > 1; --c) {
-    RegPlan q;
-    if (!plan(c, &q)) break;
-    const int n = max_active_clusters(h, kernels.of(q.R), c, q.threads);
-    if ((n == 0 && c <= kMaxCluster) || N <= n) return capped(q);
-  }
-  if (p.C > kMaxCluster) return RegPlan{};  // no non-portable cluster fits: not this path
-  // No smaller cluster fits in one wave either. one_wave: refuse (the softmax's shared-memory kernel does
-  // better then: docs/lab-notes.md, "Kernel choices"). Otherwise the first choice.
-  if (one_wave && C > 1) return RegPlan{};
-  return capped(p);
-}
-
-// Replicas for a register plan `p` whose blocks each write `out_bytes`: D copies of each row's cluster (D
-// clusters per row, gridDim.y) each compute the row's statistics from their own loads and write 1/D of the
-// row, so that D times as many SMs share the stores; the other copies' loads hit L2. Worth it where a block
-// would store at least kReplicateBytes (one SM's store rate bounds a block's stores: dev/probe_store_rate.cu;
-// docs/lab-notes.md, "Kernel choices"). D stays within reg_block_limit, the warps of a
-// block (a replica writes the values of every D-th warp) and the clusters the device holds at once.
-constexpr int64_t kReplicateBytes = 24 << 10;
-constexpr int kMaxReplicas = 8;
-RegPlan replicate_rows(const fce_handle* h, int64_t N, RegPlan p, int64_t out_bytes, const void* kernel) {
-  if (p.C < 2 || out_bytes < kReplicateBytes) return p;
-  int64_t D = std::min<int64_t>({reg_block_limit(h) / (N * p.C), p.threads / 32, kMaxReplicas});
-  const int n = max_active_clusters(h, kernel, p.C, p.threads);
-  if (n > 0) D = std::min<int64_t>(D, n / N);
-  p.D = D > 1 ? int(D) : 1;
-  return p;
+// 16-byte aligned rows (pointer and row stride).
+inline bool aligned16(const void* data, int64_t ld, int esize) {
+  return ((reinterpret_cast<uintptr_t>(data) | uintptr_t(ld * esize)) & 15u) == 0;
 }
 
 RowPlan as_row_plan(const RegPlan& r) {
@@ -861,12 +609,12 @@ void dispatch_regs(int R, F&& body) {
 
 // Dynamic shared bytes per block of the persistent pipelined row kernels (CE with dlogits, KD with
 // dstudent; one block per SM), leaving a margin for static shared memory.
-int64_t pipe_smem(const fce_handle* h) { return int64_t(h->max_smem_optin) - 4096; }
+int64_t pipe_smem(const fce_handle* h) { return int64_t(h->caps.max_smem_optin) - 4096; }
 
 // Persistent blocks for N rows: as few as give the same rows per block as one per SM (4096 rows on 132 SMs:
 // 128 blocks of 32 rows, not 4 blocks finishing a 32nd row alone while the rest idle).
 int64_t pipe_grid(const fce_handle* h, int64_t N) {
-  const int64_t sm = h->sm_count > 0 ? h->sm_count : 1;
+  const int64_t sm = h->caps.sm_count > 0 ? h->caps.sm_count : 1;
   if (N <= sm) return N;
   const int64_t per = (N + sm - 1) / sm;
   return (N + per - 1) / per;

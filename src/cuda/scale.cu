@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(kRowThreads) scale_rows_kernel(T* x, int64_t l
 
 void scale_rows(fce_handle* h, fce_stream_t stream, const ScaleProblem& p) {
   DeviceGuard guard(h->device_id);
-  const int64_t blocks = std::min<int64_t>(p.x.rows, int64_t(h->sm_count > 0 ? h->sm_count : 1) * 4);
+  const int64_t blocks = std::min<int64_t>(p.x.rows, int64_t(h->caps.sm_count > 0 ? h->caps.sm_count : 1) * 4);
   dispatch_float(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     scale_rows_kernel<T><<<unsigned(blocks), kRowThreads, 0, stream_of(stream)>>>(

@@ -6,7 +6,7 @@
 //   phase 0  max of the raw logits, its first index, NaN flag          -> exchange 0
 //   phase 1  D = sum_j exp((x_j - M)/T)                                  -> exchange 1
 //   phase 2  p_j = exp((x_j - M)/T) / D and log p_j = (x_j - M)/T - log D, 16-byte stores
-// How the blocks of a row work together (chosen per call by plan_rows from N, V, the dtype and the GPU):
+// How the blocks of a row work together (plan_rows, from N, V, the dtype and the GPU):
 //   resident  the row's slices stay in shared memory from phase 0 on, so the row is read from DRAM once
 //             and the outputs are written from shared memory: one read plus one write, the minimum. With
 //             C > 1 the C blocks are one thread-block cluster (Hopper) and exchange their partials through
@@ -27,7 +27,7 @@
 //             (softmax_regs_kernel); rows needing the special cases fall back to the global-memory code;
 //             where a block would store much, copies of the row's cluster share its stores (replicate_rows).
 // fp32 output of 16-bit logits is stored 16 contiguous bytes per thread (slot_col in row_plan.cuh).
-// FCE_DEBUG_ROWS=nocluster|stream|split|noregs in the environment forces a fallback (to test those paths).
+// The paths: cuda/plan.hpp (SoftmaxPath, and plan_rows for the rows path).
 #include <cooperative_groups.h>
 
 #include <atomic>
@@ -88,13 +88,6 @@ struct SmArgs {
 
 // Where a block's slice lives between the phases.
 enum Mode { kGlobal, kShared };
-
-// Rows up to which the register-resident kernel is used (when they fit, see plan_regs); a tuning macro
-// (docs/lab-notes.md, "Kernel choices").
-#ifndef FCE_SOFTMAX_REG_ROWS
-#define FCE_SOFTMAX_REG_ROWS 64
-#endif
-constexpr int64_t kSoftmaxRegRows = FCE_SOFTMAX_REG_ROWS;
 
 template <class T, int kMode, class F>
 __device__ __forceinline__ void sm_visit(const T* x, const T* sm, int64_t n, F&& f) {
@@ -353,41 +346,33 @@ SmWorkspace softmax_layout(const RowPlan& pl, int64_t N, void* base) {
   return w;
 }
 
-RowPlan softmax_plan(const fce_handle* h, const SoftmaxProblem& p) {
-  return plan_rows(h, p.logits.rows, p.logits.cols, int(dtype_size(p.logits.dtype)), 0, 512);
+// The plan of a call (src/cuda/plan.hpp: SoftmaxPath); T is the logits' type.
+template <class T>
+SoftmaxPlan softmax_plan(fce_handle* h, const SoftmaxProblem& p) {
+  SoftmaxShape sh;
+  sh.N = p.logits.rows;
+  sh.V = p.logits.cols;
+  sh.esize = int(sizeof(T));
+  sh.out_size = p.probs && p.probs.dtype == DType::F32 ? 4 : int(sizeof(T));
+  sh.probs_only = p.probs && !p.logprobs;
+  sh.aligned16 = aligned16(p.logits.data, p.logits.ld, sh.esize);
+  const RegKernels fit(h, reinterpret_cast<const void*>(softmax_regs_kernel<T, float, 4>));
+  const RegKernels fit_two(h, reinterpret_cast<const void*>(softmax_regs_kernel<T, float, 4, true>));
+  return plan_softmax(sh, h->caps, fit, fit_two, kTwoThreads);
 }
 
 }  // namespace
 
 size_t softmax_workspace(fce_handle* h, const SoftmaxProblem& p) {
   DeviceGuard guard(h->device_id);
-  return softmax_layout(softmax_plan(h, p), p.logits.rows, nullptr).bytes;
-}
-
-// A register plan of four vectors per thread spread over more SMs: clusters of kMaxCluster blocks where
-// they keep one block per SM (N * C <= SMs), in blocks of at most kTwoThreads threads of the kernel whose
-// registers leave room for two blocks per SM. With the 64-register kernel not all N such clusters fit at
-// once (an H100 holds 15 clusters of 8 one-per-SM blocks: one GPC is short), so the plan stays at 6 blocks
-// per row for 16 rows; with room for two blocks per SM all N fit at once. More SMs (128 of 132) then share
-// the row's exponentials and stores (faster; clusters of 7 were slower: docs/lab-notes.md, "Kernel choices").
-RegPlan spread_regs(const fce_handle* h, int64_t N, int64_t V, int esize, RegPlan rp, const void* kernel) {
-  constexpr int C = kMaxCluster;
-  if (rp.R != kMaxRegVecs || rp.D > 1 || rp.C >= C || N * C > h->sm_count) return rp;
-  RegPlan q;
-  if (!reg_plan_at(V, C, esize, /*reads_only=*/false, &q) || q.R != kMaxRegVecs || q.threads > kTwoThreads ||
-      max_active_clusters(h, kernel, C, q.threads) < N)
-    return rp;
-  q.two = true;
-  return q;
+  const RowPlan pl = plan_rows(h->caps, p.logits.rows, p.logits.cols, int(dtype_size(p.logits.dtype)), 0, 512);
+  return softmax_layout(pl, p.logits.rows, nullptr).bytes;
 }
 
 void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Workspace w) {
   DeviceGuard guard(h->device_id);
   const cudaStream_t s = stream_of(stream);
   const int64_t N = p.logits.rows;
-  const RowPlan pl = softmax_plan(h, p);
-  const SmWorkspace ws = softmax_layout(pl, N, w.ptr);
-
   SmArgs a{};
   a.x = p.logits.data;
   a.ldx = p.logits.ld;
@@ -401,55 +386,55 @@ void softmax(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p, Worksp
   a.temperature = p.temperature;
   a.N = N;
   a.V = p.logits.cols;
-  a.C = pl.C;
-  a.cluster = pl.cluster;
-  a.ws0 = ws.ws0;
-  a.ws1 = ws.ws1;
   dispatch_float(p.logits.dtype, [&](auto tag) {
     using T = decltype(tag);
-    // Register-resident rows (probabilities only, 16-byte aligned rows): the lean few-row kernel.
-    const void* regs_kernel = reinterpret_cast<const void*>(softmax_regs_kernel<T, float, 4>);
-    RegPlan rp = a.probs && !a.logp ? plan_regs(h, N, p.logits.cols, int(dtype_size(p.logits.dtype)), p.logits.data,
-                                                p.logits.ld, regs_kernel, kSoftmaxRegRows,
-                                                /*reads_only=*/false, /*one_wave=*/true)
-                                    : RegPlan{};
-    if (rp.C > 0) {
-      const int64_t out_size = a.probs_f32 ? 4 : int64_t(dtype_size(p.logits.dtype));
-      rp = replicate_rows(h, N, rp, slice_cols(p.logits.cols, rp.C) * out_size, regs_kernel);
-      rp = spread_regs(h, N, p.logits.cols, int(dtype_size(p.logits.dtype)), rp,
-                       reinterpret_cast<const void*>(softmax_regs_kernel<T, float, 4, true>));
-      a.p0 = 0;
-      a.p1 = 2;
-      a.C = rp.C;
-      a.chunk = int(slice_cols(a.V, a.C));
-      a.cluster = rp.C > 1;
-      const bool dependent = clusters_available(h);  // sm_90 code on an sm_90 device
-      auto launch = [&](auto r, auto two) {
-        constexpr int R = decltype(r)::value;
-        constexpr bool kTwo = decltype(two)::value;
-        if (a.probs_f32)
-          launch_rows(softmax_regs_kernel<T, float, R, kTwo>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
-        else launch_rows(softmax_regs_kernel<T, T, R, kTwo>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
-      };
-      if (rp.two) launch(std::integral_constant<int, kMaxRegVecs>{}, std::true_type{});
-      else dispatch_regs(rp.R, [&](auto r) { launch(r, std::false_type{}); });
-    } else if (pl.phased) {
-      for (int ph = 0; ph <= 2; ++ph) {
-        a.p0 = a.p1 = ph;
-        launch_rows(softmax_kernel<T, kGlobal>, pl, N, a, s, "softmax kernel (split rows)");
+    const SoftmaxPlan plan = softmax_plan<T>(h, p);
+    const RowPlan& pl = plan.rows;
+    const SmWorkspace ws = softmax_layout(pl, N, w.ptr);
+    a.C = pl.C;
+    a.cluster = pl.cluster;
+    a.ws0 = ws.ws0;
+    a.ws1 = ws.ws1;
+    switch (plan.path) {
+      case SoftmaxPath::Regs: {  // register-resident rows, probabilities only: the lean few-row kernel
+        const RegPlan& rp = plan.regs;
+        a.p0 = 0;
+        a.p1 = 2;
+        a.C = rp.C;
+        a.chunk = int(slice_cols(a.V, a.C));
+        a.cluster = rp.C > 1;
+        const bool dependent = h->caps.clusters;  // sm_90 code on an sm_90 device
+        auto launch = [&](auto r, auto two) {
+          constexpr int R = decltype(r)::value;
+          constexpr bool kTwo = decltype(two)::value;
+          if (a.probs_f32)
+            launch_rows(softmax_regs_kernel<T, float, R, kTwo>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
+          else launch_rows(softmax_regs_kernel<T, T, R, kTwo>, as_row_plan(rp), N, a, s, "softmax kernel", dependent);
+        };
+        if (rp.two) launch(std::integral_constant<int, kMaxRegVecs>{}, std::true_type{});
+        else dispatch_regs(rp.R, [&](auto r) { launch(r, std::false_type{}); });
+        break;
       }
-    } else if (pl.resident && a.probs && !a.logp && forced_path() == Force::None &&
-               N * pl.C <= (int64_t(1) << 30)) {
-      a.p0 = 0;
-      a.p1 = 2;
-      a.chunk = int(slice_cols(a.V, a.C));  // a resident slice: fits
-      if (a.probs_f32) launch_rows(softmax_smem_kernel<T, float>, pl, N, a, s, "softmax kernel");
-      else launch_rows(softmax_smem_kernel<T, T>, pl, N, a, s, "softmax kernel");
-    } else {
-      a.p0 = 0;
-      a.p1 = 2;
-      if (pl.resident) launch_rows(softmax_kernel<T, kShared>, pl, N, a, s, "softmax kernel");
-      else launch_rows(softmax_kernel<T, kGlobal>, pl, N, a, s, "softmax kernel");
+      case SoftmaxPath::Smem:  // resident slices, probabilities only: one exchange of (max, sum)
+        a.p0 = 0;
+        a.p1 = 2;
+        a.chunk = int(slice_cols(a.V, a.C));  // a resident slice: fits
+        if (a.probs_f32) launch_rows(softmax_smem_kernel<T, float>, pl, N, a, s, "softmax kernel");
+        else launch_rows(softmax_smem_kernel<T, T>, pl, N, a, s, "softmax kernel");
+        break;
+      case SoftmaxPath::Rows:
+        if (pl.phased) {
+          for (int ph = 0; ph <= 2; ++ph) {
+            a.p0 = a.p1 = ph;
+            launch_rows(softmax_kernel<T, kGlobal>, pl, N, a, s, "softmax kernel (split rows)");
+          }
+        } else {
+          a.p0 = 0;
+          a.p1 = 2;
+          if (pl.resident) launch_rows(softmax_kernel<T, kShared>, pl, N, a, s, "softmax kernel");
+          else launch_rows(softmax_kernel<T, kGlobal>, pl, N, a, s, "softmax kernel");
+        }
+        break;
     }
   });
 }
