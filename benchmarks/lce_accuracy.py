@@ -5,7 +5,7 @@ fusedce.torch next to torch.compile, in one process.
     python3 benchmarks/lce_accuracy.py                                   # N=8192 H=4096 V=128256, random
     python3 benchmarks/lce_accuracy.py --shape 16384,4096,151936 --shape 8192,2304,256000
     python3 benchmarks/lce_accuracy.py --real data/smollm2_kjv_sample.safetensors   # real hidden states
-    python3 benchmarks/lce_accuracy.py --modes fp32,output              # the library's dweight accumulation
+    python3 benchmarks/lce_accuracy.py --modes default,ce:split,default  # forced paths, alternating
 
 For each shape (N tokens, H hidden, V vocabulary; bf16 hidden states and LM head, mean loss, 1/16 of the
 targets ignored) it times forward + backward (loss, dhidden, dweight: 6NHV flops) of
@@ -15,9 +15,8 @@ bf16 in and out), and the extra device memory of a call beyond its inputs and th
 (PyTorch's peak, plus what the first call leaves held outside PyTorch's allocator by cudaMemGetInfo: the
 library's workspace, on a stream, so a handle, of its own). Then
 dhidden and dweight of each against float64 (the logits, softmax and both gradient GEMMs in float64, in row
-chunks): RMS and max absolute error, and their ratio to torch.compile's. --modes runs the library with
-FCE_DEBUG_LCE set to each (how a bf16 dweight is accumulated across token chunks: "fp32", an fp32 copy in
-the workspace; "output", in the output by the GEMM's fp32 compute); "default" leaves it unset.
+chunks): RMS and max absolute error, and their ratio to torch.compile's. --modes runs the library once per mode,
+with FCE_FORCE_PATH set to the mode (the planners' paths, e.g. "ce:split"); "default" leaves it unset.
 """
 import argparse
 import json
@@ -168,9 +167,9 @@ def main():
         base = None
         for name, mode, step in impls:
             if mode and mode != "default":
-                os.environ["FCE_DEBUG_LCE"] = mode
+                os.environ["FCE_FORCE_PATH"] = mode
             else:
-                os.environ.pop("FCE_DEBUG_LCE", None)
+                os.environ.pop("FCE_FORCE_PATH", None)
             ms, extra, dh, dw = run_one(step, hid, w, tgt, a.iters)
             eh, ew = errors(dh, ref_dh), errors(dw, ref_dw)
             if base is None:
@@ -183,7 +182,7 @@ def main():
                 n, hdim, v, name, ms, r["pct"], extra, eh[0], eh[1], ew[0], ew[1], r["dw_rms_ratio"],
                 r["dw_max_ratio"]), flush=True)
             del dh, dw
-        os.environ.pop("FCE_DEBUG_LCE", None)
+        os.environ.pop("FCE_FORCE_PATH", None)
         del hid, w, tgt, ref_dh, ref_dw
         torch.cuda.empty_cache()
     if a.json:

@@ -1,6 +1,7 @@
 """Where linear cross-entropy's forward + backward spends its GPU time, kernel by kernel (torch.profiler,
-CUPTI: the library's cuBLAS GEMMs and its own kernels), for each FCE_DEBUG_LCE mode given, next to the
-three whole GEMMs of the same shape and chunked dweight GEMMs (K = rows per chunk, beta = 1).
+CUPTI: the library's cuBLAS GEMMs and its own kernels), once per mode (an FCE_FORCE_PATH value; "default"
+leaves it unset), next to the three whole GEMMs of the same shape and chunked dweight GEMMs (K = rows per
+chunk, beta = 1).
 
     python3 dev/lce_profile.py N H V mode[,mode...]
 """
@@ -34,7 +35,10 @@ def table(prof, title):
 
 
 for m in modes:
-    os.environ["FCE_DEBUG_LCE"] = m
+    if m == "default":
+        os.environ.pop("FCE_FORCE_PATH", None)
+    else:
+        os.environ["FCE_FORCE_PATH"] = m
     for _ in range(2):
         hid.grad = w.grad = None
         ft.linear_cross_entropy(hid, w, t).backward()
@@ -44,7 +48,7 @@ for m in modes:
             hid.grad = w.grad = None
             ft.linear_cross_entropy(hid, w, t).backward()
         torch.cuda.synchronize()
-    table(prof, "fusedce, FCE_DEBUG_LCE=%s" % m)
+    table(prof, "fusedce, %s" % m)
 
 a, b = hid.detach(), w.detach()
 g = torch.randn(n, v, device="cuda").to(torch.bfloat16)
