@@ -68,17 +68,19 @@ __device__ __forceinline__ int64_t unaligned_head(const T* row, const void* out,
   return head < end - begin ? head : end - begin;
 }
 
+// Kernel shapes fixed at compile time (the same on every architecture; the host-side tuning is plan.cpp's
+// table), each measured against its neighbours on an H100 (docs/lab-notes.md, "Kernel choices"):
+constexpr int kRowUnroll = 4;     // 16-byte loads in flight per thread of a streamed row: enough to hide latency
+constexpr int kRowThreads = 256;  // threads of a one-block-per-row kernel: 512 and 1024 were slower
+
 // Visits row[begin, end) with the whole block: f(v, j0, n) gets n (1 or kVec) consecutive values starting
 // at column j0, as fp32. 16-byte loads with kUnroll loads in flight per thread.
-#ifndef FCE_ROW_UNROLL
-#define FCE_ROW_UNROLL 4
-#endif
 // With `cache`, the first `cache_vecs` 16-byte vectors are also stored to shared memory, for a later
 // row_map over the same range to read instead of global memory (the same thread handles vector i in
 // both: i % blockDim.x == threadIdx.x).
 // With kFromCache, the first `cache_vecs` vectors are already in `cache` (put there by cp_async16) and are
 // read from it instead.
-template <class T, int kUnroll = FCE_ROW_UNROLL, bool kFromCache = false, class F>
+template <class T, int kUnroll = kRowUnroll, bool kFromCache = false, class F>
 __device__ __forceinline__ void row_visit(const T* __restrict__ row, int64_t begin, int64_t end, F&& f,
                                           uint4* cache = nullptr, int64_t cache_vecs = 0) {
   constexpr int K = kVec<T>;
@@ -336,6 +338,23 @@ struct SumF {
   __device__ void merge(const SumF& o) { s += o.s; }
 };
 
+// An fp64 sum for the fixed-order reductions over rows (the finalize kernels, mean denominators).
+struct SumD {
+  double s = 0;
+  __device__ SumD() {}
+  __device__ explicit SumD(double x) : s(x) {}
+  __device__ SumD shfl_down(unsigned off) const { return SumD(__shfl_down_sync(0xffffffffu, s, off)); }
+  __device__ void merge(const SumD& o) { s += o.s; }
+};
+
+// The fixed-order fp64 sum of x[0..n) shared by the finalize kernels of sum/mean reductions: each thread's
+// strided sum, then the block's tree (block_reduce); every thread of the block gets it.
+__device__ inline double block_sum_rows(const float* x, int64_t n) {
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+  return block_reduce(SumD(s)).s;
+}
+
 struct MaxF {
   float m = -INFINITY;
   __device__ MaxF() {}
@@ -345,10 +364,6 @@ struct MaxF {
 };
 
 // ---- launch decisions -------------------------------------------------------------------------------
-#ifndef FCE_ROW_THREADS
-#define FCE_ROW_THREADS 256  // faster than 512 and 1024 (H100); overridable for tuning builds
-#endif
-constexpr int kRowThreads = FCE_ROW_THREADS;
 inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
 
 // cudaLaunchKernelEx with the launch attributes the library uses: clusters of `cluster` blocks along x

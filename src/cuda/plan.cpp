@@ -242,7 +242,8 @@ CePlan plan_ce(const CeShape& s, const DeviceCaps& c, const ClusterFit& fit) {
   auto regs = [&] { return plan_regs(c, s.N, s.V, s.esize, s.aligned16, fit, max_rows, /*reads_only=*/true); };
   const bool pipe = s.grad && s.pipe_layout && c.sm_count > 0;
   const int f = forced_path("ce", kCePaths);
-  const bool split = f == int(CePath::SplitPhased) || (f == int(CePath::SplitCluster) && split_cluster_ok(c, p.splits));
+  const bool split =
+      f == int(CePath::SplitPhased) || (f == int(CePath::SplitCluster) && split_cluster_ok(c, p.splits));
   if (split && p.splits >= 2) {  // a split path needs two blocks per row
     p.path = CePath(f);
     return p;
@@ -278,7 +279,8 @@ LsePlan plan_lse(int64_t N, int64_t V, int esize, bool aligned16, const DeviceCa
   const int64_t max_rows = tuning_for(c.arch).lse_reg_rows;
   auto regs = [&] { return plan_regs(c, N, V, esize, aligned16, fit, max_rows, /*reads_only=*/true); };
   const int f = forced_path("lse", kLsePaths);
-  const bool split = f == int(LsePath::SplitPhased) || (f == int(LsePath::SplitCluster) && split_cluster_ok(c, p.splits));
+  const bool split =
+      f == int(LsePath::SplitPhased) || (f == int(LsePath::SplitCluster) && split_cluster_ok(c, p.splits));
   if (split && p.splits >= 2) {  // a split path needs two blocks per row
     p.path = LsePath(f);
     return p;

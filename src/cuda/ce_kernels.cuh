@@ -1,0 +1,471 @@
+// Cross-entropy device code, one block per row: the per-thread statistics (CeAcc), the call's parameters
+// (CeParams), the row's outputs and gradient, and the row kernels of cross_entropy.cu's row, cached and
+// pipe paths.
+#pragma once
+#include "cuda/ce_internal.hpp"
+#include "cuda/common.cuh"
+#include "cuda/row_plan.cuh"
+
+namespace fce::cuda {
+namespace {
+
+// Per-thread statistics of a row slice: online softmax (m, d), sum of e^(z-m)*z for the entropy,
+// the plain sum of w_j*z_j for label smoothing, and the raw-logit argmax.
+struct CeAcc {
+  float m, d, s1, swz, av;
+  int64_t ai;
+  __device__ CeAcc() : m(-INFINITY), d(0.f), s1(0.f), swz(0.f), av(-INFINITY), ai(INT64_MAX) {}
+  // NaN counts as the largest value; ties go to the lowest index.
+  __device__ static bool better(float v, int64_t j, float av, int64_t ai) {
+    const bool vn = isnan(v), an = isnan(av);
+    if (vn != an) return vn;
+    if (v == av || (vn && an)) return j < ai;
+    return v > av;
+  }
+  __device__ void merge(const CeAcc& o) {
+    const float mn = fmaxf(m, o.m);
+    if (mn == INFINITY) {  // +inf logits (logsumexp): only the +inf parts count, no inf - inf
+      d = (m == mn ? d : 0.f) + (o.m == mn ? o.d : 0.f);
+      s1 = 0.f;
+    } else if (mn != -INFINITY) {
+      const float a = expf(m - mn), b = expf(o.m - mn);
+      d = d * a + o.d * b;
+      s1 = s1 * a + o.s1 * b;
+    } else {
+      d += o.d;
+      s1 += o.s1;
+    }
+    m = mn;
+    swz += o.swz;
+    if (better(o.av, o.ai, av, ai)) { av = o.av; ai = o.ai; }
+  }
+  __device__ CeAcc shfl_down(unsigned off) const {
+    CeAcc r;
+    r.m = __shfl_down_sync(0xffffffffu, m, off);
+    r.d = __shfl_down_sync(0xffffffffu, d, off);
+    r.s1 = __shfl_down_sync(0xffffffffu, s1, off);
+    r.swz = __shfl_down_sync(0xffffffffu, swz, off);
+    r.av = __shfl_down_sync(0xffffffffu, av, off);
+    r.ai = __shfl_down_sync(0xffffffffu, ai, off);
+    return r;
+  }
+};
+
+struct CeParams {
+  const void* x;
+  int64_t ld, N, V;
+  float scale, softcap;
+  bool full;  // cross-entropy (targets, entropy, argmax) rather than logsumexp only
+  // cross-entropy inputs and options
+  const void* targets;
+  bool t64;
+  int64_t ignore_index;
+  float eps, zq, inv_v;
+  const float* weights;
+  int reduction;
+  const double* prep;  // [0] mean denominator, [1] sum of class weights
+  // outputs (row losses go to the workspace when reduced)
+  float *loss_rows, *zl_rows, *lse, *entropy;
+  void* argmax;
+  bool a64;
+  void* dx;
+  int64_t ldd;
+  const float* grad_loss;
+  bool grad_scalar;
+  // split rows
+  int splits;
+  int chunk;  // lse_regs_kernel: slice width, slice_cols(V, splits)
+  CeAcc* partial;
+  float* row_lse;  // lse for the gradient kernel
+  const float* saved_lse;
+};
+
+
+// Accumulates row slice [begin, end) into a thread's CeAcc. Per 16-byte vector: the raw max (the
+// transform is increasing, so max z = tf(max x)), one rescale, then one FMA + ex2 per element in base 2.
+// The argmax is updated only when a vector holds a new maximum. A NaN makes d NaN; the caller then finds
+// the first NaN for the argmax on a slow path.
+template <class T, bool kSoftcap, bool kEntropy, bool kSmooth, bool kFromCache>
+__device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int64_t end, uint4* cache,
+                            int64_t cache_vecs) {
+  const LogitTransform tf(p.scale, p.softcap);
+  CeAcc a;
+  row_visit<T, kRowUnroll, kFromCache>(row, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
+    float vmax = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k)
+      if (k < n) vmax = fmaxf(vmax, v[k]);
+    if (p.full && vmax > a.av) {  // new running maximum: first index holding it
+      int kk = 0;
+#pragma unroll
+      for (int k = kVec<T> - 1; k >= 0; --k)
+        if (k < n && v[k] == vmax) kk = k;
+      a.av = vmax;
+      a.ai = j0 + kk;
+    }
+    const float zmax = tf(vmax);
+    const float mn = fmaxf(a.m, zmax);
+    if (mn == -INFINITY) {  // nothing finite yet: only a NaN matters (keeps NaN out of -inf - -inf)
+#pragma unroll
+      for (int k = 0; k < kVec<T>; ++k)
+        if (k < n && isnan(v[k])) a.d = NAN;
+      return;
+    }
+    const float r = ex2((a.m - mn) * kLog2e);
+    a.d *= r;
+    if (kEntropy) a.s1 *= r;
+    a.m = mn;
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k) {
+      if (k < n) {
+        // z - max is exact 0 at the maximum, so a single logit gives d = 1 and lse = z exactly.
+        const float z = kSoftcap ? tf(v[k]) : v[k] * p.scale;
+        const float e = ex2((z - mn) * kLog2e);
+        a.d += e;
+        if (kEntropy && e > 0.f) a.s1 += e * z;
+        if (kSmooth && p.eps > 0.f) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z;
+      }
+    }
+  }, cache, cache_vecs);
+  return a;
+}
+
+// Block-wide statistics of row slice [begin, end), with the NaN slow path for the argmax.
+template <class T>
+__device__ CeAcc finish_stats(const CeParams& p, const T* row, int64_t begin, int64_t end, CeAcc a) {
+  __shared__ int64_t first_nan;
+  a = block_reduce(a);
+  if (isnan(a.d)) {  // rare: a NaN logit, or +inf (inf - inf)
+    if (threadIdx.x == 0) first_nan = INT64_MAX;
+    __syncthreads();
+    for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x)
+      if (isnan(to_float(row[j]))) atomicMin(reinterpret_cast<unsigned long long*>(&first_nan), (unsigned long long)j);
+    __syncthreads();
+    if (first_nan != INT64_MAX) {  // the first NaN counts as the largest logit
+      a.av = NAN;
+      a.ai = first_nan;
+    } else if (!p.full) {  // logsumexp of a row holding +inf (and no NaN) is +inf
+      a.m = INFINITY;
+      a.d = 1.f;
+    }
+    __syncthreads();
+  }
+  return a;
+}
+
+template <class T, bool kSoftcap, bool kEntropy, bool kSmooth, bool kFromCache>
+__device__ CeAcc block_stats(const CeParams& p, const T* row, int64_t begin, int64_t end, uint4* cache,
+                             int64_t cache_vecs) {
+  return finish_stats<T>(
+      p, row, begin, end, accumulate<T, kSoftcap, kEntropy, kSmooth, kFromCache>(p, row, begin, end, cache, cache_vecs));
+}
+
+// Statistics with the call's feature flags resolved at compile time (entropy and smoothing share one).
+// kFromCache: the first cache_vecs vectors are read from `cache` (filled by cp_async16) rather than stored to it.
+template <class T, bool kFromCache = false>
+__device__ CeAcc row_stats(const CeParams& p, const T* x, int64_t b, int64_t e, uint4* cache = nullptr,
+                           int64_t cache_vecs = 0) {
+  const bool sc = p.softcap > 0.f, extra = p.full && (p.entropy || p.eps > 0.f);
+  if (sc)
+    return extra ? block_stats<T, true, true, true, kFromCache>(p, x, b, e, cache, cache_vecs)
+                 : block_stats<T, true, false, false, kFromCache>(p, x, b, e, cache, cache_vecs);
+  return extra ? block_stats<T, false, true, true, kFromCache>(p, x, b, e, cache, cache_vecs)
+               : block_stats<T, false, false, false, kFromCache>(p, x, b, e, cache, cache_vecs);
+}
+
+__device__ float row_grad_scale(const CeParams& p, int64_t row) {
+  float g = p.grad_loss ? p.grad_loss[p.grad_scalar ? 0 : row] : 1.f;
+  if (p.reduction == FCE_REDUCTION_MEAN) {
+    const double den = p.prep[0];
+    g = den > 0 ? float(double(g) / den) : 0.f;
+  }
+  return g;
+}
+
+// Per-row values loaded ahead of need (the pipelined kernel loads them before the statistics pass, so
+// that their latency hides behind it): target, gradient scale, target logit (NaN if out of range).
+struct RowHints {
+  int64_t t;
+  float g, xt;
+};
+
+template <class T>
+__device__ RowHints row_hints(const CeParams& p, int64_t row) {
+  RowHints h;
+  h.t = load_index(p.targets, p.t64, row);
+  h.g = p.dx ? row_grad_scale(p, row) : 0.f;
+  // The target logit is used by thread 0 alone (write_row_outputs).
+  h.xt = threadIdx.x == 0 && h.t >= 0 && h.t < p.V ? to_float(static_cast<const T*>(p.x)[row * p.ld + h.t]) : NAN;
+  return h;
+}
+
+// Writes row outputs from the merged statistics (one thread); returns the row's lse.
+template <class T>
+__device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& a, const RowHints* hint = nullptr) {
+  const float lse = a.m == -INFINITY ? -INFINITY : a.m + logf(a.d);
+  if (!p.full) {  // logsumexp: a NaN anywhere in the row (finish_stats marks it in av) wins over +-inf
+    p.lse[row] = isnan(a.av) ? NAN : lse;
+    return lse;
+  }
+  if (p.lse) p.lse[row] = lse;
+  if (p.entropy) p.entropy[row] = a.m == -INFINITY ? NAN : lse - a.s1 / a.d;
+  if (p.argmax) {
+    const int64_t ai = a.ai == INT64_MAX ? 0 : a.ai;  // a row of all -inf: index 0, as on the CPU
+    if (p.a64) static_cast<int64_t*>(p.argmax)[row] = ai;
+    else static_cast<int32_t*>(p.argmax)[row] = int32_t(ai);
+  }
+  const int64_t t = hint ? hint->t : load_index(p.targets, p.t64, row);
+  float loss = 0.f, zl = 0.f;
+  if (t != p.ignore_index) {
+    if (t < 0 || t >= p.V) {
+      loss = zl = NAN;
+    } else {
+      const LogitTransform tf(p.scale, p.softcap);
+      const T* x = static_cast<const T*>(p.x) + row * p.ld;
+      const float zt = tf(hint ? hint->xt : to_float(x[t]));
+      const float wt = p.weights ? p.weights[t] : 1.f;
+      zl = p.zq * lse * lse;
+      loss = (1.f - p.eps) * wt * (lse - zt) + zl;
+      if (p.eps > 0.f) {  // prep holds the class weights' sum only when smoothing needs it
+        const float W = p.weights ? float(p.prep[1]) : float(p.V);
+        loss += p.eps * p.inv_v * (lse * W - a.swz);
+      }
+    }
+  }
+  p.loss_rows[row] = loss;
+  if (p.zl_rows) p.zl_rows[row] = zl;
+  return lse;
+}
+
+// dlogits for row slice [begin, end), formed in fp32 and rounded once to O.
+// With `next`, the cached slots are refilled with the next row as they are used (row_map).
+template <class T, class O>
+__device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_t end, float lse,
+                           uint4* cache = nullptr, int64_t cache_vecs = 0, const uint4* next = nullptr,
+                           const RowHints* hint = nullptr) {
+  const T* x = static_cast<const T*>(p.x) + row * p.ld;
+  O* dx = static_cast<O*>(p.dx) + row * p.ldd;
+  const int64_t t = hint ? hint->t : load_index(p.targets, p.t64, row);
+  const float g = hint ? hint->g : row_grad_scale(p, row);
+  const LogitTransform tf(p.scale, p.softcap);
+  if (t == p.ignore_index || g == 0.f || t < 0 || t >= p.V) {
+    const float fill = (t != p.ignore_index && (t < 0 || t >= p.V)) ? NAN : 0.f;  // out of range: NaN always
+    row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t, int n) {
+#pragma unroll
+      for (int k = 0; k < kVec<T>; ++k) v[k] = fill;
+    }, cache, cache_vecs, next);
+    return;
+  }
+  const float W = p.weights ? float(p.prep[1]) : float(p.V);
+  const CeGrad grad(g, p.eps, p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse);
+  if (p.softcap == 0.f && !p.weights) {
+    // Common case: z = s*x, dz/dx = s, w = 1. Per element one FMA, one ex2, one FMA.
+    const float s = p.scale, a = p.scale * grad.cp, b = -p.scale * grad.cw, at = p.scale * grad.ct;
+    row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
+      const int64_t kt = t - j0;  // the target's position in this vector, if any
+#pragma unroll
+      for (int k = 0; k < kVec<T>; ++k) {
+        if (k < n) v[k] = fmaf(a, ex2((v[k] * s - lse) * kLog2e), b) - (k == kt ? at : 0.f);
+      }
+    }, cache, cache_vecs, next);
+    return;
+  }
+  row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k) {
+      if (k < n) {
+        const float z = tf(v[k]);
+        const float w = p.weights ? p.weights[j0 + k] : 1.f;
+        v[k] = grad(ex2((z - lse) * kLog2e), w, j0 + k == t) * tf.derivative(z);
+      }
+    }
+  }, cache, cache_vecs, next);
+}
+
+// One block per row: statistics, outputs, and the gradient.
+template <class T, class O>
+__global__ void __launch_bounds__(kRowThreads) row_kernel(CeParams p) {
+  __shared__ float s_lse;
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(p.x) + row * p.ld;
+  const CeAcc a = row_stats<T>(p, x, 0, p.V);
+  if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a);
+  if (!p.dx) return;
+  __syncthreads();
+  write_grad<T, O>(p, row, 0, p.V, s_lse);
+}
+
+// Forward with the fused gradient, one block per SM: the first part of the row stays in shared memory
+// between the statistics and the gradient pass, the rest is re-read while still in L2. One read and one
+// write of the row from device memory.
+constexpr int kCachedThreads = 1024;  // one wide block per SM streams the rest of the row while it computes
+constexpr int kCachedBlocks = 1;      // blocks per SM, each caching 1/kCachedBlocks of the shared memory
+template <class T, class O>
+__global__ void __launch_bounds__(kCachedThreads, kCachedBlocks) row_kernel_cached(CeParams p, int64_t cache_vecs) {
+  extern __shared__ uint4 cache[];
+  __shared__ float s_lse;
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(p.x) + row * p.ld;
+  const CeAcc a = row_stats<T>(p, x, 0, p.V, cache, cache_vecs);
+  if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a);
+  __syncthreads();
+  write_grad<T, O>(p, row, 0, p.V, s_lse, cache, cache_vecs);
+}
+
+// Forward with the fused gradient, rows aligned to 16 bytes: persistent blocks (one per SM), each looping
+// over rows. The first cache_vecs vectors of a row are brought into shared memory by asynchronous copies
+// issued while the previous row's gradient is being written, slot by slot as each slot is used, so the
+// loads of row r + 1 overlap the stores of row r; the statistics pass then reads shared memory, and the
+// rest of the row (re-read by the gradient pass) was prefetched into L2 the same way.
+// The part of row r past its cached vectors into L2 (one bulk prefetch of a 16-byte multiple, sm_90).
+template <class T>
+__device__ __forceinline__ void prefetch_rest(const CeParams& p, int64_t r, int64_t cache_vecs) {
+  const T* x = static_cast<const T*>(p.x) + r * p.ld + cache_vecs * kVec<T>;
+  const int64_t bytes = (p.V - cache_vecs * kVec<T>) * int64_t(sizeof(T)) / 16 * 16;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0 && bytes > 0)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(x), "r"(unsigned(bytes)) : "memory");
+#else
+  (void)x;
+  (void)bytes;  // no bulk prefetch before sm_90: the gradient pass re-reads the rest through L2 anyway
+#endif
+}
+
+// The first row of a persistent block: its cached vectors (this thread's slots) and the rest into L2.
+template <class T>
+__device__ __forceinline__ void pipe_start(const CeParams& p, int64_t row, uint4* cache, int64_t cache_vecs) {
+  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + row * p.ld);
+  for (int64_t i = threadIdx.x; i < cache_vecs; i += blockDim.x) cp_async16(cache + i, src + i);
+  cp_async_commit();
+  prefetch_rest<T>(p, row, cache_vecs);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe(CeParams p, int64_t cache_vecs) {
+  extern __shared__ uint4 cache[];
+  __shared__ float s_lse;
+  int64_t row = blockIdx.x;
+  if (row >= p.N) return;
+  pipe_start<T>(p, row, cache, cache_vecs);
+  for (; row < p.N; row += gridDim.x) {
+    const RowHints hint = row_hints<T>(p, row);
+    cp_async_wait_all();  // this thread's slots (only it reads them in either pass)
+    const T* x = static_cast<const T*>(p.x) + row * p.ld;
+    const int64_t next = row + gridDim.x;
+    const CeAcc a = row_stats<T, true>(p, x, 0, p.V, cache, cache_vecs);
+    if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, &hint);
+    __syncthreads();
+    if (next < p.N) prefetch_rest<T>(p, next, cache_vecs);
+    write_grad<T, T>(p, row, 0, p.V, s_lse, cache, cache_vecs,
+                     next < p.N ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + next * p.ld) : nullptr,
+                     &hint);
+    cp_async_commit();
+  }
+}
+
+// Plain rows (no soft-cap, class weights, smoothing, entropy or argmax: the usual training call): the same
+// pipeline, lean, in base 2 with 32-bit indices within the row (~4 instructions per logit per pass).
+template <class T>
+__global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CeParams p, int64_t cache_vecs) {
+  extern __shared__ uint4 cache[];
+  __shared__ float s_lse;
+  constexpr int K = kVec<T>, kThreads = kCachedThreads;
+  const int nv = int(p.V / K), cvec = int(cache_vecs);
+  const float sl = p.scale * kLog2e;
+  // L2 policies: the uncached rest is read twice (keep), the second read and the cached slots once.
+  const unsigned long long keep = l2_policy_evict_last(), once = l2_policy_evict_first();
+  int64_t row = blockIdx.x;
+  if (row >= p.N) return;
+  pipe_start<T>(p, row, cache, cache_vecs);
+  for (; row < p.N; row += gridDim.x) {
+    const RowHints hint = row_hints<T>(p, row);
+    cp_async_wait_all();  // this thread's slots (only it reads them in either pass)
+    const T* x = static_cast<const T*>(p.x) + row * p.ld;
+    const uint4* vp = reinterpret_cast<const uint4*>(x);
+    const int64_t next = row + gridDim.x;
+    float m2 = -INFINITY, d = 0.f;  // max of x s log2(e), sum of 2^(x s log2(e) - m2)
+    // vm: the max of the n values v (computed by the caller on packed pairs for a 16-bit vector).
+    auto add_max = [&](const float* v, int n, float vm) {
+      const float mn = fmaxf(m2, vm * sl);
+      if (mn == -INFINITY) {  // nothing finite yet: only a NaN matters
+        for (int k = 0; k < n; ++k)
+          if (isnan(v[k])) d = NAN;
+        return;
+      }
+      d *= ex2(m2 - mn);
+      m2 = mn;
+      for (int k = 0; k < n; ++k) d += ex2(fmaf(v[k], sl, -mn));
+    };
+    auto add = [&](const uint4& raw) {
+      float v[K];
+      unpack_words<T>(raw, v);
+      add_max(v, K, vec_max<T>(raw));
+    };
+    for (int i = threadIdx.x; i < cvec; i += kThreads) add(cache[i]);
+    for (int base = cvec + threadIdx.x; base < nv; base += 4 * kThreads) {
+      uint4 raw[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (base + u * kThreads < nv) raw[u] = ld_hint_nc(vp + base + u * kThreads, keep);  // read again
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (base + u * kThreads < nv) add(raw[u]);
+    }
+    for (int64_t j = int64_t(nv) * K + threadIdx.x; j < p.V; j += kThreads) {
+      const float v = to_float(x[j]);
+      add_max(&v, 1, v);
+    }
+    CeAcc a;
+    a.m = m2 * (1.f / kLog2e);
+    a.d = d;
+    a = finish_stats<T>(p, x, 0, p.V, a);
+    if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, &hint);
+    __syncthreads();
+    if (next < p.N) prefetch_rest<T>(p, next, cache_vecs);
+    // dz_j = s [g (1 + 2 zq lse) p_j - g [j == t]]; a whole row of `fill` when the row has no gradient.
+    const float lse = s_lse;
+    const int64_t t = hint.t;
+    const bool none = t == p.ignore_index || hint.g == 0.f || t < 0 || t >= p.V;
+    const float fill = (t != p.ignore_index && (t < 0 || t >= p.V)) ? NAN : 0.f;
+    const CeGrad cg(hint.g, 0.f, 1.f, float(p.V), p.inv_v, p.zq, lse);
+    const float ga = p.scale * cg.cp, gt = p.scale * cg.ct, nl = -lse * kLog2e;
+    const int tl = none ? -1 : int(t);
+    T* dx = static_cast<T*>(p.dx) + row * p.ldd;
+    uint4* dv = reinterpret_cast<uint4*>(dx);
+    auto grad_vec = [&](const uint4& raw, int e0) {
+      float v[K];
+      unpack_words<T>(raw, v);
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] = none ? fill : ga * ex2(fmaf(v[k], sl, nl));
+      const unsigned kt = unsigned(tl - e0);  // the target's place in this vector, if it is here
+      if (kt < unsigned(K)) {
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+          if (k == int(kt)) v[k] -= gt;
+      }
+      return pack<T>(v);
+    };
+    const uint4* nsrc = next < p.N ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + next * p.ld) : nullptr;
+    for (int i = threadIdx.x; i < cvec; i += kThreads) {
+      store_stream(dv + i, grad_vec(cache[i], i * K));
+      if (nsrc) cp_async16_first(cache + i, nsrc + i, once);
+    }
+    for (int base = cvec + threadIdx.x; base < nv; base += 2 * kThreads) {
+      uint4 raw[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (base + u * kThreads < nv) raw[u] = ld_hint(vp + base + u * kThreads, once);  // in place allowed
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (base + u * kThreads < nv) store_stream(dv + base + u * kThreads, grad_vec(raw[u], (base + u * kThreads) * K));
+    }
+    for (int64_t j = int64_t(nv) * K + threadIdx.x; j < p.V; j += kThreads) {
+      const float v = to_float(x[j]);
+      dx[j] = from_float<T>(none ? fill : ga * ex2(fmaf(v, sl, nl)) - (j == tl ? gt : 0.f));
+    }
+    cp_async_commit();
+  }
+}
+
+}  // namespace
+}  // namespace fce::cuda
