@@ -244,13 +244,21 @@ typedef struct fce_ce_options {
   float z_loss_scale;     /**< q >= 0 (PaLM uses 1e-4); default 0 */
   float softcap;          /**< c >= 0, 0 = off (Gemma 2 uses 30); default 0 */
   float logit_scale;      /**< s > 0, finite; multiplies logits (1/temperature); default 1 */
-  /** Optional class weights [V], fp32, finite and >= 0 (PyTorch `weight`). NULL = all ones. */
+  /** Optional class weights [V], fp32, finite and >= 0 (PyTorch `weight`). NULL = all ones. With a
+   *  vocabulary shard: the weights of the whole vocabulary, [vocab_total]. */
   const DLTensor* class_weights;
+  /* Since 0.2.0. */
+  /** Vocabulary-parallel calls (see "Vocabulary-parallel cross-entropy"): the global index of the logits'
+   *  first column; 0 otherwise. */
+  int64_t vocab_start;
+  /** Vocabulary-parallel calls: V of the whole vocabulary (the logits are columns [vocab_start,
+   *  vocab_start + their width) of it; columns at or past vocab_total are padding). 0 = not sharded. */
+  int64_t vocab_total;
 } fce_ce_options_t;
 
 /** Initializer of fce_ce_options_t: struct_size and every default. */
 #define FCE_CE_OPTIONS_INIT \
-  { (uint32_t)sizeof(fce_ce_options_t), FCE_REDUCTION_MEAN, -100, 0.0f, 0.0f, 0.0f, 1.0f, NULL }
+  { (uint32_t)sizeof(fce_ce_options_t), FCE_REDUCTION_MEAN, -100, 0.0f, 0.0f, 0.0f, 1.0f, NULL, 0, 0 }
 
 /** Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
  *  FCE_CE_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
@@ -299,8 +307,10 @@ FCE_API fce_status_t fce_ce_outputs_init(fce_ce_outputs_t* outputs, size_t struc
  * @param targets [N] int32 or int64.
  * @param options NULL for the defaults (FCE_CE_OPTIONS_INIT).
  * @return FCE_STATUS_SUCCESS, or the validation statuses (INVALID_ARGUMENT for NULL handle/logits/targets/
- *         outputs/loss or options out of domain; SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
- *         DEVICE_MISMATCH; ALIASING; OVERFLOW; WORKSPACE_TOO_SMALL), NOT_IMPLEMENTED, CUDA_ERROR.
+ *         outputs/loss or options out of domain, or options->vocab_total set: a shard's loss comes from
+ *         fce_cross_entropy_partial and fce_cross_entropy_combine; SHAPE_MISMATCH; UNSUPPORTED_DTYPE;
+ *         UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; ALIASING; OVERFLOW; WORKSPACE_TOO_SMALL), NOT_IMPLEMENTED,
+ *         CUDA_ERROR.
  */
 FCE_API fce_status_t fce_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
                                            const DLTensor* targets, const fce_ce_options_t* options,
@@ -313,7 +323,10 @@ FCE_API fce_status_t fce_cross_entropy_fwd_workspace_size(fce_handle_t handle, c
                                                           const fce_ce_outputs_t* outputs, size_t* bytes);
 
 /**
- * Cross-entropy backward from a saved logsumexp: dlogits = d(loss)/d(logits) * grad_loss.
+ * Cross-entropy backward from a saved logsumexp: dlogits = d(loss)/d(logits) * grad_loss. With a vocabulary
+ * shard (options->vocab_total > 0): the shard's dlogits from the lse of fce_cross_entropy_combine, targets
+ * being global indices; padding columns (global index >= vocab_total) get 0. A shard's gradient is
+ * NOT_IMPLEMENTED on CUDA handles in this version.
  * @param logits    [N,V] fp32, bf16 or fp16 (as given to the forward).
  * @param targets   [N] int32 or int64.
  * @param lse       [N] fp32 from fce_cross_entropy_fwd with the same options.
@@ -332,6 +345,68 @@ FCE_API fce_status_t fce_cross_entropy_bwd_workspace_size(fce_handle_t handle, c
                                                           const DLTensor* grad_loss,
                                                           const fce_ce_options_t* options,
                                                           const DLTensor* dlogits, size_t* bytes);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Vocabulary-parallel cross-entropy                                                                */
+/* ------------------------------------------------------------------------------------------------ */
+
+/**
+ * When the vocabulary is split across W ranks (tensor parallelism: rank r holds columns
+ * [vocab_start_r, vocab_start_r + V_r) of every row; shards may be uneven, and padded past vocab_total),
+ * the loss of a row needs statistics of every shard. With options->vocab_start and vocab_total set:
+ *   1. each rank: fce_cross_entropy_partial -> records [N, K] fp32 of its shard (K from
+ *      fce_cross_entropy_record_fields);
+ *   2. the caller gathers the records of all ranks in rank order (an all-gather: [W, N, K]);
+ *   3. each rank: fce_cross_entropy_combine -> what fce_cross_entropy_fwd returns for the whole rows
+ *      (loss, lse, z_loss, argmax, entropy), the same bits on every rank;
+ *   4. each rank: fce_cross_entropy_bwd with the combined lse -> its shard's dlogits.
+ * Records are merged in rank order (no float all-reduce): bitwise reproducible whatever the communicator,
+ * and a NaN anywhere reaches every rank. Ranks must be in vocabulary order (argmax ties go to the lower
+ * index). Against the unsharded call: argmax, ignore_index handling, NaN and out-of-range targets,
+ * all-ignored means are bitwise equal; the loss, lse and entropy agree within the fp32 rounding of the
+ * records' sums (docs/numerics.md).
+ * Record fields, per row and shard (z the transformed logits of the shard's real columns, m their max):
+ *   0 m, 1 sum exp(z - m), 2 z at the target if the shard holds it (else 0), 3 sum w_j z_j (label
+ *   smoothing), 4 sum exp(z - m) z (entropy), 5 the largest raw logit, 6 its global index (int32 bits).
+ * Partial and combine are NOT_IMPLEMENTED on CUDA handles in this version (the CPU backend implements
+ * them; the math and the tests carry over).
+ */
+
+/** Fields K of a cross-entropy record for these options (NULL = defaults).
+ *  @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT when fields is NULL or the options are invalid. */
+FCE_API fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* options, int64_t* fields);
+
+/**
+ * The records of a vocabulary shard.
+ * @param logits  [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, possibly padded past vocab_total).
+ * @param targets [N] int32 or int64, global indices (as for the unsharded call).
+ * @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); class weights, if
+ *                any, of the whole vocabulary.
+ * @param records [N,K] fp32, written.
+ * @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options),
+ *         NOT_IMPLEMENTED (CUDA handles).
+ */
+FCE_API fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
+                                               const DLTensor* targets, const fce_ce_options_t* options,
+                                               DLTensor* records);
+
+/**
+ * The cross-entropy forward of whole rows from the records of all shards.
+ * @param records [W,N,K] fp32: every rank's records, in rank (vocabulary) order.
+ * @param targets [N] int32 or int64, global indices.
+ * @param options the partial calls' options (vocab_total required; vocab_start is not read).
+ * @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set).
+ * @return FCE_STATUS_SUCCESS or the validation statuses, NOT_IMPLEMENTED (CUDA handles).
+ */
+FCE_API fce_status_t fce_cross_entropy_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
+                                               const DLTensor* targets, const fce_ce_options_t* options,
+                                               const fce_ce_outputs_t* outputs, void* workspace,
+                                               size_t workspace_bytes);
+/** Workspace bytes fce_cross_entropy_combine needs for these arguments (same validation). */
+FCE_API fce_status_t fce_cross_entropy_combine_workspace_size(fce_handle_t handle, const DLTensor* records,
+                                                              const DLTensor* targets,
+                                                              const fce_ce_options_t* options,
+                                                              const fce_ce_outputs_t* outputs, size_t* bytes);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Logsumexp                                                                                        */

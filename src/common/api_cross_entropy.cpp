@@ -22,10 +22,24 @@ CeOpts read_ce_options(const fce_ce_options_t* options, Validator& val, int64_t 
   o.z_loss_scale = p.z_loss_scale;
   o.softcap = p.softcap;
   o.logit_scale = p.logit_scale;
+  FCE_CHECK(p.vocab_total >= 0, FCE_STATUS_INVALID_ARGUMENT, "options->vocab_total %lld is negative",
+            (long long)p.vocab_total);
+  if (p.vocab_total == 0) {
+    FCE_CHECK(p.vocab_start == 0, FCE_STATUS_INVALID_ARGUMENT,
+              "options->vocab_start is %lld without a vocab_total (0: not sharded)", (long long)p.vocab_start);
+  } else {
+    FCE_CHECK(p.vocab_start >= 0 && p.vocab_start < p.vocab_total, FCE_STATUS_INVALID_ARGUMENT,
+              "options->vocab_start %lld is outside [0, vocab_total = %lld)", (long long)p.vocab_start,
+              (long long)p.vocab_total);
+    o.vocab_start = p.vocab_start;
+    o.vocab_total = p.vocab_total;
+  }
+  const int64_t VW = o.sharded() ? o.vocab_total : V;  // class weights cover the whole vocabulary
   if (p.class_weights) {
     o.class_weights = val.vector(p.class_weights, "options->class_weights", kF32);
-    FCE_CHECK(o.class_weights.n == V, FCE_STATUS_SHAPE_MISMATCH, "options->class_weights has length %lld; V is %lld",
-              (long long)o.class_weights.n, (long long)V);
+    FCE_CHECK(o.class_weights.n == VW, FCE_STATUS_SHAPE_MISMATCH,
+              "options->class_weights has length %lld; expected %s = %lld", (long long)o.class_weights.n,
+              o.sharded() ? "vocab_total" : "V", (long long)VW);
     val.input("options->class_weights", o.class_weights.data, Validator::span(o.class_weights));
   }
   return o;
@@ -97,6 +111,9 @@ CeProblem ce_forward_problem(fce_handle* h, const DLTensor* logits, const DLTens
   const int64_t N = p.logits.rows, V = p.logits.cols;
   p.targets = read_targets(val, targets, "targets", N);
   p.o = read_ce_options(options, val, V);
+  FCE_CHECK(!p.o.sharded(), FCE_STATUS_INVALID_ARGUMENT,
+            "options->vocab_total is set: the loss of a vocabulary shard comes from fce_cross_entropy_partial and "
+            "fce_cross_entropy_combine");
   const fce_ce_outputs_t out = checked_struct(outputs, "outputs");
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
                                          out.entropy, true);
@@ -145,6 +162,8 @@ size_t ce_need(fce_handle* h, const CeProblem& p) {
 }
 
 void ce_run(fce_handle* h, fce_stream_t stream, const CeProblem& p, void* ws, size_t ws_bytes) {
+  FCE_CHECK(!p.o.sharded() || h->backend == Backend::CPU, FCE_STATUS_NOT_IMPLEMENTED,
+            "the gradient of a vocabulary shard (options->vocab_total set) is not implemented on CUDA handles yet");
   Workspace w = resolve_workspace(h, ws, ws_bytes, ce_need(h, p), stream);
   if (h->backend == Backend::CPU) cpu::ce(p, w);
   else cuda::ce(h, stream, p, w);

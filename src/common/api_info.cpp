@@ -12,7 +12,7 @@ namespace {
 // this library's sizeof, where checked_struct looks for non-zero bytes.
 #define FCE_NO_TAIL_PADDING(T, last) \
   static_assert(offsetof(T, last) + sizeof(T::last) == sizeof(T), #T " has tail padding")
-FCE_NO_TAIL_PADDING(fce_ce_options_t, class_weights);
+FCE_NO_TAIL_PADDING(fce_ce_options_t, vocab_total);
 FCE_NO_TAIL_PADDING(fce_ce_outputs_t, grad_loss);
 FCE_NO_TAIL_PADDING(fce_lse_options_t, scale);
 FCE_NO_TAIL_PADDING(fce_softmax_options_t, temperatures);

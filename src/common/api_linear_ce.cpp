@@ -35,6 +35,8 @@ LinearCeProblem linear_ce_problem(fce_handle* h, const DLTensor* hidden, const D
   }
   p.targets = read_targets(val, targets, "targets", N);
   p.o = read_ce_options(options, val, V);
+  FCE_CHECK(!p.o.sharded(), FCE_STATUS_NOT_IMPLEMENTED,
+            "vocabulary-parallel linear cross-entropy (options->vocab_total set) is not implemented yet");
   const fce_linear_ce_outputs_t out = checked_struct(outputs, "outputs");
   const bool bwd = lse != nullptr;
   if (bwd) {

@@ -17,13 +17,16 @@ namespace fce {
   inline const char* struct_name(const T*) { return #T; }                  \
   inline T struct_defaults(const T*) { return T(INIT); }                   \
   constexpr size_t struct_first_size(const T*) { return sizeof(T); }
-FCE_STRUCT_TRAITS(fce_ce_options_t, FCE_CE_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_ce_outputs_t, FCE_CE_OUTPUTS_INIT)
 FCE_STRUCT_TRAITS(fce_lse_options_t, FCE_LSE_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_softmax_options_t, FCE_SOFTMAX_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_kd_options_t, FCE_KD_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_kd_teacher_t, FCE_KD_TEACHER_INIT)
 FCE_STRUCT_TRAITS(fce_kd_outputs_t, FCE_KD_OUTPUTS_INIT)
+// Grown in 0.2.0 (vocab_start, vocab_total): 0.1.0's struct ends at class_weights.
+inline const char* struct_name(const fce_ce_options_t*) { return "fce_ce_options_t"; }
+inline fce_ce_options_t struct_defaults(const fce_ce_options_t*) { return fce_ce_options_t(FCE_CE_OPTIONS_INIT); }
+constexpr size_t struct_first_size(const fce_ce_options_t*) { return offsetof(fce_ce_options_t, vocab_start); }
 // Grown in 0.2.0 (flags): 0.1.0's struct ends at grad_loss.
 inline const char* struct_name(const fce_linear_ce_outputs_t*) { return "fce_linear_ce_outputs_t"; }
 inline fce_linear_ce_outputs_t struct_defaults(const fce_linear_ce_outputs_t*) {

@@ -23,7 +23,9 @@ struct CeOpts {
   float z_loss_scale = 0.f;
   float softcap = 0.f;
   float logit_scale = 1.f;
-  Vec class_weights;  // [V] fp32 or empty
+  Vec class_weights;  // [V] fp32 or empty ([vocab_total] with a shard)
+  int64_t vocab_start = 0, vocab_total = 0;  // a vocabulary shard when vocab_total > 0
+  bool sharded() const { return vocab_total > 0; }
 };
 
 // Cross-entropy forward (saved_lse empty) or backward (saved_lse set, only dlogits written).
@@ -36,6 +38,24 @@ struct CeProblem {
   Vec grad_loss;                           // optional upstream gradient (scalar or [N])
   Vec saved_lse;                           // backward only
   bool backward() const { return static_cast<bool>(saved_lse); }
+};
+
+// Vocabulary-parallel cross-entropy: the records of a shard, and the forward of whole rows from the records
+// of every shard (the header's "Vocabulary-parallel cross-entropy"; the gradient is a CeProblem backward
+// with a sharded CeOpts).
+constexpr int64_t kCeRecordFields = 7;  // m, sum exp(z - m), z_t, sum w z, sum exp(z - m) z, max x, its index
+struct CePartialProblem {
+  Mat logits;
+  Vec targets;
+  CeOpts o;
+  Mat records;  // [N, kCeRecordFields] fp32
+};
+struct CeCombineProblem {
+  Mat records;  // [W * N, kCeRecordFields] fp32: rank r's row i at r * N + i
+  int64_t W = 0;
+  Vec targets;
+  CeOpts o;
+  Vec loss, lse, z_loss, argmax, entropy;
 };
 
 struct LseProblem {
@@ -97,6 +117,8 @@ struct ScaleProblem {
 namespace cpu {
 size_t ce_workspace(const CeProblem&);
 void ce(const CeProblem&, Workspace);
+void ce_partial(const CePartialProblem&);
+void ce_combine(const CeCombineProblem&);
 size_t lse_workspace(const LseProblem&);
 void lse(const LseProblem&, Workspace);
 size_t softmax_workspace(const SoftmaxProblem&);

@@ -6,7 +6,10 @@ namespace fce::cpu {
 
 size_t ce_workspace(const CeProblem&) { return 0; }
 
+void ce_shard_backward(const CeProblem& p);  // vocab_parallel_cpu.cpp
+
 void ce(const CeProblem& p, Workspace) {
+  if (p.o.sharded()) return ce_shard_backward(p);  // the API takes a shard's backward only
   const int64_t N = p.logits.rows, V = p.logits.cols;
   const CeContext c(p.o, V);
   const bool want_grad = static_cast<bool>(p.dlogits);

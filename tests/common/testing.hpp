@@ -161,6 +161,7 @@ class Tensor {
     std::fill(host_.begin(), host_.end(), b);
   }
   const std::vector<uint8_t>& bytes() const { return host_; }
+  uint8_t* raw() { return host_.data(); }  // the host copy's bytes (upload() sends them)
   void upload() { if (dev_) dev_upload(dev_.get(), host_.data(), host_.size()); }
   void download() { if (dev_) { dev_sync(); dev_download(host_.data(), dev_.get(), host_.size()); } }
 

@@ -100,6 +100,8 @@ typedef struct fce_ce_options {
   float softcap;
   float logit_scale;
   const DLTensor* class_weights;
+  int64_t vocab_start;
+  int64_t vocab_total;
 } fce_ce_options_t;
 fce_status_t fce_ce_options_init(fce_ce_options_t* options, size_t struct_size);
 typedef struct fce_ce_outputs {
@@ -130,6 +132,18 @@ fce_status_t fce_cross_entropy_bwd_workspace_size(fce_handle_t handle, const DLT
                                                           const DLTensor* grad_loss,
                                                           const fce_ce_options_t* options,
                                                           const DLTensor* dlogits, size_t* bytes);
+fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* options, int64_t* fields);
+fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
+                                               const DLTensor* targets, const fce_ce_options_t* options,
+                                               DLTensor* records);
+fce_status_t fce_cross_entropy_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
+                                               const DLTensor* targets, const fce_ce_options_t* options,
+                                               const fce_ce_outputs_t* outputs, void* workspace,
+                                               size_t workspace_bytes);
+fce_status_t fce_cross_entropy_combine_workspace_size(fce_handle_t handle, const DLTensor* records,
+                                                              const DLTensor* targets,
+                                                              const fce_ce_options_t* options,
+                                                              const fce_ce_outputs_t* outputs, size_t* bytes);
 typedef struct fce_lse_options {
   uint32_t struct_size;
   float scale;
@@ -269,6 +283,8 @@ INITS = {
         'softcap': 0.0,
         'logit_scale': 1.0,
         'class_weights': None,
+        'vocab_start': 0,
+        'vocab_total': 0,
     }),
     'FCE_CE_OUTPUTS_INIT': ('fce_ce_outputs_t', {
         'struct_size': 'sizeof',

@@ -14,7 +14,7 @@ handle's cached one. Failures raise FusedCEError subclasses carrying the library
 from collections import namedtuple
 
 from ._generated import MACROS
-from ._lib import defaults, ffi
+from ._lib import check, defaults, ffi, lib
 from ._tensor import Call, is_torch
 
 
@@ -75,8 +75,11 @@ LinearCrossEntropyOutput = namedtuple("LinearCrossEntropyOutput",
 LinearCrossEntropyGrads = namedtuple("LinearCrossEntropyGrads", "dhidden dweight dbias")
 
 
-def _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights):
+def _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
+                vocab_start=0, vocab_total=0):
     o = c.struct("fce_ce_options_t")
+    o.vocab_start = int(vocab_start)
+    o.vocab_total = int(vocab_total)
     o.reduction = _enum(_REDUCTIONS, reduction, "reduction")
     o.ignore_index = int(ignore_index)
     o.label_smoothing = float(label_smoothing)
@@ -175,17 +178,75 @@ def cross_entropy_bwd(logits, targets, lse, *, grad_loss=None, dlogits=None,
                       reduction=_NAME["reduction"][_CE["reduction"]], ignore_index=_CE["ignore_index"],
                       label_smoothing=_CE["label_smoothing"], z_loss_scale=_CE["z_loss_scale"],
                       softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None,
-                      handle=None, stream=None, workspace=None):
+                      vocab_start=0, vocab_total=0, handle=None, stream=None, workspace=None):
     """fce_cross_entropy_bwd: d(loss)/d(logits) * grad_loss from the forward's lse (same options).
     grad_loss: None (= 1), a number, or an [N] array for reduction="none". dlogits: None to allocate, or
-    the array to write (it may be `logits` itself). Returns dlogits."""
+    the array to write (it may be `logits` itself). Returns dlogits. With vocab_total > 0, `logits` is the
+    vocabulary shard starting at column vocab_start and `lse` the one cross_entropy_combine returned: the
+    shard's gradient (CPU handles only in this version)."""
     c = Call(logits, handle, stream)
     targets = c.native(targets)
     out = dlogits if dlogits is not None else c.empty_like(logits)
-    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
+                       vocab_start, vocab_total)
     c.run("fce_cross_entropy_bwd", c.dl(logits), c.dl(targets), c.dl(c.native(lse)), c.dl(_grad(c, grad_loss)), opts,
           c.dl(out, True), workspace=workspace)
     return out
+
+
+# ---- vocabulary-parallel cross-entropy ------------------------------------------------------------
+
+def cross_entropy_record_fields():
+    """K, the fp32 fields of a row's record (fce_cross_entropy_record_fields)."""
+    k = ffi.new("int64_t *")
+    check(lib.fce_cross_entropy_record_fields(ffi.NULL, k), "fce_cross_entropy_record_fields")
+    return int(k[0])
+
+
+def cross_entropy_partial(logits, targets, *, vocab_start, vocab_total, reduction=_NAME["reduction"][_CE["reduction"]],
+                          ignore_index=_CE["ignore_index"], label_smoothing=_CE["label_smoothing"],
+                          z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"], logit_scale=_CE["logit_scale"],
+                          class_weights=None, records=None, handle=None, stream=None):
+    """fce_cross_entropy_partial: the [N, K] fp32 records of a vocabulary shard. logits [N, V_local] are the
+    global columns [vocab_start, vocab_start + V_local) of a vocabulary of vocab_total (columns past it are
+    padding); targets [N] are global indices; class_weights cover the whole vocabulary. Gather every rank's
+    records in rank order ([W, N, K]) for cross_entropy_combine. CPU handles only in this version."""
+    c = Call(logits, handle, stream)
+    targets = c.native(targets)
+    out = records if records is not None else c.empty((_rows(logits), cross_entropy_record_fields()), "float32")
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
+                       vocab_start, vocab_total)
+    c.run_plain("fce_cross_entropy_partial", c.dl(logits), c.dl(targets), opts, c.dl(out, True))
+    return out
+
+
+def cross_entropy_combine(records, targets, *, vocab_total, reduction=_NAME["reduction"][_CE["reduction"]],
+                          ignore_index=_CE["ignore_index"], label_smoothing=_CE["label_smoothing"],
+                          z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"], logit_scale=_CE["logit_scale"],
+                          class_weights=None, lse=True, z_loss=False, argmax=False, entropy=False,
+                          argmax_dtype="int64", handle=None, stream=None, workspace=None):
+    """fce_cross_entropy_combine: the cross-entropy forward of whole rows from every shard's records
+    [W, N, K] (rank order), with the partial calls' options. Returns CrossEntropyOutput(loss, lse, z_loss,
+    argmax, entropy, None), as cross_entropy_fwd of the unsharded logits; pass lse to cross_entropy_bwd
+    with each shard for its gradient. CPU handles only in this version."""
+    c = Call(records, handle, stream)
+    targets = c.native(targets)
+    n = int(records.shape[1])
+    loss_a = _loss_buffer(c, reduction, n)
+    lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
+    zl_a = c.output(z_loss, lambda: _loss_buffer(c, reduction, n))
+    am_a = c.output(argmax, lambda: c.empty((n,), argmax_dtype))
+    ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
+                       0, vocab_total)
+    outs = c.struct("fce_ce_outputs_t")
+    outs.loss = c.dl(loss_a, True)
+    outs.lse = c.dl(lse_a, True)
+    outs.z_loss = c.dl(zl_a, True)
+    outs.argmax = c.dl(am_a, True)
+    outs.entropy = c.dl(ent_a, True)
+    c.run("fce_cross_entropy_combine", c.dl(records), c.dl(targets), opts, outs, workspace=workspace)
+    return CrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, None)
 
 
 # ---- logsumexp and temperature softmax ------------------------------------------------------------

@@ -384,10 +384,17 @@ struct fce_ce_options
     softcap::Cfloat
     # s > 0, finite; multiplies logits (1/temperature); default 1
     logit_scale::Cfloat
-    # Optional class weights [V], fp32, finite and >= 0 (PyTorch `weight`). NULL = all ones.
+    # Optional class weights [V], fp32, finite and >= 0 (PyTorch `weight`). NULL = all ones. With a
+    #  vocabulary shard: the weights of the whole vocabulary, [vocab_total].
     class_weights::Ptr{DLTensor}
+    # Vocabulary-parallel calls (see "Vocabulary-parallel cross-entropy"): the global index of the logits'
+    #  first column; 0 otherwise.
+    vocab_start::Int64
+    # Vocabulary-parallel calls: V of the whole vocabulary (the logits are columns [vocab_start,
+    #  vocab_start + their width) of it; columns at or past vocab_total are padding). 0 = not sharded.
+    vocab_total::Int64
 end
-@assert sizeof(fce_ce_options) == 40
+@assert sizeof(fce_ce_options) == 56
 @assert fieldoffset(fce_ce_options, 1) == 0
 @assert fieldoffset(fce_ce_options, 2) == 4
 @assert fieldoffset(fce_ce_options, 3) == 8
@@ -396,6 +403,8 @@ end
 @assert fieldoffset(fce_ce_options, 6) == 24
 @assert fieldoffset(fce_ce_options, 7) == 28
 @assert fieldoffset(fce_ce_options, 8) == 32
+@assert fieldoffset(fce_ce_options, 9) == 40
+@assert fieldoffset(fce_ce_options, 10) == 48
 
 const fce_ce_options_t = fce_ce_options
 
@@ -463,8 +472,10 @@ materializing the softmax; the gradient is fused into the same pass when outputs
 @param targets [N] int32 or int64.
 @param options NULL for the defaults (FCE_CE_OPTIONS_INIT).
 @return FCE_STATUS_SUCCESS, or the validation statuses (INVALID_ARGUMENT for NULL handle/logits/targets/
-        outputs/loss or options out of domain; SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
-        DEVICE_MISMATCH; ALIASING; OVERFLOW; WORKSPACE_TOO_SMALL), NOT_IMPLEMENTED, CUDA_ERROR.
+        outputs/loss or options out of domain, or options->vocab_total set: a shard's loss comes from
+        fce_cross_entropy_partial and fce_cross_entropy_combine; SHAPE_MISMATCH; UNSUPPORTED_DTYPE;
+        UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; ALIASING; OVERFLOW; WORKSPACE_TOO_SMALL), NOT_IMPLEMENTED,
+        CUDA_ERROR.
 """
 function fce_cross_entropy_fwd(handle, stream, logits, targets, options, outputs, workspace, workspace_bytes)
     @ccall $(_fptr_fce_cross_entropy_fwd[])(handle::fce_handle_t, stream::fce_stream_t, logits::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_ce_outputs_t}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
@@ -478,7 +489,10 @@ function fce_cross_entropy_fwd_workspace_size(handle, logits, targets, options, 
 end
 
 """
-Cross-entropy backward from a saved logsumexp: dlogits = d(loss)/d(logits) * grad_loss.
+Cross-entropy backward from a saved logsumexp: dlogits = d(loss)/d(logits) * grad_loss. With a vocabulary
+shard (options->vocab_total > 0): the shard's dlogits from the lse of fce_cross_entropy_combine, targets
+being global indices; padding columns (global index >= vocab_total) get 0. A shard's gradient is
+NOT_IMPLEMENTED on CUDA handles in this version.
 @param logits    [N,V] fp32, bf16 or fp16 (as given to the forward).
 @param targets   [N] int32 or int64.
 @param lse       [N] fp32 from fce_cross_entropy_fwd with the same options.
@@ -496,6 +510,47 @@ Workspace bytes fce_cross_entropy_bwd needs for these arguments.
 """
 function fce_cross_entropy_bwd_workspace_size(handle, logits, targets, lse, grad_loss, options, dlogits, bytes)
     @ccall $(_fptr_fce_cross_entropy_bwd_workspace_size[])(handle::fce_handle_t, logits::Ptr{DLTensor}, targets::Ptr{DLTensor}, lse::Ptr{DLTensor}, grad_loss::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, dlogits::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+"""
+Fields K of a cross-entropy record for these options (NULL = defaults).
+ @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT when fields is NULL or the options are invalid.
+"""
+function fce_cross_entropy_record_fields(options, fields)
+    @ccall $(_fptr_fce_cross_entropy_record_fields[])(options::Ptr{fce_ce_options_t}, fields::Ptr{Int64})::fce_status_t
+end
+
+"""
+The records of a vocabulary shard.
+@param logits  [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, possibly padded past vocab_total).
+@param targets [N] int32 or int64, global indices (as for the unsharded call).
+@param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); class weights, if
+               any, of the whole vocabulary.
+@param records [N,K] fp32, written.
+@return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options),
+        NOT_IMPLEMENTED (CUDA handles).
+"""
+function fce_cross_entropy_partial(handle, stream, logits, targets, options, records)
+    @ccall $(_fptr_fce_cross_entropy_partial[])(handle::fce_handle_t, stream::fce_stream_t, logits::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, records::Ptr{DLTensor})::fce_status_t
+end
+
+"""
+The cross-entropy forward of whole rows from the records of all shards.
+@param records [W,N,K] fp32: every rank's records, in rank (vocabulary) order.
+@param targets [N] int32 or int64, global indices.
+@param options the partial calls' options (vocab_total required; vocab_start is not read).
+@param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set).
+@return FCE_STATUS_SUCCESS or the validation statuses, NOT_IMPLEMENTED (CUDA handles).
+"""
+function fce_cross_entropy_combine(handle, stream, records, targets, options, outputs, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_cross_entropy_combine[])(handle::fce_handle_t, stream::fce_stream_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_ce_outputs_t}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_cross_entropy_combine needs for these arguments (same validation).
+"""
+function fce_cross_entropy_combine_workspace_size(handle, records, targets, options, outputs, bytes)
+    @ccall $(_fptr_fce_cross_entropy_combine_workspace_size[])(handle::fce_handle_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_ce_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t
 end
 
 """
@@ -904,7 +959,9 @@ const FCE_CE_OPTIONS_INIT = fce_ce_options_t(
     0.0f0,
     0.0f0,
     1.0f0,
-    C_NULL)
+    C_NULL,
+    0,
+    0)
 
 const FCE_CE_OUTPUTS_INIT = fce_ce_outputs_t(
     UInt32(sizeof(fce_ce_outputs_t)),
@@ -976,6 +1033,10 @@ const _fptr_fce_cross_entropy_fwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_fwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_bwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_bwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_cross_entropy_record_fields = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_cross_entropy_partial = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_cross_entropy_combine = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_cross_entropy_combine_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_lse_options_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
@@ -1016,6 +1077,10 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_cross_entropy_fwd_workspace_size[] = Libdl.dlsym(lib, :fce_cross_entropy_fwd_workspace_size)
     _fptr_fce_cross_entropy_bwd[] = Libdl.dlsym(lib, :fce_cross_entropy_bwd)
     _fptr_fce_cross_entropy_bwd_workspace_size[] = Libdl.dlsym(lib, :fce_cross_entropy_bwd_workspace_size)
+    _fptr_fce_cross_entropy_record_fields[] = Libdl.dlsym(lib, :fce_cross_entropy_record_fields)
+    _fptr_fce_cross_entropy_partial[] = Libdl.dlsym(lib, :fce_cross_entropy_partial)
+    _fptr_fce_cross_entropy_combine[] = Libdl.dlsym(lib, :fce_cross_entropy_combine)
+    _fptr_fce_cross_entropy_combine_workspace_size[] = Libdl.dlsym(lib, :fce_cross_entropy_combine_workspace_size)
     _fptr_fce_lse_options_init[] = Libdl.dlsym(lib, :fce_lse_options_init)
     _fptr_fce_logsumexp[] = Libdl.dlsym(lib, :fce_logsumexp)
     _fptr_fce_logsumexp_workspace_size[] = Libdl.dlsym(lib, :fce_logsumexp_workspace_size)
@@ -1053,6 +1118,10 @@ const FUNCTIONS = (
     :fce_cross_entropy_fwd_workspace_size,
     :fce_cross_entropy_bwd,
     :fce_cross_entropy_bwd_workspace_size,
+    :fce_cross_entropy_record_fields,
+    :fce_cross_entropy_partial,
+    :fce_cross_entropy_combine,
+    :fce_cross_entropy_combine_workspace_size,
     :fce_lse_options_init,
     :fce_logsumexp,
     :fce_logsumexp_workspace_size,

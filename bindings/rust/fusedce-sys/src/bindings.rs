@@ -719,14 +719,21 @@ pub struct fce_ce_options {
     pub softcap: f32,
     #[doc = "< s > 0, finite; multiplies logits (1/temperature); default 1"]
     pub logit_scale: f32,
-    #[doc = " Optional class weights [V], fp32, finite and >= 0 (PyTorch `weight`). NULL = all ones."]
+    #[doc = " Optional class weights [V], fp32, finite and >= 0 (PyTorch `weight`). NULL = all ones. With a"]
+    #[doc = "  vocabulary shard: the weights of the whole vocabulary, [vocab_total]."]
     pub class_weights: *const DLTensor,
+    #[doc = " Vocabulary-parallel calls (see \"Vocabulary-parallel cross-entropy\"): the global index of the logits'"]
+    #[doc = "  first column; 0 otherwise."]
+    pub vocab_start: i64,
+    #[doc = " Vocabulary-parallel calls: V of the whole vocabulary (the logits are columns [vocab_start,"]
+    #[doc = "  vocab_start + their width) of it; columns at or past vocab_total are padding). 0 = not sharded."]
+    pub vocab_total: i64,
 }
 #[test]
 fn bindgen_test_layout_fce_ce_options() {
     assert_eq!(
         ::std::mem::size_of::<fce_ce_options>(),
-        40usize,
+        56usize,
         concat!("Size of: ", stringify!(fce_ce_options))
     );
     assert_eq!(
@@ -870,6 +877,40 @@ fn bindgen_test_layout_fce_ce_options() {
         );
     }
     test_field_class_weights();
+    fn test_field_vocab_start() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_ce_options>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).vocab_start) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_ce_options),
+                "::",
+                stringify!(vocab_start)
+            )
+        );
+    }
+    test_field_vocab_start();
+    fn test_field_vocab_total() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_ce_options>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).vocab_total) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_ce_options),
+                "::",
+                stringify!(vocab_total)
+            )
+        );
+    }
+    test_field_vocab_total();
 }
 #[doc = " Options of cross-entropy (also used by linear cross-entropy). Initialize with FCE_CE_OPTIONS_INIT."]
 #[doc = ""]
@@ -1083,8 +1124,10 @@ extern "C" {
     #[doc = " @param targets [N] int32 or int64."]
     #[doc = " @param options NULL for the defaults (FCE_CE_OPTIONS_INIT)."]
     #[doc = " @return FCE_STATUS_SUCCESS, or the validation statuses (INVALID_ARGUMENT for NULL handle/logits/targets/"]
-    #[doc = "         outputs/loss or options out of domain; SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;"]
-    #[doc = "         DEVICE_MISMATCH; ALIASING; OVERFLOW; WORKSPACE_TOO_SMALL), NOT_IMPLEMENTED, CUDA_ERROR."]
+    #[doc = "         outputs/loss or options out of domain, or options->vocab_total set: a shard's loss comes from"]
+    #[doc = "         fce_cross_entropy_partial and fce_cross_entropy_combine; SHAPE_MISMATCH; UNSUPPORTED_DTYPE;"]
+    #[doc = "         UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; ALIASING; OVERFLOW; WORKSPACE_TOO_SMALL), NOT_IMPLEMENTED,"]
+    #[doc = "         CUDA_ERROR."]
     pub fn fce_cross_entropy_fwd(
         handle: fce_handle_t,
         stream: fce_stream_t,
@@ -1108,7 +1151,10 @@ extern "C" {
     ) -> fce_status_t;
 }
 extern "C" {
-    #[doc = " Cross-entropy backward from a saved logsumexp: dlogits = d(loss)/d(logits) * grad_loss."]
+    #[doc = " Cross-entropy backward from a saved logsumexp: dlogits = d(loss)/d(logits) * grad_loss. With a vocabulary"]
+    #[doc = " shard (options->vocab_total > 0): the shard's dlogits from the lse of fce_cross_entropy_combine, targets"]
+    #[doc = " being global indices; padding columns (global index >= vocab_total) get 0. A shard's gradient is"]
+    #[doc = " NOT_IMPLEMENTED on CUDA handles in this version."]
     #[doc = " @param logits    [N,V] fp32, bf16 or fp16 (as given to the forward)."]
     #[doc = " @param targets   [N] int32 or int64."]
     #[doc = " @param lse       [N] fp32 from fce_cross_entropy_fwd with the same options."]
@@ -1139,6 +1185,61 @@ extern "C" {
         grad_loss: *const DLTensor,
         options: *const fce_ce_options_t,
         dlogits: *const DLTensor,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Fields K of a cross-entropy record for these options (NULL = defaults)."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT when fields is NULL or the options are invalid."]
+    pub fn fce_cross_entropy_record_fields(
+        options: *const fce_ce_options_t,
+        fields: *mut i64,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " The records of a vocabulary shard."]
+    #[doc = " @param logits  [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, possibly padded past vocab_total)."]
+    #[doc = " @param targets [N] int32 or int64, global indices (as for the unsharded call)."]
+    #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); class weights, if"]
+    #[doc = "                any, of the whole vocabulary."]
+    #[doc = " @param records [N,K] fp32, written."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options),"]
+    #[doc = "         NOT_IMPLEMENTED (CUDA handles)."]
+    pub fn fce_cross_entropy_partial(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        logits: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_ce_options_t,
+        records: *mut DLTensor,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " The cross-entropy forward of whole rows from the records of all shards."]
+    #[doc = " @param records [W,N,K] fp32: every rank's records, in rank (vocabulary) order."]
+    #[doc = " @param targets [N] int32 or int64, global indices."]
+    #[doc = " @param options the partial calls' options (vocab_total required; vocab_start is not read)."]
+    #[doc = " @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set)."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, NOT_IMPLEMENTED (CUDA handles)."]
+    pub fn fce_cross_entropy_combine(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        records: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_ce_options_t,
+        outputs: *const fce_ce_outputs_t,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_cross_entropy_combine needs for these arguments (same validation)."]
+    pub fn fce_cross_entropy_combine_workspace_size(
+        handle: fce_handle_t,
+        records: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_ce_options_t,
+        outputs: *const fce_ce_outputs_t,
         bytes: *mut usize,
     ) -> fce_status_t;
 }

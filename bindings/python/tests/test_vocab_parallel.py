@@ -1,0 +1,52 @@
+"""Vocabulary-parallel cross-entropy through the Python binding (CPU backend): shards of the logits, one
+partial call each, the records stacked in rank order, combined, and each shard's gradient, against the
+unsharded call and a float64 logsumexp."""
+import numpy as np
+import pytest
+
+import fusedce
+
+rng = np.random.default_rng(7)
+
+
+@pytest.mark.parametrize("widths,pad", [([40], 0), ([17, 30], 0), ([1, 20, 26], 5)])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_shards_match_the_whole_vocabulary(widths, pad, reduction):
+    n, v = 9, 47
+    x = (rng.standard_normal((n, v)) * 3).astype(np.float32)
+    t = rng.integers(0, v, n)
+    t[3] = -100
+    opts = dict(reduction=reduction, label_smoothing=0.1, z_loss_scale=1e-3)
+    starts = np.cumsum([0] + widths)[:-1]
+    widths = widths[:-1] + [v - starts[-1]]
+    shards = []
+    for r, (s, w) in enumerate(zip(starts, widths)):
+        cols = w + (pad if r == len(widths) - 1 else 0)
+        part = np.full((n, cols), np.nan, np.float32)  # padding: never read into a sum
+        part[:, :w] = x[:, s:s + w]
+        shards.append((int(s), part))
+    records = np.stack([fusedce.cross_entropy_partial(p, t, vocab_start=s, vocab_total=v, **opts) for s, p in shards])
+    assert records.shape == (len(shards), n, fusedce.cross_entropy_record_fields())
+    got = fusedce.cross_entropy_combine(records, t, vocab_total=v, argmax=True, entropy=True, z_loss=True, **opts)
+    whole = fusedce.cross_entropy_fwd(x, t, argmax=True, entropy=True, z_loss=True, **opts)
+    np.testing.assert_array_equal(got.argmax, whole.argmax)
+    for a, b in ((got.loss, whole.loss), (got.lse, whole.lse), (got.entropy, whole.entropy), (got.z_loss, whole.z_loss)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=2e-5, atol=2e-6)
+    x64 = x.astype(np.float64)
+    m = x64.max(axis=1)
+    np.testing.assert_allclose(got.lse, m + np.log(np.exp(x64 - m[:, None]).sum(axis=1)), rtol=2e-6, atol=2e-6)
+    dwhole = fusedce.cross_entropy_bwd(x, t, whole.lse, **opts)
+    for s, part in shards:
+        d = fusedce.cross_entropy_bwd(part, t, got.lse, vocab_start=s, vocab_total=v, **opts)
+        w = min(part.shape[1], v - s)
+        np.testing.assert_allclose(d[:, :w], dwhole[:, s:s + w], rtol=2e-5, atol=2e-7)
+        assert (d[:, w:] == 0).all()
+
+
+def test_bad_shards_raise():
+    x = np.zeros((2, 4), np.float32)
+    t = np.array([0, 1])
+    with pytest.raises(fusedce.InvalidArgumentError, match="vocab_start"):
+        fusedce.cross_entropy_partial(x, t, vocab_start=8, vocab_total=8)
+    with pytest.raises(fusedce.InvalidArgumentError, match="vocab_total"):
+        fusedce.cross_entropy_partial(x, t, vocab_start=0, vocab_total=0)

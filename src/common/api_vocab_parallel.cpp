@@ -1,0 +1,132 @@
+// Vocabulary-parallel cross-entropy: validation of the partial and combine calls (the header's
+// "Vocabulary-parallel cross-entropy"); the shard's gradient is fce_cross_entropy_bwd (api_cross_entropy.cpp).
+#include "common/api_util.hpp"
+
+using namespace fce;
+
+namespace {
+
+CeOpts sharded_options(Validator& val, const fce_ce_options_t* options, int64_t V, const char* fn) {
+  FCE_CHECK(options != nullptr, FCE_STATUS_INVALID_ARGUMENT, "options is NULL: %s needs options->vocab_total",
+            fn);
+  CeOpts o = read_ce_options(options, val, V);
+  FCE_CHECK(o.sharded(), FCE_STATUS_INVALID_ARGUMENT,
+            "options->vocab_total is 0: %s is for a vocabulary shard (set vocab_start and vocab_total)", fn);
+  FCE_CHECK(o.vocab_total <= INT32_MAX, FCE_STATUS_INVALID_ARGUMENT,
+            "options->vocab_total %lld is above 2^31 - 1 (records hold int32 indices)", (long long)o.vocab_total);
+  return o;
+}
+
+void cpu_only(const fce_handle* h, const char* what) {
+  FCE_CHECK(h->backend == Backend::CPU, FCE_STATUS_NOT_IMPLEMENTED,
+            "%s is not implemented on CUDA handles yet (the CPU backend has it)", what);
+}
+
+CePartialProblem partial_problem(fce_handle* h, const DLTensor* logits, const DLTensor* targets,
+                                 const fce_ce_options_t* options, DLTensor* records) {
+  Validator val(h->backend, h->device_id);
+  CePartialProblem p;
+  p.logits = val.matrix(logits, "logits", kFloats);
+  val.input("logits", p.logits.data, Validator::span(p.logits));
+  const int64_t N = p.logits.rows;
+  p.targets = read_targets(val, targets, "targets", N);
+  p.o = sharded_options(val, options, p.logits.cols, "fce_cross_entropy_partial");
+  p.records = val.matrix(records, "records", kF32);
+  expect_shape(p.records, "records", N, kCeRecordFields);
+  val.output("records", p.records.data, Validator::span(p.records));
+  return p;
+}
+
+CeCombineProblem combine_problem(fce_handle* h, const DLTensor* records, const DLTensor* targets,
+                                 const fce_ce_options_t* options, const fce_ce_outputs_t* outputs) {
+  Validator val(h->backend, h->device_id);
+  CeCombineProblem p;
+  FCE_CHECK(records != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records is NULL");
+  FCE_CHECK(records->ndim == 3, FCE_STATUS_SHAPE_MISMATCH, "records must be 3-D [W, N, K], has ndim %d",
+            records->ndim);
+  FCE_CHECK(records->shape != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records has a NULL shape");
+  const int64_t W = records->shape[0], N = records->shape[1], K = records->shape[2];
+  FCE_CHECK(W >= 1 && N >= 1 && K == kCeRecordFields, FCE_STATUS_SHAPE_MISMATCH,
+            "records has shape [%lld, %lld, %lld]; expected [W >= 1, N >= 1, %lld]", (long long)W, (long long)N,
+            (long long)K, (long long)kCeRecordFields);
+  if (records->strides) {
+    const int64_t* st = records->strides;
+    FCE_CHECK(st[2] == 1 && (N == 1 || st[1] == K) && (W == 1 || st[0] == N * K), FCE_STATUS_UNSUPPORTED_LAYOUT,
+              "records must be contiguous [W, N, K] (strides [%lld, %lld, %lld])", (long long)st[0],
+              (long long)st[1], (long long)st[2]);
+  }
+  FCE_CHECK(W <= INT64_MAX / N, FCE_STATUS_OVERFLOW, "records: W * N overflows");
+  // The records as a [W * N, K] matrix (every check of a matrix applies).
+  DLTensor flat = *records;
+  int64_t shape[2] = {W * N, K};
+  flat.ndim = 2;
+  flat.shape = shape;
+  flat.strides = nullptr;
+  p.records = val.matrix(&flat, "records", kF32);
+  val.input("records", p.records.data, Validator::span(p.records));
+  p.W = W;
+  p.targets = read_targets(val, targets, "targets", N);
+  p.o = sharded_options(val, options, /*V, unused with a shard=*/1, "fce_cross_entropy_combine");
+  const fce_ce_outputs_t out = checked_struct(outputs, "outputs");
+  FCE_CHECK(!out.dlogits && !out.grad_loss, FCE_STATUS_INVALID_ARGUMENT,
+            "outputs->dlogits and grad_loss must be NULL: a shard's gradient comes from fce_cross_entropy_bwd "
+            "with the combined lse");
+  CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
+                                         out.entropy, true);
+  p.loss = s.loss;
+  p.lse = s.lse;
+  p.z_loss = s.z_loss;
+  p.argmax = s.argmax;
+  p.entropy = s.entropy;
+  return p;
+}
+
+}  // namespace
+
+extern "C" {
+
+FCE_API fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* options, int64_t* fields) {
+  return guard(__func__, [&] {
+    FCE_CHECK(fields != nullptr, FCE_STATUS_INVALID_ARGUMENT, "fields is NULL");
+    if (options) checked_struct(options, "options");
+    *fields = kCeRecordFields;
+  });
+}
+
+FCE_API fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t, const DLTensor* logits,
+                                               const DLTensor* targets, const fce_ce_options_t* options,
+                                               DLTensor* records) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const CePartialProblem p = partial_problem(h, logits, targets, options, records);
+    cpu_only(h, "fce_cross_entropy_partial");
+    cpu::ce_partial(p);
+  });
+}
+
+FCE_API fce_status_t fce_cross_entropy_combine(fce_handle_t handle, fce_stream_t, const DLTensor* records,
+                                               const DLTensor* targets, const fce_ce_options_t* options,
+                                               const fce_ce_outputs_t* outputs, void* workspace,
+                                               size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const CeCombineProblem p = combine_problem(h, records, targets, options, outputs);
+    cpu_only(h, "fce_cross_entropy_combine");
+    // The CPU needs no workspace; a caller's is checked as everywhere else.
+    resolve_workspace(h, workspace, workspace_bytes, 0, nullptr);
+    cpu::ce_combine(p);
+  });
+}
+
+FCE_API fce_status_t fce_cross_entropy_combine_workspace_size(fce_handle_t handle, const DLTensor* records,
+                                                              const DLTensor* targets,
+                                                              const fce_ce_options_t* options,
+                                                              const fce_ce_outputs_t* outputs, size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    combine_problem(h, records, targets, options, outputs);
+    write_size(bytes, 0);
+  });
+}
+
+}  // extern "C"

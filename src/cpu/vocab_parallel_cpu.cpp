@@ -1,0 +1,196 @@
+// Vocabulary-parallel cross-entropy on the CPU: a shard's records, their combine into whole rows, and a
+// shard's gradient from the combined lse. The same row arithmetic as ce_row.hpp, over the shard's real
+// columns (padding past vocab_total is never read into a sum).
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu/ce_row.hpp"
+
+namespace fce::cpu {
+
+namespace {
+
+constexpr int32_t kNoIndex = INT32_MAX;  // a shard without real columns has no argmax
+
+// Columns of the shard inside the vocabulary (the rest is padding).
+int64_t real_cols(const CeOpts& o, int64_t V) {
+  const int64_t left = o.vocab_total - o.vocab_start;
+  return left < V ? left : V;
+}
+
+float index_bits(int32_t i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+int32_t bits_index(float f) {
+  int32_t i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
+
+// The shard's transformed logits: x itself for the identity transform, else zbuf.
+const float* shard_z(const CeContext& c, const float* x, int64_t n, float* zbuf) {
+  if (c.identity()) return x;
+  simd::transform(c.tf, x, n, zbuf);
+  return zbuf;
+}
+
+// The target's column in the shard, or -1 when another shard (or nobody) holds it.
+int64_t local_target(const CeOpts& o, int64_t t, int64_t n) {
+  return t >= o.vocab_start && t < o.vocab_start + n ? t - o.vocab_start : -1;
+}
+
+}  // namespace
+
+void ce_partial(const CePartialProblem& p) {
+  const int64_t N = p.logits.rows, V = p.logits.cols, n = real_cols(p.o, V);
+  const CeContext c(p.o, p.o.vocab_total);
+  const float* w = c.weights() ? c.weights() + p.o.vocab_start : nullptr;
+  const bool smooth = p.o.label_smoothing > 0.f;
+#pragma omp parallel
+  {
+    simd::Row xbuf(V), zbuf(V);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      float* rec = reinterpret_cast<float*>(p.records.data) + size_t(i) * size_t(p.records.ld);
+      const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
+      const float* x = row_in(p.logits, i, xbuf.data());
+      float m = -INFINITY, d = 0.f, zt = 0.f, swz = 0.f, se = 0.f, av = -INFINITY;
+      int32_t ai = kNoIndex;
+      if (n > 0) {
+        const simd::MaxNan mx = simd::max_nan(x, n);
+        av = mx.nan ? NAN : mx.max;
+        ai = int32_t(p.o.vocab_start + simd::find_first(x, n, av));
+        const float* z = shard_z(c, x, n, zbuf.data());
+        m = mx.nan ? NAN : simd::transform1(c.tf, mx.max);
+        if (!mx.nan) {
+          const simd::CeSums s = simd::ce_sums(z, n, m, w, smooth);
+          swz = float(s.swz);
+          if (m != -INFINITY) {
+            d = float(s.s);
+            se = float(s.sz);
+          }
+        }
+        const int64_t tl = local_target(p.o, t, n);
+        if (tl >= 0) zt = z[tl];
+      }
+      const float r[kCeRecordFields] = {m, d, zt, swz, se, av, index_bits(ai)};
+      std::memcpy(rec, r, sizeof(r));
+    }
+  }
+}
+
+void ce_combine(const CeCombineProblem& p) {
+  const int64_t N = p.targets.n, W = p.W;
+  const CeContext c(p.o, p.o.vocab_total);
+  const double denom = p.o.reduction == FCE_REDUCTION_MEAN ? c.mean_denominator(p.targets) : 0.0;
+  std::vector<double> row_loss(size_t(N), 0.0), row_zl(size_t(N), 0.0);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    auto rec = [&](int64_t r) {
+      return reinterpret_cast<const float*>(p.records.data) + size_t(r * N + i) * size_t(p.records.ld);
+    };
+    // The max over the shards (NaN wins), then the sums rescaled to it, in rank order.
+    bool nan = false;
+    float M = -INFINITY;
+    for (int64_t r = 0; r < W; ++r) {
+      const float m = rec(r)[0];
+      if (std::isnan(m)) nan = true;
+      else if (m > M) M = m;
+    }
+    double D = 0, SE = 0, SWZ = 0, ZT = 0;
+    float bv = -INFINITY;
+    int32_t bi = kNoIndex;
+    for (int64_t r = 0; r < W; ++r) {
+      const float* q = rec(r);
+      if (!nan && M != -INFINITY && q[0] != -INFINITY) {
+        const double e = std::exp(double(q[0]) - double(M));
+        D += double(q[1]) * e;
+        SE += double(q[4]) * e;
+      }
+      SWZ += q[3];
+      ZT += q[2];
+      // argmax: NaN counts as the largest, then the larger value, ties to the lower index
+      const float v = q[5];
+      const int32_t ix = bits_index(q[6]);
+      if (ix == kNoIndex) continue;
+      const bool better = bi == kNoIndex                         ? true
+                          : std::isnan(v) && std::isnan(bv)      ? ix < bi
+                          : std::isnan(v) || std::isnan(bv)      ? std::isnan(v)
+                          : v != bv                              ? v > bv
+                                                                 : ix < bi;
+      if (better) {
+        bv = v;
+        bi = ix;
+      }
+    }
+    CeRow row;
+    if (nan) {
+      row.lse = row.entropy = NAN;
+    } else if (M == -INFINITY) {
+      row.lse = -INFINITY;
+      row.entropy = NAN;
+    } else {
+      row.lse = float(double(M) + std::log(D));
+      row.entropy = float(double(row.lse) - SE / D);
+    }
+    const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
+    if (!c.ignored(t)) {
+      if (!c.in_range(t)) {
+        row.loss = row.z_loss = NAN;
+      } else {
+        const double lse = row.lse, eps = p.o.label_smoothing;
+        double loss = (1.0 - eps) * c.weight(t) * (lse - float(ZT));
+        if (eps > 0) loss += eps / double(c.V) * (lse * c.W - SWZ);
+        const double zl = double(p.o.z_loss_scale) * lse * lse;
+        row.loss = float(loss + zl);
+        row.z_loss = float(zl);
+      }
+    }
+    row_loss[size_t(i)] = row.loss;
+    row_zl[size_t(i)] = row.z_loss;
+    if (p.lse) store_f32(p.lse, i, row.lse);
+    if (p.entropy) store_f32(p.entropy, i, row.entropy);
+    if (p.argmax) store_index(p.argmax.data, p.argmax.dtype, i, bi == kNoIndex ? 0 : bi);
+    if (p.o.reduction == FCE_REDUCTION_NONE) {
+      store_f32(p.loss, i, row.loss);
+      if (p.z_loss) store_f32(p.z_loss, i, row.z_loss);
+    }
+  }
+  reduce_losses(p.o.reduction, row_loss, row_zl, denom, p.loss, p.z_loss);
+}
+
+// A shard's dlogits from the combined lse (cpu::ce routes a sharded backward here).
+void ce_shard_backward(const CeProblem& p) {
+  const int64_t N = p.logits.rows, V = p.logits.cols, n = real_cols(p.o, V);
+  const CeContext c(p.o, p.o.vocab_total);
+  const float* w = c.weights() ? c.weights() + p.o.vocab_start : nullptr;
+  const double denom = c.mean_denominator(p.targets);
+#pragma omp parallel
+  {
+    simd::Row xbuf(V), zbuf(V), gbuf(V);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
+      const float* x = row_in(p.logits, i, xbuf.data());
+      const float* z = n > 0 ? shard_z(c, x, n, zbuf.data()) : x;  // read whole before dx is written
+      float* dx = row_out(p.dlogits, i, gbuf.data());
+      const float g = c.grad_scale(p.grad_loss, i, denom);
+      if (!c.ignored(t) && !c.in_range(t)) {  // NaN whatever the upstream gradient (the contract)
+        std::fill(dx, dx + V, NAN);
+      } else if (c.ignored(t) || g == 0.f || n == 0) {
+        std::fill(dx, dx + V, 0.f);
+      } else {
+        const float lse = load_f32(p.saved_lse, i);
+        const CeGrad grad(g, p.o.label_smoothing, c.weight(t), float(c.W), 1.f / float(c.V), p.o.z_loss_scale, lse);
+        simd::ce_grad(z, n, lse, grad, w, local_target(p.o, t, n), c.tf, dx);
+        std::fill(dx + n, dx + V, 0.f);  // padding
+      }
+      row_out_done(p.dlogits, i, dx);
+    }
+  }
+}
+
+}  // namespace fce::cpu

@@ -1,0 +1,348 @@
+// Vocabulary-parallel cross-entropy: logits split into shards (even, uneven, padded), a partial call per
+// shard, the records concatenated in rank order, combined, and each shard's gradient from the combined lse;
+// against the float64 reference written in the tests and against the unsharded call.
+#include <algorithm>
+
+#include "common/ce_reference.hpp"
+
+using namespace fct;
+
+namespace {
+
+// Shard r: global columns [start, start + width), stored in `cols` columns (cols - width of padding).
+struct Shard {
+  int64_t start, width, cols;
+};
+
+// Splits V into shards of the given widths (the last takes the rest), each padded by `pad` columns.
+std::vector<Shard> split(int64_t V, std::vector<int64_t> widths, int64_t pad) {
+  std::vector<Shard> s;
+  int64_t at = 0;
+  for (size_t r = 0; r < widths.size(); ++r) {
+    const int64_t w = r + 1 == widths.size() ? V - at : widths[r];
+    s.push_back({at, w, w + (r + 1 == widths.size() ? pad : 0)});
+    at += w;
+  }
+  return s;
+}
+
+// A [W, N, K] view of a [W * N, K] fp32 tensor.
+struct Records {
+  Tensor t;
+  int64_t shape[3];
+  DLTensor dl;
+  Records(int64_t W, int64_t N, int64_t K) : t(DT::F32, {W * N, K}), shape{W, N, K} {
+    dl = *t.dl();
+    dl.ndim = 3;
+    dl.shape = shape;
+    dl.strides = nullptr;
+  }
+};
+
+struct Case {
+  CeCase ce;
+  std::vector<int64_t> widths;
+  int64_t pad = 0;
+  bool nan_row = false;  // a NaN in row 1, in the second shard
+  bool out_of_range = false;  // row 0's target is V (not ignored): NaN loss and gradient
+};
+
+void run(const Case& k) {
+  const CeCase& c = k.ce;
+  const int64_t N = c.N, V = c.V, K = 7;
+  Handle h;
+  Tensor full(c.dt, {N, V});
+  fill_logits(full, c.logit_std, c.peaked);
+  const std::vector<Shard> shards = split(V, k.widths, k.pad);
+  const int64_t W = int64_t(shards.size());
+  if (k.nan_row) {
+    full.set(1, shards[1].start + 1, NAN);
+    full.upload();
+  }
+  Tensor targets(c.tdt, {N});
+  std::uniform_int_distribution<int64_t> col(0, V - 1);
+  std::bernoulli_distribution ign(c.ignore_frac);
+  std::vector<int64_t> tg(N);
+  for (int64_t i = 0; i < N; ++i) {
+    tg[i] = ign(rng()) ? -100 : col(rng());
+    if (k.out_of_range && i == 0) tg[i] = V;
+    targets.set_int(i, tg[i]);
+  }
+  targets.upload();
+  std::vector<double> w;
+  Tensor weights;
+  if (c.weights) {
+    weights = Tensor(DT::F32, {V});
+    std::uniform_real_distribution<double> u(0.1, 2.0);
+    for (int64_t j = 0; j < V; ++j) { weights.set(j, u(rng())); w.push_back(weights.get(j)); }
+    weights.upload();
+  }
+  std::vector<int64_t> tg_ref = tg;
+  if (k.out_of_range) tg_ref[0] = -100;  // the reference cannot index it; row 0 is checked apart
+  Ref ref = reference(c, values(full), tg_ref, w, {});
+  // The library's mean counts an out-of-range target's row (its loss is NaN); the reference skipped it.
+  if (k.out_of_range && c.reduction == FCE_REDUCTION_MEAN && ref.denom > 0)
+    for (double& g : ref.grad) g *= ref.denom / (ref.denom + 1.0);
+
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  o.reduction = c.reduction;
+  o.label_smoothing = float(c.eps);
+  o.z_loss_scale = float(c.zq);
+  o.softcap = float(c.cap);
+  o.logit_scale = float(c.scale);
+  o.class_weights = c.weights ? weights.dl() : nullptr;
+  o.vocab_total = V;
+  int64_t fields = 0;
+  FCE_OK(fce_cross_entropy_record_fields(&o, &fields));
+  ASSERT_EQ(fields, K);
+
+  // Each shard: its columns (padding filled with NaN, which no sum may read), then its records.
+  std::vector<Tensor> parts;
+  Records rec(W, N, K);
+  rec.t.poison();
+  for (int64_t r = 0; r < W; ++r) {
+    const Shard& s = shards[size_t(r)];
+    Tensor part(c.dt, {N, s.cols});
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < s.cols; ++j) part.set(i, j, j < s.width ? full.get(i, s.start + j) : NAN);
+    part.upload();
+    Tensor one(DT::F32, {N, K});
+    one.poison();
+    one.upload();
+    o.vocab_start = s.start;
+    FCE_OK(fce_cross_entropy_partial(h, test_stream(), part.dl(), targets.dl(), &o, one.dl()));
+    one.download();
+    for (int64_t i = 0; i < N; ++i)
+      std::memcpy(rec.t.raw() + 4 * size_t((r * N + i) * K), one.bytes().data() + 4 * size_t(i * K), 4 * size_t(K));
+    parts.push_back(std::move(part));
+  }
+  rec.t.upload();
+
+  const bool none = c.reduction == FCE_REDUCTION_NONE;
+  Tensor loss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {}), lse(DT::F32, {N}), ent(DT::F32, {N}),
+         amax(DT::I64, {N}), zl = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
+  for (Tensor* t : {&loss, &lse, &ent, &amax, &zl}) { t->poison(); t->upload(); }
+  fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  out.lse = lse.dl();
+  out.entropy = ent.dl();
+  out.argmax = amax.dl();
+  out.z_loss = zl.dl();
+  FCE_OK(fce_cross_entropy_combine(h, test_stream(), &rec.dl, targets.dl(), &o, &out, nullptr, 0));
+  for (Tensor* t : {&loss, &lse, &ent, &amax, &zl}) t->download();
+
+  // The unsharded call on the same logits: argmax and the special rows must match it bitwise.
+  fce_ce_options_t u = o;
+  u.vocab_start = u.vocab_total = 0;
+  Tensor uloss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {}), ulse(DT::F32, {N}), uamax(DT::I64, {N});
+  fce_ce_outputs_t uo = FCE_CE_OUTPUTS_INIT;
+  uo.loss = uloss.dl();
+  uo.lse = ulse.dl();
+  uo.argmax = uamax.dl();
+  FCE_OK(fce_cross_entropy_fwd(h, test_stream(), full.dl(), targets.dl(), &u, &uo, nullptr, 0));
+  for (Tensor* t : {&uloss, &ulse, &uamax}) t->download();
+
+  const double rt = 2e-5, at = 2e-5;
+  for (int64_t i = 0; i < N; ++i) {
+    SCOPED_TRACE(testing::Message() << "row " << i << " target " << tg[i]);
+    EXPECT_EQ(amax.get_int(i), uamax.get_int(i));
+    if (k.nan_row && i == 1) {
+      EXPECT_TRUE(std::isnan(lse.get(i)));
+      EXPECT_TRUE(std::isnan(ent.get(i)));
+      EXPECT_EQ(amax.get_int(i), shards[1].start + 1);
+      if (none && tg[i] != -100) {
+        EXPECT_TRUE(std::isnan(loss.get(i)));
+      }
+      continue;
+    }
+    EXPECT_TRUE(close(lse.get(i), ref.lse[size_t(i)], rt, at));
+    EXPECT_TRUE(close(ent.get(i), ref.ent[size_t(i)], 1e-4, 1e-4));
+    EXPECT_EQ(amax.get_int(i), ref.amax[size_t(i)]);
+    if (!none) continue;
+    if (k.out_of_range && i == 0) {
+      EXPECT_TRUE(std::isnan(loss.get(i)));
+      continue;
+    }
+    EXPECT_TRUE(close(loss.get(i), ref.loss[size_t(i)], rt, at));
+    EXPECT_TRUE(close(zl.get(i), ref.zl[size_t(i)], rt, 1e-9));
+    if (tg[i] == -100) {
+      EXPECT_EQ(loss.get(i), 0.0);
+    }
+  }
+  if (!none && !k.nan_row && !k.out_of_range) {
+    EXPECT_TRUE(close(loss.get(0), ref.total, rt, at));
+    EXPECT_TRUE(close(loss.get(0), uloss.get(0), rt, at));
+  }
+  if ((k.nan_row && !none) || (k.out_of_range && !none)) {
+    EXPECT_TRUE(std::isnan(loss.get(0)));
+  }
+
+  // Each shard's gradient from the combined lse: its columns of the reference gradient, padding 0.
+  for (int64_t r = 0; r < W; ++r) {
+    const Shard& s = shards[size_t(r)];
+    Tensor dl(c.dt, {N, s.cols});
+    dl.poison();
+    dl.upload();
+    o.vocab_start = s.start;
+    FCE_OK(fce_cross_entropy_bwd(h, test_stream(), parts[size_t(r)].dl(), targets.dl(), lse.dl(), nullptr, &o,
+                                 dl.dl(), nullptr, 0));
+    dl.download();
+    const double gt = dtype_rtol(c.dt);
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t j = 0; j < s.cols; ++j) {
+        SCOPED_TRACE(testing::Message() << "shard " << r << " row " << i << " column " << j);
+        if (j >= s.width) {
+          if (!(k.out_of_range && i == 0)) {
+            EXPECT_EQ(dl.get(i, j), 0.0);
+          }
+          continue;
+        }
+        if ((k.out_of_range && i == 0) || (k.nan_row && i == 1 && tg[i] != -100)) {
+          EXPECT_TRUE(std::isnan(dl.get(i, j)));
+          continue;
+        }
+        if (k.nan_row && i == 1) continue;
+        EXPECT_TRUE(close(dl.get(i, j), ref.grad[size_t(i * V + s.start + j)], gt, 1e-6));
+      }
+    }
+  }
+}
+
+bool cuda_skips() {
+  if (!target().cuda()) return false;
+  // Not implemented on CUDA handles yet: the calls must say so.
+  Handle h;
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  o.vocab_total = 8;
+  Tensor x(DT::F32, {2, 4}), t(DT::I64, {2}), rec(DT::F32, {2, 7});
+  t.set_int(0, 1);
+  t.set_int(1, 5);
+  t.upload();
+  EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), &o, rec.dl()), FCE_STATUS_NOT_IMPLEMENTED);
+  return true;
+}
+
+}  // namespace
+
+TEST(VocabParallel, ShardsDtypesOptions) {
+  if (cuda_skips()) GTEST_SKIP() << "vocabulary-parallel calls are CPU-only in this version";
+  struct S {
+    std::vector<int64_t> widths;
+    int64_t pad;
+  };
+  const S layouts[] = {{{500}, 0}, {{300, 400}, 0}, {{1, 517}, 7}, {{64, 64, 64}, 3}};
+  for (const S& l : layouts) {
+    for (DT dt : {DT::F32, DT::BF16, DT::F16}) {
+      for (int red : {FCE_REDUCTION_NONE, FCE_REDUCTION_SUM, FCE_REDUCTION_MEAN}) {
+        Case k;
+        k.ce.N = 37;
+        k.ce.V = 1031;  // prime
+        k.ce.dt = dt;
+        k.ce.reduction = red;
+        k.widths = l.widths;
+        k.pad = l.pad;
+        SCOPED_TRACE(testing::Message() << dt_name(dt) << " reduction " << red << " shards " << l.widths.size()
+                                        << " pad " << l.pad);
+        run(k);
+      }
+    }
+  }
+}
+
+TEST(VocabParallel, EveryOption) {
+  if (cuda_skips()) GTEST_SKIP();
+  Case k;
+  k.ce.N = 19;
+  k.ce.V = 777;
+  k.ce.reduction = FCE_REDUCTION_NONE;
+  k.ce.eps = 0.1;
+  k.ce.zq = 1e-3;
+  k.ce.cap = 3.0;
+  k.ce.scale = 0.7;
+  k.ce.weights = true;
+  k.ce.peaked = true;
+  k.widths = {200, 300};
+  k.pad = 5;
+  run(k);
+  k.ce.reduction = FCE_REDUCTION_MEAN;
+  k.ce.tdt = DT::I32;
+  run(k);
+}
+
+TEST(VocabParallel, NaNOutOfRangeAndAllIgnored) {
+  if (cuda_skips()) GTEST_SKIP();
+  Case k;
+  k.ce.N = 6;
+  k.ce.V = 300;
+  k.ce.reduction = FCE_REDUCTION_NONE;
+  k.widths = {100, 100};
+  k.nan_row = true;
+  run(k);
+  k.nan_row = false;
+  k.out_of_range = true;
+  run(k);
+  k.ce.reduction = FCE_REDUCTION_MEAN;
+  run(k);
+  k.out_of_range = false;
+  k.ce.ignore_frac = 1.0;  // every row ignored: the mean is 0, as unsharded
+  run(k);
+}
+
+TEST(VocabParallel, Validation) {
+  if (cuda_skips()) GTEST_SKIP();
+  Handle h;
+  Tensor x(DT::F32, {3, 10}), t(DT::I64, {3}), rec(DT::F32, {3, 7}), bad(DT::F32, {3, 6});
+  fill_logits(x, 1.0, false);
+  for (int64_t i = 0; i < 3; ++i) t.set_int(i, i);
+  t.upload();
+  rec.poison();
+  rec.upload();
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  // Not a shard: partial refuses, and nothing is written.
+  EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fce_last_error_message()).find("vocab_total"), std::string::npos);
+  EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), nullptr, rec.dl()),
+            FCE_STATUS_INVALID_ARGUMENT);
+  o.vocab_total = 20;
+  o.vocab_start = 20;  // outside [0, vocab_total)
+  EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  o.vocab_start = -1;
+  EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  o.vocab_start = 10;
+  EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), &o, bad.dl()), FCE_STATUS_SHAPE_MISMATCH);
+  rec.download();
+  for (uint8_t b : rec.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
+  // A vocab_start without a vocab_total.
+  fce_ce_options_t s = FCE_CE_OPTIONS_INIT;
+  s.vocab_start = 3;
+  EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), &s, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  // The unsharded forward refuses a shard; the combine refuses dlogits and records of the wrong K.
+  Tensor loss(DT::F32, {});
+  fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  EXPECT_EQ(fce_cross_entropy_fwd(h, test_stream(), x.dl(), t.dl(), &o, &out, nullptr, 0),
+            FCE_STATUS_INVALID_ARGUMENT);
+  Records r(2, 3, 7);
+  out.dlogits = x.dl();
+  EXPECT_EQ(fce_cross_entropy_combine(h, test_stream(), &r.dl, t.dl(), &o, &out, nullptr, 0),
+            FCE_STATUS_INVALID_ARGUMENT);
+  out.dlogits = nullptr;
+  r.shape[2] = 6;
+  EXPECT_EQ(fce_cross_entropy_combine(h, test_stream(), &r.dl, t.dl(), &o, &out, nullptr, 0),
+            FCE_STATUS_SHAPE_MISMATCH);
+  r.shape[2] = 7;
+  size_t bytes = 1;
+  FCE_OK(fce_cross_entropy_combine_workspace_size(h, &r.dl, t.dl(), &o, &out, &bytes));
+  EXPECT_EQ(bytes, 0u);
+  // Class weights cover the whole vocabulary.
+  Tensor wshard(DT::F32, {10});
+  o.class_weights = wshard.dl();
+  EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), &o, rec.dl()), FCE_STATUS_SHAPE_MISMATCH);
+  // Linear cross-entropy has no shards yet.
+  o.class_weights = nullptr;
+  Tensor hid(DT::F32, {3, 4}), wt(DT::F32, {10, 4});
+  fce_linear_ce_outputs_t lo = FCE_LINEAR_CE_OUTPUTS_INIT;
+  lo.loss = loss.dl();
+  EXPECT_EQ(fce_linear_cross_entropy_fwd(h, test_stream(), hid.dl(), wt.dl(), nullptr, t.dl(), &o, &lo, nullptr, 0),
+            FCE_STATUS_NOT_IMPLEMENTED);
+}
