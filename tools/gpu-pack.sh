@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}  # sm_90 only: small enough to carry
 [ -f "$BUILD/build.ninja" ] || meson setup "$BUILD" "-Dgencode=-arch=sm_90"
+bash tools/cuda-stale.sh "$BUILD"
 ninja -C "$BUILD"
 rm -rf .gpu .gpu-stage && mkdir -p .gpu-stage/bin .gpu-stage/lib
 G=.gpu-stage

@@ -162,8 +162,6 @@ size_t ce_need(fce_handle* h, const CeProblem& p) {
 }
 
 void ce_run(fce_handle* h, fce_stream_t stream, const CeProblem& p, void* ws, size_t ws_bytes) {
-  FCE_CHECK(!p.o.sharded() || h->backend == Backend::CPU, FCE_STATUS_NOT_IMPLEMENTED,
-            "the gradient of a vocabulary shard (options->vocab_total set) is not implemented on CUDA handles yet");
   Workspace w = resolve_workspace(h, ws, ws_bytes, ce_need(h, p), stream);
   if (h->backend == Backend::CPU) cpu::ce(p, w);
   else cuda::ce(h, stream, p, w);

@@ -17,9 +17,8 @@ CeOpts sharded_options(Validator& val, const fce_ce_options_t* options, int64_t 
   return o;
 }
 
-void cpu_only(const fce_handle* h, const char* what) {
-  FCE_CHECK(h->backend == Backend::CPU, FCE_STATUS_NOT_IMPLEMENTED,
-            "%s is not implemented on CUDA handles yet (the CPU backend has it)", what);
+size_t combine_need(fce_handle* h, const CeCombineProblem& p) {
+  return h->backend == Backend::CPU ? 0 : cuda::ce_combine_workspace(h, p);
 }
 
 CePartialProblem partial_problem(fce_handle* h, const DLTensor* logits, const DLTensor* targets,
@@ -93,28 +92,27 @@ FCE_API fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* opt
   });
 }
 
-FCE_API fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t, const DLTensor* logits,
+FCE_API fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
                                                const DLTensor* targets, const fce_ce_options_t* options,
                                                DLTensor* records) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     const CePartialProblem p = partial_problem(h, logits, targets, options, records);
-    cpu_only(h, "fce_cross_entropy_partial");
-    cpu::ce_partial(p);
+    if (h->backend == Backend::CPU) cpu::ce_partial(p);
+    else cuda::ce_partial(h, stream, p);
   });
 }
 
-FCE_API fce_status_t fce_cross_entropy_combine(fce_handle_t handle, fce_stream_t, const DLTensor* records,
+FCE_API fce_status_t fce_cross_entropy_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
                                                const DLTensor* targets, const fce_ce_options_t* options,
                                                const fce_ce_outputs_t* outputs, void* workspace,
                                                size_t workspace_bytes) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     const CeCombineProblem p = combine_problem(h, records, targets, options, outputs);
-    cpu_only(h, "fce_cross_entropy_combine");
-    // The CPU needs no workspace; a caller's is checked as everywhere else.
-    resolve_workspace(h, workspace, workspace_bytes, 0, nullptr);
-    cpu::ce_combine(p);
+    const Workspace w = resolve_workspace(h, workspace, workspace_bytes, combine_need(h, p), stream);
+    if (h->backend == Backend::CPU) cpu::ce_combine(p);
+    else cuda::ce_combine(h, stream, p, w);
   });
 }
 
@@ -124,8 +122,7 @@ FCE_API fce_status_t fce_cross_entropy_combine_workspace_size(fce_handle_t handl
                                                               const fce_ce_outputs_t* outputs, size_t* bytes) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
-    combine_problem(h, records, targets, options, outputs);
-    write_size(bytes, 0);
+    write_size(bytes, combine_need(h, combine_problem(h, records, targets, options, outputs)));
   });
 }
 

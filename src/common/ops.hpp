@@ -133,6 +133,9 @@ void scale_rows(const ScaleProblem&);
 namespace cuda {
 size_t ce_workspace(fce_handle*, const CeProblem&);
 void ce(fce_handle*, fce_stream_t, const CeProblem&, Workspace);
+void ce_partial(fce_handle*, fce_stream_t, const CePartialProblem&);
+size_t ce_combine_workspace(fce_handle*, const CeCombineProblem&);
+void ce_combine(fce_handle*, fce_stream_t, const CeCombineProblem&, Workspace);
 size_t lse_workspace(fce_handle*, const LseProblem&);
 void lse(fce_handle*, fce_stream_t, const LseProblem&, Workspace);
 size_t softmax_workspace(fce_handle*, const SoftmaxProblem&);

@@ -273,7 +273,10 @@ void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
   // gradients and smoothing with class weights need prep before the rows.
   const bool prep_first =
       ws.prep && (p.dlogits || p.backward() || (p.o.class_weights && p.o.label_smoothing > 0.f));
-  if (prep_first) ce_prep(s, p.o, p.targets.data, t64, p.logits.rows, p.logits.cols, ws.prep);
+  // A vocabulary shard's prep counts over the whole vocabulary.
+  const int64_t V_prep = p.o.sharded() ? p.o.vocab_total : p.logits.cols;
+  if (prep_first) ce_prep(s, p.o, p.targets.data, t64, p.logits.rows, V_prep, ws.prep);
+  if (p.o.sharded()) return ce_shard_backward(h, s, p, ws.prep);  // the API takes a shard's backward only
   CeRows r{};
   r.x = p.logits.data;
   r.xt = p.logits.dtype;

@@ -22,6 +22,13 @@ FCE_NO_CUDA_OP(lse, LseProblem)
 FCE_NO_CUDA_OP(softmax, SoftmaxProblem)
 FCE_NO_CUDA_OP(kd, KdProblem)
 size_t linear_ce_workspace(fce_handle*, const LinearCeProblem&, bool) { return 0; }
+size_t ce_combine_workspace(fce_handle*, const CeCombineProblem&) { return 0; }
+void ce_partial(fce_handle*, fce_stream_t, const CePartialProblem&) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
+void ce_combine(fce_handle*, fce_stream_t, const CeCombineProblem&, Workspace) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
 void scale_rows(fce_handle*, fce_stream_t, const ScaleProblem&) {
   raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
 }

@@ -140,7 +140,7 @@ def _run(name, dev, args, x):
 
 def _ce_options(weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev):
     return _CE_OPTIONS(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
-                       _at(2, weight, dev[2], dev[3]))
+                       _at(2, weight, dev[2], dev[3]), 0, 0)  # not a vocabulary shard
 
 
 def cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,

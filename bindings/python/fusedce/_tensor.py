@@ -43,7 +43,7 @@ for _f in ("data", "ndim", "shape", "strides", "byte_offset"):
 assert ffi.sizeof("fce_py_dltensor") == ffi.sizeof("DLTensor")
 
 _SLOTS = 16  # DLTensors in one call (linear cross-entropy takes 14)
-_DIMS = 2    # the library's tensors have at most 2 dimensions
+_DIMS = 2    # the slots' tensors have at most 2 dimensions (3-D records go through DLPack capsules)
 
 
 class _ThreadState(threading.local):
@@ -334,6 +334,8 @@ class TorchCall(Call):
             return ffi.NULL
         if not isinstance(x, self.torch.Tensor):
             x = self.native(x)
+        if x.dim() > _DIMS:  # the records of vocabulary-parallel calls [W, N, K]: through DLPack
+            return self._capsule_dl(x)
         k = self.slot
         self.slot = k + 1
         st = _state

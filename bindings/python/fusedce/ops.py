@@ -183,7 +183,7 @@ def cross_entropy_bwd(logits, targets, lse, *, grad_loss=None, dlogits=None,
     grad_loss: None (= 1), a number, or an [N] array for reduction="none". dlogits: None to allocate, or
     the array to write (it may be `logits` itself). Returns dlogits. With vocab_total > 0, `logits` is the
     vocabulary shard starting at column vocab_start and `lse` the one cross_entropy_combine returned: the
-    shard's gradient (CPU handles only in this version)."""
+    shard's gradient."""
     c = Call(logits, handle, stream)
     targets = c.native(targets)
     out = dlogits if dlogits is not None else c.empty_like(logits)
@@ -210,7 +210,7 @@ def cross_entropy_partial(logits, targets, *, vocab_start, vocab_total, reductio
     """fce_cross_entropy_partial: the [N, K] fp32 records of a vocabulary shard. logits [N, V_local] are the
     global columns [vocab_start, vocab_start + V_local) of a vocabulary of vocab_total (columns past it are
     padding); targets [N] are global indices; class_weights cover the whole vocabulary. Gather every rank's
-    records in rank order ([W, N, K]) for cross_entropy_combine. CPU handles only in this version."""
+    records in rank order ([W, N, K]) for cross_entropy_combine."""
     c = Call(logits, handle, stream)
     targets = c.native(targets)
     out = records if records is not None else c.empty((_rows(logits), cross_entropy_record_fields()), "float32")
@@ -228,7 +228,7 @@ def cross_entropy_combine(records, targets, *, vocab_total, reduction=_NAME["red
     """fce_cross_entropy_combine: the cross-entropy forward of whole rows from every shard's records
     [W, N, K] (rank order), with the partial calls' options. Returns CrossEntropyOutput(loss, lse, z_loss,
     argmax, entropy, None), as cross_entropy_fwd of the unsharded logits; pass lse to cross_entropy_bwd
-    with each shard for its gradient. CPU handles only in this version."""
+    with each shard for its gradient."""
     c = Call(records, handle, stream)
     targets = c.native(targets)
     n = int(records.shape[1])

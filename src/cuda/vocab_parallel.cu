@@ -1,0 +1,284 @@
+// CUDA vocabulary-parallel cross-entropy: a shard's records (one block per row, the CE row statistics of
+// ce_kernels.cuh over the shard's real columns), their combine (one thread per row, the records merged in
+// rank order in fp64, then the fixed-order finalize of a reduction), and a shard's gradient from the combined
+// lse (one block per row). The same arithmetic as src/cpu/vocab_parallel_cpu.cpp, record for record.
+#include "cuda/ce_internal.hpp"
+#include "cuda/ce_kernels.cuh"
+
+namespace fce::cuda {
+namespace {
+
+constexpr int32_t kNoIndex = INT32_MAX;  // a shard without real columns has no argmax
+constexpr int kRecordFields = int(kCeRecordFields);
+
+// The shard's columns inside the vocabulary (the rest is padding).
+int64_t real_cols(const CeOpts& o, int64_t V) {
+  const int64_t left = o.vocab_total - o.vocab_start;
+  return left < V ? left : V;
+}
+
+struct VpArgs {
+  const void* x;
+  int64_t ld, N, n, V;  // n real columns of V
+  int64_t vs, vt;       // vocab_start, vocab_total
+  const void* targets;
+  bool t64;
+  int64_t ignore_index;
+  float scale, softcap, eps, zq;
+  const float* weights;  // [vocab_total] or null
+  float* rec;            // partial: [N, K] with row stride ldr; combine: [W * N, K] (read)
+  int64_t ldr, W;
+  const double* prep;    // [0] mean denominator, [1] sum of class weights
+  // combine outputs
+  float *loss_rows, *zl_rows, *lse, *entropy;
+  void* argmax;
+  bool a64;
+  // gradient
+  void* dx;
+  int64_t ldd;
+  const float* saved_lse;
+  const float* grad_loss;
+  bool grad_scalar;
+  int reduction;
+};
+
+__device__ float bits_float(int32_t i) { return __int_as_float(i); }
+__device__ int32_t float_bits(float f) { return __float_as_int(f); }
+
+template <class T>
+__global__ void __launch_bounds__(kRowThreads) vp_partial_kernel(VpArgs a) {
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(a.x) + row * a.ld;
+  CeParams p{};
+  p.x = a.x;
+  p.ld = a.ld;
+  p.V = a.n;
+  p.scale = a.scale;
+  p.softcap = a.softcap;
+  p.full = true;
+  p.eps = 1.f;  // make accumulate form the sum of w z (the combine reads it only with smoothing)
+  p.weights = a.weights ? a.weights + a.vs : nullptr;
+  CeAcc s;
+  if (a.n > 0) {
+    s = a.softcap > 0.f ? block_stats<T, true, true, true, false>(p, x, 0, a.n, nullptr, 0)
+                        : block_stats<T, false, true, true, false>(p, x, 0, a.n, nullptr, 0);
+  }
+  if (threadIdx.x != 0) return;
+  const int64_t t = load_index(a.targets, a.t64, row);
+  float zt = 0.f;
+  if (t >= a.vs && t < a.vs + a.n) zt = LogitTransform(a.scale, a.softcap)(to_float(x[t - a.vs]));
+  const bool nan = isnan(s.av);
+  float* r = a.rec + row * a.ldr;
+  r[0] = nan ? NAN : s.m;
+  r[1] = s.m == -INFINITY ? 0.f : s.d;
+  r[2] = zt;
+  r[3] = s.swz;
+  r[4] = s.m == -INFINITY ? 0.f : s.s1;
+  r[5] = s.av;
+  r[6] = bits_float(s.ai == INT64_MAX ? kNoIndex : int32_t(a.vs + s.ai));
+}
+
+// One thread per row: the records of the W shards merged in rank order (fp64), the row's outputs.
+__global__ void vp_combine_kernel(VpArgs a) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= a.N) return;
+  auto rec = [&](int64_t r) { return a.rec + (r * a.N + i) * kRecordFields; };
+  bool nan = false;
+  float M = -INFINITY;
+  for (int64_t r = 0; r < a.W; ++r) {
+    const float m = rec(r)[0];
+    if (isnan(m)) nan = true;
+    else if (m > M) M = m;
+  }
+  double D = 0, SE = 0, SWZ = 0, ZT = 0;
+  float bv = -INFINITY;
+  int32_t bi = kNoIndex;
+  for (int64_t r = 0; r < a.W; ++r) {
+    const float* q = rec(r);
+    if (!nan && M != -INFINITY && q[0] != -INFINITY) {
+      const double e = exp(double(q[0]) - double(M));
+      D += double(q[1]) * e;
+      SE += double(q[4]) * e;
+    }
+    SWZ += q[3];
+    ZT += q[2];
+    const float v = q[5];
+    const int32_t ix = float_bits(q[6]);
+    if (ix == kNoIndex) continue;
+    const bool better = bi == kNoIndex                    ? true
+                        : isnan(v) && isnan(bv)           ? ix < bi
+                        : isnan(v) || isnan(bv)           ? isnan(v)
+                        : v != bv                         ? v > bv
+                                                          : ix < bi;
+    if (better) {
+      bv = v;
+      bi = ix;
+    }
+  }
+  float lse, ent;
+  if (nan) {
+    lse = ent = NAN;
+  } else if (M == -INFINITY) {
+    lse = -INFINITY;
+    ent = NAN;
+  } else {
+    lse = float(double(M) + log(D));
+    ent = float(double(lse) - SE / D);
+  }
+  const int64_t t = load_index(a.targets, a.t64, i);
+  float loss = 0.f, zl = 0.f;
+  if (t != a.ignore_index) {
+    if (t < 0 || t >= a.vt) {
+      loss = zl = NAN;
+    } else {
+      const double L = lse, w_t = a.weights ? a.weights[t] : 1.0;
+      double l = (1.0 - a.eps) * w_t * (L - double(float(ZT)));
+      if (a.eps > 0.f) l += double(a.eps) / double(a.vt) * (L * (a.weights ? a.prep[1] : double(a.vt)) - SWZ);
+      const double z = double(a.zq) * L * L;
+      loss = float(l + z);
+      zl = float(z);
+    }
+  }
+  a.loss_rows[i] = loss;
+  if (a.zl_rows) a.zl_rows[i] = zl;
+  if (a.lse) a.lse[i] = lse;
+  if (a.entropy) a.entropy[i] = ent;
+  if (a.argmax) {
+    const int64_t ai = bi == kNoIndex ? 0 : bi;
+    if (a.a64) static_cast<int64_t*>(a.argmax)[i] = ai;
+    else static_cast<int32_t*>(a.argmax)[i] = int32_t(ai);
+  }
+}
+
+// A shard's dlogits from the combined lse: one block per row, formed in fp32 and rounded once.
+template <class T>
+__global__ void __launch_bounds__(kRowThreads) vp_grad_kernel(VpArgs a) {
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(a.x) + row * a.ld;
+  T* dx = static_cast<T*>(a.dx) + row * a.ldd;
+  const int64_t t = load_index(a.targets, a.t64, row);
+  float g = a.grad_loss ? a.grad_loss[a.grad_scalar ? 0 : row] : 1.f;
+  if (a.reduction == FCE_REDUCTION_MEAN) g = a.prep[0] > 0 ? float(double(g) / a.prep[0]) : 0.f;
+  if (t != a.ignore_index && (t < 0 || t >= a.vt)) {  // out of range: NaN whatever the upstream gradient
+    for (int64_t j = threadIdx.x; j < a.V; j += blockDim.x) dx[j] = from_float<T>(NAN);
+    return;
+  }
+  if (t == a.ignore_index || g == 0.f) {
+    for (int64_t j = threadIdx.x; j < a.V; j += blockDim.x) dx[j] = from_float<T>(0.f);
+    return;
+  }
+  const float lse = a.saved_lse[row];
+  const float W = a.weights ? float(a.prep[1]) : float(a.vt);
+  const CeGrad grad(g, a.eps, a.weights ? a.weights[t] : 1.f, W, 1.f / float(a.vt), a.zq, lse);
+  const LogitTransform tf(a.scale, a.softcap);
+  const int64_t tl = t >= a.vs && t < a.vs + a.n ? t - a.vs : -1;
+  for (int64_t j = threadIdx.x; j < a.V; j += blockDim.x) {
+    float d = 0.f;  // padding
+    if (j < a.n) {
+      const float z = tf(to_float(x[j]));
+      const float w = a.weights ? a.weights[a.vs + j] : 1.f;
+      d = grad(fast_exp(z - lse), w, j == tl) * tf.derivative(z);
+    }
+    dx[j] = from_float<T>(d);
+  }
+}
+
+VpArgs args_of(const CeOpts& o, const Vec& targets) {
+  VpArgs a{};
+  a.targets = targets.data;
+  a.t64 = targets.dtype == DType::I64;
+  a.ignore_index = o.ignore_index;
+  a.scale = o.logit_scale;
+  a.softcap = o.softcap;
+  a.eps = o.label_smoothing;
+  a.zq = o.z_loss_scale;
+  a.weights = o.class_weights ? reinterpret_cast<const float*>(o.class_weights.data) : nullptr;
+  a.vs = o.vocab_start;
+  a.vt = o.vocab_total;
+  a.reduction = o.reduction;
+  return a;
+}
+
+// Combine's workspace: prep, then the row losses of a reduction.
+struct CombineWorkspace {
+  double* prep;
+  float *loss_rows, *zl_rows;
+  size_t bytes;
+  CombineWorkspace(const CeCombineProblem& p, void* base) {
+    Carver c(base);
+    const int64_t N = p.targets.n;
+    const bool reduced = p.o.reduction != FCE_REDUCTION_NONE;
+    prep = ce_needs_prep(p.o) ? c.take<double>(2) : nullptr;
+    loss_rows = reduced ? c.take<float>(size_t(N)) : nullptr;
+    zl_rows = reduced ? c.take<float>(size_t(N)) : nullptr;
+    bytes = c.used;
+  }
+};
+
+}  // namespace
+
+void ce_partial(fce_handle* h, fce_stream_t stream, const CePartialProblem& p) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  VpArgs a = args_of(p.o, p.targets);
+  a.x = p.logits.data;
+  a.ld = p.logits.ld;
+  a.N = p.logits.rows;
+  a.V = p.logits.cols;
+  a.n = real_cols(p.o, a.V);
+  a.rec = reinterpret_cast<float*>(p.records.data);
+  a.ldr = p.records.ld;
+  dispatch_float(p.logits.dtype, [&](auto tag) {
+    vp_partial_kernel<decltype(tag)><<<unsigned(a.N), kRowThreads, 0, s>>>(a);
+  });
+  check_launch("vocabulary-parallel partial kernel");
+}
+
+size_t ce_combine_workspace(fce_handle*, const CeCombineProblem& p) { return CombineWorkspace(p, nullptr).bytes; }
+
+void ce_combine(fce_handle* h, fce_stream_t stream, const CeCombineProblem& p, Workspace w) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  const CombineWorkspace ws(p, w.ptr);
+  const int64_t N = p.targets.n;
+  const bool t64 = p.targets.dtype == DType::I64;
+  if (ws.prep) ce_prep(s, p.o, p.targets.data, t64, N, p.o.vocab_total, ws.prep);
+  VpArgs a = args_of(p.o, p.targets);
+  a.N = N;
+  a.W = p.W;
+  a.rec = reinterpret_cast<float*>(const_cast<char*>(p.records.data));
+  a.prep = ws.prep;
+  const bool none = p.o.reduction == FCE_REDUCTION_NONE;
+  a.loss_rows = none ? reinterpret_cast<float*>(p.loss.data) : ws.loss_rows;
+  a.zl_rows = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr) : ws.zl_rows;
+  a.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) : nullptr;
+  a.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) : nullptr;
+  a.argmax = p.argmax ? p.argmax.data : nullptr;
+  a.a64 = p.argmax && p.argmax.dtype == DType::I64;
+  vp_combine_kernel<<<unsigned((N + 127) / 128), 128, 0, s>>>(a);
+  check_launch("vocabulary-parallel combine kernel");
+  if (!none)
+    ce_finalize(s, ws.loss_rows, ws.zl_rows, N, p.o.reduction, ws.prep, reinterpret_cast<float*>(p.loss.data),
+                p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);
+}
+
+void ce_shard_backward(fce_handle*, cudaStream_t s, const CeProblem& p, const double* prep) {
+  VpArgs a = args_of(p.o, p.targets);
+  a.x = p.logits.data;
+  a.ld = p.logits.ld;
+  a.N = p.logits.rows;
+  a.V = p.logits.cols;
+  a.n = real_cols(p.o, a.V);
+  a.dx = p.dlogits.data;
+  a.ldd = p.dlogits.ld;
+  a.saved_lse = reinterpret_cast<const float*>(p.saved_lse.data);
+  a.grad_loss = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) : nullptr;
+  a.grad_scalar = p.grad_loss && p.grad_loss.scalar;
+  a.prep = prep;
+  dispatch_float(p.logits.dtype, [&](auto tag) {
+    vp_grad_kernel<decltype(tag)><<<unsigned(a.N), kRowThreads, 0, s>>>(a);
+  });
+  check_launch("vocabulary-parallel gradient kernel");
+}
+
+}  // namespace fce::cuda
