@@ -325,8 +325,7 @@ FCE_API fce_status_t fce_cross_entropy_fwd_workspace_size(fce_handle_t handle, c
 /**
  * Cross-entropy backward from a saved logsumexp: dlogits = d(loss)/d(logits) * grad_loss. With a vocabulary
  * shard (options->vocab_total > 0): the shard's dlogits from the lse of fce_cross_entropy_combine, targets
- * being global indices; padding columns (global index >= vocab_total) get 0. A shard's gradient is
- * NOT_IMPLEMENTED on CUDA handles in this version.
+ * being global indices; padding columns (global index >= vocab_total) get 0.
  * @param logits    [N,V] fp32, bf16 or fp16 (as given to the forward).
  * @param targets   [N] int32 or int64.
  * @param lse       [N] fp32 from fce_cross_entropy_fwd with the same options.
@@ -368,8 +367,7 @@ FCE_API fce_status_t fce_cross_entropy_bwd_workspace_size(fce_handle_t handle, c
  * Record fields, per row and shard (z the transformed logits of the shard's real columns, m their max):
  *   0 m, 1 sum exp(z - m), 2 z at the target if the shard holds it (else 0), 3 sum w_j z_j (label
  *   smoothing), 4 sum exp(z - m) z (entropy), 5 the largest raw logit, 6 its global index (int32 bits).
- * Partial and combine are NOT_IMPLEMENTED on CUDA handles in this version (the CPU backend implements
- * them; the math and the tests carry over).
+ * No communication happens inside the library in this version: the caller all-gathers the records.
  */
 
 /** Fields K of a cross-entropy record for these options (NULL = defaults).
@@ -384,7 +382,7 @@ FCE_API fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* opt
  *                any, of the whole vocabulary.
  * @param records [N,K] fp32, written.
  * @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options),
- *         NOT_IMPLEMENTED (CUDA handles).
+ *         CUDA_ERROR.
  */
 FCE_API fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
                                                const DLTensor* targets, const fce_ce_options_t* options,
@@ -396,7 +394,7 @@ FCE_API fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t
  * @param targets [N] int32 or int64, global indices.
  * @param options the partial calls' options (vocab_total required; vocab_start is not read).
  * @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set).
- * @return FCE_STATUS_SUCCESS or the validation statuses, NOT_IMPLEMENTED (CUDA handles).
+ * @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
  */
 FCE_API fce_status_t fce_cross_entropy_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
                                                const DLTensor* targets, const fce_ce_options_t* options,

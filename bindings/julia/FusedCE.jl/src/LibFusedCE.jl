@@ -491,8 +491,7 @@ end
 """
 Cross-entropy backward from a saved logsumexp: dlogits = d(loss)/d(logits) * grad_loss. With a vocabulary
 shard (options->vocab_total > 0): the shard's dlogits from the lse of fce_cross_entropy_combine, targets
-being global indices; padding columns (global index >= vocab_total) get 0. A shard's gradient is
-NOT_IMPLEMENTED on CUDA handles in this version.
+being global indices; padding columns (global index >= vocab_total) get 0.
 @param logits    [N,V] fp32, bf16 or fp16 (as given to the forward).
 @param targets   [N] int32 or int64.
 @param lse       [N] fp32 from fce_cross_entropy_fwd with the same options.
@@ -528,7 +527,7 @@ The records of a vocabulary shard.
                any, of the whole vocabulary.
 @param records [N,K] fp32, written.
 @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options),
-        NOT_IMPLEMENTED (CUDA handles).
+        CUDA_ERROR.
 """
 function fce_cross_entropy_partial(handle, stream, logits, targets, options, records)
     @ccall $(_fptr_fce_cross_entropy_partial[])(handle::fce_handle_t, stream::fce_stream_t, logits::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, records::Ptr{DLTensor})::fce_status_t
@@ -540,7 +539,7 @@ The cross-entropy forward of whole rows from the records of all shards.
 @param targets [N] int32 or int64, global indices.
 @param options the partial calls' options (vocab_total required; vocab_start is not read).
 @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set).
-@return FCE_STATUS_SUCCESS or the validation statuses, NOT_IMPLEMENTED (CUDA handles).
+@return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
 """
 function fce_cross_entropy_combine(handle, stream, records, targets, options, outputs, workspace, workspace_bytes)
     @ccall $(_fptr_fce_cross_entropy_combine[])(handle::fce_handle_t, stream::fce_stream_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_ce_outputs_t}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t

@@ -1153,8 +1153,7 @@ extern "C" {
 extern "C" {
     #[doc = " Cross-entropy backward from a saved logsumexp: dlogits = d(loss)/d(logits) * grad_loss. With a vocabulary"]
     #[doc = " shard (options->vocab_total > 0): the shard's dlogits from the lse of fce_cross_entropy_combine, targets"]
-    #[doc = " being global indices; padding columns (global index >= vocab_total) get 0. A shard's gradient is"]
-    #[doc = " NOT_IMPLEMENTED on CUDA handles in this version."]
+    #[doc = " being global indices; padding columns (global index >= vocab_total) get 0."]
     #[doc = " @param logits    [N,V] fp32, bf16 or fp16 (as given to the forward)."]
     #[doc = " @param targets   [N] int32 or int64."]
     #[doc = " @param lse       [N] fp32 from fce_cross_entropy_fwd with the same options."]
@@ -1204,7 +1203,7 @@ extern "C" {
     #[doc = "                any, of the whole vocabulary."]
     #[doc = " @param records [N,K] fp32, written."]
     #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options),"]
-    #[doc = "         NOT_IMPLEMENTED (CUDA handles)."]
+    #[doc = "         CUDA_ERROR."]
     pub fn fce_cross_entropy_partial(
         handle: fce_handle_t,
         stream: fce_stream_t,
@@ -1220,7 +1219,7 @@ extern "C" {
     #[doc = " @param targets [N] int32 or int64, global indices."]
     #[doc = " @param options the partial calls' options (vocab_total required; vocab_start is not read)."]
     #[doc = " @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set)."]
-    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, NOT_IMPLEMENTED (CUDA handles)."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR."]
     pub fn fce_cross_entropy_combine(
         handle: fce_handle_t,
         stream: fce_stream_t,
