@@ -450,4 +450,68 @@ class KDLoss(torch.nn.Module):
 
 __all__ = ["CrossEntropyLoss", "CrossEntropyOutput", "KDLoss", "LinearCrossEntropyLoss", "SoftmaxOutput",
            "cross_entropy", "kd_loss", "kd_loss_topk", "linear_cross_entropy", "log_softmax", "logsumexp", "softmax",
-           "temp_softmax"]
+           "temp_softmax", "vocab_parallel_cross_entropy"]
+
+
+# ---- vocabulary-parallel cross-entropy -------------------------------------------------------------
+
+def _gather_records(records, group):
+    """[W, N, K]: every rank's records in rank order (one all-gather; a lone process keeps its own)."""
+    import torch.distributed as dist
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return records.unsqueeze(0)
+    parts = [torch.empty_like(records) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, records.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group, kw):
+        rec = _arrays.cross_entropy_partial(logits.detach(), targets, **kw)
+        combine_kw = {k: v for k, v in kw.items() if k != "vocab_start"}
+        out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets, **combine_kw)
+        ctx.save_for_backward(logits, targets, out.lse)
+        ctx.kw = kw
+        return out.loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, lse = ctx.saved_tensors
+        d = _arrays.cross_entropy_bwd(logits.detach(), targets, lse, grad_loss=grad.float().contiguous(), **ctx.kw)
+        return d, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, *, vocab_start=None, vocab_total=None, group=None, weight=None,
+                                 ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+                                 softcap=None):
+    """Cross-entropy of logits whose vocabulary is split across the ranks of a torch.distributed `group`
+    (tensor parallelism: this rank holds global columns [vocab_start, vocab_start + V_local) of every row).
+    Returns what torch.nn.functional.cross_entropy of the whole rows returns (float32), the same bits on every
+    rank; its gradient flows to this rank's logits only.
+
+    logits: [..., V_local] (Megatron's [S, B, V/W] too), fp32/bf16/fp16, CPU or CUDA. target: [...] global
+    class indices. vocab_start / vocab_total: default equal shards in rank order (rank * V_local,
+    world_size * V_local); give them for uneven or padded shards (columns at or past vocab_total are padding).
+    weight: class weights of the whole vocabulary. Without an initialized process group the call is the
+    one-shard case. Per call: one all-gather of [N, 7] fp32 records (fce_cross_entropy_partial on this
+    rank's shard, fce_cross_entropy_combine of all ranks' records in rank order; no float all-reduce, so NaN
+    propagates and the result does not depend on the collective's algorithm), and the backward is
+    fce_cross_entropy_bwd of the shard. Not a torch.library op: torch.compile graph-breaks around it.
+    """
+    import torch.distributed as dist
+    v_local = logits.shape[-1]
+    if vocab_start is None or vocab_total is None:
+        distributed = group is not None or (dist.is_available() and dist.is_initialized())
+        rank = dist.get_rank(group) if distributed else 0
+        world = dist.get_world_size(group) if distributed else 1
+        vocab_start = rank * v_local if vocab_start is None else vocab_start
+        vocab_total = world * v_local if vocab_total is None else vocab_total
+    red = _reduction(reduction)
+    kw = dict(vocab_start=int(vocab_start), vocab_total=int(vocab_total), reduction=red, ignore_index=int(ignore_index),
+              label_smoothing=float(label_smoothing), z_loss_scale=float(lse_square_scale),
+              softcap=float(softcap or 0.0), class_weights=_class_weights(weight))
+    x = logits.reshape(-1, v_local)
+    t = _targets(target).reshape(-1)
+    loss = _VocabParallelCE.apply(x, t, group, kw)
+    return loss.reshape(target.shape) if red == _REDUCTION_NONE else loss

@@ -50,3 +50,65 @@ def test_bad_shards_raise():
         fusedce.cross_entropy_partial(x, t, vocab_start=8, vocab_total=8)
     with pytest.raises(fusedce.InvalidArgumentError, match="vocab_total"):
         fusedce.cross_entropy_partial(x, t, vocab_start=0, vocab_total=0)
+
+
+def _rank(rank, world, port, shape, widths, results):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import fusedce.torch as ft
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(11)
+        s, b, v = shape
+        x = torch.randn(s, b, v, generator=g) * 3
+        t = torch.randint(0, v, (s, b), generator=g)
+        t[0, 0] = -100
+        starts = [sum(widths[:r]) for r in range(world)]
+        mine = x[..., starts[rank]:starts[rank] + widths[rank]].clone().requires_grad_()
+        even = len(set(widths)) == 1
+        kw = {} if even else dict(vocab_start=starts[rank], vocab_total=v)
+        for red in ("mean", "none"):
+            loss = ft.vocab_parallel_cross_entropy(mine, t, reduction=red, label_smoothing=0.1, **kw)
+            up = torch.rand(loss.shape, generator=torch.Generator().manual_seed(3))
+            (loss * up).sum().backward()
+            x64 = x.double().requires_grad_()
+            ref = F.cross_entropy(x64.reshape(-1, v), t.reshape(-1), reduction=red, label_smoothing=0.1)
+            ref = ref.reshape(t.shape) if red == "none" else ref
+            (ref * up.double()).sum().backward()
+            want_grad = x64.grad[..., starts[rank]:starts[rank] + widths[rank]]
+            results.put((rank, red, float((loss.double() - ref.detach()).abs().max()),
+                         float((mine.grad.double() - want_grad).abs().max()), loss.detach().numpy().tobytes()))
+            mine.grad = None
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("widths", [[20, 20], [13, 27]])
+def test_torch_distributed_two_ranks(widths):
+    """Two processes (gloo, CPU), Megatron's [S, B, V/W] layout: the loss of the whole rows, the same bits on
+    both ranks, and each rank's gradient its columns of PyTorch's float64 gradient."""
+    torch = pytest.importorskip("torch")
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, (3, 4, sum(widths)), widths, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=120) for _ in range(4)]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    by = {}
+    for rank, red, loss_err, grad_err, bits in got:
+        assert loss_err < 2e-5, (rank, red, loss_err)
+        assert grad_err < 2e-6, (rank, red, grad_err)
+        by.setdefault(red, set()).add(bits)
+    assert all(len(b) == 1 for b in by.values()), "the ranks' losses differ"
+    del torch
