@@ -13,9 +13,14 @@ Layout convention (Julia is column-major, the library row-major): **a C tensor `
 | hidden `[N, H]`       | `H×N` matrix                                     |
 | weight `[V, H]`       | `H×V` matrix (a Flux `Embedding` weight as is; a `Dense(H=>V)` weight needs `permutedims`) |
 | top-K ids `[N, K]`    | `K×N` matrix of 1-based ids; an id ≤ 0 marks an unused slot |
+| CE records `[N, K]`   | `K×N` Float32 matrix (one shard's, `cross_entropy_partial`) |
+| CE records `[W, N, K]`| `K×N×W` Float32 array, shards in rank order (`cross_entropy_combine`) |
 
 Class indices are 1-based everywhere (targets, `argmax` outputs, top-K ids, `ignore_index`); the
 binding subtracts 1 before calling the library, so `ignore_index = 0` works as well as the default -100.
+The one exception is `vocab_start` (vocabulary-parallel cross-entropy), an offset rather than a class: the
+number of vocabulary columns before a shard, passed to the library as is (the shard holds the 1-based
+classes `vocab_start+1 : vocab_start+size(logits, 1)`).
 Any strided array works as long as its first dimension has unit stride (a view of a padded matrix
 is fine). Element types: `Float32`, `Float16`, any 16-bit type named `BFloat16` (BFloat16s.jl) for
 floating data; `Int32`/`Int64` for indices. Options are keyword arguments whose defaults are the loaded
@@ -32,7 +37,8 @@ using .LibFusedCE
 const L = LibFusedCE
 
 export Handle, FusedCEError, default_handle, library_path, version, abi_version, build_info,
-       cross_entropy, cross_entropy_fwd, cross_entropy_bwd, logsumexp, temp_softmax,
+       cross_entropy, cross_entropy_fwd, cross_entropy_bwd, cross_entropy_record_fields, cross_entropy_partial,
+       cross_entropy_combine, logsumexp, temp_softmax,
        kd_loss, kd_loss_topk, linear_cross_entropy, linear_cross_entropy_fwd, linear_cross_entropy_bwd
 
 # ------------------------------------------------------------------------------------------------
@@ -374,12 +380,14 @@ _def_kd_reduction() = _REDUCTION_NAMES[UInt32(_KD[].reduction)]
 _def_divergence() = _DIVERGENCE_NAMES[UInt32(_KD[].divergence)]
 _def_topk_norm() = _TOPK_NORM_NAMES[UInt32(_KD[].topk_norm)]
 
-function _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, cw::Union{Nothing,Tensor})
-    # the library's ignore_index is 0-based like its targets
+function _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, cw::Union{Nothing,Tensor};
+                     vocab_start::Integer = _CE[].vocab_start, vocab_total::Integer = _CE[].vocab_total)
+    # the library's ignore_index is 0-based like its targets; vocab_start is an offset, passed as is
     return _cstruct(L.fce_ce_options_t; reduction = _enum(_REDUCTIONS, reduction, "reduction"),
                     ignore_index = Int64(ignore_index) - 1, label_smoothing = Float32(label_smoothing),
                     z_loss_scale = Float32(z_loss_scale), softcap = Float32(softcap),
-                    logit_scale = Float32(logit_scale), class_weights = _ptr(cw))
+                    logit_scale = Float32(logit_scale), class_weights = _ptr(cw),
+                    vocab_start = Int64(vocab_start), vocab_total = Int64(vocab_total))
 end
 
 # ------------------------------------------------------------------------------------------------
@@ -389,11 +397,14 @@ end
 """
     cross_entropy_fwd(logits, targets; reduction=:mean, ignore_index=-100, label_smoothing=0,
                       z_loss_scale=0, softcap=0, logit_scale=1, class_weights=nothing,
+                      vocab_start=0, vocab_total=0,
                       lse=true, z_loss=false, argmax=false, entropy=false, dlogits=false,
                       grad_loss=nothing, argmax_type=Int64, handle=default_handle())
 
 Cross-entropy of `logits` (`V×N`) against 1-based `targets` (length N); see the header's
-`fce_ce_options_t` for the math. Each output keyword is `false` (not computed), `true` (allocated) or
+`fce_ce_options_t` for the math. `vocab_start`/`vocab_total` must stay 0 here (the library refuses a
+shard, `FusedCEError` INVALID_ARGUMENT): a shard's loss comes from `cross_entropy_partial` and
+`cross_entropy_combine`. Each output keyword is `false` (not computed), `true` (allocated) or
 an array to write into (`dlogits = logits` computes the gradient in place). Returns a NamedTuple
 `(loss, lse, z_loss, argmax, entropy, dlogits)`, `nothing` for outputs not asked for; `loss` and
 `z_loss` are `Float32` scalars for `:sum`/`:mean` and vectors for `:none`; `argmax` is 1-based.
@@ -403,6 +414,7 @@ function cross_entropy_fwd(logits::AbstractMatrix, targets::AbstractVector{<:Int
                            label_smoothing::Real = _CE[].label_smoothing, z_loss_scale::Real = _CE[].z_loss_scale,
                            softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
                            class_weights::Union{Nothing,AbstractVector} = nothing,
+                           vocab_start::Integer = _CE[].vocab_start, vocab_total::Integer = _CE[].vocab_total,
                            lse = true, z_loss = false, argmax = false, entropy = false, dlogits = false,
                            grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
                            argmax_type::Type{<:Union{Int32,Int64}} = Int64, handle::Handle = default_handle())
@@ -417,7 +429,8 @@ function cross_entropy_fwd(logits::AbstractMatrix, targets::AbstractVector{<:Int
         Tensor(logits), Tensor(_indices0(targets)), _tensor(class_weights), Tensor(loss_a), _tensor(lse_a),
         _tensor(zl_a), _tensor(am_a), _tensor(ent_a), _tensor(dl_a), _tensor(grad_loss)
     GC.@preserve tl tt tcw tloss tlse tzl tam tent tdl tg begin
-        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw;
+                           vocab_start = vocab_start, vocab_total = vocab_total)
         outs = _cstruct(L.fce_ce_outputs_t; loss = _ptr(tloss), lse = _ptr(tlse), z_loss = _ptr(tzl),
                         argmax = _ptr(tam), entropy = _ptr(tent), dlogits = _ptr(tdl), grad_loss = _ptr(tg))
         _check(L.fce_cross_entropy_fwd(_ptr(handle), C_NULL, _ptr(tl), _ptr(tt), opts, outs, C_NULL, 0),
@@ -441,22 +454,146 @@ cross_entropy(logits::AbstractMatrix, targets::AbstractVector{<:Integer}; kw...)
 
 Gradient of the cross-entropy with respect to `logits`, from the `lse` saved by `cross_entropy_fwd`
 with the same options, times `grad_loss` (a number, or a vector for `reduction = :none`). Returns dlogits.
+
+Vocabulary shard (`vocab_total > 0`): `logits` is the shard (`V_local×N`, global classes
+`vocab_start+1 : vocab_start+V_local`), `targets` are global, and `lse` is the one of
+`cross_entropy_combine` (same options); the result is the shard's columns of the whole gradient, 0 in
+padding rows (global class > `vocab_total`).
 """
 function cross_entropy_bwd(logits::AbstractMatrix, targets::AbstractVector{<:Integer}, lse::AbstractVector;
                            reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
                            label_smoothing::Real = _CE[].label_smoothing, z_loss_scale::Real = _CE[].z_loss_scale,
                            softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
                            class_weights::Union{Nothing,AbstractVector} = nothing,
+                           vocab_start::Integer = _CE[].vocab_start, vocab_total::Integer = _CE[].vocab_total,
                            grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
                            dlogits::AbstractMatrix = similar(logits), handle::Handle = default_handle())
     tl, tt, tlse, tg, tcw, tdl = Tensor(logits), Tensor(_indices0(targets)), Tensor(lse), _tensor(grad_loss),
                                  _tensor(class_weights), Tensor(dlogits)
     GC.@preserve tl tt tlse tg tcw tdl begin
-        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw;
+                           vocab_start = vocab_start, vocab_total = vocab_total)
         _check(L.fce_cross_entropy_bwd(_ptr(handle), C_NULL, _ptr(tl), _ptr(tt), _ptr(tlse), _ptr(tg), opts,
                                        _ptr(tdl), C_NULL, 0), :fce_cross_entropy_bwd)
     end
     return dlogits
+end
+
+# ------------------------------------------------------------------------------------------------
+# Vocabulary-parallel cross-entropy
+# ------------------------------------------------------------------------------------------------
+
+function _record_fields(opts)
+    k = Ref{Int64}(0)
+    _check(L.fce_cross_entropy_record_fields(opts, k), :fce_cross_entropy_record_fields)
+    return Int(k[])
+end
+
+"""
+    cross_entropy_record_fields()
+
+K, the number of Float32 fields of one row's cross-entropy record for the default options
+(`fce_cross_entropy_record_fields`; 7 in this version). The header's "Vocabulary-parallel cross-entropy"
+lists the fields.
+"""
+cross_entropy_record_fields() = _record_fields(Ptr{L.fce_ce_options_t}(C_NULL))
+
+"""
+    cross_entropy_partial(logits_shard, targets; vocab_start, vocab_total, reduction=:mean,
+                          ignore_index=-100, label_smoothing=0, z_loss_scale=0, softcap=0,
+                          logit_scale=1, class_weights=nothing,
+                          records=Matrix{Float32}(undef, K, N), handle=default_handle())
+
+Step 1 of vocabulary-parallel cross-entropy (`fce_cross_entropy_partial`; the math and the record
+fields are in the header's "Vocabulary-parallel cross-entropy"): the records of one shard of the
+vocabulary, a `K×N` Float32 matrix (the C `[N, K]`, `K = cross_entropy_record_fields()`), written into
+`records` if given (contiguous) and returned.
+
+- `logits_shard`: `V_local×N` (Float32, Float16 or BFloat16; a view with unit stride down columns is
+  fine), the rows `vocab_start+1 : vocab_start+V_local` of the whole `V×N` logits. The last shard may be
+  padded: rows past `vocab_total` are ignored (they may hold anything, NaN included).
+- `targets`: length N, Int32/Int64, **global** 1-based classes (`ignore_index` as usual).
+- `vocab_start` (required): the 0-based offset of the shard, the number of vocabulary rows before it
+  (so `0 ≤ vocab_start < vocab_total`); `vocab_total` (required): V of the whole vocabulary.
+- `class_weights`: of the whole vocabulary (length `vocab_total`).
+
+Use the same options on every shard and in `cross_entropy_combine`. Errors: `FusedCEError`
+INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`, options out of domain),
+SHAPE_MISMATCH (targets' or records' size, class weights' length), UNSUPPORTED_DTYPE,
+UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
+"""
+function cross_entropy_partial(logits::AbstractMatrix, targets::AbstractVector{<:Integer};
+                               vocab_start::Integer, vocab_total::Integer,
+                               reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
+                               label_smoothing::Real = _CE[].label_smoothing, z_loss_scale::Real = _CE[].z_loss_scale,
+                               softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
+                               class_weights::Union{Nothing,AbstractVector} = nothing,
+                               records::Union{Nothing,AbstractMatrix} = nothing, handle::Handle = default_handle())
+    tl, tt, tcw = Tensor(logits), Tensor(_indices0(targets)), _tensor(class_weights)
+    GC.@preserve tl tt tcw begin
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw;
+                           vocab_start = vocab_start, vocab_total = vocab_total)
+        rec_a = records === nothing ? Matrix{Float32}(undef, _record_fields(opts), size(logits, 2)) : records
+        trec = Tensor(rec_a)
+        GC.@preserve trec begin
+            _check(L.fce_cross_entropy_partial(_ptr(handle), C_NULL, _ptr(tl), _ptr(tt), opts, _ptr(trec)),
+                   :fce_cross_entropy_partial)
+        end
+    end
+    return rec_a
+end
+
+"""
+    cross_entropy_combine(records, targets; vocab_total, reduction=:mean, ignore_index=-100,
+                          label_smoothing=0, z_loss_scale=0, softcap=0, logit_scale=1,
+                          class_weights=nothing, lse=true, z_loss=false, argmax=false, entropy=false,
+                          argmax_type=Int64, handle=default_handle())
+
+Step 3 of vocabulary-parallel cross-entropy (`fce_cross_entropy_combine`; the header's
+"Vocabulary-parallel cross-entropy" has the math): what `cross_entropy_fwd` of the whole, unsharded
+logits returns, from the records of every shard.
+
+- `records`: `K×N×W` Float32, contiguous (the C `[W, N, K]`): the W shards' `cross_entropy_partial`
+  results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)` or an all-gather's buffer.
+- `targets`: length N, global 1-based classes.
+- `vocab_total` (required) and the other options: those of the partial calls.
+
+Returns `(loss, lse, z_loss, argmax, entropy, dlogits = nothing)` as `cross_entropy_fwd` does (outputs
+`false`/`true`/an array; `argmax` a 1-based global class); no gradient here: pass `lse` to
+`cross_entropy_bwd` with each shard and its `vocab_start`/`vocab_total`. Loss, lse and entropy agree
+with the unsharded call within the fp32 rounding of the records' sums; argmax and ignored/NaN rows
+exactly. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, options out of domain),
+SHAPE_MISMATCH (records not `K×N×W`, targets' length), UNSUPPORTED_LAYOUT (records not contiguous),
+UNSUPPORTED_DTYPE, DEVICE_MISMATCH.
+"""
+function cross_entropy_combine(records::AbstractArray{<:Any,3}, targets::AbstractVector{<:Integer};
+                               vocab_total::Integer,
+                               reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
+                               label_smoothing::Real = _CE[].label_smoothing, z_loss_scale::Real = _CE[].z_loss_scale,
+                               softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
+                               class_weights::Union{Nothing,AbstractVector} = nothing,
+                               lse = true, z_loss = false, argmax = false, entropy = false,
+                               argmax_type::Type{<:Union{Int32,Int64}} = Int64, handle::Handle = default_handle())
+    N = size(records, 2)
+    loss_a = _loss_buffer(reduction, N)
+    lse_a = _out(lse, () -> _vecf32(N))
+    zl_a = _out(z_loss, () -> _loss_buffer(reduction, N))
+    am_a = _out(argmax, () -> Vector{argmax_type}(undef, N))
+    ent_a = _out(entropy, () -> _vecf32(N))
+    trec, tt, tcw, tloss, tlse, tzl, tam, tent =
+        Tensor(records), Tensor(_indices0(targets)), _tensor(class_weights), Tensor(loss_a), _tensor(lse_a),
+        _tensor(zl_a), _tensor(am_a), _tensor(ent_a)
+    GC.@preserve trec tt tcw tloss tlse tzl tam tent begin
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw;
+                           vocab_start = 0, vocab_total = vocab_total)
+        outs = _cstruct(L.fce_ce_outputs_t; loss = _ptr(tloss), lse = _ptr(tlse), z_loss = _ptr(tzl),
+                        argmax = _ptr(tam), entropy = _ptr(tent))
+        _check(L.fce_cross_entropy_combine(_ptr(handle), C_NULL, _ptr(trec), _ptr(tt), opts, outs, C_NULL, 0),
+               :fce_cross_entropy_combine)
+    end
+    am_a === nothing || (am_a .+= one(eltype(am_a)))
+    return (loss = _scalar_or_vec(loss_a), lse = lse_a, z_loss = zl_a === nothing ? nothing : _scalar_or_vec(zl_a),
+            argmax = am_a, entropy = ent_a, dlogits = nothing)
 end
 
 # ------------------------------------------------------------------------------------------------

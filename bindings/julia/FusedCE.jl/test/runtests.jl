@@ -255,6 +255,77 @@ end
     @test FusedCE.cross_entropy(X, fill(-100, N)) == 0
 end
 
+@testset "vocabulary-parallel cross-entropy" begin
+    K = FusedCE.cross_entropy_record_fields()
+    @test K == 7
+    Nv, Vv = 9, 47
+    Xv = randn(Float32, Vv, Nv) .* 3
+    tv = rand(1:Vv, Nv)
+    tv[4] = -100                                   # an ignored row
+    # two uneven shards, rows 1:17 and 18:47 of the V×N logits; the second padded by 3 rows of NaN
+    s1 = Xv[1:17, :]
+    s2 = vcat(Xv[18:47, :], fill(NaN32, 3, Nv))
+    starts = (0, 17)                               # vocab_start: 0-based offset of each shard
+    for kw in ((;), (reduction = :none, label_smoothing = 0.1, z_loss_scale = 1e-3),
+               (reduction = :sum, softcap = 4.0, logit_scale = 0.8))
+        ref = FusedCE.cross_entropy_fwd(Xv, tv; kw..., argmax = true, z_loss = true, entropy = true, dlogits = true)
+        r1 = FusedCE.cross_entropy_partial(s1, tv; vocab_start = starts[1], vocab_total = Vv, kw...)
+        r2 = FusedCE.cross_entropy_partial(s2, tv; vocab_start = starts[2], vocab_total = Vv, kw...)
+        @test size(r1) == (K, Nv) && size(r2) == (K, Nv) && eltype(r1) == Float32
+        recs = cat(r1, r2; dims = 3)               # K×N×W, rank order
+        c = FusedCE.cross_entropy_combine(recs, tv; vocab_total = Vv, kw..., argmax = true, z_loss = true,
+                                          entropy = true)
+        @test approx(c.loss, ref.loss; rtol = 0, atol = 2e-5)
+        @test approx(c.lse, ref.lse; rtol = 0, atol = 2e-5)
+        @test approx(c.z_loss, ref.z_loss; rtol = 0, atol = 2e-5)
+        @test approx(c.entropy, ref.entropy; rtol = 0, atol = 2e-5)
+        @test c.argmax == ref.argmax && c.dlogits === nothing
+        @test all(isfinite, c.lse)
+        # each shard's gradient from the combined lse: its columns of the unsharded gradient, 0 in the padding
+        g = get(kw, :reduction, :mean) === :none ? rand(Float32, Nv) : 0.37f0
+        dref = FusedCE.cross_entropy_bwd(Xv, tv, ref.lse; kw..., grad_loss = g)
+        d1 = FusedCE.cross_entropy_bwd(s1, tv, c.lse; kw..., vocab_start = starts[1], vocab_total = Vv, grad_loss = g)
+        d2 = FusedCE.cross_entropy_bwd(s2, tv, c.lse; kw..., vocab_start = starts[2], vocab_total = Vv, grad_loss = g)
+        @test approx(d1, dref[1:17, :]; rtol = 1e-5, atol = 1e-6)
+        @test approx(d2[1:30, :], dref[18:47, :]; rtol = 1e-5, atol = 1e-6)
+        @test all(d2[31:33, :] .== 0)
+        @test all(d1[:, 4] .== 0) && all(d2[:, 4] .== 0)   # the ignored row
+        # the records written into a caller's buffer
+        buf = Matrix{Float32}(undef, K, Nv)
+        @test FusedCE.cross_entropy_partial(s1, tv; vocab_start = 0, vocab_total = Vv, records = buf, kw...) === buf
+        @test buf == r1
+    end
+    # Int32 targets, Int32 argmax; a padded shard given as a view
+    big = vcat(Xv[18:47, :], fill(NaN32, 3, Nv), randn(Float32, 2, Nv))
+    rv = FusedCE.cross_entropy_partial(view(big, 1:33, :), Int32.(tv); vocab_start = 17, vocab_total = Vv)
+    @test rv == FusedCE.cross_entropy_partial(s2, tv; vocab_start = 17, vocab_total = Vv)
+    c32 = FusedCE.cross_entropy_combine(cat(FusedCE.cross_entropy_partial(s1, tv; vocab_start = 0, vocab_total = Vv),
+                                            rv; dims = 3), Int32.(tv); vocab_total = Vv, argmax = true,
+                                        argmax_type = Int32)
+    @test eltype(c32.argmax) == Int32 && c32.argmax == ce_ref(Xv, tv).argmax
+    @test approx(c32.loss, ce_ref(Xv, tv).loss; rtol = 0, atol = 2e-5)
+    # errors
+    function status_of(f)
+        try
+            f()
+        catch e
+            e isa FusedCEError || rethrow()
+            return e.name
+        end
+        return "no error"
+    end
+    @test status_of(() -> FusedCE.cross_entropy_partial(s1, tv; vocab_start = 0, vocab_total = 0)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.cross_entropy_partial(s1, tv; vocab_start = Vv, vocab_total = Vv)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.cross_entropy_partial(s1, tv[1:end-1]; vocab_start = 0, vocab_total = Vv)) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.cross_entropy_fwd(s1, tv; vocab_start = 0, vocab_total = Vv)) == "INVALID_ARGUMENT"
+    recs = cat(FusedCE.cross_entropy_partial(s1, tv; vocab_start = 0, vocab_total = Vv),
+               FusedCE.cross_entropy_partial(s2, tv; vocab_start = 17, vocab_total = Vv); dims = 3)
+    @test status_of(() -> FusedCE.cross_entropy_combine(recs, tv; vocab_total = 0)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.cross_entropy_combine(recs[1:K-1, :, :], tv; vocab_total = Vv)) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.cross_entropy_combine(recs, tv[1:end-1]; vocab_total = Vv)) == "SHAPE_MISMATCH"
+    @test_throws UndefKeywordError FusedCE.cross_entropy_partial(s1, tv; vocab_total = Vv)
+end
+
 @testset "logsumexp" begin
     for scale in (1.0, 0.25, 3.0)
         @test approx(FusedCE.logsumexp(X; scale = scale), [lse64(scale .* Float64.(X[:, n])) for n in 1:N])

@@ -113,7 +113,7 @@ impl fmt::Display for Status {
 /// For errors reported by the library the message is `fce_last_error_message()` read right after the
 /// failing call on the same thread (it names the offending argument, e.g. "targets has length 3;
 /// expected N = 4"). Errors detected by these bindings before calling the library (a slice shorter
-/// than the shape it is viewed as, more than 2 dimensions, ...) use the same statuses and say so in
+/// than the shape it is viewed as, more than 3 dimensions, ...) use the same statuses and say so in
 /// their message.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Error {

@@ -275,6 +275,11 @@ impl Handle {
 
     /// Cross-entropy backward from a saved logsumexp: `dlogits = d(loss)/d(logits) × grad_loss`.
     ///
+    /// With a vocabulary shard (`options.vocab_total > 0`, step 4 of [`Handle::cross_entropy_partial`]'s
+    /// recipe): `logits` are the shard's `[N, V_local]` columns as given to the partial call, `targets`
+    /// global indices, `lse` the output of [`Handle::cross_entropy_combine`], and `dlogits` the shard's
+    /// columns of the unsharded gradient; padding columns (global index >= vocab_total) get 0.
+    ///
     /// * `logits` `[N, V]` and `targets` `[N]` as given to the forward; `lse` `[N]` fp32 from the
     ///   forward with the same `options`.
     /// * `grad_loss`: fp32 scalar (Sum/Mean) or `[N]`/scalar (None); None means 1.
@@ -370,6 +375,155 @@ impl Handle {
                     dlogits,
                     bytes,
                 ),
+            }
+        };
+        check(st)
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // Vocabulary-parallel cross-entropy
+    // ---------------------------------------------------------------------------------------------
+
+    /// The records of one vocabulary shard (`fce_cross_entropy_partial`): step 1 of vocabulary-parallel
+    /// cross-entropy, whose steps are (the header's "Vocabulary-parallel cross-entropy"):
+    ///
+    /// 1. each rank: `cross_entropy_partial` on its shard → records `[N, K]`;
+    /// 2. the caller gathers every rank's records in rank (vocabulary) order into `[W, N, K]` (an
+    ///    all-gather; the library does no communication);
+    /// 3. each rank: [`Handle::cross_entropy_combine`] → loss, lse, z-loss, argmax and entropy of the
+    ///    whole rows, the same bits on every rank;
+    /// 4. each rank: [`Handle::cross_entropy_bwd`] with the combined lse and the same sharded options →
+    ///    its shard's dlogits (padding columns 0).
+    ///
+    /// * `logits`: `[N, V_local]` fp32, bf16 or fp16, V_local >= 1: global columns
+    ///   `[options.vocab_start, options.vocab_start + V_local)`; those at or past `options.vocab_total`
+    ///   are padding and never read. Rows may be padded ([`TensorRef::strided`]).
+    /// * `targets`: `[N]` i32 or i64, global class indices (as for the unsharded call).
+    /// * `options`: [`CeOptions::vocab_start`] and [`CeOptions::vocab_total`] required
+    ///   (0 <= vocab_start < vocab_total <= 2³¹ − 1); the other options as for
+    ///   [`Handle::cross_entropy_fwd`] (class weights of the whole vocabulary, `[vocab_total]`).
+    /// * `records`: `[N, K]` fp32, written; K from [`crate::cross_entropy_record_fields`] (7). Per row,
+    ///   with z the transformed logits of the shard's real columns and m their max: 0 m, 1 Σ exp(z − m),
+    ///   2 z at the target if the shard holds it (else 0), 3 Σ w_j·z_j (label smoothing), 4
+    ///   Σ exp(z − m)·z (entropy), 5 the largest raw logit, 6 its global index (int32 bits in the fp32
+    ///   slot). A shard with no column below vocab_total gives a neutral record.
+    ///
+    /// Math: [`CeOptions`] over the whole vocabulary; the records' sums are rounded to fp32 once per
+    /// shard (`docs/numerics.md`, "Vocabulary shards").
+    ///
+    /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total)`,
+    /// options out of domain), `SHAPE_MISMATCH` (records not `[N, K]`, class weights not
+    /// `[vocab_total]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`,
+    /// `OVERFLOW`, `CUDA_ERROR`.
+    pub fn cross_entropy_partial(
+        &self,
+        logits: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        records: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let l = logits.as_dl();
+        let t = targets.as_dl();
+        let cw = dl(&options.class_weights);
+        let o = options.to_raw(cw.as_ref());
+        let mut r = records.as_dl();
+        // SAFETY: as in ce_fwd.
+        let st = unsafe { sys::fce_cross_entropy_partial(self.as_raw(), self.stream, &l, &t, &o, &mut r) };
+        check(st)
+    }
+
+    /// The cross-entropy forward of whole rows from the records of every shard
+    /// (`fce_cross_entropy_combine`): step 3 of [`Handle::cross_entropy_partial`]'s recipe. It writes
+    /// what [`Handle::cross_entropy_fwd`] would for the unsharded rows: argmax, ignored rows, NaN and
+    /// out-of-range targets and all-ignored means bitwise equal; loss, lse and entropy within the fp32
+    /// rounding of the records' sums (`docs/numerics.md`). The records are merged in rank order (no float
+    /// all-reduce), so the result is bitwise reproducible and the same on every rank.
+    ///
+    /// * `records`: `[W, N, K]` fp32, contiguous (e.g. [`TensorRef::new`] with shape `[w, n, k]`): the
+    ///   `[N, K]` records of ranks 0..W from [`Handle::cross_entropy_partial`], in rank order, which must
+    ///   be vocabulary order (argmax ties go to the lower global index).
+    /// * `targets`: `[N]` i32 or i64, global indices (those given to the partial calls).
+    /// * `options`: the partial calls' options ([`CeOptions::vocab_total`] required;
+    ///   [`CeOptions::vocab_start`] is not read).
+    /// * `outputs`: as for [`Handle::cross_entropy_fwd`] (loss per `options.reduction`; optional lse
+    ///   `[N]` to give each shard's [`Handle::cross_entropy_bwd`], z-loss, argmax `[N]` i32/i64 of global
+    ///   indices, entropy), but `dlogits` and `grad_loss` must be None.
+    ///
+    /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, `outputs.dlogits` or
+    /// `outputs.grad_loss` set), `SHAPE_MISMATCH` (records not `[W >= 1, N, K]`, targets not `[N]`),
+    /// `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (records not contiguous), `DEVICE_MISMATCH`, `ALIASING`,
+    /// `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
+    pub fn cross_entropy_combine(
+        &self,
+        records: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut CeOutputs<'_>,
+    ) -> Result<()> {
+        self.ce_combine(records, targets, options, outputs, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::cross_entropy_combine`] needs for these arguments (same validation;
+    /// 0 on a CPU handle).
+    pub fn cross_entropy_combine_workspace_size(
+        &self,
+        records: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut CeOutputs<'_>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        self.ce_combine(records, targets, options, outputs, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    fn ce_combine(
+        &self,
+        records: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut CeOutputs<'_>,
+        call: Call<'_>,
+    ) -> Result<()> {
+        let r = records.as_dl();
+        let t = targets.as_dl();
+        let cw = dl(&options.class_weights);
+        let o = options.to_raw(cw.as_ref());
+        let mut loss = outputs.loss.as_dl();
+        let mut lse = dl_mut(&mut outputs.lse);
+        let mut zl = dl_mut(&mut outputs.z_loss);
+        let mut am = dl_mut(&mut outputs.argmax);
+        let mut ent = dl_mut(&mut outputs.entropy);
+        // Passed on as given, so that the library refuses them with its own message.
+        let mut dlg = dl_mut(&mut outputs.dlogits);
+        let gl = dl(&outputs.grad_loss);
+        let mut out = raw::init::<sys::fce_ce_outputs_t>();
+        {
+            let o = &mut out;
+            o.loss = &mut loss;
+            o.lse = mptr(&mut lse);
+            o.z_loss = mptr(&mut zl);
+            o.argmax = mptr(&mut am);
+            o.entropy = mptr(&mut ent);
+            o.dlogits = mptr(&mut dlg);
+            o.grad_loss = cptr(&gl);
+        }
+        // SAFETY: as in ce_fwd.
+        let st = unsafe {
+            match call {
+                Call::Run => sys::fce_cross_entropy_combine(
+                    self.as_raw(),
+                    self.stream,
+                    &r,
+                    &t,
+                    &o,
+                    &out,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                Call::Query(bytes) => {
+                    sys::fce_cross_entropy_combine_workspace_size(self.as_raw(), &r, &t, &o, &out, bytes)
+                }
             }
         };
         check(st)

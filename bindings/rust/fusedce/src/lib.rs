@@ -1,11 +1,12 @@
 //! Safe Rust API of libfusedce: fused kernels for the losses at the end of a language model —
-//! cross-entropy (forward, fused or separate backward), logsumexp, temperature softmax, knowledge
-//! distillation (full or top-K teacher) and linear cross-entropy (the LM-head GEMM fused with the loss),
-//! on CPU or CUDA.
+//! cross-entropy (forward, fused or separate backward, or over a vocabulary split across ranks),
+//! logsumexp, temperature softmax, knowledge distillation (full or top-K teacher) and linear
+//! cross-entropy (the LM-head GEMM fused with the loss), on CPU or CUDA.
 //!
 //! * [`Handle`]: one per device, freed on drop; `Send`, not `Sync`. One method per op.
 //! * [`TensorRef`] / [`TensorMut`]: views of Rust slices (or, behind `unsafe`, raw device memory)
-//!   that become DLPack tensors for the duration of a call. Shapes are `[]`, `[n]` or `[rows, cols]`.
+//!   that become DLPack tensors for the duration of a call. Shapes are `[]`, `[n]` or `[rows, cols]`
+//!   (and `[W, N, K]` for the records of vocabulary-parallel cross-entropy).
 //! * Option structs ([`CeOptions`], [`KdOptions`], ...) whose `Default` is the loaded library's, from its
 //!   `fce_*_init` functions (the header's `*_INIT` values); every C struct handed to the library is
 //!   filled by those functions first, with `struct_size` = these bindings' `size_of`.
@@ -105,6 +106,24 @@ pub fn check_version() -> std::result::Result<(), VersionMismatch> {
     } else {
         Err(m)
     }
+}
+
+/// `fce_cross_entropy_record_fields`: K, the fp32 fields per row of a vocabulary shard's record, for
+/// these options (7 in this version: see [`Handle::cross_entropy_partial`] for what they hold). Size the
+/// `[N, K]` records of [`Handle::cross_entropy_partial`] and the `[W, N, K]` ones of
+/// [`Handle::cross_entropy_combine`] with it.
+///
+/// Needs no handle. Errors: `INVALID_ARGUMENT` when the library refuses the options struct.
+pub fn cross_entropy_record_fields(options: &CeOptions<'_>) -> Result<usize> {
+    let cw = options.class_weights.as_ref().map(|w| w.as_dl());
+    let o = options.to_raw(cw.as_ref());
+    let mut k = 0i64;
+    // SAFETY: `o` is a filled fce_ce_options_t (its class_weights, if any, points at `cw`, alive here);
+    // `k` is a valid out pointer.
+    error::check(unsafe { sys::fce_cross_entropy_record_fields(&o, &mut k) })?;
+    usize::try_from(k).map_err(|_| {
+        Error::new(Status::INTERNAL_ERROR, format!("fce_cross_entropy_record_fields returned {} fields", k))
+    })
 }
 
 /// What the loaded library was built with ([`build_info`], `fce_build_info_t`).

@@ -96,6 +96,15 @@ impl TopkNorm {
 /// `label_smoothing`, w = `class_weights` (1 without), q = `z_loss_scale`. Rows whose target equals
 /// `ignore_index` have loss 0 and zero gradient; a target outside `[0, V)` gives that row a NaN loss.
 ///
+/// Vocabulary-parallel cross-entropy (the header's "Vocabulary-parallel cross-entropy"): when the logits
+/// are columns `[vocab_start, vocab_start + V_local)` of a vocabulary of `vocab_total` (one rank's shard,
+/// possibly padded past `vocab_total`), set [`CeOptions::vocab_start`] and [`CeOptions::vocab_total`] and
+/// use [`crate::Handle::cross_entropy_partial`], [`crate::Handle::cross_entropy_combine`] and a shard's
+/// [`crate::Handle::cross_entropy_bwd`]; the math above is then over the whole vocabulary (V =
+/// `vocab_total`, targets global indices, `class_weights` of the whole vocabulary). The unsharded
+/// forward refuses options with `vocab_total` set (`INVALID_ARGUMENT`), and linear cross-entropy does not
+/// implement them.
+///
 /// `CeOptions::default()` is the loaded library's `fce_ce_options_init` (the header's `FCE_CE_OPTIONS_INIT`).
 #[derive(Copy, Clone, Debug)]
 pub struct CeOptions<'a> {
@@ -112,7 +121,16 @@ pub struct CeOptions<'a> {
     /// s > 0, finite, multiplies the logits (1/temperature); default 1.
     pub logit_scale: f32,
     /// Optional class weights `[V]` fp32, finite and >= 0 (PyTorch `weight`); default None (all ones).
+    /// With a vocabulary shard: the weights of the whole vocabulary, `[vocab_total]`.
     pub class_weights: Option<TensorRef<'a>>,
+    /// Vocabulary-parallel calls: the global index of the logits' first column, in `[0, vocab_total)`;
+    /// default 0 (and it must be 0 when `vocab_total` is 0). Not read by
+    /// [`crate::Handle::cross_entropy_combine`].
+    pub vocab_start: i64,
+    /// Vocabulary-parallel calls: V of the whole vocabulary (columns of a shard at or past it are
+    /// padding, never read, gradient 0); default 0 = not sharded. At most 2³¹ − 1 for the partial and
+    /// combine calls (records hold int32 indices).
+    pub vocab_total: i64,
 }
 
 impl Default for CeOptions<'_> {
@@ -127,6 +145,8 @@ impl Default for CeOptions<'_> {
             softcap: d.softcap,
             logit_scale: d.logit_scale,
             class_weights: None,
+            vocab_start: d.vocab_start,
+            vocab_total: d.vocab_total,
         }
     }
 }
@@ -171,6 +191,16 @@ impl<'a> CeOptions<'a> {
         self.class_weights = Some(w);
         self
     }
+    /// Sets [`CeOptions::vocab_start`].
+    pub fn vocab_start(mut self, start: i64) -> Self {
+        self.vocab_start = start;
+        self
+    }
+    /// Sets [`CeOptions::vocab_total`].
+    pub fn vocab_total(mut self, total: i64) -> Self {
+        self.vocab_total = total;
+        self
+    }
 
     /// The C struct (filled by `fce_ce_options_init`, then these fields), with `class_weights` pointing
     /// at `weights` (NULL when None). `weights` must be the DLTensor of `self.class_weights` and outlive
@@ -185,11 +215,15 @@ impl<'a> CeOptions<'a> {
         o.softcap = self.softcap;
         o.logit_scale = self.logit_scale;
         o.class_weights = weights.map_or(ptr::null(), |w| w as *const sys::DLTensor);
+        o.vocab_start = self.vocab_start;
+        o.vocab_total = self.vocab_total;
         r
     }
 }
 
-/// Outputs of [`crate::Handle::cross_entropy_fwd`] (`fce_ce_outputs_t`); every field but `loss` optional.
+/// Outputs of [`crate::Handle::cross_entropy_fwd`] and [`crate::Handle::cross_entropy_combine`]
+/// (`fce_ce_outputs_t`); every field but `loss` optional. The combine writes no gradient: `dlogits` and
+/// `grad_loss` must be None there.
 #[derive(Debug)]
 pub struct CeOutputs<'a> {
     /// Required. fp32: `[N]` for [`Reduction::None`], a scalar otherwise. Nats.

@@ -96,15 +96,19 @@ impl Element for i64 {
     const DTYPE: DType = DType::I64;
 }
 
-/// What both view types hold: enough to build a `DLTensor` (ndim <= 2, as every op needs).
+/// The most dimensions a view has: 3, for the `[W, N, K]` records of
+/// [`crate::Handle::cross_entropy_combine`]; every other argument of every op has at most 2.
+const MAX_NDIM: usize = 3;
+
+/// What both view types hold: enough to build a `DLTensor` (ndim <= [`MAX_NDIM`], as every op needs).
 #[derive(Copy, Clone, Debug)]
 struct Layout {
     data: *mut c_void,
     dtype: DType,
     device: Device,
     ndim: i32,
-    shape: [i64; 2],
-    strides: Option<[i64; 2]>,
+    shape: [i64; MAX_NDIM],
+    strides: Option<[i64; MAX_NDIM]>,
     byte_offset: u64,
 }
 
@@ -133,21 +137,20 @@ impl Layout {
     /// A host view over `len` elements at `data`; checks that `shape` (and the row stride) stay
     /// inside the slice.
     fn host(data: *mut c_void, len: usize, dtype: DType, shape: &[usize], row_stride: Option<usize>) -> Result<Layout> {
-        if shape.len() > 2 {
+        if shape.len() > MAX_NDIM {
             return Err(Error::new(
                 Status::SHAPE_MISMATCH,
-                format!("fusedce (Rust): a tensor has at most 2 dimensions; got shape {:?}", shape),
+                format!("fusedce (Rust): a tensor has at most {} dimensions; got shape {:?}", MAX_NDIM, shape),
             ));
         }
         let overflow = || Error::new(Status::OVERFLOW, format!("fusedce (Rust): shape {:?} overflows", shape));
-        let mut dims = [0i64; 2];
+        let mut dims = [0i64; MAX_NDIM];
         for (d, &s) in dims.iter_mut().zip(shape) {
             *d = i64::try_from(s).map_err(|_| overflow())?;
         }
         let (needed, strides) = match (shape, row_stride) {
-            ([], None) => (1usize, None),
-            ([n], None) => (*n, None),
-            ([r, c], None) => (r.checked_mul(*c).ok_or_else(overflow)?, None),
+            // Contiguous row-major, any rank up to MAX_NDIM: the product of the extents (1 for a scalar).
+            (_, None) => (shape.iter().try_fold(1usize, |a, &s| a.checked_mul(s)).ok_or_else(overflow)?, None),
             ([r, c], Some(s)) => {
                 if s < *c {
                     return Err(Error::new(
@@ -160,7 +163,7 @@ impl Layout {
                 } else {
                     (r - 1).checked_mul(s).and_then(|x| x.checked_add(*c)).ok_or_else(overflow)?
                 };
-                (need, Some([i64::try_from(s).map_err(|_| overflow())?, 1]))
+                (need, Some([i64::try_from(s).map_err(|_| overflow())?, 1, 0]))
             }
             (_, Some(_)) => {
                 return Err(Error::new(
@@ -168,7 +171,6 @@ impl Layout {
                     "fusedce (Rust): a row stride needs a 2-D shape [rows, cols]",
                 ))
             }
-            _ => unreachable!(),
         };
         let ok = if strides.is_some() { len >= needed } else { len == needed };
         if !ok {
@@ -195,18 +197,18 @@ impl Layout {
         strides: Option<&[i64]>,
         byte_offset: u64,
     ) -> Result<Layout> {
-        if shape.len() > 2 {
+        if shape.len() > MAX_NDIM {
             return Err(Error::new(
                 Status::SHAPE_MISMATCH,
-                format!("fusedce (Rust): a tensor has at most 2 dimensions; got shape {:?}", shape),
+                format!("fusedce (Rust): a tensor has at most {} dimensions; got shape {:?}", MAX_NDIM, shape),
             ));
         }
-        let mut dims = [0i64; 2];
+        let mut dims = [0i64; MAX_NDIM];
         dims[..shape.len()].copy_from_slice(shape);
         let strides = match strides {
             None => None,
             Some(s) if s.len() == shape.len() => {
-                let mut st = [0i64; 2];
+                let mut st = [0i64; MAX_NDIM];
                 st[..s.len()].copy_from_slice(s);
                 Some(st)
             }
@@ -234,7 +236,8 @@ fn half_dtype(dtype: DType) -> Result<DType> {
 /// A read-only tensor view (an input): a borrowed host slice, or (unsafe) raw memory on any device.
 ///
 /// Shapes have 0, 1 or 2 dimensions: a scalar, a vector `[n]`, or a row-major matrix `[rows, cols]`
-/// whose rows may be padded (`row_stride >= cols`, in elements). Constructors check that the shape
+/// whose rows may be padded (`row_stride >= cols`, in elements); or 3, contiguous row-major
+/// (`[W, N, K]`: only the records of [`crate::Handle::cross_entropy_combine`] take one). Constructors check that the shape
 /// stays inside the slice, so safe code can never make the library read out of bounds. Building a
 /// view does not validate it against an op; the op does that and returns an [`Error`].
 #[derive(Copy, Clone, Debug)]
@@ -254,8 +257,8 @@ pub struct TensorMut<'a> {
 }
 
 impl<'a> TensorRef<'a> {
-    /// A contiguous row-major view of `data` with `shape` (`[]`, `[n]` or `[rows, cols]`);
-    /// `data.len()` must equal the product of `shape` (1 for a scalar).
+    /// A contiguous row-major view of `data` with `shape` (`[]`, `[n]`, `[rows, cols]` or
+    /// `[a, rows, cols]`); `data.len()` must equal the product of `shape` (1 for a scalar).
     pub fn new<T: Element>(data: &'a [T], shape: &[usize]) -> Result<Self> {
         let l = Layout::host(data.as_ptr() as *mut c_void, data.len(), T::DTYPE, shape, None)?;
         Ok(TensorRef { layout: l, _borrow: PhantomData })
@@ -304,7 +307,7 @@ impl<'a> TensorRef<'a> {
 
     /// A view of raw memory, e.g. a CUDA device pointer for a CUDA handle.
     ///
-    /// `shape` has at most 2 extents; `strides` (in elements, one per dimension) or None for row-major;
+    /// `shape` has at most 3 extents; `strides` (in elements, one per dimension) or None for row-major;
     /// `byte_offset` is added to `data` by the library.
     ///
     /// # Safety
@@ -323,7 +326,7 @@ impl<'a> TensorRef<'a> {
         Ok(TensorRef { layout: l, _borrow: PhantomData })
     }
 
-    /// The extents (0, 1 or 2 of them).
+    /// The extents (0 to 3 of them).
     pub fn shape(&self) -> &[i64] {
         self.layout.shape()
     }
@@ -343,8 +346,8 @@ impl<'a> TensorRef<'a> {
 }
 
 impl<'a> TensorMut<'a> {
-    /// A contiguous row-major view of `data` with `shape` (`[]`, `[n]` or `[rows, cols]`);
-    /// `data.len()` must equal the product of `shape` (1 for a scalar).
+    /// A contiguous row-major view of `data` with `shape` (`[]`, `[n]`, `[rows, cols]` or
+    /// `[a, rows, cols]`); `data.len()` must equal the product of `shape` (1 for a scalar).
     pub fn new<T: Element>(data: &'a mut [T], shape: &[usize]) -> Result<Self> {
         let l = Layout::host(data.as_mut_ptr() as *mut c_void, data.len(), T::DTYPE, shape, None)?;
         Ok(TensorMut { layout: l, _borrow: PhantomData })
@@ -424,7 +427,7 @@ impl<'a> TensorMut<'a> {
         TensorMut { layout: self.layout, _borrow: PhantomData }
     }
 
-    /// The extents (0, 1 or 2 of them).
+    /// The extents (0 to 3 of them).
     pub fn shape(&self) -> &[i64] {
         self.layout.shape()
     }

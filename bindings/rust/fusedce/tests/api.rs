@@ -223,12 +223,129 @@ fn bad_inputs_return_the_right_status_and_a_message() {
 }
 
 #[test]
+fn vocab_parallel_bad_inputs() {
+    let h = cpu();
+    let k = fusedce::cross_entropy_record_fields(&CeOptions::default()).unwrap();
+    assert_eq!(k, 7);
+    let (n, v) = (2, 3);
+    let x = [0.5f32; 6];
+    let t = [0i64, 4];
+    let xm = TensorRef::matrix(&x, n, v).unwrap();
+    let shard = CeOptions::new().vocab_start(3).vocab_total(6);
+    assert_eq!(fusedce::cross_entropy_record_fields(&shard).unwrap(), k);
+    let mut rec = vec![-1f32; n * k];
+    let mut loss = 0f32;
+
+    // The unsharded forward refuses a shard.
+    expect_err(
+        h.cross_entropy_fwd(&xm, &TensorRef::vector(&t), &shard, &mut CeOutputs::new(TensorMut::scalar(&mut loss))),
+        Status::INVALID_ARGUMENT,
+        "vocab_total",
+    );
+    // The partial call needs one ...
+    expect_err(
+        h.cross_entropy_partial(
+            &xm,
+            &TensorRef::vector(&t),
+            &CeOptions::default(),
+            &mut TensorMut::matrix(&mut rec, n, k).unwrap(),
+        ),
+        Status::INVALID_ARGUMENT,
+        "vocab_total",
+    );
+    // ... with vocab_start inside [0, vocab_total),
+    expect_err(
+        h.cross_entropy_partial(
+            &xm,
+            &TensorRef::vector(&t),
+            &CeOptions::new().vocab_start(6).vocab_total(6),
+            &mut TensorMut::matrix(&mut rec, n, k).unwrap(),
+        ),
+        Status::INVALID_ARGUMENT,
+        "vocab_start",
+    );
+    // ... and records [N, K].
+    expect_err(
+        h.cross_entropy_partial(
+            &xm,
+            &TensorRef::vector(&t),
+            &shard,
+            &mut TensorMut::matrix(&mut rec[..n * (k - 1)], n, k - 1).unwrap(),
+        ),
+        Status::SHAPE_MISMATCH,
+        "records",
+    );
+    assert!(rec.iter().all(|&r| r == -1.0), "a failed call wrote records");
+    h.cross_entropy_partial(&xm, &TensorRef::vector(&t), &shard, &mut TensorMut::matrix(&mut rec, n, k).unwrap())
+        .unwrap();
+
+    // The combine takes [W, N, K] records, 3-D ...
+    expect_err(
+        h.cross_entropy_combine(
+            &TensorRef::matrix(&rec, n, k).unwrap(),
+            &TensorRef::vector(&t),
+            &shard,
+            &mut CeOutputs::new(TensorMut::scalar(&mut loss)),
+        ),
+        Status::SHAPE_MISMATCH,
+        "3-D",
+    );
+    let rec3 = TensorRef::new(&rec, &[1, n, k]).unwrap();
+    // ... needs vocab_total ...
+    expect_err(
+        h.cross_entropy_combine(
+            &rec3,
+            &TensorRef::vector(&t),
+            &CeOptions::default(),
+            &mut CeOutputs::new(TensorMut::scalar(&mut loss)),
+        ),
+        Status::INVALID_ARGUMENT,
+        "vocab_total",
+    );
+    // ... and writes no gradient.
+    let mut dx = [0f32; 6];
+    expect_err(
+        h.cross_entropy_combine(
+            &rec3,
+            &TensorRef::vector(&t),
+            &shard,
+            &mut CeOutputs::new(TensorMut::scalar(&mut loss)).dlogits(TensorMut::matrix(&mut dx, n, v).unwrap()),
+        ),
+        Status::INVALID_ARGUMENT,
+        "dlogits",
+    );
+    assert_eq!(loss, 0.0);
+    let ws = h
+        .cross_entropy_combine_workspace_size(
+            &rec3,
+            &TensorRef::vector(&t),
+            &shard,
+            &mut CeOutputs::new(TensorMut::scalar(&mut loss)),
+        )
+        .unwrap();
+    assert_eq!(ws, 0, "a CPU handle needs no workspace");
+}
+
+#[test]
 fn views_that_do_not_fit_their_slice_are_refused() {
     let x = [0f32; 11];
     let e = TensorRef::matrix(&x, 3, 4).unwrap_err();
     assert_eq!(e.status(), Status::SHAPE_MISMATCH);
     assert!(e.message().contains("11"), "{}", e);
-    let e = TensorRef::new(&x, &[1, 1, 11]).unwrap_err();
+    let e = TensorRef::new(&x, &[1, 1, 1, 11]).unwrap_err(); // at most 3 dimensions
+    assert_eq!(e.status(), Status::SHAPE_MISMATCH);
+    let e = TensorRef::new(&x, &[2, 1, 5]).unwrap_err(); // 10 elements, not 11
+    assert_eq!(e.status(), Status::SHAPE_MISMATCH);
+    let x12 = [0f32; 12];
+    let t3 = TensorRef::new(&x12, &[2, 3, 2]).unwrap(); // 3-D, contiguous (vocabulary-parallel records)
+    assert_eq!(t3.shape(), &[2i64, 3, 2][..]);
+    let d = t3.as_dl();
+    assert_eq!((d.ndim, d.strides.is_null()), (3, true));
+    assert_eq!(unsafe { std::slice::from_raw_parts(d.shape, 3) }, &[2i64, 3, 2][..]);
+    let e = unsafe {
+        TensorRef::from_raw_parts(x12.as_ptr() as *const c_void, DType::F32, Device::Cpu, &[1, 1, 1, 12], None, 0)
+    }
+    .unwrap_err();
     assert_eq!(e.status(), Status::SHAPE_MISMATCH);
     let e = TensorRef::strided(&x, 3, 4, 5).unwrap_err(); // needs 2*5+4 = 14 elements
     assert_eq!(e.status(), Status::SHAPE_MISMATCH);
@@ -247,7 +364,7 @@ fn views_that_do_not_fit_their_slice_are_refused() {
 #[test]
 fn option_defaults_come_from_the_init_functions() {
     // The library's fce_*_init functions give the header's *_INIT values.
-    // FCE_CE_OPTIONS_INIT: MEAN, -100, 0, 0, 0, 1, NULL.
+    // FCE_CE_OPTIONS_INIT: MEAN, -100, 0, 0, 0, 1, NULL, 0, 0.
     let o = CeOptions::default();
     assert_eq!(
         (
@@ -257,9 +374,11 @@ fn option_defaults_come_from_the_init_functions() {
             o.z_loss_scale,
             o.softcap,
             o.logit_scale,
-            o.class_weights.is_none()
+            o.class_weights.is_none(),
+            o.vocab_start,
+            o.vocab_total
         ),
-        (Reduction::Mean, -100, 0.0, 0.0, 0.0, 1.0, true)
+        (Reduction::Mean, -100, 0.0, 0.0, 0.0, 1.0, true, 0, 0)
     );
     assert_eq!(Reduction::Mean.to_raw(), fusedce::sys::FCE_REDUCTION_MEAN as i32);
     // FCE_KD_OPTIONS_INIT: FORWARD_KL, 0.5, 1, 0, FULL_VOCAB, MEAN, -100.
@@ -324,7 +443,8 @@ fn raw_init_functions_match_the_header() {
     let st = unsafe { sys::fce_ce_options_init(std::ptr::null_mut(), n) };
     assert_eq!(st, sys::fce_status::FCE_STATUS_INVALID_ARGUMENT);
     // A larger struct_size: the defaults, zeros past the library's struct, struct_size as given. One below
-    // the struct or above FCE_MAX_STRUCT_SIZE is refused, and nothing is written.
+    // the struct's first published size (0.1.0's, up to class_weights) or above FCE_MAX_STRUCT_SIZE is
+    // refused, and nothing is written.
     #[repr(C, align(8))]
     struct Buf([u8; 128]);
     let mut buf = Buf([0xab; 128]);
@@ -336,10 +456,20 @@ fn raw_init_functions_match_the_header() {
     assert!(buf.0[n..n + 16].iter().all(|&b| b == 0) && buf.0[n + 16..].iter().all(|&b| b == 0xab));
     buf.0 = [0xab; 128];
     let p = buf.0.as_mut_ptr() as *mut sys::fce_ce_options_t;
-    for size in [n - 8, fusedce::MAX_STRUCT_SIZE + 1] {
+    // 0.1.0's fce_ce_options_t ended at class_weights; 0.2.0 added vocab_start and vocab_total.
+    let first = {
+        let u = MaybeUninit::<sys::fce_ce_options_t>::uninit();
+        let base = u.as_ptr();
+        unsafe { std::ptr::addr_of!((*base).vocab_start) as usize - base as usize }
+    };
+    assert_eq!(first, 40);
+    for size in [first - 8, fusedce::MAX_STRUCT_SIZE + 1] {
         assert_eq!(unsafe { sys::fce_ce_options_init(p, size) }, sys::fce_status::FCE_STATUS_INVALID_ARGUMENT);
     }
     assert!(buf.0.iter().all(|&b| b == 0xab));
+    // The first published size is accepted (a 0.1.0 caller): the fields it has, nothing past them.
+    assert_eq!(unsafe { sys::fce_ce_options_init(p, first) }, sys::fce_status::FCE_STATUS_SUCCESS);
+    assert!(buf.0[first..].iter().all(|&b| b == 0xab));
 }
 
 #[test]

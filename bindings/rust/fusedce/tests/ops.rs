@@ -286,6 +286,158 @@ fn cross_entropy_padded_rows() {
     }
 }
 
+// ----------------------------------------------------------------- vocabulary-parallel cross-entropy
+
+/// `[N]` for Reduction::None, else a scalar.
+fn loss_view(per_row: bool, l: &mut [f32]) -> TensorMut<'_> {
+    if per_row {
+        TensorMut::vector(l)
+    } else {
+        TensorMut::scalar(&mut l[0])
+    }
+}
+
+/// Logits [N, V] split into two shards of widths 17 and 30, the second padded by 3 NaN columns (global
+/// indices 47..50, past vocab_total): partial per shard, records stacked in rank order, combine; then
+/// each shard's backward from the combined lse. Everything against the unsharded calls.
+#[test]
+fn vocab_parallel_uneven_padded_shards_match_the_unsharded_call() {
+    let (n, v) = (9, 47);
+    let widths = [17usize, 30];
+    let pads = [0usize, 3];
+    let mut rng = Rng::new(28);
+    let x = rng.f32s(n * v, -4.0, 4.0);
+    let mut targets: Vec<i64> = (0..n).map(|_| rng.below(v as u64) as i64).collect();
+    // Both sides of the shard boundary, both ends of the vocabulary, an ignored row.
+    targets[..4].copy_from_slice(&[16, 17, 0, 46]);
+    targets[5] = -100;
+    let h = cpu();
+    let option_sets = [
+        CeOptions::new(),
+        CeOptions::new().reduction(Reduction::None).label_smoothing(0.1).z_loss_scale(1e-3).softcap(20.0),
+    ];
+    for (case, base) in option_sets.iter().enumerate() {
+        let per_row = base.reduction == Reduction::None;
+        let loss_len = if per_row { n } else { 1 };
+
+        // The unsharded forward, with the fused gradient.
+        let mut loss = vec![0f32; loss_len];
+        let mut zl = vec![0f32; loss_len];
+        let mut lse = vec![0f32; n];
+        let mut am = vec![0i64; n];
+        let mut ent = vec![0f32; n];
+        let mut dx = vec![0f32; n * v];
+        h.cross_entropy_fwd(
+            &TensorRef::matrix(&x, n, v).unwrap(),
+            &TensorRef::vector(&targets),
+            base,
+            &mut CeOutputs::new(loss_view(per_row, &mut loss))
+                .z_loss(loss_view(per_row, &mut zl))
+                .lse(TensorMut::vector(&mut lse))
+                .argmax(TensorMut::vector(&mut am))
+                .entropy(TensorMut::vector(&mut ent))
+                .dlogits(TensorMut::matrix(&mut dx, n, v).unwrap()),
+        )
+        .unwrap();
+
+        // The shards: columns [start, start + width) of x, then `pad` NaN columns.
+        let mut starts = vec![0usize];
+        for w in &widths[..widths.len() - 1] {
+            starts.push(starts.last().unwrap() + w);
+        }
+        let shards: Vec<Vec<f32>> = (0..widths.len())
+            .map(|r| {
+                let (s, w, p) = (starts[r], widths[r], pads[r]);
+                let mut m = Vec::with_capacity(n * (w + p));
+                for i in 0..n {
+                    m.extend_from_slice(&x[i * v + s..i * v + s + w]);
+                    m.extend(std::iter::repeat(f32::NAN).take(p));
+                }
+                m
+            })
+            .collect();
+        let shard_opts = |r: usize| base.vocab_start(starts[r] as i64).vocab_total(v as i64);
+
+        // 1. partial per rank, written straight into its slot of the stacked [W, N, K] records.
+        let k = fusedce::cross_entropy_record_fields(&shard_opts(0)).unwrap();
+        assert_eq!(k, 7);
+        let mut records = vec![f32::NAN; widths.len() * n * k];
+        for (r, rec) in records.chunks_mut(n * k).enumerate() {
+            h.cross_entropy_partial(
+                &TensorRef::matrix(&shards[r], n, widths[r] + pads[r]).unwrap(),
+                &TensorRef::vector(&targets),
+                &shard_opts(r),
+                &mut TensorMut::matrix(rec, n, k).unwrap(),
+            )
+            .unwrap();
+        }
+        assert!(records.iter().enumerate().all(|(i, r)| !r.is_nan() || i % k == 6), "records left unwritten");
+
+        // 3. combine (vocab_start is not read: any rank's options do).
+        let mut closs = vec![0f32; loss_len];
+        let mut czl = vec![0f32; loss_len];
+        let mut clse = vec![0f32; n];
+        let mut cam = vec![0i64; n];
+        let mut cent = vec![0f32; n];
+        h.cross_entropy_combine(
+            &TensorRef::new(&records, &[widths.len(), n, k]).unwrap(),
+            &TensorRef::vector(&targets),
+            &shard_opts(1),
+            &mut CeOutputs::new(loss_view(per_row, &mut closs))
+                .z_loss(loss_view(per_row, &mut czl))
+                .lse(TensorMut::vector(&mut clse))
+                .argmax(TensorMut::vector(&mut cam))
+                .entropy(TensorMut::vector(&mut cent)),
+        )
+        .unwrap();
+        let what = |s: &str| format!("case {}: {}", case, s);
+        assert_close(&what("loss"), &widen(&closs), &widen(&loss), 2e-5, 0.0);
+        assert_close(&what("z_loss"), &widen(&czl), &widen(&zl), 2e-5, 0.0);
+        assert_close(&what("lse"), &widen(&clse), &widen(&lse), 2e-5, 0.0);
+        assert_close(&what("entropy"), &widen(&cent), &widen(&ent), 2e-5, 0.0);
+        assert_eq!(cam, am, "case {}: argmax", case);
+        if per_row {
+            assert_eq!(closs[5], 0.0, "ignored row");
+        }
+
+        // 4. each shard's gradient from the combined lse: its columns of the unsharded dlogits, 0 in
+        // the padding (the output starts at 7 everywhere so that unwritten elements show).
+        for r in 0..widths.len() {
+            let (s, w, p) = (starts[r], widths[r], pads[r]);
+            let mut dshard = vec![7f32; n * (w + p)];
+            h.cross_entropy_bwd(
+                &TensorRef::matrix(&shards[r], n, w + p).unwrap(),
+                &TensorRef::vector(&targets),
+                &TensorRef::vector(&clse),
+                None,
+                &shard_opts(r),
+                &mut TensorMut::matrix(&mut dshard, n, w + p).unwrap(),
+            )
+            .unwrap();
+            for i in 0..n {
+                let got = &dshard[i * (w + p)..(i + 1) * (w + p)];
+                let want = &dx[i * v + s..i * v + s + w];
+                assert_close(
+                    &what(&format!("shard {} dlogits row {}", r, i)),
+                    &widen(&got[..w]),
+                    &widen(want),
+                    1e-6,
+                    1e-5,
+                );
+                assert!(
+                    got[w..].iter().all(|&g| g == 0.0),
+                    "case {}: shard {} row {}: padding gradient {:?}",
+                    case,
+                    r,
+                    i,
+                    &got[w..]
+                );
+            }
+            assert!(dshard[5 * (w + p)..6 * (w + p)].iter().all(|&g| g == 0.0), "ignored row's gradient");
+        }
+    }
+}
+
 // ------------------------------------------------------------------------- logsumexp and softmax
 
 #[test]
