@@ -117,11 +117,7 @@ CeProblem ce_forward_problem(fce_handle* h, const DLTensor* logits, const DLTens
   const fce_ce_outputs_t out = checked_struct(outputs, "outputs");
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
                                          out.entropy, true);
-  p.loss = s.loss;
-  p.lse = s.lse;
-  p.z_loss = s.z_loss;
-  p.argmax = s.argmax;
-  p.entropy = s.entropy;
+  take_stat_outputs(p, s);
   if (out.dlogits) {
     p.dlogits = val.matrix(out.dlogits, "outputs->dlogits", kFloats);
     expect_shape(p.dlogits, "outputs->dlogits", N, V);

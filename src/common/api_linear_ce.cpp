@@ -51,11 +51,7 @@ LinearCeProblem linear_ce_problem(fce_handle* h, const DLTensor* hidden, const D
   }
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
                                          out.entropy, !bwd);
-  p.loss = s.loss;
-  p.lse = s.lse;
-  p.z_loss = s.z_loss;
-  p.argmax = s.argmax;
-  p.entropy = s.entropy;
+  take_stat_outputs(p, s);
   if (out.dhidden) p.dhidden = grad_output(val, out.dhidden, "outputs->dhidden", N, H);
   if (out.dweight) p.dweight = grad_output(val, out.dweight, "outputs->dweight", V, H);
   if (out.dbias) {

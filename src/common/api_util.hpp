@@ -80,6 +80,15 @@ struct CeStatOutputs {
 };
 CeStatOutputs read_ce_stat_outputs(Validator& val, int reduction, int64_t N, DLTensor* loss, DLTensor* lse,
                                    DLTensor* z_loss, DLTensor* argmax, DLTensor* entropy, bool loss_required);
+// Copies the statistic outputs into a problem (CeProblem, LinearCeProblem, CeCombineProblem).
+template <class P>
+void take_stat_outputs(P& p, const CeStatOutputs& s) {
+  p.loss = s.loss;
+  p.lse = s.lse;
+  p.z_loss = s.z_loss;
+  p.argmax = s.argmax;
+  p.entropy = s.entropy;
+}
 
 // Upstream gradient: scalar for SUM/MEAN, scalar or [N] for NONE.
 Vec read_grad_loss(Validator& val, const DLTensor* g, int reduction, int64_t N);

@@ -72,11 +72,7 @@ CeCombineProblem combine_problem(fce_handle* h, const DLTensor* records, const D
             "with the combined lse");
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
                                          out.entropy, true);
-  p.loss = s.loss;
-  p.lse = s.lse;
-  p.z_loss = s.z_loss;
-  p.argmax = s.argmax;
-  p.entropy = s.entropy;
+  take_stat_outputs(p, s);
   return p;
 }
 
