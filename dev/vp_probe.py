@@ -6,14 +6,17 @@ time (docs/benchmarks.md; ../shared/docs/scale-out.md measured 15-23 µs for [81
 
     python3 dev/vp_probe.py [N] [V] [W]
 """
-import statistics
+import os
 import sys
 
 import torch
 
-import fusedce
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import fusedce  # noqa: E402
+from lce_accuracy import timed as timed_median  # noqa: E402
 
-n, v, w = (int(a) for a in (sys.argv[1:] + ["8192", "128256", "2"][len(sys.argv) - 1:])[:3])
+args = sys.argv[1:4]
+n, v, w = (int(a) for a in args + ["8192", "128256", "2"][len(args):])
 vl = -(-v // w)
 x = torch.randn(n, vl, device="cuda").to(torch.bfloat16)
 t = torch.randint(0, v, (n,), device="cuda")
@@ -21,16 +24,9 @@ full = torch.randn(n, v, device="cuda").to(torch.bfloat16)
 
 
 def timed(fn, reps=20):
+    """Median ms of reps calls after one warm-up call."""
     fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return timed_median(fn, reps)
 
 
 rec = fusedce.cross_entropy_partial(x, t, vocab_start=0, vocab_total=v)

@@ -94,6 +94,24 @@ def _loss_buffer(c, reduction, n):
     return c.empty((n,) if _enum(_REDUCTIONS, reduction, "reduction") == _REDUCTIONS["none"] else (), "float32")
 
 
+def _ce_outputs(c, n, reduction, lse, z_loss, argmax, entropy, argmax_dtype, dlogits):
+    """The fce_ce_outputs_t of a call with n rows (outputs allocated or taken as given), and a function that
+    returns the CrossEntropyOutput once the call has run (scalar losses are read then)."""
+    loss_a = _loss_buffer(c, reduction, n)
+    lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
+    zl_a = c.output(z_loss, lambda: _loss_buffer(c, reduction, n))
+    am_a = c.output(argmax, lambda: c.empty((n,), argmax_dtype))
+    ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
+    outs = c.struct("fce_ce_outputs_t")
+    outs.loss = c.dl(loss_a, True)
+    outs.lse = c.dl(lse_a, True)
+    outs.z_loss = c.dl(zl_a, True)
+    outs.argmax = c.dl(am_a, True)
+    outs.entropy = c.dl(ent_a, True)
+    outs.dlogits = c.dl(dlogits, True)
+    return outs, lambda: CrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dlogits)
+
+
 def _grad(c, grad_loss):
     if grad_loss is None:
         return None
@@ -149,24 +167,12 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
         return CrossEntropyOutput(loss_t, lse_t, zl_t, am_t, ent_t, d)
     c = Call(logits, handle, stream)
     targets = c.native(targets)
-    n = _rows(logits)
-    loss_a = _loss_buffer(c, reduction, n)
-    lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
-    zl_a = c.output(z_loss, lambda: _loss_buffer(c, reduction, n))
-    am_a = c.output(argmax, lambda: c.empty((n,), argmax_dtype))
-    ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
     dl_a = c.output(dlogits, lambda: c.empty_like(logits))
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
-    outs = c.struct("fce_ce_outputs_t")
-    outs.loss = c.dl(loss_a, True)
-    outs.lse = c.dl(lse_a, True)
-    outs.z_loss = c.dl(zl_a, True)
-    outs.argmax = c.dl(am_a, True)
-    outs.entropy = c.dl(ent_a, True)
-    outs.dlogits = c.dl(dl_a, True)
+    outs, result = _ce_outputs(c, _rows(logits), reduction, lse, z_loss, argmax, entropy, argmax_dtype, dl_a)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
     c.run("fce_cross_entropy_fwd", c.dl(logits), c.dl(targets), opts, outs, workspace=workspace)
-    return CrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dl_a)
+    return result()
 
 
 def cross_entropy(logits, targets, **kw):
@@ -231,22 +237,11 @@ def cross_entropy_combine(records, targets, *, vocab_total, reduction=_NAME["red
     with each shard for its gradient."""
     c = Call(records, handle, stream)
     targets = c.native(targets)
-    n = int(records.shape[1])
-    loss_a = _loss_buffer(c, reduction, n)
-    lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
-    zl_a = c.output(z_loss, lambda: _loss_buffer(c, reduction, n))
-    am_a = c.output(argmax, lambda: c.empty((n,), argmax_dtype))
-    ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
                        0, vocab_total)
-    outs = c.struct("fce_ce_outputs_t")
-    outs.loss = c.dl(loss_a, True)
-    outs.lse = c.dl(lse_a, True)
-    outs.z_loss = c.dl(zl_a, True)
-    outs.argmax = c.dl(am_a, True)
-    outs.entropy = c.dl(ent_a, True)
+    outs, result = _ce_outputs(c, int(records.shape[1]), reduction, lse, z_loss, argmax, entropy, argmax_dtype, None)
     c.run("fce_cross_entropy_combine", c.dl(records), c.dl(targets), opts, outs, workspace=workspace)
-    return CrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, None)
+    return result()
 
 
 # ---- logsumexp and temperature softmax ------------------------------------------------------------

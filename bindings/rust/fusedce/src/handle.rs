@@ -78,6 +78,31 @@ fn mptr(t: &mut Option<sys::DLTensor>) -> *mut sys::DLTensor {
     t.as_mut().map_or(ptr::null_mut(), |t| t as *mut sys::DLTensor)
 }
 
+/// Calls `f` with the C outputs struct of `outputs` (its DLTensors live for the call), `dlogits`
+/// replacing outputs.dlogits where given (the in-place gradient: the logits themselves).
+fn with_ce_outputs(
+    outputs: &mut CeOutputs<'_>,
+    dlogits: Option<*mut sys::DLTensor>,
+    f: impl FnOnce(&sys::fce_ce_outputs_t) -> sys::fce_status_t,
+) -> sys::fce_status_t {
+    let mut loss = outputs.loss.as_dl();
+    let mut lse = dl_mut(&mut outputs.lse);
+    let mut zl = dl_mut(&mut outputs.z_loss);
+    let mut am = dl_mut(&mut outputs.argmax);
+    let mut ent = dl_mut(&mut outputs.entropy);
+    let mut dlg = dl_mut(&mut outputs.dlogits);
+    let gl = dl(&outputs.grad_loss);
+    let mut out = raw::init::<sys::fce_ce_outputs_t>();
+    out.loss = &mut loss;
+    out.lse = mptr(&mut lse);
+    out.z_loss = mptr(&mut zl);
+    out.argmax = mptr(&mut am);
+    out.entropy = mptr(&mut ent);
+    out.dlogits = dlogits.unwrap_or_else(|| mptr(&mut dlg));
+    out.grad_loss = cptr(&gl);
+    f(&out)
+}
+
 impl Handle {
     /// Creates a handle for `device`: [`Device::Cpu`] or [`Device::Cuda`]`(ordinal)`.
     ///
@@ -231,29 +256,11 @@ impl Handle {
         let t = targets.as_dl();
         let cw = dl(&options.class_weights);
         let o = options.to_raw(cw.as_ref());
-        let mut loss = outputs.loss.as_dl();
-        let mut lse = dl_mut(&mut outputs.lse);
-        let mut zl = dl_mut(&mut outputs.z_loss);
-        let mut am = dl_mut(&mut outputs.argmax);
-        let mut ent = dl_mut(&mut outputs.entropy);
-        let mut dlg = dl_mut(&mut outputs.dlogits);
-        let gl = dl(&outputs.grad_loss);
-        let dlogits_ptr = if in_place { logits } else { mptr(&mut dlg) };
-        let mut out = raw::init::<sys::fce_ce_outputs_t>();
-        {
-            let o = &mut out;
-            o.loss = &mut loss;
-            o.lse = mptr(&mut lse);
-            o.z_loss = mptr(&mut zl);
-            o.argmax = mptr(&mut am);
-            o.entropy = mptr(&mut ent);
-            o.dlogits = dlogits_ptr;
-            o.grad_loss = cptr(&gl);
-        }
+        let dlogits = if in_place { Some(logits) } else { None };
         // SAFETY: every pointer is to a local DLTensor describing memory the views borrow (host
         // slices checked to cover their shapes, or raw memory the caller vouched for); the library
         // keeps none of them past the call (on CUDA: past the enqueued work).
-        let st = unsafe {
+        let st = with_ce_outputs(outputs, dlogits, |out| unsafe {
             match call {
                 Call::Run => sys::fce_cross_entropy_fwd(
                     self.as_raw(),
@@ -261,15 +268,15 @@ impl Handle {
                     logits,
                     &t,
                     &o,
-                    &out,
+                    out,
                     self.workspace,
                     self.workspace_bytes,
                 ),
                 Call::Query(bytes) => {
-                    sys::fce_cross_entropy_fwd_workspace_size(self.as_raw(), logits, &t, &o, &out, bytes)
+                    sys::fce_cross_entropy_fwd_workspace_size(self.as_raw(), logits, &t, &o, out, bytes)
                 }
             }
-        };
+        });
         check(st)
     }
 
@@ -489,27 +496,9 @@ impl Handle {
         let t = targets.as_dl();
         let cw = dl(&options.class_weights);
         let o = options.to_raw(cw.as_ref());
-        let mut loss = outputs.loss.as_dl();
-        let mut lse = dl_mut(&mut outputs.lse);
-        let mut zl = dl_mut(&mut outputs.z_loss);
-        let mut am = dl_mut(&mut outputs.argmax);
-        let mut ent = dl_mut(&mut outputs.entropy);
-        // Passed on as given, so that the library refuses them with its own message.
-        let mut dlg = dl_mut(&mut outputs.dlogits);
-        let gl = dl(&outputs.grad_loss);
-        let mut out = raw::init::<sys::fce_ce_outputs_t>();
-        {
-            let o = &mut out;
-            o.loss = &mut loss;
-            o.lse = mptr(&mut lse);
-            o.z_loss = mptr(&mut zl);
-            o.argmax = mptr(&mut am);
-            o.entropy = mptr(&mut ent);
-            o.dlogits = mptr(&mut dlg);
-            o.grad_loss = cptr(&gl);
-        }
-        // SAFETY: as in ce_fwd.
-        let st = unsafe {
+        // dlogits and grad_loss are passed on as given, so that the library refuses them with its own
+        // message. SAFETY: as in ce_fwd.
+        let st = with_ce_outputs(outputs, None, |out| unsafe {
             match call {
                 Call::Run => sys::fce_cross_entropy_combine(
                     self.as_raw(),
@@ -517,15 +506,15 @@ impl Handle {
                     &r,
                     &t,
                     &o,
-                    &out,
+                    out,
                     self.workspace,
                     self.workspace_bytes,
                 ),
                 Call::Query(bytes) => {
-                    sys::fce_cross_entropy_combine_workspace_size(self.as_raw(), &r, &t, &o, &out, bytes)
+                    sys::fce_cross_entropy_combine_workspace_size(self.as_raw(), &r, &t, &o, out, bytes)
                 }
             }
-        };
+        });
         check(st)
     }
 
