@@ -1,6 +1,6 @@
 // Linear cross-entropy benchmark: time and TFLOP/s of forward(+backward) against a plain cuBLAS bf16 GEMM
 // of the same shape in the same run, with the extra device memory the call needs.
-// usage: bench_linear_ce [--debug] [--json FILE]
+// usage: bench_linear_ce [--debug | --sweep] [--json FILE]
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -31,8 +31,25 @@ double gemm_tflops(cublasHandle_t blas, cudaStream_t s, int64_t M, int64_t N, in
   return 2.0 * double(M) * double(N) * double(K) / (ms * 1e9);
 }
 
+// The three GEMMs of a linear CE forward + backward, whole (logits, dhidden, dweight over all N), in ms.
+double three_gemms_ms(cublasHandle_t blas, cudaStream_t s, int64_t N, int64_t H, int64_t V) {
+  Buf hid({N, H}, bf16()), w({V, H}, bf16()), lg({N, V}, bf16()), dh({N, H}, bf16()), dw({V, H}, bf16());
+  fill_random(hid, 1.f, 7, s);
+  fill_random(w, 0.02f, 8, s);
+  fill_random(lg, 1e-4f, 9, s);
+  const float one = 1.f, zero = 0.f;
+  return time_ms(s, [&] {
+    cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(V), int(N), int(H), &one, w.p, CUDA_R_16BF, int(H), hid.p,
+                 CUDA_R_16BF, int(H), &zero, lg.p, CUDA_R_16BF, int(V), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, int(H), int(N), int(V), &one, w.p, CUDA_R_16BF, int(H), lg.p,
+                 CUDA_R_16BF, int(V), &zero, dh.p, CUDA_R_16BF, int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(N), &one, hid.p, CUDA_R_16BF, int(H), lg.p,
+                 CUDA_R_16BF, int(V), &zero, dw.p, CUDA_R_16BF, int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  }, 5);
+}
+
 void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, bool grad, const Gemm& gemm,
-              DLDataType dwt = bf16(), bool with_dw = true) {
+              DLDataType dwt = bf16(), bool with_dw = true, size_t ws_bytes = 0) {
   const double gemm_rate = gemm.tflops;
   Buf hid({N, H}, bf16()), w({V, H}, bf16()), tg({N}, i32()), loss({}, f32());
   fill_random(hid, 1.f, 1, s);
@@ -44,6 +61,7 @@ void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, b
   if (grad) { out.dhidden = dh.dl(); out.dweight = with_dw ? dw.dl() : nullptr; }
   size_t wsb = 0;
   ok(fce_linear_cross_entropy_fwd_workspace_size(h, hid.dl(), w.dl(), nullptr, tg.dl(), nullptr, &out, &wsb), "ws");
+  if (ws_bytes) wsb = ws_bytes;
   void* ws = nullptr;
   ck(cudaMalloc(&ws, wsb), "ws");
   // Device memory the calls take beyond the caller's buffers (the library's cuBLAS handle and its
@@ -122,6 +140,14 @@ int main(int argc, char** argv) {
     lce_case(h, s, 1024, 4096, 128256, true, g1);
     std::printf("N=300 H=64 V=3001:\n");
     lce_case(h, s, 300, 64, 3001, true, g1);
+  }
+  if (argc > 1 && std::strcmp(argv[1], "--sweep") == 0) {  // chunk length against the whole GEMMs
+    for (auto [H, V] : {std::pair<int64_t, int64_t>{4096, 128256}, {2304, 256000}}) {
+      const double ms = three_gemms_ms(blas, s, 8192, H, V);
+      std::printf("three whole GEMMs N=8192 H=%lld V=%lld: %.2f ms\n", (long long)H, (long long)V, ms);
+      for (size_t mib : {448, 1024, 2304})
+        lce_case(h, s, 8192, H, V, true, H == 4096 ? g1 : g2, bf16(), true, mib << 20);
+    }
   }
   lce_case(h, s, 8192, 4096, 128256, true, g1);
   lce_case(h, s, 8192, 4096, 128256, false, g1);

@@ -1,6 +1,6 @@
 """Where linear cross-entropy's forward + backward spends its GPU time, kernel by kernel (torch.profiler,
 CUPTI: the library's cuBLAS GEMMs and its own kernels), once per mode (an FCE_FORCE_PATH value; "default"
-leaves it unset), next to the three whole GEMMs of the same shape and chunked dweight GEMMs (K = rows per
+leaves it unset; "compile" profiles torch.compile of the same loss), next to the three whole GEMMs of the same shape and chunked dweight GEMMs (K = rows per
 chunk, beta = 1).
 
     python3 dev/lce_profile.py N H V mode[,mode...]
@@ -34,19 +34,28 @@ def table(prof, title):
         print("  %8.3f ms  %3d x  %s" % (tot / 1e3 / 3, c // 3, k))
 
 
+def _compiled_loss(a, b, tt):
+    return torch.nn.functional.cross_entropy((a @ b.T).float(), tt)
+
+
+compiled = torch.compile(_compiled_loss)
+
 for m in modes:
-    if m == "default":
+    run = lambda: ft.linear_cross_entropy(hid, w, t).backward()  # noqa: E731
+    if m == "compile":  # torch.compile's kernels for the same call, as the peer
+        run = lambda: compiled(hid, w, t).backward()  # noqa: E731
+    elif m == "default":
         os.environ.pop("FCE_FORCE_PATH", None)
     else:
         os.environ["FCE_FORCE_PATH"] = m
     for _ in range(2):
         hid.grad = w.grad = None
-        ft.linear_cross_entropy(hid, w, t).backward()
+        run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             hid.grad = w.grad = None
-            ft.linear_cross_entropy(hid, w, t).backward()
+            run()
         torch.cuda.synchronize()
     table(prof, "fusedce, %s" % m)
 
