@@ -2,6 +2,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define FCE_HD __host__ __device__ __forceinline__
@@ -146,6 +147,97 @@ constexpr float kPlainMaxTemperature = 0x1p100f;
 FCE_HD float kd_grad(float a, float q, float A, float scale) {
   if (A == INFINITY && q != 0.f) return scale == 0.f ? 0.f : (a == INFINITY ? INFINITY : -INFINITY) * scale;
   return (q == 0.f ? a : a - q * A) * scale;
+}
+
+// ---- vocabulary-parallel cross-entropy: the combine of the shards' records ----------------------------
+
+constexpr int32_t kNoRecordIndex = INT32_MAX;  // a shard without real columns has no argmax
+
+FCE_HD float index_as_float(int32_t i) {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(i);
+#else
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+#endif
+}
+FCE_HD int32_t float_as_index(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_int(f);
+#else
+  int32_t i;
+  std::memcpy(&i, &f, 4);
+  return i;
+#endif
+}
+
+// A row's statistics from the W shards' records (rank order, record r at rec + r * stride; the fields of
+// kCeRecordFields: m, sum e^(z-m), z_t if owned, sum w z, sum e^(z-m) z, the largest raw logit and its
+// global index as int32 bits). fp64, in rank order: the max first (a NaN max wins), then each shard's sums
+// rescaled to it; the argmax takes NaN as the largest value, then the larger value, ties to the lower index.
+// The same code on the CPU and in the CUDA combine kernel, so both give the same bits.
+struct CeCombined {
+  float lse, entropy;
+  double zt, swz;   // the target's logit (from the shard that owns it), sum of w z
+  int32_t argmax;   // kNoRecordIndex when no shard has a column
+};
+FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride) {
+  bool nan = false;
+  float M = -INFINITY;
+  for (int64_t r = 0; r < W; ++r) {
+    const float m = rec[r * stride];
+    if (m != m) nan = true;
+    else if (m > M) M = m;
+  }
+  double D = 0, SE = 0;
+  CeCombined c{0.f, 0.f, 0.0, 0.0, kNoRecordIndex};
+  float bv = -INFINITY;
+  for (int64_t r = 0; r < W; ++r) {
+    const float* q = rec + r * stride;
+    if (!nan && M != -INFINITY && q[0] != -INFINITY) {
+      const double e = ::exp(double(q[0]) - double(M));
+      D += double(q[1]) * e;
+      SE += double(q[4]) * e;
+    }
+    c.swz += q[3];
+    c.zt += q[2];
+    const float v = q[5];
+    const int32_t ix = float_as_index(q[6]);
+    if (ix == kNoRecordIndex) continue;
+    const bool vn = v != v, bn = bv != bv;
+    const bool better = c.argmax == kNoRecordIndex ? true
+                        : vn && bn                  ? ix < c.argmax
+                        : vn || bn                  ? vn
+                        : v != bv                   ? v > bv
+                                                    : ix < c.argmax;
+    if (better) {
+      bv = v;
+      c.argmax = ix;
+    }
+  }
+  if (nan) {
+    c.lse = c.entropy = NAN;
+  } else if (M == -INFINITY) {
+    c.lse = -INFINITY;
+    c.entropy = NAN;
+  } else {
+    c.lse = float(double(M) + ::log(D));
+    c.entropy = float(double(c.lse) - SE / D);
+  }
+  return c;
+}
+
+// The row's loss and z-loss from combined statistics, for a target in range: w_t the target's class weight,
+// wsum the sum of the class weights (V without weights), eps the label smoothing, zq the z-loss scale.
+FCE_HD void ce_combined_loss(const CeCombined& c, double w_t, double eps, double V, double wsum, double zq,
+                             float* loss, float* z_loss) {
+  const double lse = c.lse;
+  double l = (1.0 - eps) * w_t * (lse - double(float(c.zt)));
+  if (eps > 0) l += eps / V * (lse * wsum - c.swz);
+  const double z = zq * lse * lse;
+  *loss = float(l + z);
+  *z_loss = float(z);
 }
 
 }  // namespace fce

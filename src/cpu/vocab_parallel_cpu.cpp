@@ -11,23 +11,10 @@ namespace fce::cpu {
 
 namespace {
 
-constexpr int32_t kNoIndex = INT32_MAX;  // a shard without real columns has no argmax
-
 // Columns of the shard inside the vocabulary (the rest is padding).
 int64_t real_cols(const CeOpts& o, int64_t V) {
   const int64_t left = o.vocab_total - o.vocab_start;
   return left < V ? left : V;
-}
-
-float index_bits(int32_t i) {
-  float f;
-  std::memcpy(&f, &i, 4);
-  return f;
-}
-int32_t bits_index(float f) {
-  int32_t i;
-  std::memcpy(&i, &f, 4);
-  return i;
 }
 
 // The shard's transformed logits: x itself for the identity transform, else zbuf.
@@ -58,7 +45,7 @@ void ce_partial(const CePartialProblem& p) {
       const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
       const float* x = row_in(p.logits, i, xbuf.data());
       float m = -INFINITY, d = 0.f, zt = 0.f, swz = 0.f, se = 0.f, av = -INFINITY;
-      int32_t ai = kNoIndex;
+      int32_t ai = kNoRecordIndex;
       if (n > 0) {
         const simd::MaxNan mx = simd::max_nan(x, n);
         av = mx.nan ? NAN : mx.max;
@@ -76,7 +63,7 @@ void ce_partial(const CePartialProblem& p) {
         const int64_t tl = local_target(p.o, t, n);
         if (tl >= 0) zt = z[tl];
       }
-      const float r[kCeRecordFields] = {m, d, zt, swz, se, av, index_bits(ai)};
+      const float r[kCeRecordFields] = {m, d, zt, swz, se, av, index_as_float(ai)};
       std::memcpy(rec, r, sizeof(r));
     }
   }
@@ -92,68 +79,21 @@ void ce_combine(const CeCombineProblem& p) {
     auto rec = [&](int64_t r) {
       return reinterpret_cast<const float*>(p.records.data) + size_t(r * N + i) * size_t(p.records.ld);
     };
-    // The max over the shards (NaN wins), then the sums rescaled to it, in rank order.
-    bool nan = false;
-    float M = -INFINITY;
-    for (int64_t r = 0; r < W; ++r) {
-      const float m = rec(r)[0];
-      if (std::isnan(m)) nan = true;
-      else if (m > M) M = m;
-    }
-    double D = 0, SE = 0, SWZ = 0, ZT = 0;
-    float bv = -INFINITY;
-    int32_t bi = kNoIndex;
-    for (int64_t r = 0; r < W; ++r) {
-      const float* q = rec(r);
-      if (!nan && M != -INFINITY && q[0] != -INFINITY) {
-        const double e = std::exp(double(q[0]) - double(M));
-        D += double(q[1]) * e;
-        SE += double(q[4]) * e;
-      }
-      SWZ += q[3];
-      ZT += q[2];
-      // argmax: NaN counts as the largest, then the larger value, ties to the lower index
-      const float v = q[5];
-      const int32_t ix = bits_index(q[6]);
-      if (ix == kNoIndex) continue;
-      const bool better = bi == kNoIndex                         ? true
-                          : std::isnan(v) && std::isnan(bv)      ? ix < bi
-                          : std::isnan(v) || std::isnan(bv)      ? std::isnan(v)
-                          : v != bv                              ? v > bv
-                                                                 : ix < bi;
-      if (better) {
-        bv = v;
-        bi = ix;
-      }
-    }
+    const CeCombined m = ce_combine_records(rec(0), W, int64_t(p.records.ld) * N);
     CeRow row;
-    if (nan) {
-      row.lse = row.entropy = NAN;
-    } else if (M == -INFINITY) {
-      row.lse = -INFINITY;
-      row.entropy = NAN;
-    } else {
-      row.lse = float(double(M) + std::log(D));
-      row.entropy = float(double(row.lse) - SE / D);
-    }
+    row.lse = m.lse;
+    row.entropy = m.entropy;
     const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
     if (!c.ignored(t)) {
-      if (!c.in_range(t)) {
-        row.loss = row.z_loss = NAN;
-      } else {
-        const double lse = row.lse, eps = p.o.label_smoothing;
-        double loss = (1.0 - eps) * c.weight(t) * (lse - float(ZT));
-        if (eps > 0) loss += eps / double(c.V) * (lse * c.W - SWZ);
-        const double zl = double(p.o.z_loss_scale) * lse * lse;
-        row.loss = float(loss + zl);
-        row.z_loss = float(zl);
-      }
+      if (!c.in_range(t)) row.loss = row.z_loss = NAN;
+      else ce_combined_loss(m, c.weight(t), p.o.label_smoothing, double(c.V), c.W, p.o.z_loss_scale, &row.loss,
+                            &row.z_loss);
     }
     row_loss[size_t(i)] = row.loss;
     row_zl[size_t(i)] = row.z_loss;
     if (p.lse) store_f32(p.lse, i, row.lse);
     if (p.entropy) store_f32(p.entropy, i, row.entropy);
-    if (p.argmax) store_index(p.argmax.data, p.argmax.dtype, i, bi == kNoIndex ? 0 : bi);
+    if (p.argmax) store_index(p.argmax.data, p.argmax.dtype, i, m.argmax == kNoRecordIndex ? 0 : m.argmax);
     if (p.o.reduction == FCE_REDUCTION_NONE) {
       store_f32(p.loss, i, row.loss);
       if (p.z_loss) store_f32(p.z_loss, i, row.z_loss);

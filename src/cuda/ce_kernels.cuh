@@ -9,12 +9,13 @@
 namespace fce::cuda {
 namespace {
 
-// Per-thread statistics of a row slice: online softmax (m, d), sum of e^(z-m)*z for the entropy,
-// the plain sum of w_j*z_j for label smoothing, and the raw-logit argmax.
-struct CeAcc {
-  float m, d, s1, swz, av;
+// Per-thread statistics of a row slice: the online softmax (m, d) in the shifted form with k = log2(e)
+// (m in units of the transformed logits z), the sum of e^(z-m)*z for the entropy (rescaled with d), the plain
+// sum of w_j*z_j for label smoothing, and the raw-logit argmax.
+struct CeAcc : OnlineSoftmax {
+  float s1, swz, av;
   int64_t ai;
-  __device__ CeAcc() : m(-INFINITY), d(0.f), s1(0.f), swz(0.f), av(-INFINITY), ai(INT64_MAX) {}
+  __device__ CeAcc() : s1(0.f), swz(0.f), av(-INFINITY), ai(INT64_MAX) {}
   // NaN counts as the largest value; ties go to the lowest index.
   __device__ static bool better(float v, int64_t j, float av, int64_t ai) {
     const bool vn = isnan(v), an = isnan(av);
@@ -23,19 +24,8 @@ struct CeAcc {
     return v > av;
   }
   __device__ void merge(const CeAcc& o) {
-    const float mn = fmaxf(m, o.m);
-    if (mn == INFINITY) {  // +inf logits (logsumexp): only the +inf parts count, no inf - inf
-      d = (m == mn ? d : 0.f) + (o.m == mn ? o.d : 0.f);
-      s1 = 0.f;
-    } else if (mn != -INFINITY) {
-      const float a = expf(m - mn), b = expf(o.m - mn);
-      d = d * a + o.d * b;
-      s1 = s1 * a + o.s1 * b;
-    } else {
-      d += o.d;
-      s1 += o.s1;
-    }
-    m = mn;
+    const Factors f = OnlineSoftmax::merge(o, kLog2e);
+    s1 = m == INFINITY ? 0.f : __fadd_rn(__fmul_rn(s1, f.a), __fmul_rn(o.s1, f.b));  // +inf logits: lse only
     swz += o.swz;
     if (better(o.av, o.ai, av, ai)) { av = o.av; ai = o.ai; }
   }
@@ -103,29 +93,16 @@ __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int6
       a.av = vmax;
       a.ai = j0 + kk;
     }
-    const float zmax = tf(vmax);
-    const float mn = fmaxf(a.m, zmax);
-    if (mn == -INFINITY) {  // nothing finite yet: only a NaN matters (keeps NaN out of -inf - -inf)
+    float z[kVec<T>];
 #pragma unroll
-      for (int k = 0; k < kVec<T>; ++k)
-        if (k < n && isnan(v[k])) a.d = NAN;
-      return;
-    }
-    const float r = ex2((a.m - mn) * kLog2e);
-    a.d *= r;
-    if (kEntropy) a.s1 *= r;
-    a.m = mn;
-#pragma unroll
-    for (int k = 0; k < kVec<T>; ++k) {
-      if (k < n) {
-        // z - max is exact 0 at the maximum, so a single logit gives d = 1 and lse = z exactly.
-        const float z = kSoftcap ? tf(v[k]) : v[k] * p.scale;
-        const float e = ex2((z - mn) * kLog2e);
-        a.d += e;
-        if (kEntropy && e > 0.f) a.s1 += e * z;
-        if (kSmooth && p.eps > 0.f) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z;
-      }
-    }
+    for (int k = 0; k < kVec<T>; ++k) z[k] = kSoftcap ? tf(v[k]) : v[k] * p.scale;
+    // z - max is exact 0 at the maximum, so a single logit gives d = 1 and lse = z exactly.
+    a.add_shifted<kVec<T>>(z, n, tf(vmax), kLog2e, [&](float r) {
+      if (kEntropy) a.s1 *= r;
+    }, [&](int k, float e) {
+      if (kEntropy && e > 0.f) a.s1 += e * z[k];
+      if (kSmooth && p.eps > 0.f) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z[k];
+    });
   }, cache, cache_vecs);
   return a;
 }
@@ -383,23 +360,13 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
     const T* x = static_cast<const T*>(p.x) + row * p.ld;
     const uint4* vp = reinterpret_cast<const uint4*>(x);
     const int64_t next = row + gridDim.x;
-    float m2 = -INFINITY, d = 0.f;  // max of x s log2(e), sum of 2^(x s log2(e) - m2)
-    // vm: the max of the n values v (computed by the caller on packed pairs for a 16-bit vector).
-    auto add_max = [&](const float* v, int n, float vm) {
-      const float mn = fmaxf(m2, vm * sl);
-      if (mn == -INFINITY) {  // nothing finite yet: only a NaN matters
-        for (int k = 0; k < n; ++k)
-          if (isnan(v[k])) d = NAN;
-        return;
-      }
-      d *= ex2(m2 - mn);
-      m2 = mn;
-      for (int k = 0; k < n; ++k) d += ex2(fmaf(v[k], sl, -mn));
-    };
+    // The fused form (c = s log2(e)): m = max of x s log2(e), d = sum of 2^(x s log2(e) - m). The max of
+    // each vector is taken on packed pairs for a 16-bit vector.
+    OnlineSoftmax st;
     auto add = [&](const uint4& raw) {
       float v[K];
       unpack_words<T>(raw, v);
-      add_max(v, K, vec_max<T>(raw));
+      st.add_fused(v, K, vec_max<T>(raw), sl);
     };
     for (int i = threadIdx.x; i < cvec; i += kThreads) add(cache[i]);
     for (int base = cvec + threadIdx.x; base < nv; base += 4 * kThreads) {
@@ -413,11 +380,11 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
     }
     for (int64_t j = int64_t(nv) * K + threadIdx.x; j < p.V; j += kThreads) {
       const float v = to_float(x[j]);
-      add_max(&v, 1, v);
+      st.add_fused(&v, 1, v, sl);
     }
     CeAcc a;
-    a.m = m2 * (1.f / kLog2e);
-    a.d = d;
+    a.m = st.m * (1.f / kLog2e);
+    a.d = st.d;
     a = finish_stats<T>(p, x, 0, p.V, a);
     if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, &hint);
     __syncthreads();

@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(1024) lse_regs_kernel(CeParams p) {
   const float c = p.scale * kLog2e;  // the raw max first, then the scale (scale > 0)
   // Only warp 0 goes on to the exchange (a little faster); the others leave once the block merge has their
   // partials.
-  const MaxSum part = few_partial<T, R, false, true>(raw, f.n, c);
+  const OnlineSoftmax part = few_partial<T, R, false, true>(raw, f.n, c);
   if (threadIdx.x >= 32 && p.splits > 1) return;
   const FewStats t = few_merge<false>(part, c, p.splits, f.rank);  // rank 0 writes the result
   if (f.rank != 0 || threadIdx.x != 0) return;

@@ -1,5 +1,6 @@
 // Device primitives of few rows held in registers (logsumexp, CE forward, softmax): register-resident
-// slices, the (max, sum) partials and their warp, block and cluster merges (one push exchange per row).
+// slices, their online-softmax partials (shifted form, online_softmax.cuh) and the cluster exchange (one
+// push per row).
 #pragma once
 #include "cuda/rows.cuh"
 
@@ -157,66 +158,6 @@ __device__ __forceinline__ bool regs_have_nan(const uint4 (&raw)[R]) {
   return nan;
 }
 
-// A partial of the statistics: raw max m and d = sum 2^((x - m) c). A part whose max is not finite holds
-// d = NaN if it saw a NaN, else 0.
-struct MaxSum {
-  float m, d;
-};
-
-// A partial's sum at the max M >= v.m: a NaN d survives (NaN * 0), -inf parts add 0.
-__device__ __forceinline__ float sum_at(MaxSum v, float M, float c) {
-  return v.m == M ? v.d : v.d * ex2((v.m - M) * c);
-}
-
-// Warp max in every lane of partial maxima, which are never NaN (fmaxf drops NaNs; the sums carry them): one
-// redux on integer keys ordered as the floats (sm_80 and later) instead of five shuffles. Exact either way.
-__device__ __forceinline__ float warp_max_all(float m) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  int k = __float_as_int(m);
-  k ^= (k >> 31) & 0x7fffffff;  // sign-magnitude to two's complement order
-  k = __reduce_max_sync(0xffffffffu, k);
-  return __int_as_float(k ^ ((k >> 31) & 0x7fffffff));
-#else
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  return m;
-#endif
-}
-
-// Lanes in a group of a warp merge: the next power of two >= n (n <= 32 partials). Lane l takes partial
-// l % group, so every group holds all of them and the butterfly needs log2(group) steps; the dropped steps
-// would only add zeros, so the sums are bitwise those of five steps.
-__device__ __forceinline__ int merge_group(int n) { return n <= 1 ? 1 : 1 << (32 - __clz(n - 1)); }
-
-// Warp merge, the result bitwise the same in every lane: the max first (exact), then each lane's d rescaled
-// once to it and summed by a butterfly (commutative adds) over groups of `group` lanes that each hold every
-// partial. Half the latency of five pairwise (max, sum) merges, whose exponentials sit on the chain
-// (a 1x128256 logsumexp does three of these per call).
-__device__ __forceinline__ MaxSum warp_ms_all(MaxSum v, float c, int group = 32) {
-  const float M = warp_max_all(v.m);
-  float d = sum_at(v, M, c);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    if (o < group) d += __shfl_xor_sync(0xffffffffu, d, o);
-  return {M, d};
-}
-
-// Block merge of the threads' partials in a fixed order, in every thread (one __syncthreads), or in warp 0
-// only (kWarp0Only: the other warps get their warp's partial; a caller that needs the result in one thread
-// lets them leave, so that they take no issue slots from warp 0's merge and exchange).
-template <bool kWarp0Only = false>
-__device__ __forceinline__ MaxSum block_ms_all(MaxSum v, float c) {
-  __shared__ float2 sh[32];
-  v = warp_ms_all(v, c);
-  const int lane = threadIdx.x & 31;
-  if (lane == 0) sh[threadIdx.x >> 5] = make_float2(v.m, v.d);
-  __syncthreads();
-  if (kWarp0Only && threadIdx.x >= 32) return v;
-  const int nw = int(blockDim.x) >> 5, g = merge_group(nw), i = lane & (g - 1);
-  const float2 w = i < nw ? sh[i] : make_float2(-INFINITY, 0.f);
-  return warp_ms_all({w.x, w.y}, c, g);
-}
-
 // Row statistics from the blocks' partials: raw max m and d = sum 2^((x - m) c) of each slice.
 struct FewStats {
   float m, d;  // row max (raw) and sum 2^((x - m) c) over the row
@@ -285,7 +226,7 @@ __device__ __forceinline__ void few_arrive(int C, unsigned bytes_per_block = 8) 
 // few_arrive<kAll>; without kAll, blocks other than rank 0 get no statistics (the result is meaningless
 // there) and must not use them.
 template <bool kAll>
-__device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int rank) {
+__device__ __forceinline__ FewStats few_merge(OnlineSoftmax part, float c, int C, int rank) {
   static_assert(kMaxFewCluster <= 32, "one slot per lane");
   __shared__ float2 slot[kMaxFewCluster];
   const int lane = int(threadIdx.x & 31u);
@@ -318,7 +259,7 @@ __device__ __forceinline__ FewStats few_merge(MaxSum part, float c, int C, int r
   }
   const int g = merge_group(C), i = lane & (g - 1);
   const float2 w = i < C ? slot[i] : make_float2(-INFINITY, 0.f);
-  const MaxSum s = warp_ms_all({w.x, w.y}, c, g);
+  const OnlineSoftmax s = warp_merge_all({w.x, w.y}, c, g);
   FewStats t;
   t.m = s.m;
   t.d = s.d;
@@ -359,10 +300,11 @@ __device__ __forceinline__ const P* few_gather_rank0(const P& v, int C, int rank
 #endif
 }
 
-// A thread's partial over its register slots (the slice's n values): the max over its own values, then
-// the sum at that max (no block-wide max to wait for).
+// A thread's partial over its register slots (the slice's n values): the whole slice is in registers, so
+// the max over its own values comes first and the shifted terms are summed at it, with no rescale (and no
+// block-wide max to wait for).
 template <class T, int R, bool kHalf = false>
-__device__ __forceinline__ MaxSum thread_partial(const uint4 (&raw)[R], int n, float c) {
+__device__ __forceinline__ OnlineSoftmax thread_partial(const uint4 (&raw)[R], int n, float c) {
   constexpr int K = kVec<T>;
   float mx = -INFINITY;
 #pragma unroll
@@ -385,8 +327,8 @@ __device__ __forceinline__ MaxSum thread_partial(const uint4 (&raw)[R], int n, f
 
 // This block's partial over its register slots: the threads' partials merged by the block.
 template <class T, int R, bool kHalf = false, bool kWarp0Only = false>
-__device__ __forceinline__ MaxSum few_partial(const uint4 (&raw)[R], int n, float c) {
-  return block_ms_all<kWarp0Only>(thread_partial<T, R, kHalf>(raw, n, c), c);
+__device__ __forceinline__ OnlineSoftmax few_partial(const uint4 (&raw)[R], int n, float c) {
+  return block_merge_all<kWarp0Only>(thread_partial<T, R, kHalf>(raw, n, c), c);
 }
 
 // Stores v[0, cnt) to out[0, cnt) as O: 16-byte stores for a full group at an aligned address, else one

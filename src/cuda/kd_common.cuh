@@ -124,7 +124,7 @@ struct LogProb {
   float inv_t, m, logd;
   __device__ float operator()(float x) const { return __fsub_rn(zdiff(x, inv_t, m), logd); }
 };
-// The same in base 2 (c = log2(e)/T, m and log2 d from Lse2), returned in nats.
+// The same in base 2 (c = log2(e)/T, m and log2 d from a fused-form OnlineSoftmax), returned in nats.
 struct LogProb2 {
   float c, m, log2d;
   __device__ float operator()(float x) const { return __fsub_rn(__fmaf_rn(x, c, -m), log2d) * kLn2; }

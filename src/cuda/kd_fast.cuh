@@ -12,80 +12,23 @@ namespace {
 // both rows keeps (max, sum of e^(z - max)) of each and W = sum_j e^(z^P_j - max P) (z^P_j - z^Q_j), rescaled
 // with the P sum. Each row is read once from DRAM, as for a cross-entropy forward. Elements with p_j = 0 add
 // nothing (no 0 * inf); identical inputs give W = 0 and equal lse's: exactly 0.
-// Running max m and sum d of 2^(z2 - m) of one row. Every operation is explicitly rounded (no contraction),
-// so two equal rows give bitwise-equal states whichever side of KlAcc they are on.
-struct Lse2 {
-  float m, d;
-  __device__ Lse2() : m(-INFINITY), d(0.f) {}
-  __device__ static float rescale(float m, float mn) { return m == mn ? 1.f : ex2(__fsub_rn(m, mn)); }
-  __device__ float shift(float mn) {  // to the new max mn (finite or +inf); returns the factor
-    const float r = rescale(m, mn);
-    d = __fmul_rn(d, r);
-    m = mn;
-    return r;
-  }
-  __device__ void merge(const Lse2& o) {
-    const float mn = fmaxf(m, o.m);
-    if (mn == -INFINITY) return;
-    d = __fadd_rn(__fmul_rn(d, rescale(m, mn)), __fmul_rn(o.d, rescale(o.m, mn)));
-    m = mn;
-  }
-  // Adds n raw values x (z2 = x c; the group max first), calling on_e(k, 2^(x_k c - m)) for each, the
-  // exponent one fused multiply-add (exact product: no rounding of x c that grows with an offset of x);
-  // NaN propagates. Returns the factor the earlier sum was rescaled by (1 when nothing finite was seen).
-  template <int G, class F>
-  __device__ __forceinline__ float add(const float (&x)[G], int n, float c, F&& on_e) {
-    float g = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < G; ++k)
-      if (k < n) g = fmaxf(g, x[k]);
-    const float mn = fmaxf(m, __fmul_rn(g, c));  // the max of x c is (max x) c: rounding is monotonic
-    if (mn == -INFINITY) {
-#pragma unroll
-      for (int k = 0; k < G; ++k)
-        if (k < n && isnan(x[k])) d = NAN;
-      return 1.f;
-    }
-    const float r = shift(mn);
-#pragma unroll
-    for (int k = 0; k < G; ++k)
-      if (k < n) {
-        const float e = ex2(__fmaf_rn(x[k], c, -mn));
-        d = __fadd_rn(d, e);
-        on_e(k, e);
-      }
-    return r;
-  }
-  template <int G>
-  __device__ __forceinline__ void add(const float (&x)[G], int n, float c) {
-    add<G>(x, n, c, [](int, float) {});
-  }
-  __device__ Lse2 shfl_down(unsigned off) const {
-    Lse2 r;
-    r.m = __shfl_down_sync(0xffffffffu, m, off);
-    r.d = __shfl_down_sync(0xffffffffu, d, off);
-    return r;
-  }
-};
-
-struct KlAcc {  // P and Q states, and W = sum 2^(zP - mP) (zP - zQ) at P's max
-  Lse2 p, q;
+struct KlAcc {  // P and Q states (fused form, c = log2(e)/T), and W = sum 2^(zP - mP) (zP - zQ) at P's max
+  OnlineSoftmax p, q;
   float w;  // while a thread adds values: in raw units (xP - xQ); times c before any merge
   __device__ KlAcc() : w(0.f) {}
   __device__ void merge(const KlAcc& o) {
-    const float np = fmaxf(p.m, o.p.m);
-    if (np != -INFINITY) w = __fadd_rn(__fmul_rn(w, Lse2::rescale(p.m, np)), __fmul_rn(o.w, Lse2::rescale(o.p.m, np)));
-    p.merge(o.p);
-    q.merge(o.q);
+    const OnlineSoftmax::Factors f = p.merge(o.p, 1.f);
+    w = __fadd_rn(__fmul_rn(w, f.a), __fmul_rn(o.w, f.b));
+    q.merge(o.q, 1.f);
   }
   template <int G>
   __device__ __forceinline__ void add(const float (&xp)[G], const float (&xq)[G], int n, float c) {
-    float wk = 0.f;  // this group's part, at the new max
-    const float r = p.add<G>(xp, n, c, [&](int k, float e) {
+    float wk = 0.f, r = 1.f;  // this group's part, at the new max
+    p.add_fused_group<G>(xp, n, c, [&](float f) { r = f; }, [&](int k, float e) {
       if (e != 0.f) wk = fmaf(e, xp[k] - xq[k], wk);
     });
     w = __fadd_rn(__fmul_rn(w, r), wk);
-    q.add<G>(xq, n, c);
+    q.add_fused_group<G>(xq, n, c);
   }
   // KL(P || Q) / ln 2 = W/d_P + lse_Q - lse_P, the lse difference taken as (m_Q - m_P) + (log2 d_Q - log2 d_P):
   // each max is the reference its own sum was taken against, so their rounding cancels exactly, where
@@ -105,7 +48,7 @@ __device__ __forceinline__ KlAcc kl_warp_all(const KlAcc& v) {
     pm = fmaxf(pm, __shfl_xor_sync(0xffffffffu, pm, o));
     qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, o));
   }
-  const float rp = Lse2::rescale(v.p.m, pm), rq = Lse2::rescale(v.q.m, qm);  // a NaN sum stays NaN
+  const float rp = OnlineSoftmax::rescale(v.p.m, pm), rq = OnlineSoftmax::rescale(v.q.m, qm);  // a NaN sum stays NaN
   float pd = __fmul_rn(v.p.d, rp), qd = __fmul_rn(v.q.d, rq), w = __fmul_rn(v.w, rp);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -225,31 +168,13 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
     const uint4* tv = reinterpret_cast<const uint4*>(t);
     // Per thread: P and Q states in base 2 (max of x c, sum of 2^(x c - max)) and W in raw units, each
     // side updated by the same explicitly rounded steps (equal rows give bitwise-equal states).
-    float pm = -INFINITY, pd = 0.f, qm = -INFINITY, qd = 0.f, w = 0.f;
+    OnlineSoftmax ps, qs;  // fused form
+    float w = 0.f;
     auto add = [&](const float* xp, const float* xq, int n, float vmp, float vmq) {
-      const float np = fmaxf(pm, vmp * c), nq = fmaxf(qm, vmq * c);
-      if (np == -INFINITY) {
-        for (int k = 0; k < n; ++k)
-          if (isnan(xp[k])) pd = NAN;
-      } else {
-        const float r = ex2(pm - np);
-        pd = __fmul_rn(pd, r);
-        w = __fmul_rn(w, r);
-        pm = np;
-        for (int k = 0; k < n; ++k) {
-          const float e = ex2(fmaf(xp[k], c, -np));
-          pd = __fadd_rn(pd, e);
-          if (e != 0.f) w = fmaf(e, xp[k] - xq[k], w);
-        }
-      }
-      if (nq == -INFINITY) {
-        for (int k = 0; k < n; ++k)
-          if (isnan(xq[k])) qd = NAN;
-      } else {
-        qd = __fmul_rn(qd, ex2(qm - nq));
-        qm = nq;
-        for (int k = 0; k < n; ++k) qd = __fadd_rn(qd, ex2(fmaf(xq[k], c, -nq)));
-      }
+      ps.add_fused(xp, n, vmp, c, [&](float r) { w = __fmul_rn(w, r); }, [&](int k, float e) {
+        if (e != 0.f) w = fmaf(e, xp[k] - xq[k], w);
+      });
+      qs.add_fused(xq, n, vmq, c);
     };
     auto add_vec = [&](const uint4& rs, const uint4& rt) {
       float vs[K], vt[K];
@@ -285,10 +210,8 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
     if (!masked)
       for (int i = int(threadIdx.x); i < cv; i += int(blockDim.x)) add_vec(cache[i], cache[cache_vecs + i]);
     KlAcc acc;
-    acc.p.m = pm;
-    acc.p.d = pd;
-    acc.q.m = qm;
-    acc.q.d = qd;
+    acc.p = ps;
+    acc.q = qs;
     acc.w = w * c;
     acc = kl_block_all(acc);
     if constexpr (C > 1) {  // the row's C partials, merged in rank order in every block
@@ -315,8 +238,8 @@ __global__ void __launch_bounds__(1024, 1) kd_kl_grad_pipe_kernel(const KdArgs a
     // Reverse KL: q_j (log2 q_j - log2 p_j - KL/ln2) ln2 scale = q_j ((us_j - ut_j) - K2) ln2 scale, with
     // K2 = (log2 d_s - log2 d_t) + KL/ln2 (no max in it: nothing grows with an offset of the logits). Few
     // live values: the kernel has 64 registers.
-    const Lse2& st = DIV == FCE_KD_FORWARD_KL ? acc.q : acc.p;
-    const Lse2& tt = DIV == FCE_KD_FORWARD_KL ? acc.p : acc.q;
+    const OnlineSoftmax& st = DIV == FCE_KD_FORWARD_KL ? acc.q : acc.p;
+    const OnlineSoftmax& tt = DIV == FCE_KD_FORWARD_KL ? acc.p : acc.q;
     const float ms = st.m, mt = tt.m;
     const float qscale = scale / st.d, pscale = scale / tt.d;  // forward KL
     // A reverse-KL row whose KL is +inf (the teacher has probability 0 where the student has mass) takes

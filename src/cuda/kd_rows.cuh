@@ -322,8 +322,8 @@ __global__ void __launch_bounds__(kKdThreads) kd_topk_onepass_kernel(const KdArg
       }
       continue;
     }
-    Lse2 acc;
-    row_visit<Ts>(srow, 0, a.V, [&](const float(&v)[KV], int64_t, int cnt) { acc.add<KV>(v, cnt, c); });
+    OnlineSoftmax acc;  // fused form
+    row_visit<Ts>(srow, 0, a.V, [&](const float(&v)[KV], int64_t, int cnt) { acc.add_fused_group<KV>(v, cnt, c); });
     acc = block_reduce(acc);
     const LossA la = topk_terms<Ts>(a, ib, lp, srow, topk_teacher_logp(a, ib, lp), LogProb2{c, acc.m, log2f(acc.d)});
     if (threadIdx.x == 0) {

@@ -1,4 +1,4 @@
-// Device primitives of a row split across C blocks (softmax, KD): the SFU exponential, cluster barriers
+// Device primitives of a row split across C blocks (softmax, KD): cluster barriers
 // and peers, the per-phase exchange of partials (distributed shared memory in a cluster, or the workspace
 // between phased launches), and the slice loaders and visitors of resident rows.
 #pragma once
@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/online_softmax.cuh"
 #include "cuda/plan.hpp"
 
 namespace fce::cuda {
@@ -16,18 +17,8 @@ namespace {
 // ==== row machinery =================================================================================
 
 constexpr int kLoadUnroll = 8;                    // 16-byte loads in flight per thread loading a slice
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 extern __shared__ uint4 g_smem[];  // resident row slices
-
-// 2^x by the SFU (relative error ~2^-22; results below 2^-126 flush to 0).
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float fexp(float x) { return ex2(x * kLog2e); }
 
 __device__ __forceinline__ void cluster_sync_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900

@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kTwo ? kTwoThreads : 1024, kTwo ? 2 : 1)
   // (x - max) / T in base 2: the raw max first, then the scale; 0 above kPlainMaxTemperature (the row then
   // falls back with the other rows that are not plain)
   const float c = temp <= kPlainMaxTemperature ? (1.f / temp) * kLog2e : 0.f;
-  const MaxSum part = few_partial<T, R, kHalf>(raw, f.n, c);
+  const OnlineSoftmax part = few_partial<T, R, kHalf>(raw, f.n, c);
   const FewStats t = few_merge<true>(part, c, a.C, f.rank);
   if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
     if (blockIdx.y == 0) softmax_row_general<T>(a, f.row, f.rank);
@@ -288,31 +288,22 @@ __global__ void __launch_bounds__(512, 2) softmax_smem_kernel(const __grid_const
   // (x - max) / T in base 2: the raw max first, then the scale; 0 above kPlainMaxTemperature (the row then
   // falls back with the other rows that are not plain)
   const float c = temp <= kPlainMaxTemperature ? (1.f / temp) * kLog2e : 0.f;
-  // Per-thread max and sum, online, as the slice streams into shared memory (the values are in registers
-  // then): the max of each 16-byte vector first, one rescale when it raises the thread's max.
-  float mx = -INFINITY, d = 0.f;
-  auto add = [&](const float* v, int cnt, float vm) {
-    if (vm > mx) {
-      d *= ex2((mx - vm) * c);  // 0 from -inf (a NaN d stays NaN)
-      mx = vm;
-    }
-    if (mx > -INFINITY && mx < INFINITY) {
-      for (int k = 0; k < cnt; ++k) d += ex2((v[k] - mx) * c);  // a NaN value makes d NaN
-    } else {  // nothing finite yet (or +inf: the row falls back): only a NaN matters
-      for (int k = 0; k < cnt; ++k)
-        if (isnan(v[k])) d = NAN;
-    }
-  };
+  // Per-thread online softmax (shifted form, raw max), as the slice streams into shared memory (the values
+  // are in registers then): the max of each 16-byte vector first, one rescale per vector.
+  OnlineSoftmax st;
   load_slice<T>(
       static_cast<const T*>(a.x) + f.row * a.ldx + f.begin, f.n, sm,
       [&](const uint4& raw, int) {
         float v[K];
         unpack_words<T>(raw, v);
-        add(v, K, vec_max<T>(raw));
+        st.add_shifted<K>(v, K, vec_max<T>(raw), c);
       },
-      [&](float xv, int) { add(&xv, 1, xv); });
-  // block_ms_all's barrier also orders the slice's shared-memory writes before the reads below
-  const FewStats t = few_merge<true>(block_ms_all({mx, d}, c), c, a.C, f.rank);
+      [&](float xv, int) {
+        const float v[1] = {xv};
+        st.add_shifted<1>(v, 1, xv, c);
+      });
+  // block_merge_all's barrier also orders the slice's shared-memory writes before the reads below
+  const FewStats t = few_merge<true>(block_merge_all(st, c), c, a.C, f.rank);
   if (!(c > 0.f && c < INFINITY) || t.nan || !(t.m > -INFINITY && t.m < INFINITY)) {
     softmax_row_general<T>(a, f.row, f.rank);
     return;

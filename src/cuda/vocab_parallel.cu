@@ -8,7 +8,6 @@
 namespace fce::cuda {
 namespace {
 
-constexpr int32_t kNoIndex = INT32_MAX;  // a shard without real columns has no argmax
 constexpr int kRecordFields = int(kCeRecordFields);
 
 // The shard's columns inside the vocabulary (the rest is padding).
@@ -42,9 +41,6 @@ struct VpArgs {
   int reduction;
 };
 
-__device__ float bits_float(int32_t i) { return __int_as_float(i); }
-__device__ int32_t float_bits(float f) { return __float_as_int(f); }
-
 template <class T>
 __global__ void __launch_bounds__(kRowThreads) vp_partial_kernel(VpArgs a) {
   const int64_t row = blockIdx.x;
@@ -75,76 +71,28 @@ __global__ void __launch_bounds__(kRowThreads) vp_partial_kernel(VpArgs a) {
   r[3] = s.swz;
   r[4] = s.m == -INFINITY ? 0.f : s.s1;
   r[5] = s.av;
-  r[6] = bits_float(s.ai == INT64_MAX ? kNoIndex : int32_t(a.vs + s.ai));
+  r[6] = index_as_float(s.ai == INT64_MAX ? kNoRecordIndex : int32_t(a.vs + s.ai));
 }
 
 // One thread per row: the records of the W shards merged in rank order (fp64), the row's outputs.
 __global__ void vp_combine_kernel(VpArgs a) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= a.N) return;
-  auto rec = [&](int64_t r) { return a.rec + (r * a.N + i) * kRecordFields; };
-  bool nan = false;
-  float M = -INFINITY;
-  for (int64_t r = 0; r < a.W; ++r) {
-    const float m = rec(r)[0];
-    if (isnan(m)) nan = true;
-    else if (m > M) M = m;
-  }
-  double D = 0, SE = 0, SWZ = 0, ZT = 0;
-  float bv = -INFINITY;
-  int32_t bi = kNoIndex;
-  for (int64_t r = 0; r < a.W; ++r) {
-    const float* q = rec(r);
-    if (!nan && M != -INFINITY && q[0] != -INFINITY) {
-      const double e = exp(double(q[0]) - double(M));
-      D += double(q[1]) * e;
-      SE += double(q[4]) * e;
-    }
-    SWZ += q[3];
-    ZT += q[2];
-    const float v = q[5];
-    const int32_t ix = float_bits(q[6]);
-    if (ix == kNoIndex) continue;
-    const bool better = bi == kNoIndex                    ? true
-                        : isnan(v) && isnan(bv)           ? ix < bi
-                        : isnan(v) || isnan(bv)           ? isnan(v)
-                        : v != bv                         ? v > bv
-                                                          : ix < bi;
-    if (better) {
-      bv = v;
-      bi = ix;
-    }
-  }
-  float lse, ent;
-  if (nan) {
-    lse = ent = NAN;
-  } else if (M == -INFINITY) {
-    lse = -INFINITY;
-    ent = NAN;
-  } else {
-    lse = float(double(M) + log(D));
-    ent = float(double(lse) - SE / D);
-  }
+  const CeCombined m = ce_combine_records(a.rec + i * kRecordFields, a.W, a.N * kRecordFields);
+  const float lse = m.lse, ent = m.entropy;
   const int64_t t = load_index(a.targets, a.t64, i);
   float loss = 0.f, zl = 0.f;
   if (t != a.ignore_index) {
-    if (t < 0 || t >= a.vt) {
-      loss = zl = NAN;
-    } else {
-      const double L = lse, w_t = a.weights ? a.weights[t] : 1.0;
-      double l = (1.0 - a.eps) * w_t * (L - double(float(ZT)));
-      if (a.eps > 0.f) l += double(a.eps) / double(a.vt) * (L * (a.weights ? a.prep[1] : double(a.vt)) - SWZ);
-      const double z = double(a.zq) * L * L;
-      loss = float(l + z);
-      zl = float(z);
-    }
+    if (t < 0 || t >= a.vt) loss = zl = NAN;
+    else ce_combined_loss(m, a.weights ? a.weights[t] : 1.0, a.eps, double(a.vt), a.weights ? a.prep[1] : double(a.vt),
+                          a.zq, &loss, &zl);
   }
   a.loss_rows[i] = loss;
   if (a.zl_rows) a.zl_rows[i] = zl;
   if (a.lse) a.lse[i] = lse;
   if (a.entropy) a.entropy[i] = ent;
   if (a.argmax) {
-    const int64_t ai = bi == kNoIndex ? 0 : bi;
+    const int64_t ai = m.argmax == kNoRecordIndex ? 0 : m.argmax;
     if (a.a64) static_cast<int64_t*>(a.argmax)[i] = ai;
     else static_cast<int32_t*>(a.argmax)[i] = int32_t(ai);
   }
