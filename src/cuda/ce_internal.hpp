@@ -48,8 +48,5 @@ void ce_finalize(cudaStream_t s, const float* loss_rows, const float* zl_rows, i
                  const double* prep, float* loss, float* zloss, const CeDenominator* den = nullptr,
                  bool dependent = false);
 
-// A vocabulary shard's dlogits from the combined lse (vocab_parallel.cu); prep from ce_prep over the
-// whole vocabulary when ce_needs_prep.
-void ce_shard_backward(fce_handle* h, cudaStream_t s, const CeProblem& p, const double* prep);
 
 }  // namespace fce::cuda

@@ -68,6 +68,9 @@ struct CeParams {
   CeAcc* partial;
   float* row_lse;  // lse for the gradient kernel
   const float* saved_lse;
+  // a vocabulary shard (the backward of fce_cross_entropy_bwd with vocab_total): the global index of column
+  // 0, and the vocabulary's size (V itself unsharded)
+  int64_t col0, vt;
 };
 
 
@@ -225,21 +228,22 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
   const int64_t t = hint ? hint->t : load_index(p.targets, p.t64, row);
   const float g = hint ? hint->g : row_grad_scale(p, row);
   const LogitTransform tf(p.scale, p.softcap);
-  if (t == p.ignore_index || g == 0.f || t < 0 || t >= p.V) {
-    const float fill = (t != p.ignore_index && (t < 0 || t >= p.V)) ? NAN : 0.f;  // out of range: NaN always
+  if (t == p.ignore_index || g == 0.f || t < 0 || t >= p.vt) {
+    const float fill = (t != p.ignore_index && (t < 0 || t >= p.vt)) ? NAN : 0.f;  // out of range: NaN always
     row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t, int n) {
 #pragma unroll
       for (int k = 0; k < kVec<T>; ++k) v[k] = fill;
     }, cache, cache_vecs, next);
     return;
   }
-  const float W = p.weights ? float(p.prep[1]) : float(p.V);
+  const float W = p.weights ? float(p.prep[1]) : float(p.vt);
   const CeGrad grad(g, p.eps, p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse);
+  const int64_t tl = t - p.col0;  // the target's column in these logits (outside [0, V) in another shard's)
   if (p.softcap == 0.f && !p.weights) {
     // Common case: z = s*x, dz/dx = s, w = 1. Per element one FMA, one ex2, one FMA.
     const float s = p.scale, a = p.scale * grad.cp, b = -p.scale * grad.cw, at = p.scale * grad.ct;
     row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
-      const int64_t kt = t - j0;  // the target's position in this vector, if any
+      const int64_t kt = tl - j0;  // the target's position in this vector, if any
 #pragma unroll
       for (int k = 0; k < kVec<T>; ++k) {
         if (k < n) v[k] = fmaf(a, ex2((v[k] * s - lse) * kLog2e), b) - (k == kt ? at : 0.f);
@@ -252,8 +256,8 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
     for (int k = 0; k < kVec<T>; ++k) {
       if (k < n) {
         const float z = tf(v[k]);
-        const float w = p.weights ? p.weights[j0 + k] : 1.f;
-        v[k] = grad(ex2((z - lse) * kLog2e), w, j0 + k == t) * tf.derivative(z);
+        const float w = p.weights ? p.weights[p.col0 + j0 + k] : 1.f;
+        v[k] = grad(ex2((z - lse) * kLog2e), w, j0 + k == tl) * tf.derivative(z);
       }
     }
   }, cache, cache_vecs, next);

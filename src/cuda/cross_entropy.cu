@@ -16,6 +16,7 @@
 #include "cuda/ce_internal.hpp"
 #include "cuda/ce_split.cuh"
 
+#include <algorithm>
 #include <type_traits>
 
 namespace fce::cuda {
@@ -84,7 +85,9 @@ CeParams params_of(const CeRows& r) {
   k.ignore_index = r.o->ignore_index;
   k.eps = r.o->label_smoothing;
   k.zq = r.o->z_loss_scale;
-  k.inv_v = 1.f / float(r.V);
+  k.col0 = r.o->sharded() ? r.o->vocab_start : 0;
+  k.vt = r.o->sharded() ? r.o->vocab_total : r.V;
+  k.inv_v = 1.f / float(k.vt);
   k.weights = r.o->class_weights ? reinterpret_cast<const float*>(r.o->class_weights.data) : nullptr;
   k.reduction = r.o->reduction;
   k.prep = r.prep;
@@ -276,13 +279,22 @@ void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
   // A vocabulary shard's prep counts over the whole vocabulary.
   const int64_t V_prep = p.o.sharded() ? p.o.vocab_total : p.logits.cols;
   if (prep_first) ce_prep(s, p.o, p.targets.data, t64, p.logits.rows, V_prep, ws.prep);
-  if (p.o.sharded()) return ce_shard_backward(h, s, p, ws.prep);  // the API takes a shard's backward only
+  // A vocabulary shard (the API takes its backward only): the gradient kernels over its real columns, with
+  // the vocabulary's size and the shard's first column in CeParams; 0 in the padding past vocab_total.
+  const int64_t cols = p.o.sharded() ? std::min(p.logits.cols, p.o.vocab_total - p.o.vocab_start) : p.logits.cols;
+  if (cols < p.logits.cols) {
+    const size_t es = dtype_size(p.dlogits.dtype);
+    check(cudaMemset2DAsync(p.dlogits.data + size_t(cols) * es, size_t(p.dlogits.ld) * es, 0,
+                            size_t(p.logits.cols - cols) * es, size_t(p.logits.rows), s),
+          "cudaMemset2DAsync");
+  }
+  if (cols == 0) return;
   CeRows r{};
   r.x = p.logits.data;
   r.xt = p.logits.dtype;
   r.ld = p.logits.ld;
   r.N = p.logits.rows;
-  r.V = p.logits.cols;
+  r.V = cols;
   r.targets = p.targets.data;
   r.t64 = t64;
   r.o = &p.o;

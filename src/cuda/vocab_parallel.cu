@@ -1,7 +1,7 @@
 // CUDA vocabulary-parallel cross-entropy: a shard's records (one block per row, the CE row statistics of
 // ce_kernels.cuh over the shard's real columns), their combine (one thread per row, the records merged in
-// rank order in fp64, then the fixed-order finalize of a reduction), and a shard's gradient from the combined
-// lse (one block per row). The same arithmetic as src/cpu/vocab_parallel_cpu.cpp, record for record.
+// rank order in fp64 by math.hpp's ce_combine_records, the CPU's code, then the fixed-order finalize of a
+// reduction). A shard's gradient runs through cross_entropy.cu's backward kernels (CeParams col0, vt).
 #include "cuda/ce_internal.hpp"
 #include "cuda/ce_kernels.cuh"
 
@@ -32,13 +32,6 @@ struct VpArgs {
   float *loss_rows, *zl_rows, *lse, *entropy;
   void* argmax;
   bool a64;
-  // gradient
-  void* dx;
-  int64_t ldd;
-  const float* saved_lse;
-  const float* grad_loss;
-  bool grad_scalar;
-  int reduction;
 };
 
 template <class T>
@@ -98,39 +91,6 @@ __global__ void vp_combine_kernel(VpArgs a) {
   }
 }
 
-// A shard's dlogits from the combined lse: one block per row, formed in fp32 and rounded once.
-template <class T>
-__global__ void __launch_bounds__(kRowThreads) vp_grad_kernel(VpArgs a) {
-  const int64_t row = blockIdx.x;
-  const T* x = static_cast<const T*>(a.x) + row * a.ld;
-  T* dx = static_cast<T*>(a.dx) + row * a.ldd;
-  const int64_t t = load_index(a.targets, a.t64, row);
-  float g = a.grad_loss ? a.grad_loss[a.grad_scalar ? 0 : row] : 1.f;
-  if (a.reduction == FCE_REDUCTION_MEAN) g = a.prep[0] > 0 ? float(double(g) / a.prep[0]) : 0.f;
-  if (t != a.ignore_index && (t < 0 || t >= a.vt)) {  // out of range: NaN whatever the upstream gradient
-    for (int64_t j = threadIdx.x; j < a.V; j += blockDim.x) dx[j] = from_float<T>(NAN);
-    return;
-  }
-  if (t == a.ignore_index || g == 0.f) {
-    for (int64_t j = threadIdx.x; j < a.V; j += blockDim.x) dx[j] = from_float<T>(0.f);
-    return;
-  }
-  const float lse = a.saved_lse[row];
-  const float W = a.weights ? float(a.prep[1]) : float(a.vt);
-  const CeGrad grad(g, a.eps, a.weights ? a.weights[t] : 1.f, W, 1.f / float(a.vt), a.zq, lse);
-  const LogitTransform tf(a.scale, a.softcap);
-  const int64_t tl = t >= a.vs && t < a.vs + a.n ? t - a.vs : -1;
-  for (int64_t j = threadIdx.x; j < a.V; j += blockDim.x) {
-    float d = 0.f;  // padding
-    if (j < a.n) {
-      const float z = tf(to_float(x[j]));
-      const float w = a.weights ? a.weights[a.vs + j] : 1.f;
-      d = grad(fast_exp(z - lse), w, j == tl) * tf.derivative(z);
-    }
-    dx[j] = from_float<T>(d);
-  }
-}
-
 VpArgs args_of(const CeOpts& o, const Vec& targets) {
   VpArgs a{};
   a.targets = targets.data;
@@ -143,7 +103,6 @@ VpArgs args_of(const CeOpts& o, const Vec& targets) {
   a.weights = o.class_weights ? reinterpret_cast<const float*>(o.class_weights.data) : nullptr;
   a.vs = o.vocab_start;
   a.vt = o.vocab_total;
-  a.reduction = o.reduction;
   return a;
 }
 
@@ -208,25 +167,6 @@ void ce_combine(fce_handle* h, fce_stream_t stream, const CeCombineProblem& p, W
   if (!none)
     ce_finalize(s, ws.loss_rows, ws.zl_rows, N, p.o.reduction, ws.prep, reinterpret_cast<float*>(p.loss.data),
                 p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);
-}
-
-void ce_shard_backward(fce_handle*, cudaStream_t s, const CeProblem& p, const double* prep) {
-  VpArgs a = args_of(p.o, p.targets);
-  a.x = p.logits.data;
-  a.ld = p.logits.ld;
-  a.N = p.logits.rows;
-  a.V = p.logits.cols;
-  a.n = real_cols(p.o, a.V);
-  a.dx = p.dlogits.data;
-  a.ldd = p.dlogits.ld;
-  a.saved_lse = reinterpret_cast<const float*>(p.saved_lse.data);
-  a.grad_loss = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) : nullptr;
-  a.grad_scalar = p.grad_loss && p.grad_loss.scalar;
-  a.prep = prep;
-  dispatch_float(p.logits.dtype, [&](auto tag) {
-    vp_grad_kernel<decltype(tag)><<<unsigned(a.N), kRowThreads, 0, s>>>(a);
-  });
-  check_launch("vocabulary-parallel gradient kernel");
 }
 
 }  // namespace fce::cuda
