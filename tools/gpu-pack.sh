@@ -17,6 +17,7 @@ for f in "$BUILD"/bindings/python/src/libfusedce_torch.so "$BUILD"/bindings/pyth
   if [ -f "$f" ]; then cp "$f" $G/lib/; fi
 done
 cp "$BUILD"/tests/gpu_* $G/bin/ 2>/dev/null || true
+cp "$BUILD"/tests/vp_nccl $G/bin/ 2>/dev/null || true
 rm -rf $G/bin/*.p
 for b in "$BUILD"/benchmarks/bench_* "$BUILD"/examples/demo_real_cuda "$BUILD"/examples/quickstart; do
   if [ -f "$b" ] && [ -x "$b" ]; then cp "$b" $G/bin/; fi

@@ -135,7 +135,10 @@ typedef enum fce_status {
   /** A cuBLAS or BLAS call failed. */
   FCE_STATUS_BLAS_ERROR = 13,
   /** A bug in the library; please report it with the message. */
-  FCE_STATUS_INTERNAL_ERROR = 14
+  FCE_STATUS_INTERNAL_ERROR = 14,
+  /** NCCL cannot be loaded, or an NCCL call failed; the message has NCCL's error text, the communicator's
+   *  last error and its asynchronous error (ncclCommGetAsyncError). */
+  FCE_STATUS_COMMUNICATOR_ERROR = 15
 } fce_status_t;
 
 /** Short static description of a status; never NULL ("unknown status" for values this build lacks). */
@@ -367,7 +370,8 @@ FCE_API fce_status_t fce_cross_entropy_bwd_workspace_size(fce_handle_t handle, c
  * Record fields, per row and shard (z the transformed logits of the shard's real columns, m their max):
  *   0 m, 1 sum exp(z - m), 2 z at the target if the shard holds it (else 0), 3 sum w_j z_j (label
  *   smoothing), 4 sum exp(z - m) z (entropy), 5 the largest raw logit, 6 its global index (int32 bits).
- * No communication happens inside the library in this version: the caller all-gathers the records.
+ * The caller all-gathers the records with any communicator, or lets the library do it over NCCL
+ * (fce_cross_entropy_fwd_vp below: partial, all-gather, combine and gradient in one call).
  */
 
 /** Fields K of a cross-entropy record for these options (NULL = defaults).
@@ -405,6 +409,65 @@ FCE_API fce_status_t fce_cross_entropy_combine_workspace_size(fce_handle_t handl
                                                               const DLTensor* targets,
                                                               const fce_ce_options_t* options,
                                                               const fce_ce_outputs_t* outputs, size_t* bytes);
+
+/* NCCL mode ----------------------------------------------------------------------------------------- */
+/*
+ * The library runs the exchange itself over a caller's NCCL communicator. NCCL is loaded at run time
+ * (dlopen("libnccl.so.2") on the first fce_comm_create), never linked: a process that already has NCCL
+ * (PyTorch) shares its copy. The caller keeps NCCL's rules: every rank makes the same calls in the same
+ * order; no call inside an open ncclGroupStart/End; one thread per communicator at a time; the stream
+ * waits for the all-gather like for any NCCL collective (no host synchronization; CUDA-graph capturable
+ * when the communicator allows capture).
+ */
+
+/** NCCL's communicator: ncclComm_t is `struct ncclComm*`, so this header need not include nccl.h. */
+struct ncclComm;
+/** A borrowed NCCL communicator, with its rank and size. */
+typedef struct fce_comm* fce_comm_t;
+
+/**
+ * Borrows an NCCL communicator for the vocabulary-parallel calls (not owned: destroy `comm` before it).
+ * @param handle    a CUDA handle on the communicator's device.
+ * @param nccl_comm the caller's ncclComm_t (initialized; a non-blocking one must have finished initializing).
+ * @param out       the new communicator object.
+ * @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (NULL arguments, a CPU handle); DEVICE_MISMATCH (the
+ *         communicator is on another device than the handle); COMMUNICATOR_ERROR (NCCL cannot be loaded, or
+ *         ncclCommCount/UserRank/CuDevice fail).
+ */
+FCE_API fce_status_t fce_comm_create(fce_handle_t handle, struct ncclComm* nccl_comm, fce_comm_t* out);
+/** Releases the object (the NCCL communicator stays the caller's). NULL is a no-op. */
+FCE_API fce_status_t fce_comm_destroy(fce_comm_t comm);
+/** This rank and the number of ranks W (either pointer may be NULL, not both). */
+FCE_API fce_status_t fce_comm_info(fce_comm_t comm, int32_t* rank, int32_t* size);
+
+/**
+ * Vocabulary-parallel cross-entropy over NCCL, one call per rank: the records of this rank's shard
+ * (fce_cross_entropy_partial), one all-gather of the [N, K] fp32 records on `stream`, their combine in rank
+ * order (fce_cross_entropy_combine: every rank gets the same bits, equal to a one-device emulation of the
+ * same shards), and, when outputs->dlogits is set, this shard's dlogits times grad_loss from the combined
+ * lse (fce_cross_entropy_bwd with the shard). Ranks must hold the shards in vocabulary order (rank r the
+ * columns of vocab_start_r).
+ * @param comm    from fce_comm_create, on the handle's device.
+ * @param logits  [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total).
+ * @param targets [N] int32 or int64, global indices; the same on every rank.
+ * @param options vocab_start (this rank's first column) and vocab_total required; the other options as for
+ *                fce_cross_entropy_fwd and the same on every rank.
+ * @param outputs as for fce_cross_entropy_fwd (loss required; lse, z_loss, argmax, entropy of the whole
+ *                rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss).
+ * @param workspace as everywhere (fce_cross_entropy_fwd_vp_workspace_size): the records of all W ranks
+ *                (N * 7 * 4 * (W + 1) bytes) and the steps' own.
+ * @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or without
+ *         vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_cross_entropy_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream,
+                                              const DLTensor* logits, const DLTensor* targets,
+                                              const fce_ce_options_t* options, const fce_ce_outputs_t* outputs,
+                                              void* workspace, size_t workspace_bytes);
+/** Workspace bytes fce_cross_entropy_fwd_vp needs for these arguments (same validation). */
+FCE_API fce_status_t fce_cross_entropy_fwd_vp_workspace_size(fce_handle_t handle, fce_comm_t comm,
+                                                             const DLTensor* logits, const DLTensor* targets,
+                                                             const fce_ce_options_t* options,
+                                                             const fce_ce_outputs_t* outputs, size_t* bytes);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Logsumexp                                                                                        */

@@ -44,6 +44,7 @@ FCE_API const char* fce_status_string(fce_status_t status) {
     case FCE_STATUS_CUDA_ERROR: return "CUDA error";
     case FCE_STATUS_BLAS_ERROR: return "BLAS error";
     case FCE_STATUS_INTERNAL_ERROR: return "internal error";
+    case FCE_STATUS_COMMUNICATOR_ERROR: return "communicator error";
   }
   return "unknown status";
 }

@@ -1,4 +1,5 @@
 // Built when the CUDA backend is disabled: CUDA handles cannot be created.
+#include "common/comm.hpp"
 #include "common/error.hpp"
 #include "common/handle.hpp"
 
@@ -33,6 +34,13 @@ void scale_rows(fce_handle*, fce_stream_t, const ScaleProblem&) {
   raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
 }
 void linear_ce(fce_handle*, fce_stream_t, const LinearCeProblem&, Workspace) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
+
+void comm_init(fce_comm*, struct ncclComm*) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
+void comm_all_gather(const fce_comm*, fce_stream_t, const void*, void*, size_t) {
   raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
 }
 

@@ -716,7 +716,7 @@ Opt<T> make_opt(Env& e, const T& v, bool* ok) {
 // -------------------------------------------------------------------------------------------------
 // Status checks shared by every call.
 void check_status(const char* fn, fce_status_t s) {
-  if (int(s) < 0 || int(s) > FCE_STATUS_INTERNAL_ERROR) die("%s returned %d, not an fce_status_t", fn, int(s));
+  if (int(s) < 0 || int(s) > FCE_STATUS_COMMUNICATOR_ERROR) die("%s returned %d, not an fce_status_t", fn, int(s));
   if (s == FCE_STATUS_INTERNAL_ERROR) die("%s returned FCE_STATUS_INTERNAL_ERROR", fn);
   if (s == FCE_STATUS_NO_DEVICE || s == FCE_STATUS_CUDA_ERROR)
     die("%s returned %s on a CPU handle", fn, fce_status_string(s));
@@ -1080,7 +1080,7 @@ void fuzz_misc(Env& e) {
   const bool null_out = e.coin(10);
   const fce_status_t s = fce_handle_create(dt, id, null_out ? nullptr : &h);
   count("fce_handle_create", s, dt == kDLCPU && !null_out);
-  if (int(s) < 0 || int(s) > FCE_STATUS_INTERNAL_ERROR || s == FCE_STATUS_INTERNAL_ERROR)
+  if (int(s) < 0 || int(s) > FCE_STATUS_COMMUNICATOR_ERROR || s == FCE_STATUS_INTERNAL_ERROR)
     die("fce_handle_create returned %d", int(s));
   const char* m = fce_last_error_message();
   if (!m || (s == FCE_STATUS_SUCCESS) != (m[0] == '\0')) die("fce_handle_create: message/status disagree");
@@ -1105,7 +1105,7 @@ void fuzz_misc(Env& e) {
   const int code = known_bugs() ? e.fdp.ConsumeIntegral<int32_t>() : e.fdp.ConsumeIntegralInRange(0, 15);  // F1
   const char* str = fce_status_string(fce_status_t(code));
   if (!str || !str[0]) die("fce_status_string(%d) is NULL or empty", code);
-  if ((code < 0 || code > FCE_STATUS_INTERNAL_ERROR) && std::strcmp(str, "unknown status") != 0)
+  if ((code < 0 || code > FCE_STATUS_COMMUNICATOR_ERROR) && std::strcmp(str, "unknown status") != 0)
     die("fce_status_string(%d) = \"%s\"", code, str);
   if (fce_version_number() != FCE_VERSION_NUMBER || fce_abi_version() != FCE_ABI_VERSION || !fce_version_string())
     die("version mismatch");

@@ -13,7 +13,8 @@ PyTorch losses, differentiable and torch.compile-able, are in `fusedce.torch` (t
 """
 from ._generated import MACROS as _MACROS
 from ._lib import (ABI_VERSION, HEADER_VERSION, KD_TEMPERATURE_MAX, KD_TEMPERATURE_MIN, MAX_STRUCT_SIZE, STATUS,
-                   WORKSPACE_ALIGNMENT, AliasingError, BackendNotImplementedError, BuildInfo, DeviceMismatchError,
+                   WORKSPACE_ALIGNMENT, AliasingError, BackendNotImplementedError, BuildInfo, CommunicatorError,
+                   DeviceMismatchError,
                    FusedCEError, Handle, InvalidArgumentError, NoDeviceError, OutOfMemoryError, ShapeMismatchError,
                    UnsupportedDtypeError, UnsupportedLayoutError, build_info, default_handle, defaults, ffi, lib,
                    library_path, new_struct, version)
@@ -37,6 +38,7 @@ def __getattr__(name):  # `fusedce.torch` without importing torch at `import fus
 __all__ = [
     "ABI_VERSION", "HEADER_VERSION", "KD_TEMPERATURE_MAX", "KD_TEMPERATURE_MIN", "MAX_STRUCT_SIZE", "STATUS",
     "VERSION_NUMBER", "WORKSPACE_ALIGNMENT", "AliasingError", "BackendNotImplementedError", "BuildInfo",
+    "CommunicatorError",
     "CrossEntropyOutput", "DeviceMismatchError", "FusedCEError", "Handle", "InvalidArgumentError", "KDOutput",
     "LinearCrossEntropyGrads", "LinearCrossEntropyOutput", "NoDeviceError", "OutOfMemoryError",
     "ShapeMismatchError", "SoftmaxOutput", "UnsupportedDtypeError", "UnsupportedLayoutError", "build_info",

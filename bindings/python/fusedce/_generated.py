@@ -66,7 +66,8 @@ typedef enum fce_status {
   FCE_STATUS_OUT_OF_MEMORY = 11,
   FCE_STATUS_CUDA_ERROR = 12,
   FCE_STATUS_BLAS_ERROR = 13,
-  FCE_STATUS_INTERNAL_ERROR = 14
+  FCE_STATUS_INTERNAL_ERROR = 14,
+  FCE_STATUS_COMMUNICATOR_ERROR = 15
 } fce_status_t;
 const char* fce_status_string(fce_status_t status);
 const char* fce_last_error_message(void);
@@ -144,6 +145,19 @@ fce_status_t fce_cross_entropy_combine_workspace_size(fce_handle_t handle, const
                                                               const DLTensor* targets,
                                                               const fce_ce_options_t* options,
                                                               const fce_ce_outputs_t* outputs, size_t* bytes);
+struct ncclComm;
+typedef struct fce_comm* fce_comm_t;
+fce_status_t fce_comm_create(fce_handle_t handle, struct ncclComm* nccl_comm, fce_comm_t* out);
+fce_status_t fce_comm_destroy(fce_comm_t comm);
+fce_status_t fce_comm_info(fce_comm_t comm, int32_t* rank, int32_t* size);
+fce_status_t fce_cross_entropy_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream,
+                                              const DLTensor* logits, const DLTensor* targets,
+                                              const fce_ce_options_t* options, const fce_ce_outputs_t* outputs,
+                                              void* workspace, size_t workspace_bytes);
+fce_status_t fce_cross_entropy_fwd_vp_workspace_size(fce_handle_t handle, fce_comm_t comm,
+                                                             const DLTensor* logits, const DLTensor* targets,
+                                                             const fce_ce_options_t* options,
+                                                             const fce_ce_outputs_t* outputs, size_t* bytes);
 typedef struct fce_lse_options {
   uint32_t struct_size;
   float scale;

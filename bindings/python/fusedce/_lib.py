@@ -165,6 +165,10 @@ class OutOfMemoryError(FusedCEError, MemoryError):
     pass
 
 
+class CommunicatorError(FusedCEError):
+    """NCCL could not be loaded, or an NCCL call failed (NCCL mode)."""
+
+
 _ERROR_CLASSES = {
     "INVALID_ARGUMENT": InvalidArgumentError,
     "SHAPE_MISMATCH": ShapeMismatchError,
@@ -175,6 +179,7 @@ _ERROR_CLASSES = {
     "NO_DEVICE": NoDeviceError,
     "NOT_IMPLEMENTED": BackendNotImplementedError,
     "OUT_OF_MEMORY": OutOfMemoryError,
+    "COMMUNICATOR_ERROR": CommunicatorError,
 }
 
 

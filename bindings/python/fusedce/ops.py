@@ -14,7 +14,7 @@ handle's cached one. Failures raise FusedCEError subclasses carrying the library
 from collections import namedtuple
 
 from ._generated import MACROS
-from ._lib import check, defaults, ffi, lib
+from ._lib import Handle, check, defaults, ffi, lib
 from ._tensor import Call, is_torch
 
 
@@ -241,6 +241,61 @@ def cross_entropy_combine(records, targets, *, vocab_total, reduction=_NAME["red
                        0, vocab_total)
     outs, result = _ce_outputs(c, int(records.shape[1]), reduction, lse, z_loss, argmax, entropy, argmax_dtype, None)
     c.run("fce_cross_entropy_combine", c.dl(records), c.dl(targets), opts, outs, workspace=workspace)
+    return result()
+
+
+class Communicator:
+    """An NCCL communicator borrowed for NCCL mode (fce_comm_create). nccl_comm: the ncclComm_t as an integer
+    address (PyTorch: ProcessGroupNCCL._comm_ptr(), non-zero once the group has run a collective); device: its
+    CUDA device. The communicator stays the caller's: close() (or collection) releases only this object.
+    Attributes: rank, size."""
+
+    def __init__(self, nccl_comm, device=0):
+        self.device = int(device)
+        self.handle = Handle("cuda", self.device)
+        out = ffi.new("fce_comm_t *")
+        check(lib.fce_comm_create(self.handle.ptr, ffi.cast("struct ncclComm *", int(nccl_comm)), out),
+              "fce_comm_create")
+        self._ptr = ffi.gc(out[0], lib.fce_comm_destroy)
+        r, w = ffi.new("int32_t *"), ffi.new("int32_t *")
+        check(lib.fce_comm_info(self._ptr, r, w), "fce_comm_info")
+        self.rank, self.size = int(r[0]), int(w[0])
+
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            raise ValueError("Communicator is closed")
+        return self._ptr
+
+    def close(self):
+        if self._ptr is not None:
+            lib.fce_comm_destroy(ffi.gc(self._ptr, None))
+            self._ptr = None
+
+
+def cross_entropy_fwd_vp(logits, targets, comm, *, vocab_start, vocab_total,
+                         reduction=_NAME["reduction"][_CE["reduction"]], ignore_index=_CE["ignore_index"],
+                         label_smoothing=_CE["label_smoothing"], z_loss_scale=_CE["z_loss_scale"],
+                         softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None, lse=True,
+                         z_loss=False, argmax=False, entropy=False, dlogits=False, grad_loss=None,
+                         argmax_dtype="int64", stream=None, workspace=None):
+    """fce_cross_entropy_fwd_vp: vocabulary-parallel cross-entropy over NCCL (a Communicator), one call per
+    rank: this rank's shard logits [N, V_local] (global columns [vocab_start, vocab_start + V_local); past
+    vocab_total is padding), targets [N] global indices. Returns CrossEntropyOutput of the whole rows, the
+    same bits on every rank; dlogits (True, or an array, may be the logits) is this shard's gradient times
+    grad_loss. The records' all-gather runs on `stream` inside the library. Raises CommunicatorError when
+    NCCL fails."""
+    c = Call(logits, None, stream)
+    targets = c.native(targets)
+    dl_a = c.output(dlogits, lambda: c.empty_like(logits))
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
+                       vocab_start, vocab_total)
+    outs, result = _ce_outputs(c, _rows(logits), reduction, lse, z_loss, argmax, entropy, argmax_dtype, dl_a)
+    outs.grad_loss = c.dl(_grad(c, grad_loss))
+    args = (comm.ptr, c.dl(logits), c.dl(targets), opts, outs)
+    ws, wsb = c.workspace("fce_cross_entropy_fwd_vp_workspace_size", args, workspace)
+    check(lib.fce_cross_entropy_fwd_vp(c.handle.ptr, comm.ptr, c.stream, *args[1:], ws, wsb),
+          "fce_cross_entropy_fwd_vp")
     return result()
 
 

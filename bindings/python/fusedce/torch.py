@@ -482,9 +482,53 @@ class _VocabParallelCE(torch.autograd.Function):
         return d, None, None, None
 
 
+class _VocabParallelCENccl(torch.autograd.Function):
+    """NCCL mode: partial, all-gather and combine in one library call; the backward is the shard's
+    fce_cross_entropy_bwd with the upstream gradient (each element formed in fp32 and rounded once, the same
+    bits as the all-gather path)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, comm, kw):
+        out = _arrays.cross_entropy_fwd_vp(logits.detach(), targets, comm, lse=True, **kw)
+        ctx.save_for_backward(logits, targets, out.lse)
+        ctx.kw = kw
+        return out.loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, lse = ctx.saved_tensors
+        d = _arrays.cross_entropy_bwd(logits.detach(), targets, lse, grad_loss=grad.float().contiguous(), **ctx.kw)
+        return d, None, None, None
+
+
+_COMMS = {}  # (process group, device index) -> ops.Communicator over the group's NCCL communicator
+
+
+def _nccl_comm(group, device):
+    """The library's Communicator over `group`'s NCCL communicator on `device`, or None where there is none
+    (not NCCL, or PyTorch creates communicators lazily and this group has not run a collective yet)."""
+    import torch.distributed as dist
+    if device.type != "cuda" or not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    key = (pg, device.index)
+    comm = _COMMS.get(key)
+    if comm is None:
+        try:
+            if dist.get_backend(pg) != "nccl":
+                return None
+            ptr = pg._get_backend(device)._comm_ptr()
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+        if not ptr:
+            return None
+        comm = _COMMS[key] = _arrays.Communicator(ptr, device.index)
+    return comm
+
+
 def vocab_parallel_cross_entropy(logits, target, *, vocab_start=None, vocab_total=None, group=None, weight=None,
                                  ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
-                                 softcap=None):
+                                 softcap=None, nccl=True):
     """Cross-entropy of logits whose vocabulary is split across the ranks of a torch.distributed `group`
     (tensor parallelism: this rank holds global columns [vocab_start, vocab_start + V_local) of every row).
     Returns what torch.nn.functional.cross_entropy of the whole rows returns (float32), the same bits on every
@@ -497,7 +541,10 @@ def vocab_parallel_cross_entropy(logits, target, *, vocab_start=None, vocab_tota
     one-shard case. Per call: one all-gather of [N, 7] fp32 records (fce_cross_entropy_partial on this
     rank's shard, fce_cross_entropy_combine of all ranks' records in rank order; no float all-reduce, so NaN
     propagates and the result does not depend on the collective's algorithm), and the backward is
-    fce_cross_entropy_bwd of the shard. Not a torch.library op: torch.compile graph-breaks around it.
+    fce_cross_entropy_bwd of the shard. On CUDA with an NCCL group (and nccl=True) the library runs the
+    forward over the group's own NCCL communicator in one call (fce_cross_entropy_fwd_vp); otherwise the
+    all-gather goes through torch.distributed. Both give the same bits. Not a
+    torch.library op: torch.compile graph-breaks around it.
     """
     import torch.distributed as dist
     v_local = logits.shape[-1]
@@ -513,5 +560,9 @@ def vocab_parallel_cross_entropy(logits, target, *, vocab_start=None, vocab_tota
               softcap=float(softcap or 0.0), class_weights=_class_weights(weight))
     x = logits.reshape(-1, v_local)
     t = _targets(target).reshape(-1)
-    loss = _VocabParallelCE.apply(x, t, group, kw)
+    comm = _nccl_comm(group, x.device) if nccl else None
+    if comm is not None:
+        loss = _VocabParallelCENccl.apply(x, t, comm, kw)
+    else:
+        loss = _VocabParallelCE.apply(x, t, group, kw)
     return loss.reshape(target.shape) if red == _REDUCTION_NONE else loss

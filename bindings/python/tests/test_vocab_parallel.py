@@ -112,3 +112,73 @@ def test_torch_distributed_two_ranks(widths):
         by.setdefault(red, set()).add(bits)
     assert all(len(b) == 1 for b in by.values()), "the ranks' losses differ"
     del torch
+
+
+def _nccl_rank(rank, world, port, widths, results):
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import fusedce.torch as ft
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ[k] = "0" if k == "NCCL_NVLS_ENABLE" else "1"
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(5)
+        v = sum(widths)
+        x = (torch.randn(64, v, generator=g) * 3).to(torch.bfloat16)
+        t = torch.randint(0, v, (64,), generator=g)
+        t[1] = -100
+        x[2, v - 1] = float("nan")  # in the last rank's shard: every rank's loss of row 2 is NaN
+        starts = [sum(widths[:r]) for r in range(world)]
+        dev = torch.device("cuda", rank)
+        shard = x[:, starts[rank]:starts[rank] + widths[rank]].to(dev)
+        kw = dict(vocab_start=starts[rank], vocab_total=v, label_smoothing=0.1, reduction="none")
+        up = torch.rand(64, generator=torch.Generator().manual_seed(3)).to(dev)
+        out = {}
+        for mode in ("gather", "nccl", "nccl"):  # the first NCCL call may find the communicator not yet created
+            mine = shard.clone().requires_grad_()
+            loss = ft.vocab_parallel_cross_entropy(mine, t.to(dev), nccl=mode == "nccl", **kw)
+            (loss.nan_to_num() * up).sum().backward()
+            out[mode] = (loss.detach().cpu(), mine.grad.float().cpu())
+        used = any(k[1] == rank for k in ft._COMMS)
+        ref = F.cross_entropy(x.double(), t, reduction="none", label_smoothing=0.1)
+        results.put((rank, used, torch.equal(out["gather"][0].nan_to_num(7.0), out["nccl"][0].nan_to_num(7.0)),
+                     torch.equal(out["gather"][1], out["nccl"][1]), bool(torch.isnan(out["nccl"][0][2])),
+                     float((out["nccl"][0].double() - ref).nan_to_num().abs().max()),
+                     out["nccl"][0].nan_to_num(7.0).numpy().tobytes()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nccl_mode_two_gpus():
+    """Two processes on two GPUs with PyTorch's NCCL communicator: the library's NCCL mode (one
+    fce_cross_entropy_fwd_vp per rank) gives the same loss and gradient bits as the torch.distributed
+    all-gather path, the same loss on both ranks, and a NaN of one rank's shard on every rank."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_nccl_rank, args=(r, 2, port, [50000, 29000], results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=300) for _ in range(2)]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank, used, same_loss, same_grad, nan_seen, err, _ in got:
+        assert used, "rank %d did not run NCCL mode" % rank
+        assert same_loss and same_grad, (rank, same_loss, same_grad)
+        assert nan_seen, rank
+        assert err < 2e-5, (rank, err)
+    assert got[0][-1] == got[1][-1], "the ranks' losses differ"

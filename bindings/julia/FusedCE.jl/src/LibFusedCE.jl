@@ -232,6 +232,9 @@ const FCE_STATUS_CUDA_ERROR = fce_status(12)
 const FCE_STATUS_BLAS_ERROR = fce_status(13)
 # A bug in the library; please report it with the message.
 const FCE_STATUS_INTERNAL_ERROR = fce_status(14)
+# NCCL cannot be loaded, or an NCCL call failed; the message has NCCL's error text, the communicator's
+#  last error and its asynchronous error (ncclCommGetAsyncError).
+const FCE_STATUS_COMMUNICATOR_ERROR = fce_status(15)
 
 const fce_status_t = fce_status
 
@@ -550,6 +553,72 @@ Workspace bytes fce_cross_entropy_combine needs for these arguments (same valida
 """
 function fce_cross_entropy_combine_workspace_size(handle, records, targets, options, outputs, bytes)
     @ccall $(_fptr_fce_cross_entropy_combine_workspace_size[])(handle::fce_handle_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_ce_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+mutable struct ncclComm end
+
+mutable struct fce_comm end
+
+"""
+A borrowed NCCL communicator, with its rank and size.
+"""
+const fce_comm_t = Ptr{fce_comm}
+
+"""
+Borrows an NCCL communicator for the vocabulary-parallel calls (not owned: destroy `comm` before it).
+@param handle    a CUDA handle on the communicator's device.
+@param nccl_comm the caller's ncclComm_t (initialized; a non-blocking one must have finished initializing).
+@param out       the new communicator object.
+@return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (NULL arguments, a CPU handle); DEVICE_MISMATCH (the
+        communicator is on another device than the handle); COMMUNICATOR_ERROR (NCCL cannot be loaded, or
+        ncclCommCount/UserRank/CuDevice fail).
+"""
+function fce_comm_create(handle, nccl_comm, out)
+    @ccall $(_fptr_fce_comm_create[])(handle::fce_handle_t, nccl_comm::Ptr{ncclComm}, out::Ptr{fce_comm_t})::fce_status_t
+end
+
+"""
+Releases the object (the NCCL communicator stays the caller's). NULL is a no-op.
+"""
+function fce_comm_destroy(comm)
+    @ccall $(_fptr_fce_comm_destroy[])(comm::fce_comm_t)::fce_status_t
+end
+
+"""
+This rank and the number of ranks W (either pointer may be NULL, not both).
+"""
+function fce_comm_info(comm, rank, size)
+    @ccall $(_fptr_fce_comm_info[])(comm::fce_comm_t, rank::Ptr{Int32}, size::Ptr{Int32})::fce_status_t
+end
+
+"""
+Vocabulary-parallel cross-entropy over NCCL, one call per rank: the records of this rank's shard
+(fce_cross_entropy_partial), one all-gather of the [N, K] fp32 records on `stream`, their combine in rank
+order (fce_cross_entropy_combine: every rank gets the same bits, equal to a one-device emulation of the
+same shards), and, when outputs->dlogits is set, this shard's dlogits times grad_loss from the combined
+lse (fce_cross_entropy_bwd with the shard). Ranks must hold the shards in vocabulary order (rank r the
+columns of vocab_start_r).
+@param comm    from fce_comm_create, on the handle's device.
+@param logits  [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total).
+@param targets [N] int32 or int64, global indices; the same on every rank.
+@param options vocab_start (this rank's first column) and vocab_total required; the other options as for
+               fce_cross_entropy_fwd and the same on every rank.
+@param outputs as for fce_cross_entropy_fwd (loss required; lse, z_loss, argmax, entropy of the whole
+               rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss).
+@param workspace as everywhere (fce_cross_entropy_fwd_vp_workspace_size): the records of all W ranks
+               (N * 7 * 4 * (W + 1) bytes) and the steps' own.
+@return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or without
+        vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR.
+"""
+function fce_cross_entropy_fwd_vp(handle, comm, stream, logits, targets, options, outputs, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_cross_entropy_fwd_vp[])(handle::fce_handle_t, comm::fce_comm_t, stream::fce_stream_t, logits::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_ce_outputs_t}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_cross_entropy_fwd_vp needs for these arguments (same validation).
+"""
+function fce_cross_entropy_fwd_vp_workspace_size(handle, comm, logits, targets, options, outputs, bytes)
+    @ccall $(_fptr_fce_cross_entropy_fwd_vp_workspace_size[])(handle::fce_handle_t, comm::fce_comm_t, logits::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_ce_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t
 end
 
 """
@@ -1036,6 +1105,11 @@ const _fptr_fce_cross_entropy_record_fields = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_partial = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_combine = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_combine_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_comm_create = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_comm_destroy = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_comm_info = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_cross_entropy_fwd_vp = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_cross_entropy_fwd_vp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_lse_options_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
@@ -1080,6 +1154,11 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_cross_entropy_partial[] = Libdl.dlsym(lib, :fce_cross_entropy_partial)
     _fptr_fce_cross_entropy_combine[] = Libdl.dlsym(lib, :fce_cross_entropy_combine)
     _fptr_fce_cross_entropy_combine_workspace_size[] = Libdl.dlsym(lib, :fce_cross_entropy_combine_workspace_size)
+    _fptr_fce_comm_create[] = Libdl.dlsym(lib, :fce_comm_create)
+    _fptr_fce_comm_destroy[] = Libdl.dlsym(lib, :fce_comm_destroy)
+    _fptr_fce_comm_info[] = Libdl.dlsym(lib, :fce_comm_info)
+    _fptr_fce_cross_entropy_fwd_vp[] = Libdl.dlsym(lib, :fce_cross_entropy_fwd_vp)
+    _fptr_fce_cross_entropy_fwd_vp_workspace_size[] = Libdl.dlsym(lib, :fce_cross_entropy_fwd_vp_workspace_size)
     _fptr_fce_lse_options_init[] = Libdl.dlsym(lib, :fce_lse_options_init)
     _fptr_fce_logsumexp[] = Libdl.dlsym(lib, :fce_logsumexp)
     _fptr_fce_logsumexp_workspace_size[] = Libdl.dlsym(lib, :fce_logsumexp_workspace_size)
@@ -1121,6 +1200,11 @@ const FUNCTIONS = (
     :fce_cross_entropy_partial,
     :fce_cross_entropy_combine,
     :fce_cross_entropy_combine_workspace_size,
+    :fce_comm_create,
+    :fce_comm_destroy,
+    :fce_comm_info,
+    :fce_cross_entropy_fwd_vp,
+    :fce_cross_entropy_fwd_vp_workspace_size,
     :fce_lse_options_init,
     :fce_logsumexp,
     :fce_logsumexp_workspace_size,

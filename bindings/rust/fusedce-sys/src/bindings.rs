@@ -438,6 +438,11 @@ impl fce_status {
     #[doc = " A bug in the library; please report it with the message."]
     pub const FCE_STATUS_INTERNAL_ERROR: fce_status = fce_status(14);
 }
+impl fce_status {
+    #[doc = " NCCL cannot be loaded, or an NCCL call failed; the message has NCCL's error text, the communicator's"]
+    #[doc = "  last error and its asynchronous error (ncclCommGetAsyncError)."]
+    pub const FCE_STATUS_COMMUNICATOR_ERROR: fce_status = fce_status(15);
+}
 #[repr(transparent)]
 #[doc = " Result of every call. Values are pinned; new codes are only appended."]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
@@ -1236,6 +1241,77 @@ extern "C" {
     pub fn fce_cross_entropy_combine_workspace_size(
         handle: fce_handle_t,
         records: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_ce_options_t,
+        outputs: *const fce_ce_outputs_t,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct fce_comm {
+    _unused: [u8; 0],
+}
+#[doc = " A borrowed NCCL communicator, with its rank and size."]
+pub type fce_comm_t = *mut fce_comm;
+extern "C" {
+    #[doc = " Borrows an NCCL communicator for the vocabulary-parallel calls (not owned: destroy `comm` before it)."]
+    #[doc = " @param handle    a CUDA handle on the communicator's device."]
+    #[doc = " @param nccl_comm the caller's ncclComm_t (initialized; a non-blocking one must have finished initializing)."]
+    #[doc = " @param out       the new communicator object."]
+    #[doc = " @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (NULL arguments, a CPU handle); DEVICE_MISMATCH (the"]
+    #[doc = "         communicator is on another device than the handle); COMMUNICATOR_ERROR (NCCL cannot be loaded, or"]
+    #[doc = "         ncclCommCount/UserRank/CuDevice fail)."]
+    pub fn fce_comm_create(
+        handle: fce_handle_t,
+        nccl_comm: *mut ncclComm,
+        out: *mut fce_comm_t,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Releases the object (the NCCL communicator stays the caller's). NULL is a no-op."]
+    pub fn fce_comm_destroy(comm: fce_comm_t) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " This rank and the number of ranks W (either pointer may be NULL, not both)."]
+    pub fn fce_comm_info(comm: fce_comm_t, rank: *mut i32, size: *mut i32) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Vocabulary-parallel cross-entropy over NCCL, one call per rank: the records of this rank's shard"]
+    #[doc = " (fce_cross_entropy_partial), one all-gather of the [N, K] fp32 records on `stream`, their combine in rank"]
+    #[doc = " order (fce_cross_entropy_combine: every rank gets the same bits, equal to a one-device emulation of the"]
+    #[doc = " same shards), and, when outputs->dlogits is set, this shard's dlogits times grad_loss from the combined"]
+    #[doc = " lse (fce_cross_entropy_bwd with the shard). Ranks must hold the shards in vocabulary order (rank r the"]
+    #[doc = " columns of vocab_start_r)."]
+    #[doc = " @param comm    from fce_comm_create, on the handle's device."]
+    #[doc = " @param logits  [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total)."]
+    #[doc = " @param targets [N] int32 or int64, global indices; the same on every rank."]
+    #[doc = " @param options vocab_start (this rank's first column) and vocab_total required; the other options as for"]
+    #[doc = "                fce_cross_entropy_fwd and the same on every rank."]
+    #[doc = " @param outputs as for fce_cross_entropy_fwd (loss required; lse, z_loss, argmax, entropy of the whole"]
+    #[doc = "                rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss)."]
+    #[doc = " @param workspace as everywhere (fce_cross_entropy_fwd_vp_workspace_size): the records of all W ranks"]
+    #[doc = "                (N * 7 * 4 * (W + 1) bytes) and the steps' own."]
+    #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or without"]
+    #[doc = "         vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR."]
+    pub fn fce_cross_entropy_fwd_vp(
+        handle: fce_handle_t,
+        comm: fce_comm_t,
+        stream: fce_stream_t,
+        logits: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_ce_options_t,
+        outputs: *const fce_ce_outputs_t,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_cross_entropy_fwd_vp needs for these arguments (same validation)."]
+    pub fn fce_cross_entropy_fwd_vp_workspace_size(
+        handle: fce_handle_t,
+        comm: fce_comm_t,
+        logits: *const DLTensor,
         targets: *const DLTensor,
         options: *const fce_ce_options_t,
         outputs: *const fce_ce_outputs_t,

@@ -43,6 +43,8 @@ impl Status {
     pub const BLAS_ERROR: Status = Status(sys::fce_status::FCE_STATUS_BLAS_ERROR.0);
     /// 14: a bug in the library.
     pub const INTERNAL_ERROR: Status = Status(sys::fce_status::FCE_STATUS_INTERNAL_ERROR.0);
+    /// 15: NCCL cannot be loaded, or an NCCL call failed (NCCL mode).
+    pub const COMMUNICATOR_ERROR: Status = Status(sys::fce_status::FCE_STATUS_COMMUNICATOR_ERROR.0);
 
     /// Wraps a raw status returned by a `fusedce_sys` call.
     pub fn from_raw(raw: sys::fce_status_t) -> Status {
@@ -72,7 +74,7 @@ impl Status {
 
     /// The C name of a known code (`"FCE_STATUS_SHAPE_MISMATCH"`), None for others.
     pub fn name(self) -> Option<&'static str> {
-        const NAMES: [&str; 15] = [
+        const NAMES: [&str; 16] = [
             "FCE_STATUS_SUCCESS",
             "FCE_STATUS_INVALID_ARGUMENT",
             "FCE_STATUS_SHAPE_MISMATCH",
@@ -88,6 +90,7 @@ impl Status {
             "FCE_STATUS_CUDA_ERROR",
             "FCE_STATUS_BLAS_ERROR",
             "FCE_STATUS_INTERNAL_ERROR",
+            "FCE_STATUS_COMMUNICATOR_ERROR",
         ];
         NAMES.get(self.0 as usize).copied()
     }

@@ -1,0 +1,468 @@
+// Vocabulary-parallel cross-entropy over NCCL, one process per GPU (tests/multi/run_vp_nccl.sh starts the
+// ranks): fce_cross_entropy_fwd_vp on each rank's shard against the one-device emulation of the same shards
+// (fce_cross_entropy_partial on every shard, fce_cross_entropy_combine, fce_cross_entropy_bwd), bitwise;
+// the ranks' outputs bitwise equal to each other; a NaN in one rank's shard reaches every rank; a CUDA graph
+// of the call replays to the same bits; validation leaves the outputs untouched. With --bench, the timings
+// of docs/benchmarks.md (CUDA events, median of 20 calls).
+//   vp_nccl RANK WORLD ID_FILE [--bench]      exit 77: fewer GPUs than ranks, or no NCCL
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fusedce/fusedce.h"
+
+namespace {
+
+// NCCL's C ABI for the test's own communicator (nccl.h: ncclUniqueId is 128 bytes, ncclInt8 = 0).
+struct NcclId {
+  char internal[128];
+};
+struct Nccl {
+  int (*get_unique_id)(NcclId*);
+  int (*comm_init_rank)(ncclComm**, int, NcclId, int);
+  int (*comm_destroy)(ncclComm*);
+  int (*all_gather)(const void*, void*, size_t, int, ncclComm*, cudaStream_t);
+};
+
+int g_fail = 0, g_rank = 0;
+#define CHECK(cond, ...)                                      \
+  do {                                                        \
+    if (!(cond)) {                                            \
+      std::fprintf(stderr, "rank %d: FAIL %s:%d: ", g_rank, __FILE__, __LINE__); \
+      std::fprintf(stderr, __VA_ARGS__);                      \
+      std::fprintf(stderr, "\n");                             \
+      ++g_fail;                                               \
+    }                                                         \
+  } while (0)
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "rank %d: %s: %s\n", g_rank, what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+void ok(fce_status_t s, const char* what) {
+  if (s != FCE_STATUS_SUCCESS) {
+    std::fprintf(stderr, "rank %d: %s: %s\n", g_rank, what, fce_last_error_message());
+    std::exit(1);
+  }
+}
+
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// A device buffer with a DLTensor view of up to 3 dims.
+struct Buf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  int64_t shape[3] = {0, 0, 0};
+  DLTensor t{};
+  Buf(std::vector<int64_t> s, DLDataType dt, int dev) {
+    size_t n = 1;
+    for (size_t i = 0; i < s.size(); ++i) shape[i] = s[i], n *= size_t(s[i]);
+    bytes = n * size_t(dt.bits / 8);
+    ck(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc");
+    t.data = p;
+    t.device = {kDLCUDA, dev};
+    t.ndim = int32_t(s.size());
+    t.dtype = dt;
+    t.shape = shape;
+  }
+  ~Buf() { cudaFree(p); }
+  Buf(const Buf&) = delete;
+  void upload(const void* h) { ck(cudaMemcpy(p, h, bytes, cudaMemcpyHostToDevice), "upload"); }
+  std::vector<uint8_t> download() const {
+    std::vector<uint8_t> h(bytes);
+    ck(cudaMemcpy(h.data(), p, bytes, cudaMemcpyDeviceToHost), "download");
+    return h;
+  }
+  void poison() { ck(cudaMemset(p, 0xff, bytes), "poison"); }
+};
+
+const DLDataType kF32{kDLFloat, 32, 1}, kBF16{kDLBfloat, 16, 1}, kI64{kDLInt, 64, 1};
+
+// Columns of rank r: ceil(V / W) per rank, the last one short, every shard padded to the same width.
+struct Split {
+  int64_t V, W, width;
+  int64_t start(int64_t r) const { return r * width; }
+  int64_t real(int64_t r) const { return std::max<int64_t>(0, std::min(width, V - r * width)); }
+};
+
+struct Case {
+  int64_t N, V;
+  bool bf16;
+  int reduction;
+  float smoothing, zloss;
+  bool nan_row;  // a NaN in the last rank's shard of row 1
+};
+
+// Host logits [N, V] as fp32 values (bf16-representable when bf16), targets with ignored and random rows.
+void make_inputs(const Case& c, std::vector<float>& x, std::vector<int64_t>& t) {
+  std::mt19937_64 g(uint64_t(c.N * 1000003 + c.V * 7 + (c.bf16 ? 1 : 0)));
+  std::normal_distribution<float> nd(0.f, 2.f);
+  x.resize(size_t(c.N * c.V));
+  for (auto& v : x) {
+    v = nd(g);
+    if (c.bf16) {
+      const uint32_t u = uint32_t(to_bf16(v)) << 16;
+      std::memcpy(&v, &u, 4);
+    }
+  }
+  t.resize(size_t(c.N));
+  for (int64_t i = 0; i < c.N; ++i) t[size_t(i)] = int64_t(g() % uint64_t(c.V));
+  if (c.N > 2) t[2] = -100;  // ignored
+  if (c.nan_row && c.N > 1) x[size_t(1 * c.V + c.V - 3)] = NAN;
+}
+
+// Shard r of the logits as the case's dtype, [N, width], padding past V filled with NaN (never read).
+std::vector<uint8_t> shard_bytes(const Case& c, const Split& s, int64_t r, const std::vector<float>& x) {
+  const size_t es = c.bf16 ? 2 : 4;
+  std::vector<uint8_t> out(size_t(c.N * s.width) * es);
+  for (int64_t i = 0; i < c.N; ++i)
+    for (int64_t j = 0; j < s.width; ++j) {
+      const int64_t col = s.start(r) + j;
+      const float v = col < c.V ? x[size_t(i * c.V + col)] : NAN;
+      uint8_t* p = out.data() + size_t(i * s.width + j) * es;
+      if (c.bf16) {
+        const uint16_t h = to_bf16(v);
+        std::memcpy(p, &h, 2);
+      } else {
+        std::memcpy(p, &v, 4);
+      }
+    }
+  return out;
+}
+
+fce_ce_options_t options_of(const Case& c, const Split& s, int64_t r) {
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  o.reduction = fce_reduction_t(c.reduction);
+  o.label_smoothing = c.smoothing;
+  o.z_loss_scale = c.zloss;
+  o.vocab_start = s.start(r);
+  o.vocab_total = c.V;
+  return o;
+}
+
+struct Outs {
+  Buf loss, lse, zl, am, ent, dl;
+  Outs(const Case& c, const Split& s, int dev)
+      : loss(c.reduction == FCE_REDUCTION_NONE ? std::vector<int64_t>{c.N} : std::vector<int64_t>{}, kF32, dev),
+        lse({c.N}, kF32, dev),
+        zl(c.reduction == FCE_REDUCTION_NONE ? std::vector<int64_t>{c.N} : std::vector<int64_t>{}, kF32, dev),
+        am({c.N}, kI64, dev),
+        ent({c.N}, kF32, dev),
+        dl({c.N, s.width}, c.bf16 ? kBF16 : kF32, dev) {}
+  void poison() {
+    for (Buf* b : {&loss, &lse, &zl, &am, &ent, &dl}) b->poison();
+  }
+  fce_ce_outputs_t view(bool grad) {
+    fce_ce_outputs_t o = FCE_CE_OUTPUTS_INIT;
+    o.loss = &loss.t;
+    o.lse = &lse.t;
+    o.z_loss = &zl.t;
+    o.argmax = &am.t;
+    o.entropy = &ent.t;
+    o.dlogits = grad ? &dl.t : nullptr;
+    return o;
+  }
+  std::vector<uint8_t> bytes() const {
+    std::vector<uint8_t> all;
+    for (const Buf* b : {&loss, &lse, &zl, &am, &ent, &dl}) {
+      const auto h = b->download();
+      all.insert(all.end(), h.begin(), h.end());
+    }
+    return all;
+  }
+};
+
+void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, const Nccl& nccl, ncclComm* nc,
+              cudaStream_t st) {
+  const Split s{c.V, W, (c.V + W - 1) / W};
+  std::vector<float> x;
+  std::vector<int64_t> t;
+  make_inputs(c, x, t);
+  const DLDataType xt = c.bf16 ? kBF16 : kF32;
+  Buf logits({c.N, s.width}, xt, dev), targets({c.N}, kI64, dev);
+  logits.upload(shard_bytes(c, s, g_rank, x).data());
+  targets.upload(t.data());
+  const fce_ce_options_t o = options_of(c, s, g_rank);
+  const fce_stream_t fs = reinterpret_cast<fce_stream_t>(st);
+
+  // NCCL mode.
+  Outs got(c, s, dev);
+  got.poison();
+  fce_ce_outputs_t ov = got.view(true);
+  ok(fce_cross_entropy_fwd_vp(h, comm, fs, &logits.t, &targets.t, &o, &ov, nullptr, 0), "fce_cross_entropy_fwd_vp");
+  ck(cudaStreamSynchronize(st), "sync");
+  const std::vector<uint8_t> mine = got.bytes();
+
+  // The one-device emulation: every shard's records on this GPU, the combine, this shard's backward.
+  Buf recs({int64_t(W), c.N, 7}, kF32, dev);
+  for (int r = 0; r < W; ++r) {
+    Buf sh({c.N, s.width}, xt, dev);
+    sh.upload(shard_bytes(c, s, r, x).data());
+    const fce_ce_options_t orr = options_of(c, s, r);
+    DLTensor view = recs.t;
+    int64_t vshape[2] = {c.N, 7};
+    view.ndim = 2;
+    view.shape = vshape;
+    view.byte_offset = uint64_t(r) * uint64_t(c.N) * 7 * 4;
+    ok(fce_cross_entropy_partial(h, fs, &sh.t, &targets.t, &orr, &view), "fce_cross_entropy_partial");
+  }
+  Outs emu(c, s, dev);
+  emu.poison();
+  fce_ce_outputs_t ev = emu.view(false);
+  ok(fce_cross_entropy_combine(h, fs, &recs.t, &targets.t, &o, &ev, nullptr, 0), "fce_cross_entropy_combine");
+  ok(fce_cross_entropy_bwd(h, fs, &logits.t, &targets.t, &emu.lse.t, nullptr, &o, &emu.dl.t, nullptr, 0),
+     "fce_cross_entropy_bwd");
+  ck(cudaStreamSynchronize(st), "sync");
+  const std::vector<uint8_t> ref = emu.bytes();
+  char name[160];
+  std::snprintf(name, sizeof name, "N=%lld V=%lld %s reduction=%d smoothing=%g zloss=%g%s", (long long)c.N,
+                (long long)c.V, c.bf16 ? "bf16" : "fp32", c.reduction, c.smoothing, c.zloss,
+                c.nan_row ? " NaN row" : "");
+  CHECK(mine == ref, "%s: NCCL mode differs from the one-device emulation", name);
+
+  // Every rank's outputs, gathered by the test's own NCCL: the same bits everywhere.
+  Buf mine_d({int64_t(mine.size())}, DLDataType{kDLUInt, 8, 1}, dev);
+  Buf all_d({int64_t(mine.size()) * W}, DLDataType{kDLUInt, 8, 1}, dev);
+  mine_d.upload(mine.data());
+  if (nccl.all_gather(mine_d.p, all_d.p, mine.size(), 0, nc, st) != 0) CHECK(false, "test all-gather failed");
+  ck(cudaStreamSynchronize(st), "sync");
+  const auto all = all_d.download();
+  for (int r = 1; r < W; ++r)
+    CHECK(std::memcmp(all.data(), all.data() + size_t(r) * mine.size(), mine.size() - got.dl.bytes) == 0,
+          "%s: rank %d's loss/lse/z-loss/argmax/entropy differ from rank 0's", name, r);
+
+  if (c.nan_row && c.N > 1 && c.reduction == FCE_REDUCTION_NONE) {  // the NaN of the last rank's shard
+    float l1 = 0, e1 = 0;
+    ck(cudaMemcpy(&l1, static_cast<float*>(got.loss.p) + 1, 4, cudaMemcpyDeviceToHost), "copy");
+    ck(cudaMemcpy(&e1, static_cast<float*>(got.lse.p) + 1, 4, cudaMemcpyDeviceToHost), "copy");
+    CHECK(std::isnan(l1) && std::isnan(e1), "%s: row 1's NaN did not reach rank %d (loss %g, lse %g)", name,
+          g_rank, l1, e1);
+  }
+
+  // A CUDA graph of the call (the caller's workspace: the handle's cache cannot grow during capture).
+  size_t wsb = 0;
+  ok(fce_cross_entropy_fwd_vp_workspace_size(h, comm, &logits.t, &targets.t, &o, &ov, &wsb), "workspace size");
+  void* ws = nullptr;
+  ck(cudaMalloc(&ws, wsb ? wsb : 1), "cudaMalloc");
+  got.poison();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+  const fce_status_t cs = fce_cross_entropy_fwd_vp(h, comm, fs, &logits.t, &targets.t, &o, &ov, ws, wsb);
+  ck(cudaStreamEndCapture(st, &graph), "end capture");
+  CHECK(cs == FCE_STATUS_SUCCESS, "%s: capture: %s", name, fce_last_error_message());
+  if (cs == FCE_STATUS_SUCCESS) {
+    ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    for (int k = 0; k < 2; ++k) ck(cudaGraphLaunch(exec, st), "graph launch");
+    ck(cudaStreamSynchronize(st), "sync");
+    CHECK(got.bytes() == mine, "%s: the graph's replay differs from the eager call", name);
+    cudaGraphExecDestroy(exec);
+  }
+  cudaGraphDestroy(graph);
+  cudaFree(ws);
+  std::printf("rank %d: %s: ok\n", g_rank, name);
+}
+
+void validation(int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st) {
+  const Case c{4, 1000, false, FCE_REDUCTION_NONE, 0.f, 0.f, false};
+  const Split s{c.V, 2, 500};
+  Buf logits({c.N, s.width}, kF32, dev), targets({c.N}, kI64, dev);
+  ck(cudaMemset(logits.p, 0, logits.bytes), "memset");
+  ck(cudaMemset(targets.p, 0, targets.bytes), "memset");
+  Outs out(c, s, dev);
+  out.poison();
+  const auto before = out.bytes();
+  fce_ce_outputs_t ov = out.view(true);
+  const fce_stream_t fs = reinterpret_cast<fce_stream_t>(st);
+  fce_ce_options_t o = options_of(c, s, g_rank);
+  CHECK(fce_cross_entropy_fwd_vp(h, nullptr, fs, &logits.t, &targets.t, &o, &ov, nullptr, 0) ==
+            FCE_STATUS_INVALID_ARGUMENT, "NULL comm");
+  fce_ce_options_t plain = FCE_CE_OPTIONS_INIT;
+  CHECK(fce_cross_entropy_fwd_vp(h, comm, fs, &logits.t, &targets.t, &plain, &ov, nullptr, 0) ==
+            FCE_STATUS_INVALID_ARGUMENT, "options without vocab_total");
+  CHECK(std::strstr(fce_last_error_message(), "vocab_total") != nullptr, "message: %s", fce_last_error_message());
+  Buf wrong({c.N, s.width + 1}, kF32, dev);
+  ov.dlogits = &wrong.t;
+  CHECK(fce_cross_entropy_fwd_vp(h, comm, fs, &logits.t, &targets.t, &o, &ov, nullptr, 0) ==
+            FCE_STATUS_SHAPE_MISMATCH, "dlogits of another shape");
+  CHECK(out.bytes() == before, "a refused call wrote outputs");
+  fce_handle_t cpu = nullptr;
+  fce_comm_t bad = nullptr;
+  ok(fce_handle_create(kDLCPU, 0, &cpu), "cpu handle");
+  CHECK(fce_comm_create(cpu, reinterpret_cast<ncclComm*>(&bad), &bad) == FCE_STATUS_INVALID_ARGUMENT && !bad,
+        "a CPU handle");
+  fce_handle_destroy(cpu);
+  CHECK(fce_comm_destroy(nullptr) == FCE_STATUS_SUCCESS, "destroy NULL");
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Per-rank timings: forward (loss) and forward + dlogits in place, V split over the ranks (strong) and
+// V_local = V on every rank (weak), next to the one-GPU fused call over V.
+void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st) {
+  const int64_t N = 8192, V = 128256;
+  const fce_stream_t fs = reinterpret_cast<fce_stream_t>(st);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  Buf flush({int64_t(256) << 20}, DLDataType{kDLUInt, 8, 1}, dev);
+  auto time = [&](auto&& fn) {
+    std::vector<float> ms;
+    fn();
+    for (int i = 0; i < 20; ++i) {
+      ck(cudaMemsetAsync(flush.p, i, flush.bytes, st), "flush");
+      cudaEventRecord(e0, st);
+      fn();
+      cudaEventRecord(e1, st);
+      cudaEventSynchronize(e1);
+      float t = 0;
+      cudaEventElapsedTime(&t, e0, e1);
+      ms.push_back(t);
+    }
+    return median(ms);
+  };
+  std::vector<int64_t> tg(N);
+  std::mt19937_64 g(1);
+  for (auto& v : tg) v = int64_t(g() % uint64_t(V));
+  for (int weak = 0; weak < 2; ++weak) {
+    const int64_t VT = weak ? V * W : V, width = weak ? V : (V + W - 1) / W;
+    Buf x({N, width}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
+    std::vector<uint16_t> hx(size_t(N * width));
+    std::normal_distribution<float> nd(0.f, 2.f);
+    for (auto& v : hx) v = to_bf16(nd(g));
+    x.upload(hx.data());
+    std::vector<int64_t> tt(tg);
+    if (weak)
+      for (auto& v : tt) v = int64_t(g() % uint64_t(VT));
+    t.upload(tt.data());
+    fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+    o.vocab_start = g_rank * width;
+    o.vocab_total = VT;
+    fce_ce_outputs_t fwd = FCE_CE_OUTPUTS_INIT, grad = FCE_CE_OUTPUTS_INIT;
+    fwd.loss = grad.loss = &loss.t;
+    grad.dlogits = &x.t;  // in place, as a training step does
+    size_t wsb = 0;
+    ok(fce_cross_entropy_fwd_vp_workspace_size(h, comm, &x.t, &t.t, &o, &grad, &wsb), "ws");
+    void* ws = nullptr;
+    ck(cudaMalloc(&ws, wsb), "ws");
+    const float tf = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &fwd, ws, wsb), "vp"); });
+    const float tg2 = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &grad, ws, wsb), "vp"); });
+    cudaFree(ws);
+    std::printf("| rank %d | %s | N=%lld V_local=%lld V=%lld | %.3f | %.3f |\n", g_rank, weak ? "weak" : "strong",
+                (long long)N, (long long)width, (long long)VT, tf, tg2);
+  }
+  {  // one GPU, the whole V, fused forward + dlogits in place
+    Buf x({N, V}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
+    std::vector<uint16_t> hx(size_t(N * V));
+    std::normal_distribution<float> nd(0.f, 2.f);
+    for (auto& v : hx) v = to_bf16(nd(g));
+    x.upload(hx.data());
+    t.upload(tg.data());
+    fce_ce_outputs_t fwd = FCE_CE_OUTPUTS_INIT, grad = FCE_CE_OUTPUTS_INIT;
+    fwd.loss = grad.loss = &loss.t;
+    grad.dlogits = &x.t;
+    const float tf = time([&] { ok(fce_cross_entropy_fwd(h, fs, &x.t, &t.t, nullptr, &fwd, nullptr, 0), "fwd"); });
+    const float tg2 = time([&] { ok(fce_cross_entropy_fwd(h, fs, &x.t, &t.t, nullptr, &grad, nullptr, 0), "fwd"); });
+    std::printf("| rank %d | one GPU | N=%lld V=%lld | %.3f | %.3f |\n", g_rank, (long long)N, (long long)V, tf, tg2);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: vp_nccl RANK WORLD ID_FILE [--bench]\n");
+    return 2;
+  }
+  g_rank = std::atoi(argv[1]);
+  const int W = std::atoi(argv[2]);
+  const std::string id_file = argv[3];
+  const bool do_bench = argc > 4 && std::strcmp(argv[4], "--bench") == 0;
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < W) {
+    std::printf("rank %d: %d GPU(s) for %d ranks: skipped\n", g_rank, ndev, W);
+    return 77;
+  }
+  void* lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+  if (!lib) {
+    std::printf("rank %d: no libnccl.so.2 (%s): skipped\n", g_rank, dlerror());
+    return 77;
+  }
+  Nccl nccl{};
+  nccl.get_unique_id = reinterpret_cast<decltype(nccl.get_unique_id)>(dlsym(lib, "ncclGetUniqueId"));
+  nccl.comm_init_rank = reinterpret_cast<decltype(nccl.comm_init_rank)>(dlsym(lib, "ncclCommInitRank"));
+  nccl.comm_destroy = reinterpret_cast<decltype(nccl.comm_destroy)>(dlsym(lib, "ncclCommDestroy"));
+  nccl.all_gather = reinterpret_cast<decltype(nccl.all_gather)>(dlsym(lib, "ncclAllGather"));
+  const int dev = g_rank;
+  ck(cudaSetDevice(dev), "cudaSetDevice");
+  NcclId id{};
+  if (g_rank == 0) {
+    if (nccl.get_unique_id(&id) != 0) return 1;
+    const std::string tmp = id_file + ".tmp";
+    FILE* f = std::fopen(tmp.c_str(), "wb");
+    std::fwrite(&id, sizeof id, 1, f);
+    std::fclose(f);
+    std::rename(tmp.c_str(), id_file.c_str());
+  } else {
+    FILE* f = nullptr;
+    for (int i = 0; i < 600 && !(f = std::fopen(id_file.c_str(), "rb")); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (!f || std::fread(&id, sizeof id, 1, f) != 1) return 1;
+    std::fclose(f);
+  }
+  ncclComm* nc = nullptr;
+  if (nccl.comm_init_rank(&nc, W, id, g_rank) != 0) {
+    std::fprintf(stderr, "rank %d: ncclCommInitRank failed\n", g_rank);
+    return 1;
+  }
+  fce_handle_t h = nullptr;
+  ok(fce_handle_create(kDLCUDA, dev, &h), "fce_handle_create");
+  fce_comm_t comm = nullptr;
+  ok(fce_comm_create(h, nc, &comm), "fce_comm_create");
+  int32_t r = -1, w = -1;
+  ok(fce_comm_info(comm, &r, &w), "fce_comm_info");
+  CHECK(r == g_rank && w == W, "fce_comm_info: rank %d of %d", r, w);
+  cudaStream_t st;
+  ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+  if (do_bench) {
+    bench(W, dev, h, comm, st);
+  } else {
+    const Case cases[] = {
+        {1, 50021, false, FCE_REDUCTION_NONE, 0.f, 0.f, false},
+        {37, 50021, true, FCE_REDUCTION_NONE, 0.1f, 1e-4f, true},
+        {37, 50021, false, FCE_REDUCTION_MEAN, 0.f, 0.f, false},
+        {300, 129920, true, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, false},
+        {300, 129920, true, FCE_REDUCTION_NONE, 0.f, 0.f, true},
+        {64, 7, false, FCE_REDUCTION_SUM, 0.f, 0.f, false},  // shards of 4 and 3 columns
+    };
+    for (const Case& c : cases) run_case(c, W, dev, h, comm, nccl, nc, st);
+    validation(dev, h, comm, st);
+  }
+  fce_comm_destroy(comm);
+  fce_handle_destroy(h);
+  nccl.comm_destroy(nc);
+  std::printf("rank %d: %s (%d failure%s)\n", g_rank, g_fail ? "FAILED" : "passed", g_fail, g_fail == 1 ? "" : "s");
+  return g_fail ? 1 : 0;
+}
