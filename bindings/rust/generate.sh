@@ -28,7 +28,7 @@ for tool in bindgen rustfmt; do
 done
 
 # Flags (bindgen 0.60):
-#   allowlist fce_* functions and FCE_* macros, the fce_* / DL* types and the opaque CUstream_st, without
+#   allowlist fce_* functions and FCE_* macros, the fce_* / DL* types and the opaque CUstream_st and ncclComm, without
 #     following typedef chains into glibc's __int64_t & co. (--no-recursive-allowlist);
 #   std::os::raw C types (core::ffi's need Rust >= 1.64; Debian bookworm's rustc is 1.63);
 #   the status enum as a newtype (an unknown code from a newer library stays a valid value; a Rust enum
@@ -39,7 +39,7 @@ generate() {
     --no-rustfmt-bindings \
     --no-recursive-allowlist \
     --allowlist-function 'fce_.*' \
-    --allowlist-type '(fce|DL|CUstream).*' \
+    --allowlist-type '(fce|DL|CUstream|ncclComm).*' \
     --allowlist-var 'FCE_.*' \
     --ctypes-prefix '::std::os::raw' \
     --newtype-enum 'fce_status' \

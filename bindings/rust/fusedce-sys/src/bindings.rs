@@ -1247,6 +1247,12 @@ extern "C" {
         bytes: *mut usize,
     ) -> fce_status_t;
 }
+#[doc = " NCCL's communicator: ncclComm_t is `struct ncclComm*`, so this header need not include nccl.h."]
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct ncclComm {
+    _unused: [u8; 0],
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct fce_comm {
