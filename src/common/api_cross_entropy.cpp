@@ -99,6 +99,17 @@ Vec read_grad_loss(Validator& val, const DLTensor* g, int reduction, int64_t N) 
   return v;
 }
 
+void read_fused_dlogits(Validator& val, const fce_ce_outputs_t& out, CeProblem& p) {
+  if (!out.dlogits) return;
+  p.dlogits = val.matrix(out.dlogits, "outputs->dlogits", kFloats);
+  expect_shape(p.dlogits, "outputs->dlogits", p.logits.rows, p.logits.cols);
+  FCE_CHECK(p.dlogits.dtype == p.logits.dtype, FCE_STATUS_UNSUPPORTED_DTYPE,
+            "outputs->dlogits is %s; it must have the logits' dtype %s", dtype_name(p.dlogits.dtype),
+            dtype_name(p.logits.dtype));
+  val.output_allow_exact("outputs->dlogits", p.dlogits, p.logits, "logits");
+  p.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, p.logits.rows);
+}
+
 namespace {
 
 // Validates everything of a forward call; `ce_workspace` and `ce` then run on the result.
@@ -118,15 +129,7 @@ CeProblem ce_forward_problem(fce_handle* h, const DLTensor* logits, const DLTens
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
                                          out.entropy, true);
   take_stat_outputs(p, s);
-  if (out.dlogits) {
-    p.dlogits = val.matrix(out.dlogits, "outputs->dlogits", kFloats);
-    expect_shape(p.dlogits, "outputs->dlogits", N, V);
-    FCE_CHECK(p.dlogits.dtype == p.logits.dtype, FCE_STATUS_UNSUPPORTED_DTYPE,
-              "outputs->dlogits is %s; it must have the logits' dtype %s", dtype_name(p.dlogits.dtype),
-              dtype_name(p.logits.dtype));
-    val.output_allow_exact("outputs->dlogits", p.dlogits, p.logits, "logits");
-    p.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, N);
-  }
+  read_fused_dlogits(val, out, p);
   return p;
 }
 

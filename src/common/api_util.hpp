@@ -92,6 +92,9 @@ void take_stat_outputs(P& p, const CeStatOutputs& s) {
 
 // Upstream gradient: scalar for SUM/MEAN, scalar or [N] for NONE.
 Vec read_grad_loss(Validator& val, const DLTensor* g, int reduction, int64_t N);
+// A forward's fused gradient (outputs->dlogits, of the logits' shape and dtype, in place allowed) and its
+// grad_loss, into p (p.logits, p.o set); nothing when outputs->dlogits is NULL.
+void read_fused_dlogits(Validator& val, const fce_ce_outputs_t& out, CeProblem& p);
 
 // The targets vector [N].
 Vec read_targets(Validator& val, const DLTensor* t, const char* name, int64_t N);

@@ -45,17 +45,10 @@ VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const D
   v.comb.o = p.o;
   take_stat_outputs(v.comb, s);
   if (out.dlogits) {
-    CeProblem& b = v.bwd;
-    b.logits = p.logits;
-    b.targets = p.targets;
-    b.o = p.o;
-    b.dlogits = val.matrix(out.dlogits, "outputs->dlogits", kFloats);
-    expect_shape(b.dlogits, "outputs->dlogits", N, V);
-    FCE_CHECK(b.dlogits.dtype == p.logits.dtype, FCE_STATUS_UNSUPPORTED_DTYPE,
-              "outputs->dlogits is %s; it must have the logits' dtype %s", dtype_name(b.dlogits.dtype),
-              dtype_name(p.logits.dtype));
-    val.output_allow_exact("outputs->dlogits", b.dlogits, p.logits, "logits");
-    b.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, N);
+    v.bwd.logits = p.logits;
+    v.bwd.targets = p.targets;
+    v.bwd.o = p.o;
+    read_fused_dlogits(val, out, v.bwd);
   } else {
     FCE_CHECK(!out.grad_loss, FCE_STATUS_INVALID_ARGUMENT, "outputs->grad_loss is set without outputs->dlogits");
   }

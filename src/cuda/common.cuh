@@ -355,6 +355,25 @@ __device__ inline double block_sum_rows(const float* x, int64_t n) {
   return block_reduce(SumD(s)).s;
 }
 
+// The fixed-order finalize of a SUM or MEAN over row losses, for one block (every op's finalize kernel):
+// the sums in fp64 (block_sum_rows), MEAN divided by `den()`, the op's denominator computed by the whole
+// block (0 gives 0). zl_rows/zloss: an optional second column (CE's z-loss).
+template <class Den>
+__device__ void finalize_rows(const float* loss_rows, const float* zl_rows, int64_t N, bool mean, Den&& den,
+                              float* loss, float* zloss) {
+  double s = block_sum_rows(loss_rows, N);
+  double z = block_sum_rows(zloss ? zl_rows : nullptr, zloss ? N : 0);
+  const double d = mean ? den() : 1.0;
+  if (threadIdx.x == 0) {
+    if (mean) {
+      s = d > 0 ? s / d : 0.0;
+      z = d > 0 ? z / d : 0.0;
+    }
+    *loss = float(s);
+    if (zloss) *zloss = float(z);
+  }
+}
+
 struct MaxF {
   float m = -INFINITY;
   __device__ MaxF() {}

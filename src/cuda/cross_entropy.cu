@@ -50,17 +50,8 @@ __global__ void __launch_bounds__(1024) prep_kernel(CeParams p, double* prep) { 
 // here from the targets when prep is null (one launch fewer for a forward without a gradient).
 __global__ void __launch_bounds__(1024) finalize_kernel(CeParams p, float* loss, float* zloss) {
   wait_prior_grid();  // launched as a programmatic dependent of the rows' kernel where the device allows
-  double s = block_sum_rows(p.loss_rows, p.N);
-  double z = block_sum_rows(zloss ? p.zl_rows : nullptr, zloss ? p.N : 0);
-  const double den = p.reduction != FCE_REDUCTION_MEAN ? 1.0 : p.prep ? p.prep[0] : mean_denominator(p);
-  if (threadIdx.x == 0) {
-    if (p.reduction == FCE_REDUCTION_MEAN) {
-      s = den > 0 ? s / den : 0.0;
-      z = den > 0 ? z / den : 0.0;
-    }
-    *loss = float(s);
-    if (zloss) *zloss = float(z);
-  }
+  finalize_rows(p.loss_rows, p.zl_rows, p.N, p.reduction == FCE_REDUCTION_MEAN,
+                [&] { return p.prep ? p.prep[0] : mean_denominator(p); }, loss, zloss);
 }
 
 // Calls body(T{}, T{}) for the logits' type: dlogits always has it (the API checks; linear CE's chunks are in

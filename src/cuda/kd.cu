@@ -70,11 +70,11 @@ __global__ void __launch_bounds__(256) kd_count_kernel(const KdArgs a, int* coun
 // SUM/MEAN of the per-row losses in a fixed order, in fp64; MEAN divides by the unmasked rows (0 if none).
 __global__ void __launch_bounds__(1024) kd_finalize_kernel(const float* row_loss, const int* row_used, int64_t N,
                                                            int mean, float* out) {
-  const double s = block_sum_rows(row_loss, N);
-  long long u = 0;
-  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) u += row_used[i];
-  u = block_reduce(SumL(u)).s;
-  if (threadIdx.x == 0) *out = float(mean ? (u > 0 ? s / double(u) : 0.0) : s);
+  finalize_rows(row_loss, nullptr, N, mean != 0, [&] {
+    long long u = 0;
+    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) u += row_used[i];
+    return double(block_reduce(SumL(u)).s);
+  }, out, nullptr);
 }
 
 // ---- host side -------------------------------------------------------------------------------------

@@ -321,7 +321,7 @@ float median(std::vector<float> v) {
 
 // Per-rank timings: forward (loss) and forward + dlogits in place, V split over the ranks (strong) and
 // V_local = V on every rank (weak), next to the one-GPU fused call over V.
-void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st) {
+void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, const Nccl& nccl, ncclComm* nc) {
   const int64_t N = 8192, V = 128256;
   const fce_stream_t fs = reinterpret_cast<fce_stream_t>(st);
   cudaEvent_t e0, e1;
@@ -372,6 +372,13 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st) {
     cudaFree(ws);
     std::printf("| rank %d | %s | N=%lld V_local=%lld V=%lld | %.3f | %.3f |\n", g_rank, weak ? "weak" : "strong",
                 (long long)N, (long long)width, (long long)VT, tf, tg2);
+  }
+  {  // the exchange alone: the all-gather of [N, 7] fp32 records
+    Buf mine({N, 7}, kF32, dev), all({int64_t(W) * N, 7}, kF32, dev);
+    const float ta = time([&] {
+      if (nccl.all_gather(mine.p, all.p, size_t(N) * 7, 7, nc, st) != 0) CHECK(false, "all-gather failed");
+    });
+    std::printf("| rank %d | all-gather of the records | N=%lld, %d ranks | %.3f | |\n", g_rank, (long long)N, W, ta);
   }
   {  // one GPU, the whole V, fused forward + dlogits in place
     Buf x({N, V}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
@@ -447,7 +454,7 @@ int main(int argc, char** argv) {
   cudaStream_t st;
   ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
   if (do_bench) {
-    bench(W, dev, h, comm, st);
+    bench(W, dev, h, comm, st, nccl, nc);
   } else {
     const Case cases[] = {
         {1, 50021, false, FCE_REDUCTION_NONE, 0.f, 0.f, false},

@@ -482,10 +482,9 @@ class _VocabParallelCE(torch.autograd.Function):
         return d, None, None, None
 
 
-class _VocabParallelCENccl(torch.autograd.Function):
-    """NCCL mode: partial, all-gather and combine in one library call; the backward is the shard's
-    fce_cross_entropy_bwd with the upstream gradient (each element formed in fp32 and rounded once, the same
-    bits as the all-gather path)."""
+class _VocabParallelCENccl(_VocabParallelCE):
+    """NCCL mode: partial, all-gather and combine in one library call; the backward is the all-gather path's
+    (the shard's fce_cross_entropy_bwd: each element formed in fp32 and rounded once, the same bits)."""
 
     @staticmethod
     def forward(ctx, logits, targets, comm, kw):
@@ -493,12 +492,6 @@ class _VocabParallelCENccl(torch.autograd.Function):
         ctx.save_for_backward(logits, targets, out.lse)
         ctx.kw = kw
         return out.loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, targets, lse = ctx.saved_tensors
-        d = _arrays.cross_entropy_bwd(logits.detach(), targets, lse, grad_loss=grad.float().contiguous(), **ctx.kw)
-        return d, None, None, None
 
 
 _COMMS = {}  # (process group, device index) -> ops.Communicator over the group's NCCL communicator
