@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kTwo ? 640 : 1024, kTwo ? 2 : 1)
     for (int k = 0; k < 8; ++k) d += ex2((v[k] - mx) * c);
   }
   mark(1, d);
-  const MaxSum part = block_ms_all({mx, d}, c);
+  const OnlineSoftmax part = block_merge_all({mx, d}, c);
   mark(2, part.d);
   const FewStats t = few_merge<kSoft>(part, c, C, f.rank);
   if (kSoft || f.rank == 0) mark(3, t.d);

@@ -282,9 +282,9 @@ void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, co
   std::printf("rank %d: %s: ok\n", g_rank, name);
 }
 
-void validation(int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st) {
+void validation(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st) {
   const Case c{4, 1000, false, FCE_REDUCTION_NONE, 0.f, 0.f, false};
-  const Split s{c.V, 2, 500};
+  const Split s{c.V, W, (c.V + W - 1) / W};
   Buf logits({c.N, s.width}, kF32, dev), targets({c.N}, kI64, dev);
   ck(cudaMemset(logits.p, 0, logits.bytes), "memset");
   ck(cudaMemset(targets.p, 0, targets.bytes), "memset");
@@ -465,7 +465,7 @@ int main(int argc, char** argv) {
         {64, 7, false, FCE_REDUCTION_SUM, 0.f, 0.f, false},  // shards of 4 and 3 columns
     };
     for (const Case& c : cases) run_case(c, W, dev, h, comm, nccl, nc, st);
-    validation(dev, h, comm, st);
+    validation(W, dev, h, comm, st);
   }
   fce_comm_destroy(comm);
   fce_handle_destroy(h);
