@@ -1109,6 +1109,28 @@ void fuzz_misc(Env& e) {
     die("fce_status_string(%d) = \"%s\"", code, str);
   if (fce_version_number() != FCE_VERSION_NUMBER || fce_abi_version() != FCE_ABI_VERSION || !fce_version_string())
     die("version mismatch");
+  // NCCL mode from a CPU handle or without a communicator: refused, nothing written, nothing dereferenced.
+  fce_handle_t cpu = nullptr;
+  if (fce_handle_create(kDLCPU, 0, &cpu) != FCE_STATUS_SUCCESS) die("cannot create a CPU handle");
+  fce_comm_t c = reinterpret_cast<fce_comm_t>(uintptr_t(0x5a5a5a5a5a5a5a5aull));
+  const uintptr_t fake = e.pick<uintptr_t>({0, 1, 0x1000, uintptr_t(e.fdp.ConsumeIntegral<uint64_t>())});
+  const fce_status_t cs = fce_comm_create(e.coin(4) ? nullptr : cpu, reinterpret_cast<struct ncclComm*>(fake),
+                                          e.coin(8) ? nullptr : &c);
+  count("fce_comm_create", cs, false);
+  if (cs != FCE_STATUS_INVALID_ARGUMENT) die("fce_comm_create on a CPU handle returned %d", int(cs));
+  if (c != nullptr && c != reinterpret_cast<fce_comm_t>(uintptr_t(0x5a5a5a5a5a5a5a5aull)))
+    die("fce_comm_create failed but wrote a communicator");
+  int32_t rank = -7, size = -7;
+  if (fce_comm_info(nullptr, &rank, &size) != FCE_STATUS_INVALID_ARGUMENT || rank != -7 || size != -7)
+    die("fce_comm_info(NULL) misbehaved");
+  if (fce_comm_destroy(nullptr) != FCE_STATUS_SUCCESS) die("fce_comm_destroy(NULL) failed");
+  size_t bytes = 77;
+  if (fce_cross_entropy_fwd_vp(cpu, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0) !=
+          FCE_STATUS_INVALID_ARGUMENT ||
+      fce_cross_entropy_fwd_vp_workspace_size(cpu, nullptr, nullptr, nullptr, nullptr, nullptr, &bytes) !=
+          FCE_STATUS_INVALID_ARGUMENT || bytes != 77)
+    die("fce_cross_entropy_fwd_vp without a communicator was not refused cleanly");
+  fce_handle_destroy(cpu);
 }
 
 }  // namespace
