@@ -95,6 +95,9 @@ Vec read_grad_loss(Validator& val, const DLTensor* g, int reduction, int64_t N);
 // A forward's fused gradient (outputs->dlogits, of the logits' shape and dtype, in place allowed) and its
 // grad_loss, into p (p.logits, p.o set); nothing when outputs->dlogits is NULL.
 void read_fused_dlogits(Validator& val, const fce_ce_outputs_t& out, CeProblem& p);
+// The options of a vocabulary-shard call `fn`: options required, vocab_total set and at most 2^31 - 1 (the
+// records hold int32 indices).
+CeOpts sharded_options(Validator& val, const fce_ce_options_t* options, int64_t V, const char* fn);
 
 // The targets vector [N].
 Vec read_targets(Validator& val, const DLTensor* t, const char* name, int64_t N);

@@ -4,9 +4,7 @@
 
 using namespace fce;
 
-namespace {
-
-CeOpts sharded_options(Validator& val, const fce_ce_options_t* options, int64_t V, const char* fn) {
+CeOpts fce::sharded_options(Validator& val, const fce_ce_options_t* options, int64_t V, const char* fn) {
   FCE_CHECK(options != nullptr, FCE_STATUS_INVALID_ARGUMENT, "options is NULL: %s needs options->vocab_total",
             fn);
   CeOpts o = read_ce_options(options, val, V);
@@ -16,6 +14,8 @@ CeOpts sharded_options(Validator& val, const fce_ce_options_t* options, int64_t 
             "options->vocab_total %lld is above 2^31 - 1 (records hold int32 indices)", (long long)o.vocab_total);
   return o;
 }
+
+namespace {
 
 size_t combine_need(fce_handle* h, const CeCombineProblem& p) {
   return h->backend == Backend::CPU ? 0 : cuda::ce_combine_workspace(h, p);

@@ -31,12 +31,7 @@ VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const D
   val.input("logits", p.logits.data, Validator::span(p.logits));
   const int64_t N = p.logits.rows, V = p.logits.cols, W = c->size;
   p.targets = read_targets(val, targets, "targets", N);
-  p.o = read_ce_options(options, val, V);
-  FCE_CHECK(p.o.sharded(), FCE_STATUS_INVALID_ARGUMENT,
-            "options->vocab_total is 0: fce_cross_entropy_fwd_vp is for a vocabulary shard (set vocab_start and "
-            "vocab_total)");
-  FCE_CHECK(p.o.vocab_total <= INT32_MAX, FCE_STATUS_INVALID_ARGUMENT,
-            "options->vocab_total %lld is above 2^31 - 1 (records hold int32 indices)", (long long)p.o.vocab_total);
+  p.o = sharded_options(val, options, V, "fce_cross_entropy_fwd_vp");
   const fce_ce_outputs_t out = checked_struct(outputs, "outputs");
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
                                          out.entropy, true);
