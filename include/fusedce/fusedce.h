@@ -283,7 +283,8 @@ typedef struct fce_ce_outputs {
   DLTensor* z_loss;
   /** [N] int32 or int64: index of the largest raw logit, lowest index on ties (NaN counts as largest). */
   DLTensor* argmax;
-  /** [N] fp32: entropy of softmax(z) in nats, -sum_j p_j log p_j. Not differentiated. */
+  /** [N] fp32: entropy of softmax(z) in nats, H = -sum_j p_j log p_j (differentiated through
+   *  grad_entropy). */
   DLTensor* entropy;
   /** [N,V] in the logits' dtype: d(loss)/d(logits) times grad_loss, formed in fp32 and rounded once.
    *  May be the very same memory as the logits (in-place); any other overlap is FCE_STATUS_ALIASING. */
@@ -291,10 +292,18 @@ typedef struct fce_ce_outputs {
   /** Upstream gradient for dlogits, fp32: a scalar for SUM/MEAN, [N] (or a scalar, broadcast) for NONE.
    *  NULL = 1. Read on the device, so it may be produced by earlier work on the same stream. */
   const DLTensor* grad_loss;
+  /* Since 0.2.0. */
+  /** Upstream gradient of the entropy, fp32, [N] or a scalar (broadcast); NULL = none. Only with dlogits:
+   *  dlogits then also holds grad_entropy_i * dH_i/d(logits), in the same pass and the same single
+   *  rounding, for every row (ignored rows included: the entropy is reported for them too), with
+   *  dH/dz_j = p_j (mu - z_j), mu = sum_k p_k z_k = lse - H, chained through logit_scale and softcap as
+   *  the loss gradient is (the entropy's derivative, e.g. Pereyra et al. 2017). A logit of -inf (p_j = 0)
+   *  gets 0. Read on the device. */
+  const DLTensor* grad_entropy;
 } fce_ce_outputs_t;
 
 /** Initializer of fce_ce_outputs_t: struct_size and every default. */
-#define FCE_CE_OUTPUTS_INIT { (uint32_t)sizeof(fce_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL }
+#define FCE_CE_OUTPUTS_INIT { (uint32_t)sizeof(fce_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL }
 
 /** Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use
  *  FCE_CE_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
@@ -347,6 +356,50 @@ FCE_API fce_status_t fce_cross_entropy_bwd_workspace_size(fce_handle_t handle, c
                                                           const DLTensor* grad_loss,
                                                           const fce_ce_options_t* options,
                                                           const DLTensor* dlogits, size_t* bytes);
+
+/**
+ * What the backward from saved statistics reads (fce_cross_entropy_bwd_ex): the forward's saved outputs and
+ * the upstream gradients. Initialize with FCE_CE_BWD_INPUTS_INIT.
+ */
+typedef struct fce_ce_bwd_inputs {
+  uint32_t struct_size;          /**< sizeof(fce_ce_bwd_inputs_t) */
+  const DLTensor* lse;           /**< required: [N] fp32, the forward's lse (same options) */
+  /** Upstream gradient of the loss, as fce_cross_entropy_bwd's grad_loss; NULL = 1. */
+  const DLTensor* grad_loss;
+  /** [N] fp32, the forward's entropy output (same options); required with grad_entropy, else ignored. The
+   *  backward takes mu = lse - H from it rather than re-reading the logits for sum p z. */
+  const DLTensor* entropy;
+  /** Upstream gradient of the entropy, fp32, [N] or a scalar; NULL = none (fce_ce_outputs_t.grad_entropy). */
+  const DLTensor* grad_entropy;
+} fce_ce_bwd_inputs_t;
+
+/** Initializer of fce_ce_bwd_inputs_t: struct_size and every default. */
+#define FCE_CE_BWD_INPUTS_INIT { (uint32_t)sizeof(fce_ce_bwd_inputs_t), NULL, NULL, NULL, NULL }
+
+/** Fills the struct_size bytes at `inputs` with this library's defaults (as fce_ce_outputs_init).
+ *  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when inputs is NULL or struct_size is out of
+ *  range (nothing written). */
+FCE_API fce_status_t fce_ce_bwd_inputs_init(fce_ce_bwd_inputs_t* inputs, size_t struct_size);
+
+/**
+ * Cross-entropy backward from saved statistics with the entropy's upstream gradient as well:
+ * dlogits = grad_loss * d(loss)/d(logits) + grad_entropy * dH/d(logits), formed in fp32 and rounded once.
+ * Without grad_entropy it is fce_cross_entropy_bwd (the same bits). With a vocabulary shard, lse and entropy
+ * are fce_cross_entropy_combine's (the same on every rank).
+ * @param inputs  lse required; entropy required when grad_entropy is set.
+ * @return as fce_cross_entropy_bwd (INVALID_ARGUMENT for a NULL inputs or inputs->lse, or grad_entropy
+ *         without entropy).
+ */
+FCE_API fce_status_t fce_cross_entropy_bwd_ex(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
+                                              const DLTensor* targets, const fce_ce_bwd_inputs_t* inputs,
+                                              const fce_ce_options_t* options, DLTensor* dlogits, void* workspace,
+                                              size_t workspace_bytes);
+/** Workspace bytes fce_cross_entropy_bwd_ex needs for these arguments. */
+FCE_API fce_status_t fce_cross_entropy_bwd_ex_workspace_size(fce_handle_t handle, const DLTensor* logits,
+                                                             const DLTensor* targets,
+                                                             const fce_ce_bwd_inputs_t* inputs,
+                                                             const fce_ce_options_t* options,
+                                                             const DLTensor* dlogits, size_t* bytes);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Vocabulary-parallel cross-entropy                                                                */
@@ -453,7 +506,8 @@ FCE_API fce_status_t fce_comm_info(fce_comm_t comm, int32_t* rank, int32_t* size
  * @param options vocab_start (this rank's first column) and vocab_total required; the other options as for
  *                fce_cross_entropy_fwd and the same on every rank.
  * @param outputs as for fce_cross_entropy_fwd (loss required; lse, z_loss, argmax, entropy of the whole
- *                rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss).
+ *                rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss;
+ *                grad_entropy, whose term uses the combined lse and entropy, as fce_cross_entropy_bwd_ex).
  * @param workspace as everywhere (fce_cross_entropy_fwd_vp_workspace_size): the records of all W ranks
  *                (N * 7 * 4 * (W + 1) bytes) and the steps' own.
  * @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or without
@@ -703,6 +757,12 @@ typedef struct fce_linear_ce_outputs {
   /** FCE_LINEAR_CE_* bits; default 0. Other bits are FCE_STATUS_INVALID_ARGUMENT. (Since 0.2.0: a
    *  struct_size of an older header, which ends before this field, means 0.) */
   uint64_t flags;
+  /* Since 0.2.0. */
+  /** Upstream gradient of the entropy (fce_ce_outputs_t.grad_entropy), [N] or a scalar fp32; NULL = none.
+   *  Only with a gradient output (dhidden, dweight or dbias). */
+  const DLTensor* grad_entropy;
+  /** fce_linear_cross_entropy_bwd with grad_entropy only: [N] fp32, the forward's entropy output. */
+  const DLTensor* saved_entropy;
 } fce_linear_ce_outputs_t;
 
 /** fce_linear_ce_outputs_t.flags: add the gradients into dhidden, dweight and dbias instead of overwriting
@@ -713,7 +773,7 @@ typedef struct fce_linear_ce_outputs {
 
 /** Initializer of fce_linear_ce_outputs_t: struct_size and every default. */
 #define FCE_LINEAR_CE_OUTPUTS_INIT \
-  { (uint32_t)sizeof(fce_linear_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0 }
+  { (uint32_t)sizeof(fce_linear_ce_outputs_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL }
 
 /** Fills the struct_size bytes at `outputs` with this library's defaults, for callers that cannot use
  *  FCE_LINEAR_CE_OUTPUTS_INIT (FFI): the fields it knows get the macro's values, bytes past them are
@@ -757,7 +817,8 @@ FCE_API fce_status_t fce_linear_cross_entropy_fwd_workspace_size(
  * Linear cross-entropy backward from a saved lse: recomputes each chunk's logits and writes the gradients
  * requested in `outputs` (dhidden, dweight, dbias; loss/lse/z_loss/argmax/entropy must be NULL here).
  * @param lse       [N] fp32 from the forward with the same options.
- * `outputs->grad_loss` is the upstream gradient (NULL = 1).
+ * `outputs->grad_loss` is the upstream gradient (NULL = 1); `outputs->grad_entropy`, with
+ * `outputs->saved_entropy` (the forward's entropy), adds the entropy's gradient.
  */
 FCE_API fce_status_t fce_linear_cross_entropy_bwd(fce_handle_t handle, fce_stream_t stream,
                                                   const DLTensor* hidden, const DLTensor* weight,

@@ -99,7 +99,24 @@ Vec read_grad_loss(Validator& val, const DLTensor* g, int reduction, int64_t N) 
   return v;
 }
 
+Vec read_grad_entropy(Validator& val, const DLTensor* g, const char* name, int64_t N) {
+  if (!g) return Vec{};
+  Vec v = val.scalar_or_vector(g, name, kF32, N);
+  val.input(name, v.data, Validator::span(v));
+  return v;
+}
+
+Vec read_saved_rows(Validator& val, const DLTensor* t, const char* name, int64_t N) {
+  Vec v = val.vector(t, name, kF32);
+  FCE_CHECK(v.n == N, FCE_STATUS_SHAPE_MISMATCH, "%s has length %lld; expected N = %lld", name, (long long)v.n,
+            (long long)N);
+  val.input(name, v.data, Validator::span(v));
+  return v;
+}
+
 void read_fused_dlogits(Validator& val, const fce_ce_outputs_t& out, CeProblem& p) {
+  FCE_CHECK(out.dlogits || !out.grad_entropy, FCE_STATUS_INVALID_ARGUMENT,
+            "outputs->grad_entropy is set without outputs->dlogits (it only enters the fused gradient)");
   if (!out.dlogits) return;
   p.dlogits = val.matrix(out.dlogits, "outputs->dlogits", kFloats);
   expect_shape(p.dlogits, "outputs->dlogits", p.logits.rows, p.logits.cols);
@@ -108,6 +125,7 @@ void read_fused_dlogits(Validator& val, const fce_ce_outputs_t& out, CeProblem& 
             dtype_name(p.logits.dtype));
   val.output_allow_exact("outputs->dlogits", p.dlogits, p.logits, "logits");
   p.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, p.logits.rows);
+  p.grad_entropy = read_grad_entropy(val, out.grad_entropy, "outputs->grad_entropy", p.logits.rows);
 }
 
 namespace {
@@ -133,8 +151,17 @@ CeProblem ce_forward_problem(fce_handle* h, const DLTensor* logits, const DLTens
   return p;
 }
 
-CeProblem ce_backward_problem(fce_handle* h, const DLTensor* logits, const DLTensor* targets, const DLTensor* lse,
-                              const DLTensor* grad_loss, const fce_ce_options_t* options, const DLTensor* dlogits) {
+// fce_cross_entropy_bwd's arguments as fce_cross_entropy_bwd_ex's inputs.
+fce_ce_bwd_inputs_t bwd_inputs(const DLTensor* lse, const DLTensor* grad_loss) {
+  fce_ce_bwd_inputs_t in = FCE_CE_BWD_INPUTS_INIT;
+  in.lse = lse;
+  in.grad_loss = grad_loss;
+  return in;
+}
+
+CeProblem ce_backward_problem(fce_handle* h, const DLTensor* logits, const DLTensor* targets,
+                              const fce_ce_bwd_inputs_t* inputs, const fce_ce_options_t* options,
+                              const DLTensor* dlogits, bool ex) {
   Validator val(h->backend, h->device_id);
   CeProblem p;
   p.logits = val.matrix(logits, "logits", kFloats);
@@ -142,11 +169,17 @@ CeProblem ce_backward_problem(fce_handle* h, const DLTensor* logits, const DLTen
   const int64_t N = p.logits.rows, V = p.logits.cols;
   p.targets = read_targets(val, targets, "targets", N);
   p.o = read_ce_options(options, val, V);
-  p.saved_lse = val.vector(lse, "lse", kF32);
-  FCE_CHECK(p.saved_lse.n == N, FCE_STATUS_SHAPE_MISMATCH, "lse has length %lld; expected N = %lld",
-            (long long)p.saved_lse.n, (long long)N);
-  val.input("lse", p.saved_lse.data, Validator::span(p.saved_lse));
-  p.grad_loss = read_grad_loss(val, grad_loss, p.o.reduction, N);
+  const fce_ce_bwd_inputs_t in = checked_struct(inputs, "inputs");
+  const char* lse_name = ex ? "inputs->lse" : "lse";
+  FCE_CHECK(in.lse != nullptr, FCE_STATUS_INVALID_ARGUMENT, "%s is NULL", lse_name);
+  p.saved_lse = read_saved_rows(val, in.lse, lse_name, N);
+  p.grad_loss = read_grad_loss(val, in.grad_loss, p.o.reduction, N);
+  p.grad_entropy = read_grad_entropy(val, in.grad_entropy, "inputs->grad_entropy", N);
+  if (p.grad_entropy) {
+    FCE_CHECK(in.entropy != nullptr, FCE_STATUS_INVALID_ARGUMENT,
+              "inputs->grad_entropy is set without inputs->entropy (the forward's entropy output)");
+    p.saved_entropy = read_saved_rows(val, in.entropy, "inputs->entropy", N);
+  }
   FCE_CHECK(dlogits != nullptr, FCE_STATUS_INVALID_ARGUMENT, "dlogits is NULL");
   p.dlogits = val.matrix(dlogits, "dlogits", kFloats);
   expect_shape(p.dlogits, "dlogits", N, V);
@@ -199,7 +232,8 @@ FCE_API fce_status_t fce_cross_entropy_bwd(fce_handle_t handle, fce_stream_t str
                                            DLTensor* dlogits, void* workspace, size_t workspace_bytes) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
-    ce_run(h, stream, ce_backward_problem(h, logits, targets, lse, grad_loss, options, dlogits), workspace,
+    const fce_ce_bwd_inputs_t in = bwd_inputs(lse, grad_loss);
+    ce_run(h, stream, ce_backward_problem(h, logits, targets, &in, options, dlogits, false), workspace,
            workspace_bytes);
   });
 }
@@ -211,8 +245,30 @@ FCE_API fce_status_t fce_cross_entropy_bwd_workspace_size(fce_handle_t handle, c
                                                           const DLTensor* dlogits, size_t* bytes) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
-    write_size(bytes, ce_need(h, ce_backward_problem(h, logits, targets, lse, grad_loss, options,
-                                                     const_cast<DLTensor*>(dlogits))));
+    const fce_ce_bwd_inputs_t in = bwd_inputs(lse, grad_loss);
+    write_size(bytes, ce_need(h, ce_backward_problem(h, logits, targets, &in, options, dlogits, false)));
+  });
+}
+
+FCE_API fce_status_t fce_cross_entropy_bwd_ex(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
+                                              const DLTensor* targets, const fce_ce_bwd_inputs_t* inputs,
+                                              const fce_ce_options_t* options, DLTensor* dlogits, void* workspace,
+                                              size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    ce_run(h, stream, ce_backward_problem(h, logits, targets, inputs, options, dlogits, true), workspace,
+           workspace_bytes);
+  });
+}
+
+FCE_API fce_status_t fce_cross_entropy_bwd_ex_workspace_size(fce_handle_t handle, const DLTensor* logits,
+                                                             const DLTensor* targets,
+                                                             const fce_ce_bwd_inputs_t* inputs,
+                                                             const fce_ce_options_t* options,
+                                                             const DLTensor* dlogits, size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    write_size(bytes, ce_need(h, ce_backward_problem(h, logits, targets, inputs, options, dlogits, true)));
   });
 }
 

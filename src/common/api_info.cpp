@@ -13,13 +13,14 @@ namespace {
 #define FCE_NO_TAIL_PADDING(T, last) \
   static_assert(offsetof(T, last) + sizeof(T::last) == sizeof(T), #T " has tail padding")
 FCE_NO_TAIL_PADDING(fce_ce_options_t, vocab_total);
-FCE_NO_TAIL_PADDING(fce_ce_outputs_t, grad_loss);
+FCE_NO_TAIL_PADDING(fce_ce_outputs_t, grad_entropy);
+FCE_NO_TAIL_PADDING(fce_ce_bwd_inputs_t, grad_entropy);
 FCE_NO_TAIL_PADDING(fce_lse_options_t, scale);
 FCE_NO_TAIL_PADDING(fce_softmax_options_t, temperatures);
 FCE_NO_TAIL_PADDING(fce_kd_options_t, ignore_index);
 FCE_NO_TAIL_PADDING(fce_kd_teacher_t, topk_logprobs);
 FCE_NO_TAIL_PADDING(fce_kd_outputs_t, grad_loss);
-FCE_NO_TAIL_PADDING(fce_linear_ce_outputs_t, flags);
+FCE_NO_TAIL_PADDING(fce_linear_ce_outputs_t, saved_entropy);
 FCE_NO_TAIL_PADDING(fce_build_info_t, cuda_architectures);
 #undef FCE_NO_TAIL_PADDING
 
@@ -70,6 +71,7 @@ FCE_API fce_status_t fce_build_info(fce_build_info_t* info) {
 
 FCE_API fce_status_t fce_ce_options_init(fce_ce_options_t* o, size_t n) { return init(o, n, __func__); }
 FCE_API fce_status_t fce_ce_outputs_init(fce_ce_outputs_t* o, size_t n) { return init(o, n, __func__); }
+FCE_API fce_status_t fce_ce_bwd_inputs_init(fce_ce_bwd_inputs_t* o, size_t n) { return init(o, n, __func__); }
 FCE_API fce_status_t fce_lse_options_init(fce_lse_options_t* o, size_t n) { return init(o, n, __func__); }
 FCE_API fce_status_t fce_softmax_options_init(fce_softmax_options_t* o, size_t n) { return init(o, n, __func__); }
 FCE_API fce_status_t fce_kd_options_init(fce_kd_options_t* o, size_t n) { return init(o, n, __func__); }

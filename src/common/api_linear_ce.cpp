@@ -66,6 +66,17 @@ LinearCeProblem linear_ce_problem(fce_handle* h, const DLTensor* hidden, const D
             (unsigned long long)out.flags, FCE_LINEAR_CE_ACCUMULATE);
   p.accumulate = (out.flags & FCE_LINEAR_CE_ACCUMULATE) != 0;
   if (p.wants_grad()) p.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, N);
+  FCE_CHECK(p.wants_grad() || !out.grad_entropy, FCE_STATUS_INVALID_ARGUMENT,
+            "outputs->grad_entropy is set without a gradient output (dhidden, dweight or dbias)");
+  p.grad_entropy = read_grad_entropy(val, out.grad_entropy, "outputs->grad_entropy", N);
+  if (bwd && p.grad_entropy) {
+    FCE_CHECK(out.saved_entropy != nullptr, FCE_STATUS_INVALID_ARGUMENT,
+              "outputs->grad_entropy is set without outputs->saved_entropy (the forward's entropy output)");
+    p.saved_entropy = read_saved_rows(val, out.saved_entropy, "outputs->saved_entropy", N);
+  } else {
+    FCE_CHECK(!out.saved_entropy || bwd, FCE_STATUS_INVALID_ARGUMENT,
+              "outputs->saved_entropy is an input of fce_linear_cross_entropy_bwd; the forward computes it");
+  }
   return p;
 }
 

@@ -17,7 +17,7 @@ namespace fce {
   inline const char* struct_name(const T*) { return #T; }                  \
   inline T struct_defaults(const T*) { return T(INIT); }                   \
   constexpr size_t struct_first_size(const T*) { return sizeof(T); }
-FCE_STRUCT_TRAITS(fce_ce_outputs_t, FCE_CE_OUTPUTS_INIT)
+FCE_STRUCT_TRAITS(fce_ce_bwd_inputs_t, FCE_CE_BWD_INPUTS_INIT)
 FCE_STRUCT_TRAITS(fce_lse_options_t, FCE_LSE_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_softmax_options_t, FCE_SOFTMAX_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_kd_options_t, FCE_KD_OPTIONS_INIT)
@@ -27,7 +27,11 @@ FCE_STRUCT_TRAITS(fce_kd_outputs_t, FCE_KD_OUTPUTS_INIT)
 inline const char* struct_name(const fce_ce_options_t*) { return "fce_ce_options_t"; }
 inline fce_ce_options_t struct_defaults(const fce_ce_options_t*) { return fce_ce_options_t(FCE_CE_OPTIONS_INIT); }
 constexpr size_t struct_first_size(const fce_ce_options_t*) { return offsetof(fce_ce_options_t, vocab_start); }
-// Grown in 0.2.0 (flags): 0.1.0's struct ends at grad_loss.
+// Grown in 0.2.0 (grad_entropy): 0.1.0's struct ends at grad_loss.
+inline const char* struct_name(const fce_ce_outputs_t*) { return "fce_ce_outputs_t"; }
+inline fce_ce_outputs_t struct_defaults(const fce_ce_outputs_t*) { return fce_ce_outputs_t(FCE_CE_OUTPUTS_INIT); }
+constexpr size_t struct_first_size(const fce_ce_outputs_t*) { return offsetof(fce_ce_outputs_t, grad_entropy); }
+// Grown in 0.2.0 (flags, grad_entropy, saved_entropy): 0.1.0's struct ends at grad_loss.
 inline const char* struct_name(const fce_linear_ce_outputs_t*) { return "fce_linear_ce_outputs_t"; }
 inline fce_linear_ce_outputs_t struct_defaults(const fce_linear_ce_outputs_t*) {
   return fce_linear_ce_outputs_t(FCE_LINEAR_CE_OUTPUTS_INIT);
@@ -92,6 +96,10 @@ void take_stat_outputs(P& p, const CeStatOutputs& s) {
 
 // Upstream gradient: scalar for SUM/MEAN, scalar or [N] for NONE.
 Vec read_grad_loss(Validator& val, const DLTensor* g, int reduction, int64_t N);
+// Upstream gradient of the entropy (`name`): fp32 scalar or [N]; empty for NULL.
+Vec read_grad_entropy(Validator& val, const DLTensor* g, const char* name, int64_t N);
+// A saved [N] fp32 input (`name`): the forward's lse or entropy.
+Vec read_saved_rows(Validator& val, const DLTensor* t, const char* name, int64_t N);
 // A forward's fused gradient (outputs->dlogits, of the logits' shape and dtype, in place allowed) and its
 // grad_loss, into p (p.logits, p.o set); nothing when outputs->dlogits is NULL.
 void read_fused_dlogits(Validator& val, const fce_ce_outputs_t& out, CeProblem& p);

@@ -67,8 +67,9 @@ CeCombineProblem combine_problem(fce_handle* h, const DLTensor* records, const D
   p.targets = read_targets(val, targets, "targets", N);
   p.o = sharded_options(val, options, /*V, unused with a shard=*/1, "fce_cross_entropy_combine");
   const fce_ce_outputs_t out = checked_struct(outputs, "outputs");
-  FCE_CHECK(!out.dlogits && !out.grad_loss, FCE_STATUS_INVALID_ARGUMENT,
-            "outputs->dlogits and grad_loss must be NULL: a shard's gradient comes from fce_cross_entropy_bwd "
+  FCE_CHECK(!out.dlogits && !out.grad_loss && !out.grad_entropy, FCE_STATUS_INVALID_ARGUMENT,
+            "outputs->dlogits, grad_loss and grad_entropy must be NULL: a shard's gradient comes from "
+            "fce_cross_entropy_bwd or fce_cross_entropy_bwd_ex "
             "with the combined lse");
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
                                          out.entropy, true);

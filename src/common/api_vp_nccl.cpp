@@ -17,7 +17,7 @@ struct VpCall {
   CePartialProblem part;  // records point into the workspace
   CeCombineProblem comb;  // records: the gathered [W * N, K]
   CeProblem bwd;          // the shard's dlogits from the combined lse (no dlogits: no gradient)
-  size_t gathered = 0, lse = 0, comb_ws = 0, bwd_ws = 0, bytes = 0;  // workspace offsets and size
+  size_t gathered = 0, lse = 0, ent = 0, comb_ws = 0, bwd_ws = 0, bytes = 0;  // workspace offsets and size
 };
 
 VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const DLTensor* targets,
@@ -45,7 +45,8 @@ VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const D
     v.bwd.o = p.o;
     read_fused_dlogits(val, out, v.bwd);
   } else {
-    FCE_CHECK(!out.grad_loss, FCE_STATUS_INVALID_ARGUMENT, "outputs->grad_loss is set without outputs->dlogits");
+    FCE_CHECK(!out.grad_loss && !out.grad_entropy, FCE_STATUS_INVALID_ARGUMENT,
+              "outputs->%s is set without outputs->dlogits", out.grad_loss ? "grad_loss" : "grad_entropy");
   }
   // Workspace: this rank's records, every rank's records, the lse when the caller does not keep it and the
   // gradient needs it, then the combine's and the backward's own workspaces.
@@ -56,6 +57,8 @@ VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const D
   size_t at = v.gathered + align_up(rec * size_t(W));
   v.lse = at;
   if (v.bwd.dlogits && !v.comb.lse) at += align_up(size_t(N) * 4);
+  v.ent = at;  // the entropy, for the entropy's gradient, when the caller does not keep it
+  if (v.bwd.grad_entropy && !v.comb.entropy) at += align_up(size_t(N) * 4);
   v.comb_ws = at;
   at += align_up(cuda::ce_combine_workspace(h, v.comb));
   v.bwd_ws = at;
@@ -63,6 +66,7 @@ VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const D
     CeProblem sizing = v.bwd;
     sizing.saved_lse.data = reinterpret_cast<char*>(&v);  // any non-null pointer: the size of a backward
     sizing.saved_lse.n = N;
+    if (sizing.grad_entropy) sizing.saved_entropy = sizing.saved_lse;
     at += align_up(cuda::ce_workspace(h, sizing));
   }
   v.bytes = at;
@@ -78,6 +82,10 @@ void place(VpCall& v, const Workspace& w) {
   if (v.bwd.dlogits) {
     v.bwd.saved_lse = v.comb.lse ? v.comb.lse : Vec{base + v.lse, DType::F32, N, false};
     if (!v.comb.lse) v.comb.lse = v.bwd.saved_lse;
+  }
+  if (v.bwd.grad_entropy) {
+    v.bwd.saved_entropy = v.comb.entropy ? v.comb.entropy : Vec{base + v.ent, DType::F32, N, false};
+    if (!v.comb.entropy) v.comb.entropy = v.bwd.saved_entropy;
   }
 }
 

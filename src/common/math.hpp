@@ -51,14 +51,26 @@ struct LogitTransform {
 //           = g*(cp*p_j - cw*w_j - [j==t]*ct)
 struct CeGrad {
   float cp, cw, ct;
+  // The entropy's term (grad_entropy): ge * dH/dz_j = ge * p_j (mu - z_j), mu = sum_k p_k z_k = lse - H.
+  float ge = 0.f, mu = 0.f;
   FCE_HD CeGrad(float g, float eps, float w_t, float W, float inv_v, float zq, float lse) {
     const float a = (1.f - eps) * w_t, b = eps * inv_v;
     cp = g * (a + b * W + 2.f * zq * lse);
     cw = g * b;
     ct = g * a;
   }
+  FCE_HD CeGrad& entropy(float g_entropy, float lse, float H) {
+    ge = g_entropy;
+    mu = lse - H;
+    return *this;
+  }
   FCE_HD float operator()(float p, float w_j, bool is_target) const {
     return cp * p - cw * w_j - (is_target ? ct : 0.f);
+  }
+  // With the entropy's term; a logit of -inf (p = 0) gets none (its mu - z is +inf).
+  FCE_HD float operator()(float p, float w_j, bool is_target, float z) const {
+    const float l = (*this)(p, w_j, is_target);
+    return p == 0.f ? l : fmaf(ge * p, mu - z, l);
   }
 };
 

@@ -36,7 +36,9 @@ struct CeProblem {
   Vec loss, lse, z_loss, argmax, entropy;  // outputs (forward); empty when not requested
   Mat dlogits;                             // optional
   Vec grad_loss;                           // optional upstream gradient (scalar or [N])
+  Vec grad_entropy;                        // optional upstream gradient of the entropy (scalar or [N])
   Vec saved_lse;                           // backward only
+  Vec saved_entropy;                       // backward with grad_entropy only
   bool backward() const { return static_cast<bool>(saved_lse); }
 };
 
@@ -102,7 +104,9 @@ struct LinearCeProblem {
   Mat dhidden, dweight;
   Vec dbias;
   Vec grad_loss;
-  Vec saved_lse;  // backward only
+  Vec grad_entropy;   // optional (scalar or [N])
+  Vec saved_lse;      // backward only
+  Vec saved_entropy;  // backward with grad_entropy only
   bool accumulate = false;  // FCE_LINEAR_CE_ACCUMULATE: add into dhidden, dweight, dbias
   bool wants_grad() const { return dhidden || dweight || dbias; }
 };

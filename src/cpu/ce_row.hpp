@@ -105,19 +105,36 @@ inline CeRow ce_row_forward(const CeContext& c, const float* x, float* zbuf, int
   return r;
 }
 
-// Gradient of row loss w.r.t. the raw logits, times g, from the transformed logits z and the lse.
-inline void ce_row_grad(const CeContext& c, const float* z, float lse, int64_t target, float g, float* dx) {
-  const int64_t V = c.V;
+// The entropy's upstream gradient of row i with the row's entropy H (ge = 0 without grad_entropy).
+struct EntropyGrad {
+  float ge = 0.f, H = 0.f;
+};
+inline EntropyGrad entropy_grad(const Vec& grad_entropy, int64_t i, float H) {
+  return grad_entropy ? EntropyGrad{load_f32(grad_entropy, i), H} : EntropyGrad{};
+}
+
+// Gradient of the row's loss (times g) and entropy (times eg.ge) w.r.t. the raw logits of columns [0, n),
+// from the transformed logits z and the lse. A vocabulary shard passes its n real columns, its weights `w`
+// and its local target; unsharded n = V, w = c.weights(), local_target = target.
+inline void ce_row_grad(const CeContext& c, const float* z, int64_t n, const float* w, float lse, int64_t target,
+                        int64_t local_target, float g, const EntropyGrad& eg, float* dx) {
   if (!c.ignored(target) && !c.in_range(target)) {  // NaN whatever the upstream gradient (the contract)
-    std::fill(dx, dx + V, NAN);
+    std::fill(dx, dx + n, NAN);
     return;
   }
-  if (c.ignored(target) || g == 0.f) {
-    std::fill(dx, dx + V, 0.f);
+  const bool loss_grad = !c.ignored(target) && g != 0.f;
+  if (!loss_grad && eg.ge == 0.f) {
+    std::fill(dx, dx + n, 0.f);
     return;
   }
-  const CeGrad grad(g, c.o.label_smoothing, c.weight(target), float(c.W), 1.f / float(V), c.o.z_loss_scale, lse);
-  simd::ce_grad(z, V, lse, grad, c.weights(), target, c.tf, dx);
+  CeGrad grad(loss_grad ? g : 0.f, c.o.label_smoothing, loss_grad ? c.weight(target) : 1.f, float(c.W),
+              1.f / float(c.V), c.o.z_loss_scale, lse);
+  if (eg.ge != 0.f) grad.entropy(eg.ge, lse, eg.H);
+  simd::ce_grad(z, n, lse, grad, w, local_target, c.tf, dx);
+}
+inline void ce_row_grad(const CeContext& c, const float* z, float lse, int64_t target, float g,
+                        const EntropyGrad& eg, float* dx) {
+  ce_row_grad(c, z, c.V, c.weights(), lse, target, target, g, eg, dx);
 }
 
 // Writes the SUM or MEAN of per-row losses (fixed order: deterministic whatever the thread count).

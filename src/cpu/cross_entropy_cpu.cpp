@@ -23,15 +23,17 @@ void ce(const CeProblem& p, Workspace) {
     for (int64_t i = 0; i < N; ++i) {
       const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
       const float* x = row_in(p.logits, i, xbuf.data());
-      float lse;
+      float lse, H = 0.f;
       const float* z;
       if (p.backward()) {
         lse = load_f32(p.saved_lse, i);
+        if (p.grad_entropy) H = load_f32(p.saved_entropy, i);
         z = c.transformed(x, zbuf.data());
       } else {
         const CeRow r = ce_row_forward(c, x, zbuf.data(), t, static_cast<bool>(p.argmax));
         z = r.z;
         lse = r.lse;
+        H = r.entropy;
         row_loss[size_t(i)] = r.loss;
         row_zl[size_t(i)] = r.z_loss;
         if (p.lse) store_f32(p.lse, i, r.lse);
@@ -44,7 +46,7 @@ void ce(const CeProblem& p, Workspace) {
       }
       if (want_grad) {  // z is read whole before dx is written (dlogits may be the logits, or z)
         float* dx = row_out(p.dlogits, i, gbuf.data());
-        ce_row_grad(c, z, lse, t, c.grad_scale(p.grad_loss, i, denom), dx);
+        ce_row_grad(c, z, lse, t, c.grad_scale(p.grad_loss, i, denom), entropy_grad(p.grad_entropy, i, H), dx);
         row_out_done(p.dlogits, i, dx);
       }
     }

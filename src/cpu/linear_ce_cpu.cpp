@@ -112,13 +112,15 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       if (p.hidden.dtype != DType::F32)
         for (int64_t j = 0; j < V; ++j) x[j] = round_to(p.hidden.dtype, x[j]);
       const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
-      float lse;
+      float lse, Hr = 0.f;
       if (bwd) {
         lse = load_f32(p.saved_lse, i);
+        if (p.grad_entropy) Hr = load_f32(p.saved_entropy, i);
         simd::transform(c.tf, x, V, x);
       } else {
         const CeRow cr = ce_row_forward(c, x, x, t, static_cast<bool>(p.argmax));  // z overwrites x in place
         lse = cr.lse;
+        Hr = cr.entropy;
         row_loss[size_t(i)] = cr.loss;
         row_zl[size_t(i)] = cr.z_loss;
         if (p.lse) store_f32(p.lse, i, cr.lse);
@@ -130,7 +132,8 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
         }
       }
       if (grad) {
-        ce_row_grad(c, x, lse, t, c.grad_scale(p.grad_loss, i, denom), x);  // dlogits in place
+        ce_row_grad(c, x, lse, t, c.grad_scale(p.grad_loss, i, denom), entropy_grad(p.grad_entropy, i, Hr),
+                    x);  // dlogits in place
         if (p.hidden.dtype != DType::F32)  // and in the inputs' dtype, the backward GEMMs' operand
           for (int64_t j = 0; j < V; ++j) x[j] = round_to(p.hidden.dtype, x[j]);
       }

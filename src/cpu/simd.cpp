@@ -212,6 +212,7 @@ void CeGradImpl(const float* z, int64_t n, float lse, const CeGrad& g, const flo
   const D d;
   const int64_t N = int64_t(hn::Lanes(d));
   const V lv = hn::Set(d, lse), cp = hn::Set(d, g.cp), cw = hn::Set(d, g.cw), ct = hn::Set(d, g.ct);
+  const V gev = hn::Set(d, g.ge), muv = hn::Set(d, g.mu);
   const V one = hn::Set(d, 1.f), iota = hn::Iota(d, 0.f);
   for (int64_t j = 0; j < n; j += N) {
     const V zj = Ld(d, z + j, n - j);
@@ -219,6 +220,8 @@ void CeGradImpl(const float* z, int64_t n, float lse, const CeGrad& g, const flo
     V dz = hn::Sub(hn::Mul(cp, p), hn::Mul(cw, w ? Ld(d, w + j, n - j) : one));
     if (target >= j && target < j + N)
       dz = hn::Sub(dz, hn::IfThenElseZero(hn::Eq(iota, hn::Set(d, float(target - j))), ct));
+    if (g.ge != 0.f)  // CeGrad's entropy term, none where p = 0
+      dz = hn::IfThenElse(hn::Gt(p, hn::Zero(d)), hn::MulAdd(hn::Mul(gev, p), hn::Sub(muv, zj), dz), dz);
     St(hn::Mul(dz, Derivative(d, tf, zj)), d, dx + j, n - j);
   }
 }

@@ -118,16 +118,9 @@ void ce_shard_backward(const CeProblem& p) {
       const float* z = n > 0 ? shard_z(c, x, n, zbuf.data()) : x;  // read whole before dx is written
       float* dx = row_out(p.dlogits, i, gbuf.data());
       const float g = c.grad_scale(p.grad_loss, i, denom);
-      if (!c.ignored(t) && !c.in_range(t)) {  // NaN whatever the upstream gradient (the contract)
-        std::fill(dx, dx + V, NAN);
-      } else if (c.ignored(t) || g == 0.f || n == 0) {
-        std::fill(dx, dx + V, 0.f);
-      } else {
-        const float lse = load_f32(p.saved_lse, i);
-        const CeGrad grad(g, p.o.label_smoothing, c.weight(t), float(c.W), 1.f / float(c.V), p.o.z_loss_scale, lse);
-        simd::ce_grad(z, n, lse, grad, w, local_target(p.o, t, n), c.tf, dx);
-        std::fill(dx + n, dx + V, 0.f);  // padding
-      }
+      const EntropyGrad eg = entropy_grad(p.grad_entropy, i, p.grad_entropy ? load_f32(p.saved_entropy, i) : 0.f);
+      ce_row_grad(c, z, n, w, load_f32(p.saved_lse, i), t, local_target(p.o, t, n), g, eg, dx);
+      std::fill(dx + n, dx + V, !c.ignored(t) && !c.in_range(t) ? NAN : 0.f);  // padding
       row_out_done(p.dlogits, i, dx);
     }
   }

@@ -25,6 +25,9 @@ struct CeRows {
   const float* grad_loss;  // optional: scalar, or [N] (already offset to this block)
   bool grad_scalar;
   const float* saved_lse;  // backward only: [N]
+  const float* grad_entropy;  // optional: scalar, or [N] (already offset to this block)
+  bool ge_scalar;
+  const float* saved_entropy;  // backward with grad_entropy: [N]
 };
 
 // Mean denominator and class-weight sum (written to prep[0], prep[1]) are needed for MEAN, or for label

@@ -68,6 +68,11 @@ struct CeParams {
   CeAcc* partial;
   float* row_lse;  // lse for the gradient kernel
   const float* saved_lse;
+  // the entropy's upstream gradient (scalar or [N]); the entropy of the backward's rows, or of split rows
+  const float* grad_entropy;
+  bool ge_scalar;
+  const float* saved_entropy;
+  float* row_ent;
   // a vocabulary shard (the backward of fce_cross_entropy_bwd with vocab_total): the global index of column
   // 0, and the vocabulary's size (V itself unsharded)
   int64_t col0, vt;
@@ -145,7 +150,7 @@ __device__ CeAcc block_stats(const CeParams& p, const T* row, int64_t begin, int
 template <class T, bool kFromCache = false>
 __device__ CeAcc row_stats(const CeParams& p, const T* x, int64_t b, int64_t e, uint4* cache = nullptr,
                            int64_t cache_vecs = 0) {
-  const bool sc = p.softcap > 0.f, extra = p.full && (p.entropy || p.eps > 0.f);
+  const bool sc = p.softcap > 0.f, extra = p.full && (p.entropy || p.grad_entropy || p.eps > 0.f);
   if (sc)
     return extra ? block_stats<T, true, true, true, kFromCache>(p, x, b, e, cache, cache_vecs)
                  : block_stats<T, true, false, false, kFromCache>(p, x, b, e, cache, cache_vecs);
@@ -179,16 +184,20 @@ __device__ RowHints row_hints(const CeParams& p, int64_t row) {
   return h;
 }
 
-// Writes row outputs from the merged statistics (one thread); returns the row's lse.
+// Writes row outputs from the merged statistics (one thread); returns the row's lse, and its entropy in *H
+// when H is not null.
 template <class T>
-__device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& a, const RowHints* hint = nullptr) {
+__device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& a, const RowHints* hint = nullptr,
+                                   float* H = nullptr) {
   const float lse = a.m == -INFINITY ? -INFINITY : a.m + logf(a.d);
   if (!p.full) {  // logsumexp: a NaN anywhere in the row (finish_stats marks it in av) wins over +-inf
     p.lse[row] = isnan(a.av) ? NAN : lse;
     return lse;
   }
   if (p.lse) p.lse[row] = lse;
-  if (p.entropy) p.entropy[row] = a.m == -INFINITY ? NAN : lse - a.s1 / a.d;
+  const float ent = a.m == -INFINITY ? NAN : lse - a.s1 / a.d;
+  if (p.entropy) p.entropy[row] = ent;
+  if (H) *H = ent;
   if (p.argmax) {
     const int64_t ai = a.ai == INT64_MAX ? 0 : a.ai;  // a row of all -inf: index 0, as on the CPU
     if (p.a64) static_cast<int64_t*>(p.argmax)[row] = ai;
@@ -217,19 +226,23 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
   return lse;
 }
 
-// dlogits for row slice [begin, end), formed in fp32 and rounded once to O.
-// With `next`, the cached slots are refilled with the next row as they are used (row_map).
+// dlogits for row slice [begin, end), formed in fp32 and rounded once to O; H is the row's entropy (read
+// only with grad_entropy). With `next`, the cached slots are refilled with the next row as they are used
+// (row_map).
 template <class T, class O>
-__device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_t end, float lse,
+__device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_t end, float lse, float H,
                            uint4* cache = nullptr, int64_t cache_vecs = 0, const uint4* next = nullptr,
                            const RowHints* hint = nullptr) {
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
   O* dx = static_cast<O*>(p.dx) + row * p.ldd;
   const int64_t t = hint ? hint->t : load_index(p.targets, p.t64, row);
   const float g = hint ? hint->g : row_grad_scale(p, row);
+  const float ge = p.grad_entropy ? p.grad_entropy[p.ge_scalar ? 0 : row] : 0.f;
   const LogitTransform tf(p.scale, p.softcap);
-  if (t == p.ignore_index || g == 0.f || t < 0 || t >= p.vt) {
-    const float fill = (t != p.ignore_index && (t < 0 || t >= p.vt)) ? NAN : 0.f;  // out of range: NaN always
+  const bool bad = t != p.ignore_index && (t < 0 || t >= p.vt);  // out of range: NaN always
+  const bool lg = !bad && t != p.ignore_index && g != 0.f;      // the loss has a gradient here
+  if (bad || (!lg && ge == 0.f)) {
+    const float fill = bad ? NAN : 0.f;
     row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t, int n) {
 #pragma unroll
       for (int k = 0; k < kVec<T>; ++k) v[k] = fill;
@@ -237,8 +250,22 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
     return;
   }
   const float W = p.weights ? float(p.prep[1]) : float(p.vt);
-  const CeGrad grad(g, p.eps, p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse);
+  CeGrad grad(lg ? g : 0.f, p.eps, lg && p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse);
   const int64_t tl = t - p.col0;  // the target's column in these logits (outside [0, V) in another shard's)
+  if (ge != 0.f) {  // the entropy's term as well (CeGrad), on the general form
+    grad.entropy(ge, lse, H);
+    row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
+#pragma unroll
+      for (int k = 0; k < kVec<T>; ++k) {
+        if (k < n) {
+          const float z = tf(v[k]);
+          const float w = p.weights ? p.weights[p.col0 + j0 + k] : 1.f;
+          v[k] = grad(ex2((z - lse) * kLog2e), w, j0 + k == tl, z) * tf.derivative(z);
+        }
+      }
+    }, cache, cache_vecs, next);
+    return;
+  }
   if (p.softcap == 0.f && !p.weights) {
     // Common case: z = s*x, dz/dx = s, w = 1. Per element one FMA, one ex2, one FMA.
     const float s = p.scale, a = p.scale * grad.cp, b = -p.scale * grad.cw, at = p.scale * grad.ct;
@@ -270,10 +297,11 @@ __global__ void __launch_bounds__(kRowThreads) row_kernel(CeParams p) {
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
   const CeAcc a = row_stats<T>(p, x, 0, p.V);
-  if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a);
+  __shared__ float s_h;
+  if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, nullptr, &s_h);
   if (!p.dx) return;
   __syncthreads();
-  write_grad<T, O>(p, row, 0, p.V, s_lse);
+  write_grad<T, O>(p, row, 0, p.V, s_lse, s_h);
 }
 
 // Forward with the fused gradient, one block per SM: the first part of the row stays in shared memory
@@ -287,10 +315,11 @@ __global__ void __launch_bounds__(kCachedThreads, kCachedBlocks) row_kernel_cach
   __shared__ float s_lse;
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
+  __shared__ float s_h;
   const CeAcc a = row_stats<T>(p, x, 0, p.V, cache, cache_vecs);
-  if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a);
+  if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, nullptr, &s_h);
   __syncthreads();
-  write_grad<T, O>(p, row, 0, p.V, s_lse, cache, cache_vecs);
+  write_grad<T, O>(p, row, 0, p.V, s_lse, s_h, cache, cache_vecs);
 }
 
 // Forward with the fused gradient, rows aligned to 16 bytes: persistent blocks (one per SM), each looping
@@ -324,7 +353,7 @@ __device__ __forceinline__ void pipe_start(const CeParams& p, int64_t row, uint4
 template <class T>
 __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe(CeParams p, int64_t cache_vecs) {
   extern __shared__ uint4 cache[];
-  __shared__ float s_lse;
+  __shared__ float s_lse, s_h;
   int64_t row = blockIdx.x;
   if (row >= p.N) return;
   pipe_start<T>(p, row, cache, cache_vecs);
@@ -334,10 +363,10 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe(CeParams p,
     const T* x = static_cast<const T*>(p.x) + row * p.ld;
     const int64_t next = row + gridDim.x;
     const CeAcc a = row_stats<T, true>(p, x, 0, p.V, cache, cache_vecs);
-    if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, &hint);
+    if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, &hint, &s_h);
     __syncthreads();
     if (next < p.N) prefetch_rest<T>(p, next, cache_vecs);
-    write_grad<T, T>(p, row, 0, p.V, s_lse, cache, cache_vecs,
+    write_grad<T, T>(p, row, 0, p.V, s_lse, s_h, cache, cache_vecs,
                      next < p.N ? reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + next * p.ld) : nullptr,
                      &hint);
     cp_async_commit();

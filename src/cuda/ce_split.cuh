@@ -28,8 +28,10 @@ __global__ void merge_kernel(CeParams p) {
   if (row >= p.N) return;
   CeAcc a = p.partial[row * p.splits];
   for (int k = 1; k < p.splits; ++k) a.merge(p.partial[row * p.splits + k]);
-  const float lse = write_row_outputs<T>(p, row, a);
+  float H;
+  const float lse = write_row_outputs<T>(p, row, a, nullptr, &H);
   if (p.row_lse) p.row_lse[row] = lse;
+  if (p.row_ent) p.row_ent[row] = H;
 }
 
 // The merge as a programmatic dependent of partial_kernel (sm_90 code on an sm_90 device): its launch
@@ -82,8 +84,10 @@ __global__ void __launch_bounds__(kRowThreads, 4) split_cluster_kernel(CeParams 
   if (rank != 0 || threadIdx.x != 0) return;
   CeAcc m = from_wire(slot[0]);
   for (int k = 1; k < C; ++k) m.merge(from_wire(slot[k]));
-  const float lse = write_row_outputs<T>(p, row, m);
+  float H;
+  const float lse = write_row_outputs<T>(p, row, m, nullptr, &H);
   if (p.row_lse) p.row_lse[row] = lse;
+  if (p.row_ent) p.row_ent[row] = H;
 }
 
 // Launches the split rows' statistics and outputs: one cluster launch (`cluster`: the plan's split_cluster
@@ -105,7 +109,8 @@ __global__ void __launch_bounds__(kRowThreads) grad_kernel(CeParams p) {
   const int64_t row = blockIdx.y;
   int64_t b, e;
   split_range(p.V, p.splits, blockIdx.x, &b, &e);
-  write_grad<T, O>(p, row, b, e, p.saved_lse ? p.saved_lse[row] : p.row_lse[row]);
+  const float H = p.saved_entropy ? p.saved_entropy[row] : p.row_ent ? p.row_ent[row] : 0.f;
+  write_grad<T, O>(p, row, b, e, p.saved_lse ? p.saved_lse[row] : p.row_lse[row], H);
 }
 
 // Few rows of logsumexp in one launch: C blocks per row (a cluster of up to 16), each holding its slice in

@@ -93,18 +93,22 @@ CeParams params_of(const CeRows& r) {
   k.grad_loss = r.grad_loss;
   k.grad_scalar = r.grad_scalar;
   k.saved_lse = r.saved_lse;
+  k.grad_entropy = r.grad_entropy;
+  k.ge_scalar = r.ge_scalar;
+  k.saved_entropy = r.saved_entropy;
   return k;
 }
 
 // Split-row scratch: per-split partial statistics, and the merged lse for the gradient kernel.
 struct RowsScratch {
   CeAcc* partial;
-  float* row_lse;
+  float *row_lse, *row_ent;  // row_ent: the entropy, for grad_entropy
   size_t bytes;
   RowsScratch(void* base, int64_t N, int splits, bool grad) {
     Carver c(base);
     partial = splits > 1 ? c.take<CeAcc>(size_t(N) * size_t(splits)) : nullptr;
     row_lse = splits > 1 && grad ? c.take<float>(size_t(N)) : nullptr;
+    row_ent = splits > 1 && grad ? c.take<float>(size_t(N)) : nullptr;
     bytes = c.used;
   }
 };
@@ -198,7 +202,7 @@ void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
         const int64_t cache_vecs = row_vecs < max_vecs ? row_vecs : max_vecs;
         const size_t smem = size_t(cache_vecs) * 16;
         const int64_t grid = pipe_grid(h->caps, r.N);
-        const bool plain = k.softcap == 0.f && !k.weights && k.eps == 0.f && !k.entropy && !k.argmax;
+        const bool plain = k.softcap == 0.f && !k.weights && k.eps == 0.f && !k.entropy && !k.argmax && !k.grad_entropy;
         auto kernel = plain ? row_kernel_pipe_plain<T> : row_kernel_pipe<T>;
         check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
               "cudaFuncSetAttribute");
@@ -224,6 +228,7 @@ void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
         const RowsScratch scratch(ws, r.N, plan.splits, grad);
         k.partial = scratch.partial;
         k.row_lse = scratch.row_lse;
+        k.row_ent = k.grad_entropy ? scratch.row_ent : nullptr;
         launch_split_rows<T>(h, s, k, plan.path == CePath::SplitCluster);
         if (grad) grad_kernel<T, O><<<dim3(unsigned(plan.splits), N), kRowThreads, 0, s>>>(k);
         break;
@@ -302,6 +307,9 @@ void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
   r.grad_loss = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) : nullptr;
   r.grad_scalar = p.grad_loss && p.grad_loss.scalar;
   r.saved_lse = p.backward() ? reinterpret_cast<const float*>(p.saved_lse.data) : nullptr;
+  r.grad_entropy = p.grad_entropy ? reinterpret_cast<const float*>(p.grad_entropy.data) : nullptr;
+  r.ge_scalar = p.grad_entropy && p.grad_entropy.scalar;
+  r.saved_entropy = p.saved_entropy ? reinterpret_cast<const float*>(p.saved_entropy.data) : nullptr;
   ce_rows(h, s, r, ws.rows);
   if (!p.backward() && !none) {
     const CeDenominator den{&p.o, p.targets.data, t64, p.logits.cols};

@@ -202,6 +202,10 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
       r.ldd = ldl;
       r.grad_scalar = p.grad_loss && p.grad_loss.scalar;
       r.grad_loss = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) + (r.grad_scalar ? 0 : r0) : nullptr;
+      r.ge_scalar = p.grad_entropy && p.grad_entropy.scalar;
+      r.grad_entropy =
+          p.grad_entropy ? reinterpret_cast<const float*>(p.grad_entropy.data) + (r.ge_scalar ? 0 : r0) : nullptr;
+      r.saved_entropy = p.saved_entropy ? reinterpret_cast<const float*>(p.saved_entropy.data) + r0 : nullptr;
     }
     ce_rows(h, s, r, lay.rows);
     if (!grad) continue;

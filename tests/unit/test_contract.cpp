@@ -612,8 +612,14 @@ TEST(Contract, GrowingStructsZeroTailAcceptedNonZeroTailRefused) {
   check_struct_growth("fce_ce_options_t", co, growth_call<fce_ce_options_t>({&loss, &lse, &dl}, [&](fce_handle_t h, const fce_ce_options_t* p) {
     return fce_cross_entropy_fwd(h, test_stream(), x.dl(), tg.dl(), p, &cout_, nullptr, 0);
   }), offsetof(fce_ce_options_t, vocab_start));
+  // Grown in 0.2.0 by grad_entropy.
   check_struct_growth("fce_ce_outputs_t", cout_, growth_call<fce_ce_outputs_t>({&loss, &lse, &dl}, [&](fce_handle_t h, const fce_ce_outputs_t* p) {
     return fce_cross_entropy_fwd(h, test_stream(), x.dl(), tg.dl(), &co, p, nullptr, 0);
+  }), offsetof(fce_ce_outputs_t, grad_entropy));
+  fce_ce_bwd_inputs_t bin = FCE_CE_BWD_INPUTS_INIT;
+  bin.lse = lse.dl();
+  check_struct_growth("fce_ce_bwd_inputs_t", bin, growth_call<fce_ce_bwd_inputs_t>({&dl}, [&](fce_handle_t h, const fce_ce_bwd_inputs_t* p) {
+    return fce_cross_entropy_bwd_ex(h, test_stream(), x.dl(), tg.dl(), p, &co, dl.dl(), nullptr, 0);
   }));
   fce_lse_options_t lo = FCE_LSE_OPTIONS_INIT;
   lo.scale = 0.5f;
@@ -843,6 +849,14 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
     EXPECT_EQ(a.struct_size, b.struct_size);
     for (DLTensor* f : {a.loss, a.lse, a.z_loss, a.argmax, a.entropy, a.dlogits}) EXPECT_EQ(f, nullptr);
     EXPECT_EQ(a.grad_loss, nullptr);
+    EXPECT_EQ(a.grad_entropy, nullptr);
+  }
+  {
+    fce_ce_bwd_inputs_t a, b = FCE_CE_BWD_INPUTS_INIT;
+    std::memset(&a, 0xcd, sizeof(a));
+    FCE_OK(fce_ce_bwd_inputs_init(&a, sizeof(a)));
+    EXPECT_EQ(a.struct_size, b.struct_size);
+    for (const DLTensor* f : {a.lse, a.grad_loss, a.entropy, a.grad_entropy}) EXPECT_EQ(f, nullptr);
   }
   {
     fce_lse_options_t a, b = FCE_LSE_OPTIONS_INIT;

@@ -19,7 +19,8 @@ from ._lib import (ABI_VERSION, HEADER_VERSION, KD_TEMPERATURE_MAX, KD_TEMPERATU
                    UnsupportedDtypeError, UnsupportedLayoutError, build_info, default_handle, defaults, ffi, lib,
                    library_path, new_struct, version)
 from .ops import (CrossEntropyOutput, KDOutput, LinearCrossEntropyGrads, LinearCrossEntropyOutput, SoftmaxOutput,
-                  cross_entropy, cross_entropy_bwd, cross_entropy_combine, cross_entropy_fwd, cross_entropy_partial,
+                  cross_entropy, cross_entropy_bwd, cross_entropy_bwd_ex, cross_entropy_combine, cross_entropy_fwd,
+                  cross_entropy_partial,
                   cross_entropy_record_fields, kd_loss, linear_cross_entropy,
                   linear_cross_entropy_bwd, linear_cross_entropy_fwd, logsumexp, temp_softmax)
 
@@ -42,7 +43,7 @@ __all__ = [
     "CrossEntropyOutput", "DeviceMismatchError", "FusedCEError", "Handle", "InvalidArgumentError", "KDOutput",
     "LinearCrossEntropyGrads", "LinearCrossEntropyOutput", "NoDeviceError", "OutOfMemoryError",
     "ShapeMismatchError", "SoftmaxOutput", "UnsupportedDtypeError", "UnsupportedLayoutError", "build_info",
-    "cross_entropy", "cross_entropy_bwd", "cross_entropy_combine", "cross_entropy_fwd", "cross_entropy_partial",
+    "cross_entropy", "cross_entropy_bwd", "cross_entropy_bwd_ex", "cross_entropy_combine", "cross_entropy_fwd", "cross_entropy_partial",
     "cross_entropy_record_fields", "default_handle", "defaults", "ffi", "kd_loss",
     "lib", "library_path", "linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_fwd",
     "logsumexp", "new_struct", "temp_softmax", "version",

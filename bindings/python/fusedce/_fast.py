@@ -118,6 +118,7 @@ class _Packed:
 
 _CE_OPTIONS = _Packed("fce_ce_options_t")
 _CE_OUTPUTS = _Packed("fce_ce_outputs_t")
+_CE_BWD_INPUTS = _Packed("fce_ce_bwd_inputs_t")
 _LSE_OPTIONS = _Packed("fce_lse_options_t")
 _SOFTMAX_OPTIONS = _Packed("fce_softmax_options_t")
 _KD_OPTIONS = _Packed("fce_kd_options_t")
@@ -144,7 +145,8 @@ def _ce_options(weight, reduction, ignore_index, label_smoothing, z_loss_scale, 
 
 
 def cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
-                      logit_scale, want_lse, want_z_loss, want_argmax, want_entropy, dlogits=None, grad_loss=None):
+                      logit_scale, want_lse, want_z_loss, want_argmax, want_entropy, dlogits=None, grad_loss=None,
+                      grad_entropy=None):
     """fce_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy), None where not asked for."""
     if (_EAGER and dlogits is None and grad_loss is None and type(logits) is torch.Tensor
             and not (logits.requires_grad and torch.is_grad_enabled())):
@@ -167,7 +169,8 @@ def cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_sm
     ent = empty((n,), dtype=f32, device=logits.device) if want_entropy else None
     o = _ce_options(weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev)
     out = _CE_OUTPUTS(_at(3, loss, dt, di), _at(4, lse, dt, di), _at(5, zl, dt, di), _at(6, am, dt, di),
-                      _at(7, ent, dt, di), _at(8, dlogits, dt, di), _at(9, grad_loss, dt, di))
+                      _at(7, ent, dt, di), _at(8, dlogits, dt, di), _at(9, grad_loss, dt, di),
+                      _at(10, grad_entropy, dt, di))
     _run("fce_cross_entropy_fwd", dev, (_dl(0, logits, dt, di), _dl(1, targets, dt, di), o, out), logits)
     return loss, lse, zl, am, ent
 
@@ -182,6 +185,22 @@ def cross_entropy_bwd(logits, targets, lse, grad_loss, weight, reduction, ignore
     o = _ce_options(weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev)
     _run("fce_cross_entropy_bwd", dev, (_dl(0, logits, dt, di), _dl(1, targets, dt, di), _dl(3, lse, dt, di),
                                         _dl(4, grad_loss, dt, di), o, _dl(5, d, dt, di)), logits)
+    return d
+
+
+def cross_entropy_bwd_ex(logits, targets, lse, entropy, grad_loss, grad_entropy, weight, reduction, ignore_index,
+                         label_smoothing, z_loss_scale, softcap, logit_scale, dlogits=None):
+    """fce_cross_entropy_bwd_ex: dlogits from the saved lse and entropy with both upstream gradients (None:
+    grad_loss 1, no entropy term)."""
+    _tables()
+    dev = _device(logits)
+    dt, di = dev[2], dev[3]
+    d = dlogits if dlogits is not None else torch.empty_like(logits)
+    o = _ce_options(weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, dev)
+    inputs = _CE_BWD_INPUTS(_at(3, lse, dt, di), _at(4, grad_loss, dt, di), _at(5, entropy, dt, di),
+                            _at(6, grad_entropy, dt, di))
+    _run("fce_cross_entropy_bwd_ex", dev, (_dl(0, logits, dt, di), _dl(1, targets, dt, di), inputs, o,
+                                           _dl(7, d, dt, di)), logits)
     return d
 
 
@@ -263,4 +282,4 @@ def scale_rows(x, factor):
     return x
 
 
-__all__ = ["cross_entropy_bwd", "cross_entropy_fwd", "kd_loss", "logsumexp", "scale_rows", "temp_softmax"]
+__all__ = ["cross_entropy_bwd", "cross_entropy_bwd_ex", "cross_entropy_fwd", "kd_loss", "logsumexp", "scale_rows", "temp_softmax"]

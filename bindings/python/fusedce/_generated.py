@@ -114,6 +114,7 @@ typedef struct fce_ce_outputs {
   DLTensor* entropy;
   DLTensor* dlogits;
   const DLTensor* grad_loss;
+  const DLTensor* grad_entropy;
 } fce_ce_outputs_t;
 fce_status_t fce_ce_outputs_init(fce_ce_outputs_t* outputs, size_t struct_size);
 fce_status_t fce_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
@@ -133,6 +134,23 @@ fce_status_t fce_cross_entropy_bwd_workspace_size(fce_handle_t handle, const DLT
                                                           const DLTensor* grad_loss,
                                                           const fce_ce_options_t* options,
                                                           const DLTensor* dlogits, size_t* bytes);
+typedef struct fce_ce_bwd_inputs {
+  uint32_t struct_size;
+  const DLTensor* lse;
+  const DLTensor* grad_loss;
+  const DLTensor* entropy;
+  const DLTensor* grad_entropy;
+} fce_ce_bwd_inputs_t;
+fce_status_t fce_ce_bwd_inputs_init(fce_ce_bwd_inputs_t* inputs, size_t struct_size);
+fce_status_t fce_cross_entropy_bwd_ex(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
+                                              const DLTensor* targets, const fce_ce_bwd_inputs_t* inputs,
+                                              const fce_ce_options_t* options, DLTensor* dlogits, void* workspace,
+                                              size_t workspace_bytes);
+fce_status_t fce_cross_entropy_bwd_ex_workspace_size(fce_handle_t handle, const DLTensor* logits,
+                                                             const DLTensor* targets,
+                                                             const fce_ce_bwd_inputs_t* inputs,
+                                                             const fce_ce_options_t* options,
+                                                             const DLTensor* dlogits, size_t* bytes);
 fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* options, int64_t* fields);
 fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
                                                const DLTensor* targets, const fce_ce_options_t* options,
@@ -236,6 +254,8 @@ typedef struct fce_linear_ce_outputs {
   DLTensor* dbias;
   const DLTensor* grad_loss;
   uint64_t flags;
+  const DLTensor* grad_entropy;
+  const DLTensor* saved_entropy;
 } fce_linear_ce_outputs_t;
 fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs, size_t struct_size);
 fce_status_t fce_linear_cross_entropy_fwd(fce_handle_t handle, fce_stream_t stream,
@@ -309,6 +329,14 @@ INITS = {
         'entropy': None,
         'dlogits': None,
         'grad_loss': None,
+        'grad_entropy': None,
+    }),
+    'FCE_CE_BWD_INPUTS_INIT': ('fce_ce_bwd_inputs_t', {
+        'struct_size': 'sizeof',
+        'lse': None,
+        'grad_loss': None,
+        'entropy': None,
+        'grad_entropy': None,
     }),
     'FCE_LSE_OPTIONS_INIT': ('fce_lse_options_t', {
         'struct_size': 'sizeof',
@@ -353,5 +381,7 @@ INITS = {
         'dbias': None,
         'grad_loss': None,
         'flags': 0,
+        'grad_entropy': None,
+        'saved_entropy': None,
     }),
 }

@@ -427,6 +427,124 @@ def _lce_backward(ctx, g_loss, *unused):
 torch.library.register_autograd("fusedce::linear_cross_entropy", _lce_backward, setup_context=_lce_setup)
 
 
+# ---- log-probabilities and entropy (verl's fused log-prob + entropy) ---------------------------------
+
+def _lpe_impl(logits: Tensor, labels: Tensor, logit_scale: float, ignore_index: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """(logprobs, entropy, lse), [N] fp32 each: log softmax(s * logits) at the labels (0 where ignored), the
+    entropy of softmax(s * logits), and its lse (saved for the backward): fce_cross_entropy_fwd, reduction
+    none, negated."""
+    loss, lse, _, _, ent = _fast.cross_entropy_fwd(logits, labels, None, _REDUCTION_NONE, ignore_index, 0.0, 0.0, 0.0,
+                                                   logit_scale, True, False, False, True)
+    return loss.neg_(), ent, lse
+
+
+logprobs_entropy = torch.library.custom_op("fusedce::logprobs_entropy", _lpe_impl, mutates_args=())
+
+
+@logprobs_entropy.register_fake
+def _(logits, labels, logit_scale, ignore_index):
+    n = logits.shape[0]
+    return tuple(logits.new_empty((n,), dtype=torch.float32) for _ in range(3))
+
+
+def _lpe_grads(g_lp, g_ent, like):
+    """fce grad_loss (-dlogprobs; 0 when the log-probabilities are unused) and grad_entropy (None when the
+    entropy is unused)."""
+    gl = _factor(g_lp).neg() if g_lp is not None else torch.zeros((), dtype=torch.float32, device=like.device)
+    return gl, None if g_ent is None else _factor(g_ent)
+
+
+def _lpe_bwd_impl(logits: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor, grad_logprobs: Optional[Tensor],
+                  grad_entropy: Optional[Tensor], logit_scale: float, ignore_index: int) -> Tensor:
+    """dlogits = dlogprobs * dlogprobs/dlogits + dentropy * dH/dlogits (fce_cross_entropy_bwd_ex)."""
+    gl, ge = _lpe_grads(grad_logprobs, grad_entropy, logits)
+    return _fast.cross_entropy_bwd_ex(logits, labels, lse, entropy if ge is not None else None, gl, ge, None,
+                                      _REDUCTION_NONE, ignore_index, 0.0, 0.0, 0.0, logit_scale)
+
+
+logprobs_entropy_bwd = torch.library.custom_op("fusedce::logprobs_entropy_bwd", _lpe_bwd_impl, mutates_args=())
+
+
+@logprobs_entropy_bwd.register_fake
+def _(logits, labels, lse, entropy, grad_logprobs, grad_entropy, logit_scale, ignore_index):
+    return torch.empty_like(logits)
+
+
+def _lpe_setup(ctx, inputs, output):
+    logits, labels, logit_scale, ignore_index = inputs
+    ctx.opts = (logit_scale, ignore_index)
+    ctx.save_for_backward(logits, labels, output[2], output[1])
+
+
+def _lpe_backward(ctx, g_lp, g_ent, g_lse):
+    logits, labels, lse, ent = ctx.saved_tensors
+    if not ctx.needs_input_grad[0] or (g_lp is None and g_ent is None):
+        return None, None, None, None
+    return call("logprobs_entropy_bwd", logits, labels, lse, ent, g_lp, g_ent, *ctx.opts), None, None, None
+
+
+torch.library.register_autograd("fusedce::logprobs_entropy", _lpe_backward, setup_context=_lpe_setup)
+
+
+def _llpe_impl(hidden: Tensor, weight: Tensor, labels: Tensor, logit_scale: float,
+               ignore_index: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """(logprobs, entropy, lse) of logits = hidden @ weight^T without materializing them
+    (fce_linear_cross_entropy_fwd, reduction none)."""
+    o = ops.linear_cross_entropy_fwd(hidden, weight, labels, reduction=_REDUCTION_NONE, ignore_index=ignore_index,
+                                     logit_scale=logit_scale, lse=True, entropy=True)
+    return o.loss.neg_(), o.entropy, o.lse
+
+
+linear_logprobs_entropy = torch.library.custom_op("fusedce::linear_logprobs_entropy", _llpe_impl, mutates_args=())
+
+
+@linear_logprobs_entropy.register_fake
+def _(hidden, weight, labels, logit_scale, ignore_index):
+    n = hidden.shape[0]
+    return tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(3))
+
+
+def _llpe_bwd_impl(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor,
+                   grad_logprobs: Optional[Tensor], grad_entropy: Optional[Tensor], logit_scale: float,
+                   ignore_index: int, want_dh: bool, want_dw: bool) -> Tuple[Tensor, Tensor]:
+    """(dhidden, dweight) (empty where not asked for) from both upstream gradients, recomputing the logits
+    chunk by chunk (fce_linear_cross_entropy_bwd with grad_entropy and the saved entropy)."""
+    gl, ge = _lpe_grads(grad_logprobs, grad_entropy, hidden)
+    g = ops.linear_cross_entropy_bwd(hidden, weight, labels, lse, dhidden=want_dh, dweight=want_dw, dbias=False,
+                                     grad_loss=gl, grad_entropy=ge, entropy=entropy if ge is not None else None,
+                                     reduction=_REDUCTION_NONE, ignore_index=ignore_index, logit_scale=logit_scale)
+    return (g.dhidden if want_dh else _nothing(hidden, hidden.dtype),
+            g.dweight if want_dw else _nothing(hidden, weight.dtype))
+
+
+linear_logprobs_entropy_bwd = torch.library.custom_op("fusedce::linear_logprobs_entropy_bwd", _llpe_bwd_impl,
+                                                      mutates_args=())
+
+
+@linear_logprobs_entropy_bwd.register_fake
+def _(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, logit_scale, ignore_index, want_dh, want_dw):
+    return (torch.empty_like(hidden) if want_dh else hidden.new_empty((0,)),
+            torch.empty_like(weight) if want_dw else weight.new_empty((0,)))
+
+
+def _llpe_setup(ctx, inputs, output):
+    hidden, weight, labels, logit_scale, ignore_index = inputs
+    ctx.opts = (logit_scale, ignore_index)
+    ctx.save_for_backward(hidden, weight, labels, output[2], output[1])
+
+
+def _llpe_backward(ctx, g_lp, g_ent, g_lse):
+    hidden, weight, labels, lse, ent = ctx.saved_tensors
+    want = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not any(want) or (g_lp is None and g_ent is None):
+        return (None,) * 5
+    dh, dw = call("linear_logprobs_entropy_bwd", hidden, weight, labels, lse, ent, g_lp, g_ent, *ctx.opts, *want)
+    return (dh if want[0] else None, dw if want[1] else None, None, None, None)
+
+
+torch.library.register_autograd("fusedce::linear_logprobs_entropy", _llpe_backward, setup_context=_llpe_setup)
+
+
 # ---- eager calls and autograd functions -----------------------------------------------------------
 
 # The implementations eager calls run: the ops' own, except that outputs not asked for are None.
@@ -440,6 +558,10 @@ _IMPL = {
     "kd_loss": _kd_eager,
     "linear_cross_entropy": _linear_cross_entropy_impl,
     "linear_cross_entropy_bwd": _linear_cross_entropy_bwd_impl,
+    "logprobs_entropy": _lpe_impl,
+    "logprobs_entropy_bwd": _lpe_bwd_impl,
+    "linear_logprobs_entropy": _llpe_impl,
+    "linear_logprobs_entropy_bwd": _llpe_bwd_impl,
 }
 
 
@@ -488,6 +610,11 @@ TempSoftmaxFunction = _function("TempSoftmaxFunction", _IMPL["temp_softmax"], _s
 KDLossFunction = _function("KDLossFunction", _IMPL["kd_loss"], _kd_setup, _kd_backward, held=(1,))
 LinearCrossEntropyFunction = _function("LinearCrossEntropyFunction", _IMPL["linear_cross_entropy"], _lce_setup,
                                        _lce_backward, held=(5, 6, 7))
+LogprobsEntropyFunction = _function("LogprobsEntropyFunction", _IMPL["logprobs_entropy"], _lpe_setup,
+                                    _lpe_backward)
+LinearLogprobsEntropyFunction = _function("LinearLogprobsEntropyFunction", _IMPL["linear_logprobs_entropy"],
+                                          _llpe_setup, _llpe_backward)
 
 __all__ = ["call", "CrossEntropyFunction", "CrossEntropyInplaceFunction", "KDLossFunction",
-           "LinearCrossEntropyFunction", "LogsumexpFunction", "TempSoftmaxFunction"]
+           "LinearCrossEntropyFunction", "LinearLogprobsEntropyFunction", "LogprobsEntropyFunction", "LogsumexpFunction",
+           "TempSoftmaxFunction"]

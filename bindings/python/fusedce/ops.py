@@ -130,12 +130,15 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
                       ignore_index=_CE["ignore_index"], label_smoothing=_CE["label_smoothing"],
                       z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"], logit_scale=_CE["logit_scale"],
                       class_weights=None, lse=True, z_loss=False, argmax=False, entropy=False, dlogits=False,
-                      grad_loss=None, argmax_dtype="int64", handle=None, stream=None, workspace=None):
+                      grad_loss=None, grad_entropy=None, argmax_dtype="int64", handle=None, stream=None,
+                      workspace=None):
     """fce_cross_entropy_fwd: logits [N, V] (fp32/bf16/fp16), targets [N] (int32/int64, 0-based).
 
     Returns CrossEntropyOutput(loss, lse, z_loss, argmax, entropy, dlogits); outputs not asked for are
     None. loss/z_loss are [N] for reduction="none", scalars otherwise; dlogits (gradient times grad_loss)
-    has the logits' dtype. See the header's fce_ce_options_t for the math."""
+    has the logits' dtype. grad_entropy (a number or an [N] fp32 array; needs dlogits) adds
+    grad_entropy * dH/dlogits to dlogits, H the entropy (dH/dz_j = p_j (sum_k p_k z_k - z_j)). See the
+    header's fce_ce_options_t and fce_ce_outputs_t for the math."""
     if (_fast is not None and _fast._EAGER and dlogits is False and grad_loss is None and class_weights is None
             and handle is None and stream is None and workspace is None and type(logits) is _fast.torch.Tensor
             and type(targets) is _fast.torch.Tensor and argmax_dtype == "int64" and lse.__class__ is bool
@@ -163,7 +166,8 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
         loss_t, lse_t, zl_t, am_t, ent_t = _fast.cross_entropy_fwd(
             logits, targets, class_weights, _enum(_REDUCTIONS, reduction, "reduction"), int(ignore_index),
             float(label_smoothing), float(z_loss_scale), float(softcap), float(logit_scale), lse, z_loss, argmax,
-            entropy, dlogits=d, grad_loss=_grad_torch(grad_loss, logits))
+            entropy, dlogits=d, grad_loss=_grad_torch(grad_loss, logits),
+            grad_entropy=_grad_torch(grad_entropy, logits))
         return CrossEntropyOutput(loss_t, lse_t, zl_t, am_t, ent_t, d)
     c = Call(logits, handle, stream)
     targets = c.native(targets)
@@ -171,6 +175,7 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
     outs, result = _ce_outputs(c, _rows(logits), reduction, lse, z_loss, argmax, entropy, argmax_dtype, dl_a)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
+    outs.grad_entropy = c.dl(_grad(c, grad_entropy))
     c.run("fce_cross_entropy_fwd", c.dl(logits), c.dl(targets), opts, outs, workspace=workspace)
     return result()
 
@@ -197,6 +202,30 @@ def cross_entropy_bwd(logits, targets, lse, *, grad_loss=None, dlogits=None,
                        vocab_start, vocab_total)
     c.run("fce_cross_entropy_bwd", c.dl(logits), c.dl(targets), c.dl(c.native(lse)), c.dl(_grad(c, grad_loss)), opts,
           c.dl(out, True), workspace=workspace)
+    return out
+
+
+def cross_entropy_bwd_ex(logits, targets, lse, *, entropy=None, grad_loss=None, grad_entropy=None, dlogits=None,
+                         reduction=_NAME["reduction"][_CE["reduction"]], ignore_index=_CE["ignore_index"],
+                         label_smoothing=_CE["label_smoothing"], z_loss_scale=_CE["z_loss_scale"],
+                         softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None,
+                         vocab_start=0, vocab_total=0, handle=None, stream=None, workspace=None):
+    """fce_cross_entropy_bwd_ex: grad_loss * d(loss)/d(logits) + grad_entropy * dH/d(logits) from the
+    forward's lse and entropy ([N] fp32 each; same options). grad_loss as cross_entropy_bwd; grad_entropy
+    None (no entropy term), a number or an [N] array, and then `entropy` is required (InvalidArgumentError
+    otherwise). Returns dlogits (allocated unless given; may be `logits` itself)."""
+    c = Call(logits, handle, stream)
+    targets = c.native(targets)
+    out = dlogits if dlogits is not None else c.empty_like(logits)
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
+                       vocab_start, vocab_total)
+    inputs = c.struct("fce_ce_bwd_inputs_t")
+    inputs.lse = c.dl(c.native(lse))
+    inputs.grad_loss = c.dl(_grad(c, grad_loss))
+    inputs.entropy = c.dl(None if entropy is None else c.native(entropy))
+    inputs.grad_entropy = c.dl(_grad(c, grad_entropy))
+    c.run("fce_cross_entropy_bwd_ex", c.dl(logits), c.dl(targets), inputs, opts, c.dl(out, True),
+          workspace=workspace)
     return out
 
 
@@ -384,12 +413,14 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
                              label_smoothing=_CE["label_smoothing"], z_loss_scale=_CE["z_loss_scale"],
                              softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None,
                              lse=True, z_loss=False, argmax=False, entropy=False, dhidden=False, dweight=False,
-                             dbias=False, grad_loss=None, argmax_dtype="int64", accumulate=False, handle=None,
-                             stream=None, workspace=None):
+                             dbias=False, grad_loss=None, grad_entropy=None, argmax_dtype="int64", accumulate=False,
+                             handle=None, stream=None, workspace=None):
     """fce_linear_cross_entropy_fwd: cross-entropy of hidden [N, H] @ weight[V, H]^T (+ bias [V]) without
     materializing the logits; gradients asked for are computed in the same call. accumulate=True adds them
     into the arrays given as dhidden/dweight/dbias (FCE_LINEAR_CE_ACCUMULATE: gradient accumulation, e.g. an
     fp32 main_grad) instead of overwriting them.
+    grad_entropy (a number or [N] fp32; with a gradient asked for) adds the entropy's gradient, as
+    cross_entropy_fwd's.
     Returns LinearCrossEntropyOutput(loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias)."""
     _accumulating(accumulate, dhidden, dweight, dbias)
     c = Call(hidden, handle, stream)
@@ -414,6 +445,7 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
     outs.dweight = c.dl(dw_a, True)
     outs.dbias = c.dl(db_a, True)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
+    outs.grad_entropy = c.dl(_grad(c, grad_entropy))
     outs.flags = _ACCUMULATE if accumulate else 0
     c.run("fce_linear_cross_entropy_fwd", c.dl(hidden), c.dl(c.native(weight)),
           c.dl(None if bias is None else c.native(bias)), c.dl(targets), opts, outs, workspace=workspace)
@@ -426,14 +458,16 @@ def linear_cross_entropy(hidden, weight, targets, **kw):
 
 
 def linear_cross_entropy_bwd(hidden, weight, targets, lse, *, bias=None, dhidden=True, dweight=True, dbias=None,
-                             grad_loss=None, reduction=_NAME["reduction"][_CE["reduction"]],
+                             grad_loss=None, grad_entropy=None, entropy=None,
+                             reduction=_NAME["reduction"][_CE["reduction"]],
                              ignore_index=_CE["ignore_index"], label_smoothing=_CE["label_smoothing"],
                              z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"],
                              logit_scale=_CE["logit_scale"], class_weights=None, accumulate=False, handle=None,
                              stream=None, workspace=None):
     """fce_linear_cross_entropy_bwd: the gradients asked for (dbias defaults to "if there is a bias"),
     recomputing the logits chunk by chunk from the forward's lse; accumulate=True adds them into the arrays
-    given (as linear_cross_entropy_fwd). Returns LinearCrossEntropyGrads."""
+    given (as linear_cross_entropy_fwd). grad_entropy (a number or [N] fp32) with `entropy` (the forward's
+    entropy output, [N] fp32) adds the entropy's gradient. Returns LinearCrossEntropyGrads."""
     _accumulating(accumulate, dhidden, dweight, dbias)
     c = Call(hidden, handle, stream)
     targets = c.native(targets)
@@ -448,6 +482,8 @@ def linear_cross_entropy_bwd(hidden, weight, targets, lse, *, bias=None, dhidden
     outs.dweight = c.dl(dw_a, True)
     outs.dbias = c.dl(db_a, True)
     outs.grad_loss = c.dl(_grad(c, grad_loss))
+    outs.grad_entropy = c.dl(_grad(c, grad_entropy))
+    outs.saved_entropy = c.dl(None if entropy is None else c.native(entropy))
     outs.flags = _ACCUMULATE if accumulate else 0
     c.run("fce_linear_cross_entropy_bwd", c.dl(hidden), c.dl(c.native(weight)),
           c.dl(None if bias is None else c.native(bias)), c.dl(targets), c.dl(c.native(lse)), opts, outs,

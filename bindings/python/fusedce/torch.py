@@ -24,8 +24,11 @@ Gradients, by op:
   - linear_cross_entropy: a reduced loss forms dhidden/dweight/dbias in the forward (6NHV flops in all, no
     recomputation) and the backward applies the upstream scalar on the device; per-row losses recompute in
     the backward. With gradients disabled, or no input requiring one, only the forward (2NHV flops) runs.
-Targets, class weights and a KD teacher are constants. lse, z_loss, entropy and the argmax are reported,
-not differentiated (z_loss is a part of the loss, returned for logging).
+  - logprobs_entropy / linear_logprobs_entropy: per-token log-probabilities and entropies, both
+    differentiable (the backward reads the logits, or recomputes them, once with both upstream gradients).
+Targets, class weights and a KD teacher are constants. cross_entropy's lse, z_loss, entropy and argmax are
+reported, not differentiated (z_loss is a part of the loss, returned for logging); a differentiable entropy
+comes from logprobs_entropy.
 
 Differences from PyTorch, all deliberate (see the header): the loss is float32 whatever the logits' dtype;
 reduction="mean" over rows that are all ignored gives 0, not NaN; a target outside [0, C) that is not
@@ -293,6 +296,73 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                                     label_smoothing=self.label_smoothing, **self.extras)
 
 
+# ---- log-probabilities and entropy ------------------------------------------------------------------
+
+def _reduce_pair(lp, ent, reduction, shape):
+    if reduction == "none":
+        return lp.reshape(shape), ent.reshape(shape)
+    if reduction == "sum":
+        return lp.sum(), ent.sum()
+    if reduction == "mean":
+        return lp.mean(), ent.mean()
+    raise ValueError("reduction must be 'none', 'sum' or 'mean', got %r" % (reduction,))
+
+
+def _logit_scale(temperature):
+    t = float(temperature)
+    if not t > 0 or t == float("inf"):
+        raise ValueError("temperature must be finite and > 0, got %r" % (temperature,))
+    return 1.0 / t
+
+
+def logprobs_entropy(logits, labels, temperature=1.0, reduction="none", *, ignore_index=-100):
+    """Per-token log-probabilities of the labels and entropies of softmax(logits / temperature), both
+    differentiable (verl's log-prob + entropy for PPO/GRPO losses with an entropy bonus).
+
+    logits (..., V) fp32/bf16/fp16; labels (...) int32/int64 class indices. Returns (logprobs, entropy), fp32,
+    shaped like labels for reduction="none", scalars for "sum" and "mean" (the mean over every token, as
+    verl's). logprob_i = z_{i,t} - lse_i with z = logits / temperature; a label equal to ignore_index gives
+    logprob 0 and no gradient through it (its entropy is still computed and differentiated); a label outside
+    [0, V) otherwise gives NaN. entropy_i = -sum_j p_ij log p_ij. The backward reads the logits once more and
+    forms grad_logprobs * d(logprob)/d(logits) + grad_entropy * dH/d(logits), dH/dz_j = p_j (sum_k p_k z_k -
+    z_j), in fp32 rounded once to the logits' dtype (fce_cross_entropy_bwd_ex). Raises ValueError for a
+    temperature that is not finite and > 0, and the library's errors (fusedce.FusedCEError) for bad shapes or
+    dtypes."""
+    scale = _logit_scale(temperature)
+    shape = tuple(labels.shape)
+    rows = logits.reshape(-1, logits.shape[-1])
+    tgt = _targets(labels.reshape(-1))
+    args = (rows, tgt, scale, int(ignore_index))
+    if _compiling():
+        lp, ent, _ = torch.ops.fusedce.logprobs_entropy(*args)
+    elif _wants_grad(rows):
+        lp, ent, _ = _ops.LogprobsEntropyFunction.run(*args)
+    else:
+        lp, ent, _ = _ops.call("logprobs_entropy", *args)
+    return _reduce_pair(lp, ent, reduction, shape)
+
+
+def linear_logprobs_entropy(hidden, weight, labels, temperature=1.0, reduction="none", *, ignore_index=-100):
+    """logprobs_entropy(hidden @ weight.T, labels, temperature, reduction) without materializing the logits
+    (verl's LinearCrossEntropy): hidden (..., H) and weight (V, H) of one dtype (fp32/bf16/fp16), labels (...).
+    Returns (logprobs, entropy) as logprobs_entropy; gradients through both reach hidden and weight
+    (fce_linear_cross_entropy_bwd with grad_entropy: the backward recomputes the logits chunk by chunk, so
+    forward + backward is 8 N H V flops). The logits are accumulated in fp32 and rounded to the inputs' dtype,
+    as torch.nn.functional.linear gives them."""
+    scale = _logit_scale(temperature)
+    shape = tuple(labels.shape)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    tgt = _targets(labels.reshape(-1))
+    args = (h, weight, tgt, scale, int(ignore_index))
+    if _compiling():
+        lp, ent, _ = torch.ops.fusedce.linear_logprobs_entropy(*args)
+    elif _wants_grad(h, weight):
+        lp, ent, _ = _ops.LinearLogprobsEntropyFunction.run(*args)
+    else:
+        lp, ent, _ = _ops.call("linear_logprobs_entropy", *args)
+    return _reduce_pair(lp, ent, reduction, shape)
+
+
 # ---- logsumexp and temperature softmax ------------------------------------------------------------
 
 def _f32_vector(t):
@@ -449,8 +519,8 @@ class KDLoss(torch.nn.Module):
 
 
 __all__ = ["CrossEntropyLoss", "CrossEntropyOutput", "KDLoss", "LinearCrossEntropyLoss", "SoftmaxOutput",
-           "cross_entropy", "kd_loss", "kd_loss_topk", "linear_cross_entropy", "log_softmax", "logsumexp", "softmax",
-           "temp_softmax", "vocab_parallel_cross_entropy"]
+           "cross_entropy", "kd_loss", "kd_loss_topk", "linear_cross_entropy", "linear_logprobs_entropy",
+           "log_softmax", "logprobs_entropy", "logsumexp", "softmax", "temp_softmax", "vocab_parallel_cross_entropy"]
 
 
 # ---- vocabulary-parallel cross-entropy -------------------------------------------------------------

@@ -59,6 +59,10 @@ def _op_samples(device):
         ("kd_loss", (x, randn(6, 33), None, None, t, 2, 0.5, 2.0, True, 0, mean, -100, True)),
         ("linear_cross_entropy", (h, w, b, t, None, mean, *ce_opts, True, True, True, True, True, True)),
         ("linear_cross_entropy", (h, w, b, t, None, none, *ce_opts, False, False, False, False, False, False)),
+        ("logprobs_entropy", (x, t, 1.25, -100)),
+        ("logprobs_entropy_bwd", (x.detach(), t, torch.randn(6).to(device), torch.rand(6).to(device), randn(6), randn(6), 1.25,
+                                  -100)),
+        ("linear_logprobs_entropy", (h, w, t, 0.8, -100)),
     ]
 
 
@@ -116,7 +120,13 @@ def _steps(lin):
                 + (ft.softmax(s, 0.7) * torch.arange(s.shape[1], device=s.device)).sum() * 0.01
                 + ft.log_softmax(s, 0.7)[:, :3].sum() * 0.01)
 
-    return [ce_default, ce_inplace, linear_mean, linear_none, kd_and_sampling]
+    def ppo_with_entropy_bonus(h, t):
+        adv = torch.linspace(-1, 1, h.shape[0], device=h.device)
+        lp, ent = ft.logprobs_entropy(lin(h), t, temperature=0.7)
+        llp, lent = ft.linear_logprobs_entropy(h, lin.weight, t, temperature=1.3)
+        return -(adv * (lp + llp)).mean() - 0.01 * (ent.mean() + lent.mean())
+
+    return [ce_default, ce_inplace, linear_mean, linear_none, kd_and_sampling, ppo_with_entropy_bonus]
 
 
 @pytest.mark.parametrize("device", DEVICES)

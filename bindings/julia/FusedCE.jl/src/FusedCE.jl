@@ -298,6 +298,7 @@ end
 # Each struct with an init function.
 const _INIT_FUNCTIONS = (
     L.fce_ce_options_t => L.fce_ce_options_init, L.fce_ce_outputs_t => L.fce_ce_outputs_init,
+    L.fce_ce_bwd_inputs_t => L.fce_ce_bwd_inputs_init,
     L.fce_lse_options_t => L.fce_lse_options_init, L.fce_softmax_options_t => L.fce_softmax_options_init,
     L.fce_kd_options_t => L.fce_kd_options_init, L.fce_kd_teacher_t => L.fce_kd_teacher_init,
     L.fce_kd_outputs_t => L.fce_kd_outputs_init, L.fce_linear_ce_outputs_t => L.fce_linear_ce_outputs_init)
@@ -399,7 +400,7 @@ end
                       z_loss_scale=0, softcap=0, logit_scale=1, class_weights=nothing,
                       vocab_start=0, vocab_total=0,
                       lse=true, z_loss=false, argmax=false, entropy=false, dlogits=false,
-                      grad_loss=nothing, argmax_type=Int64, handle=default_handle())
+                      grad_loss=nothing, grad_entropy=nothing, argmax_type=Int64, handle=default_handle())
 
 Cross-entropy of `logits` (`V×N`) against 1-based `targets` (length N); see the header's
 `fce_ce_options_t` for the math. `vocab_start`/`vocab_total` must stay 0 here (the library refuses a
@@ -408,6 +409,16 @@ shard, `FusedCEError` INVALID_ARGUMENT): a shard's loss comes from `cross_entrop
 an array to write into (`dlogits = logits` computes the gradient in place). Returns a NamedTuple
 `(loss, lse, z_loss, argmax, entropy, dlogits)`, `nothing` for outputs not asked for; `loss` and
 `z_loss` are `Float32` scalars for `:sum`/`:mean` and vectors for `:none`; `argmax` is 1-based.
+
+Upstream gradients (Float32, read by the library; `nothing` = none): `grad_loss` multiplies d(loss)/d(logits)
+(a number for `:sum`/`:mean`; a number or a length-N vector for `:none`). `grad_entropy` (a number, broadcast,
+or a length-N vector; only with `dlogits`, else `FusedCEError` INVALID_ARGUMENT) adds the gradient of
+`sum(grad_entropy .* entropy)`, so that `dlogits[:, n] = grad_loss[n] * ∂loss/∂logits[:, n] +
+grad_entropy[n] * ∂H_n/∂logits[:, n]`, formed in Float32 and rounded once, for every column (ignored ones
+included: their entropy is reported too). With `H = -Σ_j p_j log p_j`, `p = softmax(z)`:
+`∂H/∂z_j = p_j (μ - z_j)`, `μ = Σ_k p_k z_k = lse - H`, chained through `logit_scale` and `softcap`
+(`z = softcap * tanh(logit_scale * x / softcap)`, or `logit_scale * x` without a softcap) as the loss
+gradient is. A wrong length is SHAPE_MISMATCH, a non-Float32 array UNSUPPORTED_DTYPE.
 """
 function cross_entropy_fwd(logits::AbstractMatrix, targets::AbstractVector{<:Integer};
                            reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
@@ -417,6 +428,7 @@ function cross_entropy_fwd(logits::AbstractMatrix, targets::AbstractVector{<:Int
                            vocab_start::Integer = _CE[].vocab_start, vocab_total::Integer = _CE[].vocab_total,
                            lse = true, z_loss = false, argmax = false, entropy = false, dlogits = false,
                            grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                           grad_entropy::Union{Nothing,Real,AbstractArray} = nothing,
                            argmax_type::Type{<:Union{Int32,Int64}} = Int64, handle::Handle = default_handle())
     N = size(logits, 2)
     loss_a = _loss_buffer(reduction, N)
@@ -425,14 +437,15 @@ function cross_entropy_fwd(logits::AbstractMatrix, targets::AbstractVector{<:Int
     am_a = _out(argmax, () -> Vector{argmax_type}(undef, N))
     ent_a = _out(entropy, () -> _vecf32(N))
     dl_a = _out(dlogits, () -> similar(logits))
-    tl, tt, tcw, tloss, tlse, tzl, tam, tent, tdl, tg =
+    tl, tt, tcw, tloss, tlse, tzl, tam, tent, tdl, tg, tge =
         Tensor(logits), Tensor(_indices0(targets)), _tensor(class_weights), Tensor(loss_a), _tensor(lse_a),
-        _tensor(zl_a), _tensor(am_a), _tensor(ent_a), _tensor(dl_a), _tensor(grad_loss)
-    GC.@preserve tl tt tcw tloss tlse tzl tam tent tdl tg begin
+        _tensor(zl_a), _tensor(am_a), _tensor(ent_a), _tensor(dl_a), _tensor(grad_loss), _tensor(grad_entropy)
+    GC.@preserve tl tt tcw tloss tlse tzl tam tent tdl tg tge begin
         opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw;
                            vocab_start = vocab_start, vocab_total = vocab_total)
         outs = _cstruct(L.fce_ce_outputs_t; loss = _ptr(tloss), lse = _ptr(tlse), z_loss = _ptr(tzl),
-                        argmax = _ptr(tam), entropy = _ptr(tent), dlogits = _ptr(tdl), grad_loss = _ptr(tg))
+                        argmax = _ptr(tam), entropy = _ptr(tent), dlogits = _ptr(tdl), grad_loss = _ptr(tg),
+                        grad_entropy = _ptr(tge))
         _check(L.fce_cross_entropy_fwd(_ptr(handle), C_NULL, _ptr(tl), _ptr(tt), opts, outs, C_NULL, 0),
                :fce_cross_entropy_fwd)
     end
@@ -450,10 +463,19 @@ cross_entropy(logits::AbstractMatrix, targets::AbstractVector{<:Integer}; kw...)
     cross_entropy_fwd(logits, targets; lse = false, kw...).loss
 
 """
-    cross_entropy_bwd(logits, targets, lse; grad_loss=nothing, dlogits=similar(logits), options...)
+    cross_entropy_bwd(logits, targets, lse; grad_loss=nothing, entropy=nothing, grad_entropy=nothing,
+                      dlogits=similar(logits), options...)
 
 Gradient of the cross-entropy with respect to `logits`, from the `lse` saved by `cross_entropy_fwd`
-with the same options, times `grad_loss` (a number, or a vector for `reduction = :none`). Returns dlogits.
+with the same options, times `grad_loss` (a number, or a vector for `reduction = :none`). Returns dlogits
+(`V×N`, the logits' element type; `dlogits = logits` works in place).
+
+With `grad_entropy` (Float32, a number or a length-N vector) the gradient of `sum(grad_entropy .* H)` is
+added as in `cross_entropy_fwd` (`∂H/∂z_j = p_j (μ - z_j)`, `μ = lse - H`, through `logit_scale`/`softcap`):
+`entropy` must then be the forward's `entropy` output (length-N Float32, same options), from which the
+library takes μ (`fce_cross_entropy_bwd_ex`; the result has the bits of `cross_entropy_fwd(...; dlogits =
+true, grad_loss, grad_entropy)` on the CPU). `grad_entropy` without `entropy` is `FusedCEError`
+INVALID_ARGUMENT; `entropy` without `grad_entropy` is not read (`fce_cross_entropy_bwd` is called).
 
 Vocabulary shard (`vocab_total > 0`): `logits` is the shard (`V_local×N`, global classes
 `vocab_start+1 : vocab_start+V_local`), `targets` are global, and `lse` is the one of
@@ -467,14 +489,24 @@ function cross_entropy_bwd(logits::AbstractMatrix, targets::AbstractVector{<:Int
                            class_weights::Union{Nothing,AbstractVector} = nothing,
                            vocab_start::Integer = _CE[].vocab_start, vocab_total::Integer = _CE[].vocab_total,
                            grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                           entropy::Union{Nothing,AbstractVector} = nothing,
+                           grad_entropy::Union{Nothing,Real,AbstractArray} = nothing,
                            dlogits::AbstractMatrix = similar(logits), handle::Handle = default_handle())
     tl, tt, tlse, tg, tcw, tdl = Tensor(logits), Tensor(_indices0(targets)), Tensor(lse), _tensor(grad_loss),
                                  _tensor(class_weights), Tensor(dlogits)
-    GC.@preserve tl tt tlse tg tcw tdl begin
+    tent, tge = grad_entropy === nothing ? (nothing, nothing) : (_tensor(entropy), _tensor(grad_entropy))
+    GC.@preserve tl tt tlse tg tcw tdl tent tge begin
         opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw;
                            vocab_start = vocab_start, vocab_total = vocab_total)
-        _check(L.fce_cross_entropy_bwd(_ptr(handle), C_NULL, _ptr(tl), _ptr(tt), _ptr(tlse), _ptr(tg), opts,
-                                       _ptr(tdl), C_NULL, 0), :fce_cross_entropy_bwd)
+        if tge === nothing
+            _check(L.fce_cross_entropy_bwd(_ptr(handle), C_NULL, _ptr(tl), _ptr(tt), _ptr(tlse), _ptr(tg), opts,
+                                           _ptr(tdl), C_NULL, 0), :fce_cross_entropy_bwd)
+        else
+            ins = _cstruct(L.fce_ce_bwd_inputs_t; lse = _ptr(tlse), grad_loss = _ptr(tg), entropy = _ptr(tent),
+                           grad_entropy = _ptr(tge))
+            _check(L.fce_cross_entropy_bwd_ex(_ptr(handle), C_NULL, _ptr(tl), _ptr(tt), ins, opts, _ptr(tdl),
+                                              C_NULL, 0), :fce_cross_entropy_bwd_ex)
+        end
     end
     return dlogits
 end
@@ -716,12 +748,17 @@ end
     linear_cross_entropy_fwd(hidden, weight, targets; bias=nothing, <cross-entropy options>,
                              lse=true, z_loss=false, argmax=false, entropy=false,
                              dhidden=false, dweight=false, dbias=false, grad_loss=nothing,
-                             argmax_type=Int64, handle=default_handle())
+                             grad_entropy=nothing, argmax_type=Int64, handle=default_handle())
 
 Cross-entropy of the logits `weight' * hidden (+ bias)` without materializing them: `hidden` is `H×N`,
 `weight` `H×V` (the C `[V,H]`), `bias` a length-V vector, `targets` 1-based. Gradients asked for
 (`true` or an array) are computed in the same call. Returns
 `(loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias)`.
+
+`grad_entropy` (Float32, a number or a length-N vector; only with a gradient output `dhidden`, `dweight`
+or `dbias`, else `FusedCEError` INVALID_ARGUMENT) adds the gradient of `sum(grad_entropy .* entropy)` to
+them, through the logits' gradient `grad_loss[n] * ∂loss/∂logits[:, n] + grad_entropy[n] * ∂H_n/∂logits[:, n]`
+with `∂H/∂z_j = p_j (μ - z_j)`, `μ = lse - H` (as `cross_entropy_fwd`), every column included.
 """
 function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer};
                                   bias::Union{Nothing,AbstractVector} = nothing,
@@ -733,6 +770,7 @@ function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix
                                   lse = true, z_loss = false, argmax = false, entropy = false,
                                   dhidden = false, dweight = false, dbias = false,
                                   grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                                  grad_entropy::Union{Nothing,Real,AbstractArray} = nothing,
                                   argmax_type::Type{<:Union{Int32,Int64}} = Int64, handle::Handle = default_handle())
     N = size(hidden, 2)
     loss_a = _loss_buffer(reduction, N)
@@ -744,13 +782,14 @@ function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix
     dw_a = _out(dweight, () -> similar(weight))
     db_a = _out(dbias, () -> bias === nothing ? throw(ArgumentError("dbias needs a bias")) : similar(bias))
     th, tw, tb, tt, tcw = Tensor(hidden), Tensor(weight), _tensor(bias), Tensor(_indices0(targets)), _tensor(class_weights)
-    tloss, tlse, tzl, tam, tent, tdh, tdw, tdb, tg = Tensor(loss_a), _tensor(lse_a), _tensor(zl_a), _tensor(am_a),
-        _tensor(ent_a), _tensor(dh_a), _tensor(dw_a), _tensor(db_a), _tensor(grad_loss)
-    GC.@preserve th tw tb tt tcw tloss tlse tzl tam tent tdh tdw tdb tg begin
+    tloss, tlse, tzl, tam, tent, tdh, tdw, tdb, tg, tge = Tensor(loss_a), _tensor(lse_a), _tensor(zl_a),
+        _tensor(am_a), _tensor(ent_a), _tensor(dh_a), _tensor(dw_a), _tensor(db_a), _tensor(grad_loss),
+        _tensor(grad_entropy)
+    GC.@preserve th tw tb tt tcw tloss tlse tzl tam tent tdh tdw tdb tg tge begin
         opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
         outs = _cstruct(L.fce_linear_ce_outputs_t; loss = _ptr(tloss), lse = _ptr(tlse), z_loss = _ptr(tzl),
                         argmax = _ptr(tam), entropy = _ptr(tent), dhidden = _ptr(tdh), dweight = _ptr(tdw),
-                        dbias = _ptr(tdb), grad_loss = _ptr(tg))
+                        dbias = _ptr(tdb), grad_loss = _ptr(tg), grad_entropy = _ptr(tge))
         _check(L.fce_linear_cross_entropy_fwd(_ptr(handle), C_NULL, _ptr(th), _ptr(tw), _ptr(tb), _ptr(tt), opts,
                                               outs, C_NULL, 0), :fce_linear_cross_entropy_fwd)
     end
@@ -766,10 +805,14 @@ linear_cross_entropy(hidden::AbstractMatrix, weight::AbstractMatrix, targets::Ab
 """
     linear_cross_entropy_bwd(hidden, weight, targets, lse; bias=nothing, <cross-entropy options>,
                              dhidden=true, dweight=true, dbias=(bias !== nothing), grad_loss=nothing,
-                             handle=default_handle())
+                             grad_entropy=nothing, saved_entropy=nothing, handle=default_handle())
 
 Gradients of linear cross-entropy from the forward's `lse` (same options), recomputing the logits chunk
 by chunk. Returns `(dhidden, dweight, dbias)`.
+
+`grad_entropy` (Float32, a number or a length-N vector) adds the entropy's gradient as in
+`linear_cross_entropy_fwd`; it needs `saved_entropy`, the forward's `entropy` output (length-N Float32,
+same options; `FusedCEError` INVALID_ARGUMENT without it). `saved_entropy` is only read with `grad_entropy`.
 """
 function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer},
                                   lse::AbstractVector; bias::Union{Nothing,AbstractVector} = nothing,
@@ -780,6 +823,8 @@ function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix
                                   class_weights::Union{Nothing,AbstractVector} = nothing,
                                   dhidden = true, dweight = true, dbias = bias !== nothing,
                                   grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                                  grad_entropy::Union{Nothing,Real,AbstractArray} = nothing,
+                                  saved_entropy::Union{Nothing,AbstractVector} = nothing,
                                   handle::Handle = default_handle())
     dh_a = _out(dhidden, () -> similar(hidden))
     dw_a = _out(dweight, () -> similar(weight))
@@ -787,10 +832,12 @@ function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix
     th, tw, tb, tt, tlse, tcw = Tensor(hidden), Tensor(weight), _tensor(bias), Tensor(_indices0(targets)),
                                 Tensor(lse), _tensor(class_weights)
     tdh, tdw, tdb, tg = _tensor(dh_a), _tensor(dw_a), _tensor(db_a), _tensor(grad_loss)
-    GC.@preserve th tw tb tt tlse tcw tdh tdw tdb tg begin
+    # saved_entropy is an input of the backward only with grad_entropy (the library refuses it otherwise)
+    tge, tse = grad_entropy === nothing ? (nothing, nothing) : (_tensor(grad_entropy), _tensor(saved_entropy))
+    GC.@preserve th tw tb tt tlse tcw tdh tdw tdb tg tge tse begin
         opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
         outs = _cstruct(L.fce_linear_ce_outputs_t; dhidden = _ptr(tdh), dweight = _ptr(tdw), dbias = _ptr(tdb),
-                        grad_loss = _ptr(tg))
+                        grad_loss = _ptr(tg), grad_entropy = _ptr(tge), saved_entropy = _ptr(tse))
         _check(L.fce_linear_cross_entropy_bwd(_ptr(handle), C_NULL, _ptr(th), _ptr(tw), _ptr(tb), _ptr(tt),
                                               _ptr(tlse), opts, outs, C_NULL, 0), :fce_linear_cross_entropy_bwd)
     end

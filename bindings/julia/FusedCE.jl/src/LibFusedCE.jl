@@ -436,7 +436,8 @@ struct fce_ce_outputs
     z_loss::Ptr{DLTensor}
     # [N] int32 or int64: index of the largest raw logit, lowest index on ties (NaN counts as largest).
     argmax::Ptr{DLTensor}
-    # [N] fp32: entropy of softmax(z) in nats, -sum_j p_j log p_j. Not differentiated.
+    # [N] fp32: entropy of softmax(z) in nats, H = -sum_j p_j log p_j (differentiated through
+    #  grad_entropy).
     entropy::Ptr{DLTensor}
     # [N,V] in the logits' dtype: d(loss)/d(logits) times grad_loss, formed in fp32 and rounded once.
     #  May be the very same memory as the logits (in-place); any other overlap is FCE_STATUS_ALIASING.
@@ -444,8 +445,15 @@ struct fce_ce_outputs
     # Upstream gradient for dlogits, fp32: a scalar for SUM/MEAN, [N] (or a scalar, broadcast) for NONE.
     #  NULL = 1. Read on the device, so it may be produced by earlier work on the same stream.
     grad_loss::Ptr{DLTensor}
+    # Upstream gradient of the entropy, fp32, [N] or a scalar (broadcast); NULL = none. Only with dlogits:
+    #  dlogits then also holds grad_entropy_i * dH_i/d(logits), in the same pass and the same single
+    #  rounding, for every row (ignored rows included: the entropy is reported for them too), with
+    #  dH/dz_j = p_j (mu - z_j), mu = sum_k p_k z_k = lse - H, chained through logit_scale and softcap as
+    #  the loss gradient is (the entropy's derivative, e.g. Pereyra et al. 2017). A logit of -inf (p_j = 0)
+    #  gets 0. Read on the device.
+    grad_entropy::Ptr{DLTensor}
 end
-@assert sizeof(fce_ce_outputs) == 64
+@assert sizeof(fce_ce_outputs) == 72
 @assert fieldoffset(fce_ce_outputs, 1) == 0
 @assert fieldoffset(fce_ce_outputs, 2) == 8
 @assert fieldoffset(fce_ce_outputs, 3) == 16
@@ -454,6 +462,7 @@ end
 @assert fieldoffset(fce_ce_outputs, 6) == 40
 @assert fieldoffset(fce_ce_outputs, 7) == 48
 @assert fieldoffset(fce_ce_outputs, 8) == 56
+@assert fieldoffset(fce_ce_outputs, 9) == 64
 
 const fce_ce_outputs_t = fce_ce_outputs
 
@@ -512,6 +521,61 @@ Workspace bytes fce_cross_entropy_bwd needs for these arguments.
 """
 function fce_cross_entropy_bwd_workspace_size(handle, logits, targets, lse, grad_loss, options, dlogits, bytes)
     @ccall $(_fptr_fce_cross_entropy_bwd_workspace_size[])(handle::fce_handle_t, logits::Ptr{DLTensor}, targets::Ptr{DLTensor}, lse::Ptr{DLTensor}, grad_loss::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, dlogits::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+"""
+What the backward from saved statistics reads (fce_cross_entropy_bwd_ex): the forward's saved outputs and
+the upstream gradients. Initialize with FCE_CE_BWD_INPUTS_INIT.
+"""
+struct fce_ce_bwd_inputs
+    # sizeof(fce_ce_bwd_inputs_t)
+    struct_size::UInt32
+    # required: [N] fp32, the forward's lse (same options)
+    lse::Ptr{DLTensor}
+    # Upstream gradient of the loss, as fce_cross_entropy_bwd's grad_loss; NULL = 1.
+    grad_loss::Ptr{DLTensor}
+    # [N] fp32, the forward's entropy output (same options); required with grad_entropy, else ignored. The
+    #  backward takes mu = lse - H from it rather than re-reading the logits for sum p z.
+    entropy::Ptr{DLTensor}
+    # Upstream gradient of the entropy, fp32, [N] or a scalar; NULL = none (fce_ce_outputs_t.grad_entropy).
+    grad_entropy::Ptr{DLTensor}
+end
+@assert sizeof(fce_ce_bwd_inputs) == 40
+@assert fieldoffset(fce_ce_bwd_inputs, 1) == 0
+@assert fieldoffset(fce_ce_bwd_inputs, 2) == 8
+@assert fieldoffset(fce_ce_bwd_inputs, 3) == 16
+@assert fieldoffset(fce_ce_bwd_inputs, 4) == 24
+@assert fieldoffset(fce_ce_bwd_inputs, 5) == 32
+
+const fce_ce_bwd_inputs_t = fce_ce_bwd_inputs
+
+"""
+Fills the struct_size bytes at `inputs` with this library's defaults (as fce_ce_outputs_init).
+ @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when inputs is NULL or struct_size is out of
+ range (nothing written).
+"""
+function fce_ce_bwd_inputs_init(inputs, struct_size)
+    @ccall $(_fptr_fce_ce_bwd_inputs_init[])(inputs::Ptr{fce_ce_bwd_inputs_t}, struct_size::Csize_t)::fce_status_t
+end
+
+"""
+Cross-entropy backward from saved statistics with the entropy's upstream gradient as well:
+dlogits = grad_loss * d(loss)/d(logits) + grad_entropy * dH/d(logits), formed in fp32 and rounded once.
+Without grad_entropy it is fce_cross_entropy_bwd (the same bits). With a vocabulary shard, lse and entropy
+are fce_cross_entropy_combine's (the same on every rank).
+@param inputs  lse required; entropy required when grad_entropy is set.
+@return as fce_cross_entropy_bwd (INVALID_ARGUMENT for a NULL inputs or inputs->lse, or grad_entropy
+        without entropy).
+"""
+function fce_cross_entropy_bwd_ex(handle, stream, logits, targets, inputs, options, dlogits, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_cross_entropy_bwd_ex[])(handle::fce_handle_t, stream::fce_stream_t, logits::Ptr{DLTensor}, targets::Ptr{DLTensor}, inputs::Ptr{fce_ce_bwd_inputs_t}, options::Ptr{fce_ce_options_t}, dlogits::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_cross_entropy_bwd_ex needs for these arguments.
+"""
+function fce_cross_entropy_bwd_ex_workspace_size(handle, logits, targets, inputs, options, dlogits, bytes)
+    @ccall $(_fptr_fce_cross_entropy_bwd_ex_workspace_size[])(handle::fce_handle_t, logits::Ptr{DLTensor}, targets::Ptr{DLTensor}, inputs::Ptr{fce_ce_bwd_inputs_t}, options::Ptr{fce_ce_options_t}, dlogits::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
 end
 
 """
@@ -604,7 +668,8 @@ columns of vocab_start_r).
 @param options vocab_start (this rank's first column) and vocab_total required; the other options as for
                fce_cross_entropy_fwd and the same on every rank.
 @param outputs as for fce_cross_entropy_fwd (loss required; lse, z_loss, argmax, entropy of the whole
-               rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss).
+               rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss;
+               grad_entropy, whose term uses the combined lse and entropy, as fce_cross_entropy_bwd_ex).
 @param workspace as everywhere (fce_cross_entropy_fwd_vp_workspace_size): the records of all W ranks
                (N * 7 * 4 * (W + 1) bytes) and the steps' own.
 @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or without
@@ -917,8 +982,13 @@ struct fce_linear_ce_outputs
     # FCE_LINEAR_CE_* bits; default 0. Other bits are FCE_STATUS_INVALID_ARGUMENT. (Since 0.2.0: a
     #  struct_size of an older header, which ends before this field, means 0.)
     flags::UInt64
+    # Upstream gradient of the entropy (fce_ce_outputs_t.grad_entropy), [N] or a scalar fp32; NULL = none.
+    #  Only with a gradient output (dhidden, dweight or dbias).
+    grad_entropy::Ptr{DLTensor}
+    # fce_linear_cross_entropy_bwd with grad_entropy only: [N] fp32, the forward's entropy output.
+    saved_entropy::Ptr{DLTensor}
 end
-@assert sizeof(fce_linear_ce_outputs) == 88
+@assert sizeof(fce_linear_ce_outputs) == 104
 @assert fieldoffset(fce_linear_ce_outputs, 1) == 0
 @assert fieldoffset(fce_linear_ce_outputs, 2) == 8
 @assert fieldoffset(fce_linear_ce_outputs, 3) == 16
@@ -930,6 +1000,8 @@ end
 @assert fieldoffset(fce_linear_ce_outputs, 9) == 64
 @assert fieldoffset(fce_linear_ce_outputs, 10) == 72
 @assert fieldoffset(fce_linear_ce_outputs, 11) == 80
+@assert fieldoffset(fce_linear_ce_outputs, 12) == 88
+@assert fieldoffset(fce_linear_ce_outputs, 13) == 96
 
 const fce_linear_ce_outputs_t = fce_linear_ce_outputs
 
@@ -978,7 +1050,8 @@ end
 Linear cross-entropy backward from a saved lse: recomputes each chunk's logits and writes the gradients
 requested in `outputs` (dhidden, dweight, dbias; loss/lse/z_loss/argmax/entropy must be NULL here).
 @param lse       [N] fp32 from the forward with the same options.
-`outputs->grad_loss` is the upstream gradient (NULL = 1).
+`outputs->grad_loss` is the upstream gradient (NULL = 1); `outputs->grad_entropy`, with
+`outputs->saved_entropy` (the forward's entropy), adds the entropy's gradient.
 """
 function fce_linear_cross_entropy_bwd(handle, stream, hidden, weight, bias, targets, lse, options, outputs, workspace, workspace_bytes)
     @ccall $(_fptr_fce_linear_cross_entropy_bwd[])(handle::fce_handle_t, stream::fce_stream_t, hidden::Ptr{DLTensor}, weight::Ptr{DLTensor}, bias::Ptr{DLTensor}, targets::Ptr{DLTensor}, lse::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_linear_ce_outputs_t}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
@@ -1039,6 +1112,14 @@ const FCE_CE_OUTPUTS_INIT = fce_ce_outputs_t(
     C_NULL,
     C_NULL,
     C_NULL,
+    C_NULL,
+    C_NULL)
+
+const FCE_CE_BWD_INPUTS_INIT = fce_ce_bwd_inputs_t(
+    UInt32(sizeof(fce_ce_bwd_inputs_t)),
+    C_NULL,
+    C_NULL,
+    C_NULL,
     C_NULL)
 
 const FCE_LSE_OPTIONS_INIT = fce_lse_options_t(
@@ -1083,7 +1164,9 @@ const FCE_LINEAR_CE_OUTPUTS_INIT = fce_linear_ce_outputs_t(
     C_NULL,
     C_NULL,
     C_NULL,
-    0)
+    0,
+    C_NULL,
+    C_NULL)
 
 # ---- symbol resolution ----
 const _fptr_fce_version_number = Ref{Ptr{Cvoid}}(C_NULL)
@@ -1101,6 +1184,9 @@ const _fptr_fce_cross_entropy_fwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_fwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_bwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_bwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_ce_bwd_inputs_init = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_cross_entropy_bwd_ex = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_cross_entropy_bwd_ex_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_record_fields = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_partial = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_cross_entropy_combine = Ref{Ptr{Cvoid}}(C_NULL)
@@ -1150,6 +1236,9 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_cross_entropy_fwd_workspace_size[] = Libdl.dlsym(lib, :fce_cross_entropy_fwd_workspace_size)
     _fptr_fce_cross_entropy_bwd[] = Libdl.dlsym(lib, :fce_cross_entropy_bwd)
     _fptr_fce_cross_entropy_bwd_workspace_size[] = Libdl.dlsym(lib, :fce_cross_entropy_bwd_workspace_size)
+    _fptr_fce_ce_bwd_inputs_init[] = Libdl.dlsym(lib, :fce_ce_bwd_inputs_init)
+    _fptr_fce_cross_entropy_bwd_ex[] = Libdl.dlsym(lib, :fce_cross_entropy_bwd_ex)
+    _fptr_fce_cross_entropy_bwd_ex_workspace_size[] = Libdl.dlsym(lib, :fce_cross_entropy_bwd_ex_workspace_size)
     _fptr_fce_cross_entropy_record_fields[] = Libdl.dlsym(lib, :fce_cross_entropy_record_fields)
     _fptr_fce_cross_entropy_partial[] = Libdl.dlsym(lib, :fce_cross_entropy_partial)
     _fptr_fce_cross_entropy_combine[] = Libdl.dlsym(lib, :fce_cross_entropy_combine)
@@ -1196,6 +1285,9 @@ const FUNCTIONS = (
     :fce_cross_entropy_fwd_workspace_size,
     :fce_cross_entropy_bwd,
     :fce_cross_entropy_bwd_workspace_size,
+    :fce_ce_bwd_inputs_init,
+    :fce_cross_entropy_bwd_ex,
+    :fce_cross_entropy_bwd_ex_workspace_size,
     :fce_cross_entropy_record_fields,
     :fce_cross_entropy_partial,
     :fce_cross_entropy_combine,

@@ -98,6 +98,38 @@ function kd_topk_ref(S, ids, lps; divergence = :forward_kl, beta = 0.5, temperat
     return reduction === :none ? loss : reduction === :sum ? sum(loss) : (used > 0 ? sum(loss) / used : 0.0)
 end
 
+# grad_loss[n] * d(loss_n)/dX[:, n] + grad_entropy[n] * d(H_n)/dX[:, n] for reduction :none, in closed
+# form: z = c tanh(s x / c) (or s x), p = softmax(z), dH/dz_j = p_j (mu - z_j) with mu = sum_k p_k z_k, and
+# d(loss)/dz_j = (1-e) w_t (p_j - [j = t]) + e/V (sum(w) p_j - w_j) + 2 q lse p_j for a row not ignored.
+function ce_entropy_grad_ref(X, t, gl, ge; ignore_index = -100, label_smoothing = 0.0, z_loss_scale = 0.0,
+                             softcap = 0.0, logit_scale = 1.0, class_weights = nothing)
+    V, N = size(X)
+    w = class_weights === nothing ? ones(V) : Float64.(class_weights)
+    e, q, c, s = Float64(label_smoothing), Float64(z_loss_scale), Float64(softcap), Float64(logit_scale)
+    G = zeros(V, N)
+    for n in 1:N
+        x = Float64.(X[:, n])
+        u = c > 0 ? tanh.(s .* x ./ c) : nothing
+        z = c > 0 ? c .* u : s .* x
+        dzdx = c > 0 ? s .* (1 .- u .^ 2) : fill(s, V)
+        l = lse64(z)
+        p = exp.(z .- l)
+        mu = sum(p[j] * z[j] for j in 1:V if p[j] > 0)
+        dH = [p[j] > 0 ? p[j] * (mu - z[j]) : 0.0 for j in 1:V]
+        dL = zeros(V)
+        if t[n] != ignore_index
+            ti = t[n]
+            dL .= (1 - e) * w[ti] .* p .+ e / V .* (sum(w) .* p .- w) .+ 2q * l .* p
+            dL[ti] -= (1 - e) * w[ti]
+        end
+        G[:, n] = (Float64(gl[n]) .* dL .+ Float64(ge[n]) .* dH) .* dzdx
+    end
+    return G
+end
+
+# max |a - ref| <= rtol * max |ref|
+close_to_max(a, ref; rtol = 1e-5) = maximum(abs.(Float64.(a) .- ref)) <= rtol * maximum(abs, ref)
+
 approx(a, b; rtol = 2e-5, atol = 2e-5) = all(isapprox.(Float64.(a), Float64.(b); rtol = rtol, atol = atol))
 
 # ------------------------------------------------------------------------------------------------
@@ -153,6 +185,7 @@ end
 @testset "defaults come from the library's init functions" begin
     # the library's fce_*_init agree with the header's *_INIT macros
     for (T, init) in ((L.fce_ce_options_t, L.FCE_CE_OPTIONS_INIT), (L.fce_ce_outputs_t, L.FCE_CE_OUTPUTS_INIT),
+                      (L.fce_ce_bwd_inputs_t, L.FCE_CE_BWD_INPUTS_INIT),
                       (L.fce_lse_options_t, L.FCE_LSE_OPTIONS_INIT),
                       (L.fce_softmax_options_t, L.FCE_SOFTMAX_OPTIONS_INIT),
                       (L.fce_kd_options_t, L.FCE_KD_OPTIONS_INIT), (L.fce_kd_teacher_t, L.FCE_KD_TEACHER_INIT),
@@ -253,6 +286,135 @@ end
     @test approx(r16.loss, ce_ref(Float16.(X), t).loss)
     # every row ignored: mean is 0 (PyTorch gives NaN), as the header says
     @test FusedCE.cross_entropy(X, fill(-100, N)) == 0
+end
+
+function fce_status_name(f)
+    try
+        f()
+    catch e
+        e isa FusedCEError || rethrow()
+        return e.name
+    end
+    return "no error"
+end
+
+@testset "cross-entropy entropy gradient V=$(Ve) N=$(Ne) $(keys(kw0))" for (Ve, Ne) in ((13, 5), (257, 9), (1031, 4)),
+        kw0 in ((;), (softcap = 3.0, logit_scale = 0.7), (label_smoothing = 0.1, z_loss_scale = 1e-2, class_weights = true),
+               (logit_scale = 1.3, label_smoothing = 0.05, softcap = 5.0, z_loss_scale = 1e-3))
+    kw = haskey(kw0, :class_weights) ? merge(kw0, (class_weights = rand(Float32, Ve) .+ 0.5f0,)) : kw0
+    neginf = get(kw, :softcap, 0.0) == 0 && get(kw, :label_smoothing, 0.0) == 0  # (smoothing makes the loss inf)
+    Xe = randn(Float32, Ve, Ne) .* 3
+    te = rand(1:Ve, Ne)
+    te[2] = -100                                  # an ignored row: only the entropy's gradient
+    te[3] = 1; Xe[5, 3] += 40                     # a peaked row (p nearly one-hot, not at the target)
+    neginf && (Xe[4, 1] = -Inf32; te[1] = 2)      # p_j = 0: that logit's gradient is 0
+    gl = rand(Float32, Ne) .* 2 .- 0.5f0
+    ge = randn(Float32, Ne)
+    ref = ce_entropy_grad_ref(Xe, te, gl, ge; kw...)
+    ref0 = ce_entropy_grad_ref(Xe, te, gl, zeros(Ne); kw...)
+    # the entropy's term is far above the tolerance (1e-5 of the largest): ignoring grad_entropy, or zeroing
+    # the ignored row, fails the comparisons below
+    @test maximum(abs.(ref .- ref0)) > 1e-3 * maximum(abs, ref)
+    @test maximum(abs, ref[:, 2]) > 1e-4 * maximum(abs, ref)
+    if Ve == 13
+        # the closed form against central differences of the Float64 loss and entropy (ce_ref's smoothing
+        # term is NaN at a -Inf logit, so a very negative finite one stands in for it here)
+        Xf = replace(Float64.(Xe), -Inf => -60.0)
+        fd = fd_grad(Xd -> Float64.(gl) .* ce_ref(Xd, te; reduction = :none, kw...).loss .+
+                           Float64.(ge) .* ce_ref(Xd, te; reduction = :none, kw...).entropy, Xf)
+        reff = ce_entropy_grad_ref(Xf, te, gl, ge; kw...)
+        @test maximum(abs.(fd .- reff)) <= 1e-6 * maximum(abs, reff)
+    end
+    # the fused forward, outputs poisoned
+    D, E, Ls = fill(NaN32, Ve, Ne), fill(NaN32, Ne), fill(NaN32, Ne)
+    r = FusedCE.cross_entropy_fwd(Xe, te; reduction = :none, kw..., lse = Ls, entropy = E, dlogits = D,
+                                  grad_loss = gl, grad_entropy = ge)
+    @test r.dlogits === D && r.entropy === E && r.lse === Ls
+    @test close_to_max(D, ref)
+    @test close_to_max(D[:, 2], ref[:, 2]; rtol = 1e-4)    # the ignored row on its own scale
+    neginf && @test D[4, 1] == 0
+    # the statistics do not depend on grad_entropy; without it the gradient is the loss's alone
+    r0 = FusedCE.cross_entropy_fwd(Xe, te; reduction = :none, kw..., entropy = true, dlogits = true, grad_loss = gl)
+    @test r0.loss == r.loss && r0.lse == Ls && r0.entropy == E
+    @test close_to_max(r0.dlogits, ref0)
+    # backward from the saved lse and entropy: the fused forward's bits (CPU)
+    D2 = fill(NaN32, Ve, Ne)
+    @test FusedCE.cross_entropy_bwd(Xe, te, Ls; reduction = :none, kw..., grad_loss = gl, entropy = E,
+                                    grad_entropy = ge, dlogits = D2) === D2
+    @test D2 == D
+    # without grad_entropy the backward is the loss's (entropy not read)
+    D3 = fill(NaN32, Ve, Ne)
+    FusedCE.cross_entropy_bwd(Xe, te, Ls; reduction = :none, kw..., grad_loss = gl, entropy = fill(NaN32, Ne),
+                              dlogits = D3)
+    @test close_to_max(D3, ref0)
+    # a scalar grad_entropy is broadcast; grad_loss defaults to 1
+    rs = FusedCE.cross_entropy_fwd(Xe, te; reduction = :none, kw..., dlogits = fill(NaN32, Ve, Ne), grad_entropy = 0.75)
+    rv = FusedCE.cross_entropy_fwd(Xe, te; reduction = :none, kw..., dlogits = fill(NaN32, Ve, Ne),
+                                   grad_entropy = fill(0.75f0, Ne))
+    @test rs.dlogits == rv.dlogits
+    @test close_to_max(rs.dlogits, ce_entropy_grad_ref(Xe, te, ones(Ne), fill(0.75, Ne); kw...))
+    D4 = fill(NaN32, Ve, Ne)
+    FusedCE.cross_entropy_bwd(Xe, te, Ls; reduction = :none, kw..., entropy = E, grad_entropy = 0.75, dlogits = D4)
+    @test D4 == rs.dlogits
+    # a reduced loss: grad_loss a scalar (mean over the weighted non-ignored rows), grad_entropy per row
+    rm = FusedCE.cross_entropy_fwd(Xe, te; kw..., reduction = :sum, entropy = true, dlogits = fill(NaN32, Ve, Ne),
+                                   grad_loss = 0.5f0, grad_entropy = ge)
+    @test close_to_max(rm.dlogits, ce_entropy_grad_ref(Xe, te, fill(0.5, Ne), ge; kw...))
+    D5 = fill(NaN32, Ve, Ne)
+    FusedCE.cross_entropy_bwd(Xe, te, rm.lse; kw..., reduction = :sum, grad_loss = 0.5f0, entropy = rm.entropy,
+                              grad_entropy = ge, dlogits = D5)
+    @test D5 == rm.dlogits
+    # errors: grad_entropy without the saved entropy, or without dlogits; wrong length or dtype
+    @test fce_status_name(() -> FusedCE.cross_entropy_bwd(Xe, te, Ls; reduction = :none, kw..., grad_entropy = ge)) ==
+          "INVALID_ARGUMENT"
+    err = try
+        FusedCE.cross_entropy_bwd(Xe, te, Ls; reduction = :none, kw..., grad_entropy = ge); nothing
+    catch e
+        e
+    end
+    @test err isa FusedCEError && err.func === :fce_cross_entropy_bwd_ex && occursin("entropy", err.message)
+    @test fce_status_name(() -> FusedCE.cross_entropy_fwd(Xe, te; reduction = :none, kw..., grad_entropy = ge)) ==
+          "INVALID_ARGUMENT"
+    @test fce_status_name(() -> FusedCE.cross_entropy_fwd(Xe, te; reduction = :none, kw..., dlogits = true,
+                                                          grad_entropy = ge[1:end-1])) == "SHAPE_MISMATCH"
+    @test fce_status_name(() -> FusedCE.cross_entropy_bwd(Xe, te, Ls; reduction = :none, kw..., entropy = E[1:end-1],
+                                                          grad_entropy = ge)) == "SHAPE_MISMATCH"
+    @test fce_status_name(() -> FusedCE.cross_entropy_bwd(Xe, te, Ls; reduction = :none, kw..., entropy = E,
+                                                          grad_entropy = Float16.(ge))) == "UNSUPPORTED_DTYPE"
+end
+
+@testset "fce_cross_entropy_bwd_ex (raw)" begin
+    Xr = randn(Float32, 19, 6) .* 2
+    tr = rand(1:19, 6); tr[4] = -100
+    r = FusedCE.cross_entropy_fwd(Xr, tr; reduction = :none, entropy = true)
+    gl = rand(Float32, 6)
+    want = FusedCE.cross_entropy_bwd(Xr, tr, r.lse; reduction = :none, grad_loss = gl, dlogits = fill(NaN32, 19, 6))
+    h = FusedCE.default_handle()
+    D = fill(NaN32, 19, 6)
+    tl, tt, tlse, tent, tg, tdl = FusedCE.Tensor(Xr), FusedCE.Tensor(tr .- 1), FusedCE.Tensor(r.lse),
+                                  FusedCE.Tensor(r.entropy), FusedCE.Tensor(gl), FusedCE.Tensor(D)
+    GC.@preserve tl tt tlse tent tg tdl begin
+        opts = FusedCE._ce_options(:none, -100, 0, 0, 0, 1, nothing)   # the binding's 0-based ignore_index
+        # without grad_entropy: fce_cross_entropy_bwd's bits (entropy ignored)
+        ins = FusedCE._cstruct(L.fce_ce_bwd_inputs_t; lse = FusedCE._ptr(tlse), grad_loss = FusedCE._ptr(tg),
+                               entropy = FusedCE._ptr(tent))
+        bytes = Ref{Csize_t}(typemax(Csize_t))
+        @test L.fce_cross_entropy_bwd_ex_workspace_size(h.ptr, FusedCE._ptr(tl), FusedCE._ptr(tt), ins, opts,
+                                                        FusedCE._ptr(tdl), bytes) == L.FCE_STATUS_SUCCESS
+        @test bytes[] != typemax(Csize_t)
+        @test L.fce_cross_entropy_bwd_ex(h.ptr, C_NULL, FusedCE._ptr(tl), FusedCE._ptr(tt), ins, opts,
+                                         FusedCE._ptr(tdl), C_NULL, 0) == L.FCE_STATUS_SUCCESS
+        @test D == want
+        # NULL inputs, NULL inputs->lse: INVALID_ARGUMENT, dlogits untouched
+        fill!(D, NaN32)
+        @test L.fce_cross_entropy_bwd_ex(h.ptr, C_NULL, FusedCE._ptr(tl), FusedCE._ptr(tt),
+                                         Ptr{L.fce_ce_bwd_inputs_t}(C_NULL), opts, FusedCE._ptr(tdl), C_NULL, 0) ==
+              L.FCE_STATUS_INVALID_ARGUMENT
+        nolse = FusedCE._cstruct(L.fce_ce_bwd_inputs_t; grad_loss = FusedCE._ptr(tg))
+        @test L.fce_cross_entropy_bwd_ex(h.ptr, C_NULL, FusedCE._ptr(tl), FusedCE._ptr(tt), nolse, opts,
+                                         FusedCE._ptr(tdl), C_NULL, 0) == L.FCE_STATUS_INVALID_ARGUMENT
+        @test all(isnan, D)
+    end
 end
 
 @testset "vocabulary-parallel cross-entropy" begin
@@ -455,6 +617,50 @@ end
     # without a bias
     r0 = FusedCE.linear_cross_entropy_fwd(hid, W, lt; kw...)
     @test approx(r0.loss, ce_ref(logits(Float64.(hid), Float64.(W), 0.0), lt; kw...).loss; rtol = 1e-4, atol = 1e-4)
+end
+
+@testset "linear cross-entropy entropy gradient $(keys(kw))" for kw in (
+        (;), (softcap = 4.0, logit_scale = 0.8, label_smoothing = 0.1, z_loss_scale = 1e-2))
+    H, Vl, Nl = 6, 37, 5
+    hid = randn(Float32, H, Nl)
+    W = randn(Float32, H, Vl)
+    b = randn(Float32, Vl) .* 0.1f0
+    lt = rand(1:Vl, Nl); lt[2] = -100
+    gl = rand(Float32, Nl) .* 2 .- 0.5f0
+    ge = randn(Float32, Nl)
+    Z = Float64.(W)' * Float64.(hid) .+ Float64.(b)
+    G = ce_entropy_grad_ref(Z, lt, gl, ge; kw...)           # d/dlogits, V×N
+    G0 = ce_entropy_grad_ref(Z, lt, gl, zeros(Nl); kw...)
+    dh_ref, dw_ref, db_ref = Float64.(W) * G, Float64.(hid) * G', vec(sum(G; dims = 2))
+    @test maximum(abs.(Float64.(W) * G0 .- dh_ref)) > 1e-2 * maximum(abs, dh_ref)   # the entropy's term matters
+    dh, dw, db, E = fill(NaN32, H, Nl), fill(NaN32, H, Vl), fill(NaN32, Vl), fill(NaN32, Nl)
+    r = FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, reduction = :none, kw..., entropy = E, dhidden = dh,
+                                         dweight = dw, dbias = db, grad_loss = gl, grad_entropy = ge)
+    @test r.dhidden === dh && r.dweight === dw && r.dbias === db && r.entropy === E
+    @test close_to_max(dh, dh_ref; rtol = 2e-5)
+    @test close_to_max(dw, dw_ref; rtol = 2e-5)
+    @test close_to_max(db, db_ref; rtol = 2e-5)
+    # the backward from the saved lse and entropy
+    bh, bw, bb = fill(NaN32, H, Nl), fill(NaN32, H, Vl), fill(NaN32, Vl)
+    d = FusedCE.linear_cross_entropy_bwd(hid, W, lt, r.lse; bias = b, reduction = :none, kw..., dhidden = bh,
+                                         dweight = bw, dbias = bb, grad_loss = gl, grad_entropy = ge,
+                                         saved_entropy = E)
+    @test d.dhidden === bh && d.dweight === bw && d.dbias === bb
+    @test close_to_max(bh, dh_ref; rtol = 2e-5)
+    @test close_to_max(bw, dw_ref; rtol = 2e-5)
+    @test close_to_max(bb, db_ref; rtol = 2e-5)
+    # a scalar grad_entropy, dhidden alone
+    rs = FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, reduction = :none, kw..., dhidden = fill(NaN32, H, Nl),
+                                          grad_loss = gl, grad_entropy = -0.5)
+    @test close_to_max(rs.dhidden, Float64.(W) * ce_entropy_grad_ref(Z, lt, gl, fill(-0.5, Nl); kw...); rtol = 2e-5)
+    # errors: grad_entropy without a gradient output, or in the backward without saved_entropy
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, reduction = :none, kw...,
+                                                                 grad_entropy = ge)) == "INVALID_ARGUMENT"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_bwd(hid, W, lt, r.lse; bias = b, reduction = :none, kw...,
+                                                                 grad_entropy = ge)) == "INVALID_ARGUMENT"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_bwd(hid, W, lt, r.lse; bias = b, reduction = :none, kw...,
+                                                                 grad_entropy = ge, saved_entropy = E[1:end-1])) ==
+          "SHAPE_MISMATCH"
 end
 
 @testset "bad input raises FusedCEError with the library's message" begin

@@ -954,7 +954,8 @@ pub struct fce_ce_outputs {
     pub z_loss: *mut DLTensor,
     #[doc = " [N] int32 or int64: index of the largest raw logit, lowest index on ties (NaN counts as largest)."]
     pub argmax: *mut DLTensor,
-    #[doc = " [N] fp32: entropy of softmax(z) in nats, -sum_j p_j log p_j. Not differentiated."]
+    #[doc = " [N] fp32: entropy of softmax(z) in nats, H = -sum_j p_j log p_j (differentiated through"]
+    #[doc = "  grad_entropy)."]
     pub entropy: *mut DLTensor,
     #[doc = " [N,V] in the logits' dtype: d(loss)/d(logits) times grad_loss, formed in fp32 and rounded once."]
     #[doc = "  May be the very same memory as the logits (in-place); any other overlap is FCE_STATUS_ALIASING."]
@@ -962,12 +963,19 @@ pub struct fce_ce_outputs {
     #[doc = " Upstream gradient for dlogits, fp32: a scalar for SUM/MEAN, [N] (or a scalar, broadcast) for NONE."]
     #[doc = "  NULL = 1. Read on the device, so it may be produced by earlier work on the same stream."]
     pub grad_loss: *const DLTensor,
+    #[doc = " Upstream gradient of the entropy, fp32, [N] or a scalar (broadcast); NULL = none. Only with dlogits:"]
+    #[doc = "  dlogits then also holds grad_entropy_i * dH_i/d(logits), in the same pass and the same single"]
+    #[doc = "  rounding, for every row (ignored rows included: the entropy is reported for them too), with"]
+    #[doc = "  dH/dz_j = p_j (mu - z_j), mu = sum_k p_k z_k = lse - H, chained through logit_scale and softcap as"]
+    #[doc = "  the loss gradient is (the entropy's derivative, e.g. Pereyra et al. 2017). A logit of -inf (p_j = 0)"]
+    #[doc = "  gets 0. Read on the device."]
+    pub grad_entropy: *const DLTensor,
 }
 #[test]
 fn bindgen_test_layout_fce_ce_outputs() {
     assert_eq!(
         ::std::mem::size_of::<fce_ce_outputs>(),
-        64usize,
+        72usize,
         concat!("Size of: ", stringify!(fce_ce_outputs))
     );
     assert_eq!(
@@ -1111,6 +1119,23 @@ fn bindgen_test_layout_fce_ce_outputs() {
         );
     }
     test_field_grad_loss();
+    fn test_field_grad_entropy() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_ce_outputs>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grad_entropy) as usize - ptr as usize
+            },
+            64usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_ce_outputs),
+                "::",
+                stringify!(grad_entropy)
+            )
+        );
+    }
+    test_field_grad_entropy();
 }
 #[doc = " Outputs of fce_cross_entropy_fwd. Initialize with FCE_CE_OUTPUTS_INIT; every field but `loss` optional."]
 pub type fce_ce_outputs_t = fce_ce_outputs;
@@ -1187,6 +1212,165 @@ extern "C" {
         targets: *const DLTensor,
         lse: *const DLTensor,
         grad_loss: *const DLTensor,
+        options: *const fce_ce_options_t,
+        dlogits: *const DLTensor,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
+#[doc = " What the backward from saved statistics reads (fce_cross_entropy_bwd_ex): the forward's saved outputs and"]
+#[doc = " the upstream gradients. Initialize with FCE_CE_BWD_INPUTS_INIT."]
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct fce_ce_bwd_inputs {
+    #[doc = "< sizeof(fce_ce_bwd_inputs_t)"]
+    pub struct_size: u32,
+    #[doc = "< required: [N] fp32, the forward's lse (same options)"]
+    pub lse: *const DLTensor,
+    #[doc = " Upstream gradient of the loss, as fce_cross_entropy_bwd's grad_loss; NULL = 1."]
+    pub grad_loss: *const DLTensor,
+    #[doc = " [N] fp32, the forward's entropy output (same options); required with grad_entropy, else ignored. The"]
+    #[doc = "  backward takes mu = lse - H from it rather than re-reading the logits for sum p z."]
+    pub entropy: *const DLTensor,
+    #[doc = " Upstream gradient of the entropy, fp32, [N] or a scalar; NULL = none (fce_ce_outputs_t.grad_entropy)."]
+    pub grad_entropy: *const DLTensor,
+}
+#[test]
+fn bindgen_test_layout_fce_ce_bwd_inputs() {
+    assert_eq!(
+        ::std::mem::size_of::<fce_ce_bwd_inputs>(),
+        40usize,
+        concat!("Size of: ", stringify!(fce_ce_bwd_inputs))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<fce_ce_bwd_inputs>(),
+        8usize,
+        concat!("Alignment of ", stringify!(fce_ce_bwd_inputs))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_ce_bwd_inputs>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_ce_bwd_inputs),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_lse() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_ce_bwd_inputs>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).lse) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_ce_bwd_inputs),
+                "::",
+                stringify!(lse)
+            )
+        );
+    }
+    test_field_lse();
+    fn test_field_grad_loss() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_ce_bwd_inputs>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grad_loss) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_ce_bwd_inputs),
+                "::",
+                stringify!(grad_loss)
+            )
+        );
+    }
+    test_field_grad_loss();
+    fn test_field_entropy() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_ce_bwd_inputs>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).entropy) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_ce_bwd_inputs),
+                "::",
+                stringify!(entropy)
+            )
+        );
+    }
+    test_field_entropy();
+    fn test_field_grad_entropy() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_ce_bwd_inputs>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grad_entropy) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_ce_bwd_inputs),
+                "::",
+                stringify!(grad_entropy)
+            )
+        );
+    }
+    test_field_grad_entropy();
+}
+#[doc = " What the backward from saved statistics reads (fce_cross_entropy_bwd_ex): the forward's saved outputs and"]
+#[doc = " the upstream gradients. Initialize with FCE_CE_BWD_INPUTS_INIT."]
+pub type fce_ce_bwd_inputs_t = fce_ce_bwd_inputs;
+extern "C" {
+    #[doc = " Fills the struct_size bytes at `inputs` with this library's defaults (as fce_ce_outputs_init)."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; FCE_STATUS_INVALID_ARGUMENT when inputs is NULL or struct_size is out of"]
+    #[doc = "  range (nothing written)."]
+    pub fn fce_ce_bwd_inputs_init(
+        inputs: *mut fce_ce_bwd_inputs_t,
+        struct_size: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Cross-entropy backward from saved statistics with the entropy's upstream gradient as well:"]
+    #[doc = " dlogits = grad_loss * d(loss)/d(logits) + grad_entropy * dH/d(logits), formed in fp32 and rounded once."]
+    #[doc = " Without grad_entropy it is fce_cross_entropy_bwd (the same bits). With a vocabulary shard, lse and entropy"]
+    #[doc = " are fce_cross_entropy_combine's (the same on every rank)."]
+    #[doc = " @param inputs  lse required; entropy required when grad_entropy is set."]
+    #[doc = " @return as fce_cross_entropy_bwd (INVALID_ARGUMENT for a NULL inputs or inputs->lse, or grad_entropy"]
+    #[doc = "         without entropy)."]
+    pub fn fce_cross_entropy_bwd_ex(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        logits: *const DLTensor,
+        targets: *const DLTensor,
+        inputs: *const fce_ce_bwd_inputs_t,
+        options: *const fce_ce_options_t,
+        dlogits: *mut DLTensor,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_cross_entropy_bwd_ex needs for these arguments."]
+    pub fn fce_cross_entropy_bwd_ex_workspace_size(
+        handle: fce_handle_t,
+        logits: *const DLTensor,
+        targets: *const DLTensor,
+        inputs: *const fce_ce_bwd_inputs_t,
         options: *const fce_ce_options_t,
         dlogits: *const DLTensor,
         bytes: *mut usize,
@@ -1295,7 +1479,8 @@ extern "C" {
     #[doc = " @param options vocab_start (this rank's first column) and vocab_total required; the other options as for"]
     #[doc = "                fce_cross_entropy_fwd and the same on every rank."]
     #[doc = " @param outputs as for fce_cross_entropy_fwd (loss required; lse, z_loss, argmax, entropy of the whole"]
-    #[doc = "                rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss)."]
+    #[doc = "                rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss;"]
+    #[doc = "                grad_entropy, whose term uses the combined lse and entropy, as fce_cross_entropy_bwd_ex)."]
     #[doc = " @param workspace as everywhere (fce_cross_entropy_fwd_vp_workspace_size): the records of all W ranks"]
     #[doc = "                (N * 7 * 4 * (W + 1) bytes) and the steps' own."]
     #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or without"]
@@ -2036,12 +2221,17 @@ pub struct fce_linear_ce_outputs {
     #[doc = " FCE_LINEAR_CE_* bits; default 0. Other bits are FCE_STATUS_INVALID_ARGUMENT. (Since 0.2.0: a"]
     #[doc = "  struct_size of an older header, which ends before this field, means 0.)"]
     pub flags: u64,
+    #[doc = " Upstream gradient of the entropy (fce_ce_outputs_t.grad_entropy), [N] or a scalar fp32; NULL = none."]
+    #[doc = "  Only with a gradient output (dhidden, dweight or dbias)."]
+    pub grad_entropy: *const DLTensor,
+    #[doc = " fce_linear_cross_entropy_bwd with grad_entropy only: [N] fp32, the forward's entropy output."]
+    pub saved_entropy: *const DLTensor,
 }
 #[test]
 fn bindgen_test_layout_fce_linear_ce_outputs() {
     assert_eq!(
         ::std::mem::size_of::<fce_linear_ce_outputs>(),
-        88usize,
+        104usize,
         concat!("Size of: ", stringify!(fce_linear_ce_outputs))
     );
     assert_eq!(
@@ -2236,6 +2426,40 @@ fn bindgen_test_layout_fce_linear_ce_outputs() {
         );
     }
     test_field_flags();
+    fn test_field_grad_entropy() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_linear_ce_outputs>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grad_entropy) as usize - ptr as usize
+            },
+            88usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_linear_ce_outputs),
+                "::",
+                stringify!(grad_entropy)
+            )
+        );
+    }
+    test_field_grad_entropy();
+    fn test_field_saved_entropy() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_linear_ce_outputs>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).saved_entropy) as usize - ptr as usize
+            },
+            96usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_linear_ce_outputs),
+                "::",
+                stringify!(saved_entropy)
+            )
+        );
+    }
+    test_field_saved_entropy();
 }
 #[doc = " Outputs of linear cross-entropy. Initialize with FCE_LINEAR_CE_OUTPUTS_INIT. Gradients are written"]
 #[doc = " (added into with FCE_LINEAR_CE_ACCUMULATE), each formed with fp32 accumulation. dhidden and dbias are rounded once to their"]
@@ -2304,7 +2528,8 @@ extern "C" {
     #[doc = " Linear cross-entropy backward from a saved lse: recomputes each chunk's logits and writes the gradients"]
     #[doc = " requested in `outputs` (dhidden, dweight, dbias; loss/lse/z_loss/argmax/entropy must be NULL here)."]
     #[doc = " @param lse       [N] fp32 from the forward with the same options."]
-    #[doc = " `outputs->grad_loss` is the upstream gradient (NULL = 1)."]
+    #[doc = " `outputs->grad_loss` is the upstream gradient (NULL = 1); `outputs->grad_entropy`, with"]
+    #[doc = " `outputs->saved_entropy` (the forward's entropy), adds the entropy's gradient."]
     pub fn fce_linear_cross_entropy_bwd(
         handle: fce_handle_t,
         stream: fce_stream_t,

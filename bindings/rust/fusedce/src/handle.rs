@@ -6,7 +6,8 @@ use std::ptr::{self, NonNull};
 
 use crate::error::{check, Error, Result, Status};
 use crate::options::{
-    CeOptions, CeOutputs, KdOptions, KdOutputs, LinearCeGrads, LinearCeOutputs, LseOptions, SoftmaxOptions, Teacher,
+    CeBwdInputs, CeOptions, CeOutputs, KdOptions, KdOutputs, LinearCeGrads, LinearCeOutputs, LseOptions,
+    SoftmaxOptions, Teacher,
 };
 use crate::raw;
 use crate::sys;
@@ -92,6 +93,7 @@ fn with_ce_outputs(
     let mut ent = dl_mut(&mut outputs.entropy);
     let mut dlg = dl_mut(&mut outputs.dlogits);
     let gl = dl(&outputs.grad_loss);
+    let ge = dl(&outputs.grad_entropy);
     let mut out = raw::init::<sys::fce_ce_outputs_t>();
     out.loss = &mut loss;
     out.lse = mptr(&mut lse);
@@ -100,6 +102,7 @@ fn with_ce_outputs(
     out.entropy = mptr(&mut ent);
     out.dlogits = dlogits.unwrap_or_else(|| mptr(&mut dlg));
     out.grad_loss = cptr(&gl);
+    out.grad_entropy = cptr(&ge);
     f(&out)
 }
 
@@ -194,11 +197,13 @@ impl Handle {
     /// * `logits`: `[N, V]` fp32, bf16 or fp16.
     /// * `targets`: `[N]` i32 or i64 (class ids; `options.ignore_index` marks ignored rows).
     /// * `outputs`: the loss (nats; `[N]` or a scalar per `options.reduction`) and optional per-row
-    ///   statistics and `dlogits` `[N, V]` (logits' dtype). See [`CeOptions`] for the math.
+    ///   statistics and `dlogits` `[N, V]` (logits' dtype). See [`CeOptions`] for the math. With
+    ///   [`CeOutputs::grad_entropy`] (`[N]` or scalar fp32) `dlogits` also holds the entropy's gradient,
+    ///   grad_entropy_i × dH_i/d(logits) (see there).
     ///
-    /// Errors: `INVALID_ARGUMENT` (options out of domain), `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE`,
-    /// `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`,
-    /// `NOT_IMPLEMENTED`, `CUDA_ERROR`.
+    /// Errors: `INVALID_ARGUMENT` (options out of domain, `grad_entropy` without `dlogits`),
+    /// `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`,
+    /// `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `NOT_IMPLEMENTED`, `CUDA_ERROR`.
     pub fn cross_entropy_fwd(
         &self,
         logits: &TensorRef<'_>,
@@ -387,6 +392,115 @@ impl Handle {
         check(st)
     }
 
+    /// Cross-entropy backward from saved statistics with the entropy's upstream gradient as well
+    /// (`fce_cross_entropy_bwd_ex`):
+    /// `dlogits = grad_loss × d(loss)/d(logits) + grad_entropy × dH/d(logits)`, formed in fp32 and
+    /// rounded once, with dH/dz_j = p_j·(μ − z_j), μ = lse − H taken from the saved entropy (the
+    /// entropy's derivative, e.g. Pereyra et al. 2017), chained through `logit_scale` and `softcap` as
+    /// the loss gradient is; see [`CeOutputs::grad_entropy`]. Without `inputs.grad_entropy` it is
+    /// [`Handle::cross_entropy_bwd`], the same bits. With a vocabulary shard, `inputs.lse` and
+    /// `inputs.entropy` are [`Handle::cross_entropy_combine`]'s outputs (the same on every rank).
+    ///
+    /// * `logits` `[N, V]` fp32, bf16 or fp16 and `targets` `[N]` i32/i64 as given to the forward.
+    /// * `inputs`: [`CeBwdInputs`]: `lse` `[N]` fp32 (required), `grad_loss` (fp32 scalar for Sum/Mean,
+    ///   `[N]`/scalar for None; None = 1), `entropy` `[N]` fp32 (the forward's, same options; required
+    ///   with `grad_entropy`), `grad_entropy` (`[N]` or scalar fp32; None = no entropy term).
+    /// * `options`: the forward's.
+    /// * `dlogits`: `[N, V]` in the logits' dtype.
+    ///
+    /// Errors as [`Handle::cross_entropy_bwd`], and `INVALID_ARGUMENT` for `grad_entropy` without
+    /// `entropy`; `SHAPE_MISMATCH` for an `entropy` not `[N]` or a `grad_entropy` neither `[N]` nor a
+    /// scalar; `UNSUPPORTED_DTYPE` for non-fp32 ones. Needs a library of 0.2.0 or later.
+    pub fn cross_entropy_bwd_ex(
+        &self,
+        logits: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        inputs: &CeBwdInputs<'_>,
+        options: &CeOptions<'_>,
+        dlogits: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let l = logits.as_dl();
+        let mut d = dlogits.as_dl();
+        self.ce_bwd_ex(&l, targets, inputs, options, &mut d, Call::Run)
+    }
+
+    /// [`Handle::cross_entropy_bwd_ex`] in place: `logits` `[N, V]` is read, then overwritten by the
+    /// gradient (the same bits as the out-of-place call).
+    pub fn cross_entropy_bwd_ex_in_place(
+        &self,
+        logits: &mut TensorMut<'_>,
+        targets: &TensorRef<'_>,
+        inputs: &CeBwdInputs<'_>,
+        options: &CeOptions<'_>,
+    ) -> Result<()> {
+        let mut l = logits.as_dl();
+        let lp: *mut sys::DLTensor = &mut l;
+        // As in cross_entropy_bwd_in_place: dlogits may be exactly the logits' memory.
+        self.ce_bwd_ex(lp, targets, inputs, options, lp, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::cross_entropy_bwd_ex`] needs for these arguments (same validation).
+    pub fn cross_entropy_bwd_ex_workspace_size(
+        &self,
+        logits: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        inputs: &CeBwdInputs<'_>,
+        options: &CeOptions<'_>,
+        dlogits: &mut TensorMut<'_>,
+    ) -> Result<usize> {
+        let l = logits.as_dl();
+        let mut d = dlogits.as_dl();
+        let mut bytes = 0usize;
+        self.ce_bwd_ex(&l, targets, inputs, options, &mut d, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    fn ce_bwd_ex(
+        &self,
+        logits: *const sys::DLTensor,
+        targets: &TensorRef<'_>,
+        inputs: &CeBwdInputs<'_>,
+        options: &CeOptions<'_>,
+        dlogits: *mut sys::DLTensor,
+        call: Call<'_>,
+    ) -> Result<()> {
+        let t = targets.as_dl();
+        let lse = inputs.lse.as_dl();
+        let gl = dl(&inputs.grad_loss);
+        let ent = dl(&inputs.entropy);
+        let ge = dl(&inputs.grad_entropy);
+        let mut i = raw::init::<sys::fce_ce_bwd_inputs_t>();
+        {
+            let r = &mut i;
+            r.lse = &lse;
+            r.grad_loss = cptr(&gl);
+            r.entropy = cptr(&ent);
+            r.grad_entropy = cptr(&ge);
+        }
+        let cw = dl(&options.class_weights);
+        let o = options.to_raw(cw.as_ref());
+        // SAFETY: as in ce_fwd.
+        let st = unsafe {
+            match call {
+                Call::Run => sys::fce_cross_entropy_bwd_ex(
+                    self.as_raw(),
+                    self.stream,
+                    logits,
+                    &t,
+                    &i,
+                    &o,
+                    dlogits,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                Call::Query(bytes) => {
+                    sys::fce_cross_entropy_bwd_ex_workspace_size(self.as_raw(), logits, &t, &i, &o, dlogits, bytes)
+                }
+            }
+        };
+        check(st)
+    }
+
     // ---------------------------------------------------------------------------------------------
     // Vocabulary-parallel cross-entropy
     // ---------------------------------------------------------------------------------------------
@@ -400,7 +514,8 @@ impl Handle {
     /// 3. each rank: [`Handle::cross_entropy_combine`] → loss, lse, z-loss, argmax and entropy of the
     ///    whole rows, the same bits on every rank;
     /// 4. each rank: [`Handle::cross_entropy_bwd`] with the combined lse and the same sharded options →
-    ///    its shard's dlogits (padding columns 0).
+    ///    its shard's dlogits (padding columns 0); [`Handle::cross_entropy_bwd_ex`] with the combined lse
+    ///    and entropy to add the entropy's gradient.
     ///
     /// * `logits`: `[N, V_local]` fp32, bf16 or fp16, V_local >= 1: global columns
     ///   `[options.vocab_start, options.vocab_start + V_local)`; those at or past `options.vocab_total`
@@ -454,12 +569,14 @@ impl Handle {
     ///   [`CeOptions::vocab_start`] is not read).
     /// * `outputs`: as for [`Handle::cross_entropy_fwd`] (loss per `options.reduction`; optional lse
     ///   `[N]` to give each shard's [`Handle::cross_entropy_bwd`], z-loss, argmax `[N]` i32/i64 of global
-    ///   indices, entropy), but `dlogits` and `grad_loss` must be None.
+    ///   indices, entropy), but `dlogits`, `grad_loss` and `grad_entropy` must be None (the entropy's
+    ///   gradient of a shard comes from [`Handle::cross_entropy_bwd_ex`] with the combined lse and
+    ///   entropy).
     ///
-    /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, `outputs.dlogits` or
-    /// `outputs.grad_loss` set), `SHAPE_MISMATCH` (records not `[W >= 1, N, K]`, targets not `[N]`),
-    /// `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (records not contiguous), `DEVICE_MISMATCH`, `ALIASING`,
-    /// `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
+    /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, `outputs.dlogits`,
+    /// `outputs.grad_loss` or `outputs.grad_entropy` set), `SHAPE_MISMATCH` (records not
+    /// `[W >= 1, N, K]`, targets not `[N]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (records not
+    /// contiguous), `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     pub fn cross_entropy_combine(
         &self,
         records: &TensorRef<'_>,
@@ -492,6 +609,13 @@ impl Handle {
         outputs: &mut CeOutputs<'_>,
         call: Call<'_>,
     ) -> Result<()> {
+        if outputs.grad_entropy.is_some() {
+            return Err(Error::new(
+                Status::INVALID_ARGUMENT,
+                "fusedce (Rust): cross_entropy_combine writes no gradient; outputs.grad_entropy must be None \
+                 (a shard's entropy gradient comes from cross_entropy_bwd_ex)",
+            ));
+        }
         let r = records.as_dl();
         let t = targets.as_dl();
         let cw = dl(&options.class_weights);
@@ -733,8 +857,14 @@ impl Handle {
     /// * `weight`: `[V, H]`, the hidden's dtype.
     /// * `bias`: optional `[V]`, the hidden's dtype.
     /// * `targets`: `[N]` i32 or i64.
+    /// * `outputs`: see [`LinearCeOutputs`]; with [`LinearCeOutputs::grad_entropy`] (`[N]` or scalar
+    ///   fp32, needs a gradient output) the gradients are those of grad_loss·loss + Σ_i grad_entropy_i·H_i:
+    ///   with dlogits = grad_loss × d(loss)/d(logits) + grad_entropy × dH/d(logits) (math in
+    ///   [`CeOutputs::grad_entropy`]), dhidden = dlogits · weight, dweight = dlogitsᵀ · hidden, dbias =
+    ///   Σ_rows dlogits.
     ///
-    /// Errors: the validation statuses, `BLAS_ERROR`, `CUDA_ERROR`, `NOT_IMPLEMENTED`.
+    /// Errors: the validation statuses (`INVALID_ARGUMENT` also for `grad_entropy` without a gradient
+    /// output), `BLAS_ERROR`, `CUDA_ERROR`, `NOT_IMPLEMENTED`.
     pub fn linear_cross_entropy_fwd(
         &self,
         hidden: &TensorRef<'_>,
@@ -769,10 +899,15 @@ impl Handle {
 
     /// Linear cross-entropy backward from a saved logsumexp: recomputes each chunk's logits and writes
     /// the gradients requested in `grads` (at least one of dhidden `[N, H]`, dweight `[V, H]`, dbias
-    /// `[V]`), times `grads.grad_loss`.
+    /// `[V]`), times `grads.grad_loss`; with `grads.grad_entropy` (`[N]` or scalar fp32) and
+    /// `grads.saved_entropy` (`[N]` fp32, the forward's entropy output) also the entropy's gradient, as
+    /// [`Handle::linear_cross_entropy_fwd`] with [`LinearCeOutputs::grad_entropy`] computes it.
     ///
     /// * `lse`: `[N]` fp32 from [`Handle::linear_cross_entropy_fwd`] with the same `options`.
     /// * Other arguments as the forward.
+    ///
+    /// Errors as the forward; `INVALID_ARGUMENT` also for `grad_entropy` without `saved_entropy`,
+    /// `SHAPE_MISMATCH` for a `saved_entropy` not `[N]`.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_cross_entropy_bwd(
         &self,
@@ -836,6 +971,8 @@ impl Handle {
             r.dweight = mptr(&mut out.dweight);
             r.dbias = mptr(&mut out.dbias);
             r.grad_loss = cptr(&out.grad_loss);
+            r.grad_entropy = cptr(&out.grad_entropy);
+            r.saved_entropy = cptr(&out.saved_entropy);
         }
         // SAFETY: as in ce_fwd.
         let st = unsafe {
@@ -903,6 +1040,8 @@ struct RawLce {
     dweight: Option<sys::DLTensor>,
     dbias: Option<sys::DLTensor>,
     grad_loss: Option<sys::DLTensor>,
+    grad_entropy: Option<sys::DLTensor>,
+    saved_entropy: Option<sys::DLTensor>,
 }
 
 impl RawLce {
@@ -917,6 +1056,8 @@ impl RawLce {
             dweight: dl_mut(&mut o.dweight),
             dbias: dl_mut(&mut o.dbias),
             grad_loss: dl(&o.grad_loss),
+            grad_entropy: dl(&o.grad_entropy),
+            saved_entropy: None,
         }
     }
     fn from_grads(g: &mut LinearCeGrads<'_>) -> RawLce {
@@ -930,6 +1071,8 @@ impl RawLce {
             dweight: dl_mut(&mut g.dweight),
             dbias: dl_mut(&mut g.dbias),
             grad_loss: dl(&g.grad_loss),
+            grad_entropy: dl(&g.grad_entropy),
+            saved_entropy: dl(&g.saved_entropy),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Safe Rust API of libfusedce: fused kernels for the losses at the end of a language model —
-//! cross-entropy (forward, fused or separate backward, or over a vocabulary split across ranks),
-//! logsumexp, temperature softmax, knowledge distillation (full or top-K teacher) and linear
-//! cross-entropy (the LM-head GEMM fused with the loss), on CPU or CUDA.
+//! cross-entropy (forward, fused or separate backward, with the entropy's gradient too, or over a
+//! vocabulary split across ranks), logsumexp, temperature softmax, knowledge distillation (full or top-K
+//! teacher) and linear cross-entropy (the LM-head GEMM fused with the loss), on CPU or CUDA.
 //!
 //! * [`Handle`]: one per device, freed on drop; `Send`, not `Sync`. One method per op.
 //! * [`TensorRef`] / [`TensorMut`]: views of Rust slices (or, behind `unsafe`, raw device memory)
@@ -49,8 +49,8 @@ mod tensor;
 pub use error::{Error, Result, Status, VersionMismatch};
 pub use handle::{Handle, Stream};
 pub use options::{
-    CeOptions, CeOutputs, Divergence, KdOptions, KdOutputs, LinearCeGrads, LinearCeOutputs, LseOptions, Reduction,
-    SoftmaxOptions, Teacher, TopkNorm,
+    CeBwdInputs, CeOptions, CeOutputs, Divergence, KdOptions, KdOutputs, LinearCeGrads, LinearCeOutputs, LseOptions,
+    Reduction, SoftmaxOptions, Teacher, TopkNorm,
 };
 pub use tensor::{bits, DType, Device, Element, TensorMut, TensorRef};
 

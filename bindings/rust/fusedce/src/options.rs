@@ -222,8 +222,8 @@ impl<'a> CeOptions<'a> {
 }
 
 /// Outputs of [`crate::Handle::cross_entropy_fwd`] and [`crate::Handle::cross_entropy_combine`]
-/// (`fce_ce_outputs_t`); every field but `loss` optional. The combine writes no gradient: `dlogits` and
-/// `grad_loss` must be None there.
+/// (`fce_ce_outputs_t`); every field but `loss` optional. The combine writes no gradient: `dlogits`,
+/// `grad_loss` and `grad_entropy` must be None there.
 #[derive(Debug)]
 pub struct CeOutputs<'a> {
     /// Required. fp32: `[N]` for [`Reduction::None`], a scalar otherwise. Nats.
@@ -234,18 +234,36 @@ pub struct CeOutputs<'a> {
     pub z_loss: Option<TensorMut<'a>>,
     /// `[N]` i32 or i64: index of the largest raw logit (lowest on ties; NaN counts as largest).
     pub argmax: Option<TensorMut<'a>>,
-    /// `[N]` fp32: entropy of softmax(z) in nats.
+    /// `[N]` fp32: entropy of softmax(z) in nats, H = −Σ_j p_j·log p_j (differentiable through
+    /// [`CeOutputs::grad_entropy`]).
     pub entropy: Option<TensorMut<'a>>,
-    /// `[N, V]` in the logits' dtype: d(loss)/d(logits) × grad_loss, fused into the forward pass.
+    /// `[N, V]` in the logits' dtype: d(loss)/d(logits) × grad_loss (+ grad_entropy × dH/d(logits)
+    /// with [`CeOutputs::grad_entropy`]), fused into the forward pass, formed in fp32 and rounded once.
     pub dlogits: Option<TensorMut<'a>>,
     /// Upstream gradient, fp32: scalar for Sum/Mean, `[N]` or scalar for None; default 1.
     pub grad_loss: Option<TensorRef<'a>>,
+    /// Upstream gradient of the entropy, fp32: `[N]` or a scalar (broadcast), whatever the reduction;
+    /// default None (the entropy is not differentiated). Only with `dlogits` (else `INVALID_ARGUMENT`):
+    /// `dlogits` then also holds grad_entropy_i × dH_i/d(logits) for every row, ignored rows included,
+    /// with dH/dz_j = p_j·(μ − z_j), μ = Σ_k p_k·z_k = lse − H (the entropy's derivative, e.g. Pereyra
+    /// et al. 2017), chained through `logit_scale` and `softcap` as the loss gradient is; a logit of −inf
+    /// gets 0. Since 0.2.0 (`fce_ce_outputs_t.grad_entropy`).
+    pub grad_entropy: Option<TensorRef<'a>>,
 }
 
 impl<'a> CeOutputs<'a> {
     /// Outputs with only the loss (the rest as `fce_ce_outputs_init` leaves them: none).
     pub fn new(loss: TensorMut<'a>) -> Self {
-        CeOutputs { loss, lse: None, z_loss: None, argmax: None, entropy: None, dlogits: None, grad_loss: None }
+        CeOutputs {
+            loss,
+            lse: None,
+            z_loss: None,
+            argmax: None,
+            entropy: None,
+            dlogits: None,
+            grad_loss: None,
+            grad_entropy: None,
+        }
     }
     /// Requests [`CeOutputs::lse`].
     pub fn lse(mut self, t: TensorMut<'a>) -> Self {
@@ -275,6 +293,52 @@ impl<'a> CeOutputs<'a> {
     /// Sets [`CeOutputs::grad_loss`].
     pub fn grad_loss(mut self, t: TensorRef<'a>) -> Self {
         self.grad_loss = Some(t);
+        self
+    }
+    /// Sets [`CeOutputs::grad_entropy`] (`[N]` or scalar fp32).
+    pub fn grad_entropy(mut self, t: TensorRef<'a>) -> Self {
+        self.grad_entropy = Some(t);
+        self
+    }
+}
+
+/// What [`crate::Handle::cross_entropy_bwd_ex`] reads (`fce_ce_bwd_inputs_t`): the forward's saved
+/// statistics and the upstream gradients. `CeBwdInputs::new(lse)` leaves the rest as
+/// `fce_ce_bwd_inputs_init` does (none).
+#[derive(Copy, Clone, Debug)]
+pub struct CeBwdInputs<'a> {
+    /// Required: `[N]` fp32, the forward's lse (same options).
+    pub lse: TensorRef<'a>,
+    /// Upstream gradient of the loss, as [`CeOutputs::grad_loss`] (fp32 scalar for Sum/Mean, `[N]` or
+    /// scalar for None); default None = 1.
+    pub grad_loss: Option<TensorRef<'a>>,
+    /// `[N]` fp32, the forward's entropy output (same options); required with `grad_entropy`
+    /// (`INVALID_ARGUMENT` otherwise), else not read. The backward takes μ = lse − H from it.
+    pub entropy: Option<TensorRef<'a>>,
+    /// Upstream gradient of the entropy, fp32, `[N]` or a scalar, as [`CeOutputs::grad_entropy`];
+    /// default None.
+    pub grad_entropy: Option<TensorRef<'a>>,
+}
+
+impl<'a> CeBwdInputs<'a> {
+    /// Inputs with only the saved lse (`[N]` fp32): the backward of [`crate::Handle::cross_entropy_bwd`]
+    /// with an upstream gradient of 1.
+    pub fn new(lse: TensorRef<'a>) -> Self {
+        CeBwdInputs { lse, grad_loss: None, entropy: None, grad_entropy: None }
+    }
+    /// Sets [`CeBwdInputs::grad_loss`].
+    pub fn grad_loss(mut self, t: TensorRef<'a>) -> Self {
+        self.grad_loss = Some(t);
+        self
+    }
+    /// Sets [`CeBwdInputs::entropy`] (`[N]` fp32, the forward's entropy).
+    pub fn entropy(mut self, t: TensorRef<'a>) -> Self {
+        self.entropy = Some(t);
+        self
+    }
+    /// Sets [`CeBwdInputs::grad_entropy`] (`[N]` or scalar fp32); needs [`CeBwdInputs::entropy`].
+    pub fn grad_entropy(mut self, t: TensorRef<'a>) -> Self {
+        self.grad_entropy = Some(t);
         self
     }
 }
@@ -502,7 +566,8 @@ pub struct LinearCeOutputs<'a> {
     pub z_loss: Option<TensorMut<'a>>,
     /// Optional `[N]` i32/i64 argmax of the logits.
     pub argmax: Option<TensorMut<'a>>,
-    /// Optional `[N]` fp32 entropy in nats.
+    /// Optional `[N]` fp32 entropy in nats (save it as [`LinearCeGrads::saved_entropy`] for a backward
+    /// with [`LinearCeGrads::grad_entropy`]).
     pub entropy: Option<TensorMut<'a>>,
     /// Optional `[N, H]` fp32/bf16/fp16 gradient of the hidden states.
     pub dhidden: Option<TensorMut<'a>>,
@@ -512,6 +577,11 @@ pub struct LinearCeOutputs<'a> {
     pub dbias: Option<TensorMut<'a>>,
     /// Upstream gradient as in [`CeOutputs::grad_loss`]; default 1.
     pub grad_loss: Option<TensorRef<'a>>,
+    /// Upstream gradient of the entropy as in [`CeOutputs::grad_entropy`] (`[N]` or scalar fp32);
+    /// default None. Only with a gradient output (`dhidden`, `dweight` or `dbias`; else
+    /// `INVALID_ARGUMENT`): the gradients then include grad_entropy_i × dH_i/d(logits) chained through
+    /// the GEMM. Since 0.2.0 (`fce_linear_ce_outputs_t.grad_entropy`).
+    pub grad_entropy: Option<TensorRef<'a>>,
 }
 
 impl<'a> LinearCeOutputs<'a> {
@@ -527,6 +597,7 @@ impl<'a> LinearCeOutputs<'a> {
             dweight: None,
             dbias: None,
             grad_loss: None,
+            grad_entropy: None,
         }
     }
     /// Requests [`LinearCeOutputs::lse`].
@@ -569,6 +640,11 @@ impl<'a> LinearCeOutputs<'a> {
         self.grad_loss = Some(t);
         self
     }
+    /// Sets [`LinearCeOutputs::grad_entropy`] (`[N]` or scalar fp32).
+    pub fn grad_entropy(mut self, t: TensorRef<'a>) -> Self {
+        self.grad_entropy = Some(t);
+        self
+    }
 }
 
 /// Gradients written by [`crate::Handle::linear_cross_entropy_bwd`]; at least one is required.
@@ -582,6 +658,12 @@ pub struct LinearCeGrads<'a> {
     pub dbias: Option<TensorMut<'a>>,
     /// Upstream gradient as in [`CeOutputs::grad_loss`]; default 1.
     pub grad_loss: Option<TensorRef<'a>>,
+    /// Upstream gradient of the entropy as in [`LinearCeOutputs::grad_entropy`] (`[N]` or scalar fp32);
+    /// default None. Needs [`LinearCeGrads::saved_entropy`] (else `INVALID_ARGUMENT`).
+    pub grad_entropy: Option<TensorRef<'a>>,
+    /// `[N]` fp32, the forward's entropy output ([`LinearCeOutputs::entropy`], same options); read only
+    /// with `grad_entropy` (`fce_linear_ce_outputs_t.saved_entropy`). Since 0.2.0.
+    pub saved_entropy: Option<TensorRef<'a>>,
 }
 
 impl<'a> LinearCeGrads<'a> {
@@ -607,6 +689,17 @@ impl<'a> LinearCeGrads<'a> {
     /// Sets [`LinearCeGrads::grad_loss`].
     pub fn grad_loss(mut self, t: TensorRef<'a>) -> Self {
         self.grad_loss = Some(t);
+        self
+    }
+    /// Sets [`LinearCeGrads::grad_entropy`] (`[N]` or scalar fp32); needs
+    /// [`LinearCeGrads::saved_entropy`].
+    pub fn grad_entropy(mut self, t: TensorRef<'a>) -> Self {
+        self.grad_entropy = Some(t);
+        self
+    }
+    /// Sets [`LinearCeGrads::saved_entropy`] (`[N]` fp32, the forward's entropy).
+    pub fn saved_entropy(mut self, t: TensorRef<'a>) -> Self {
+        self.saved_entropy = Some(t);
         self
     }
 }

@@ -36,6 +36,7 @@ macro_rules! c_structs {
 c_structs!(
     fce_ce_options_t => fce_ce_options_init,
     fce_ce_outputs_t => fce_ce_outputs_init,
+    fce_ce_bwd_inputs_t => fce_ce_bwd_inputs_init,
     fce_lse_options_t => fce_lse_options_init,
     fce_softmax_options_t => fce_softmax_options_init,
     fce_kd_options_t => fce_kd_options_init,

@@ -426,7 +426,10 @@ fn raw_init_functions_match_the_header() {
     let ce = size_of_init!(fce_ce_options_t, fce_ce_options_init);
     assert!(ce.class_weights.is_null() && ce.logit_scale == 1.0 && ce.ignore_index == -100);
     let o = size_of_init!(fce_ce_outputs_t, fce_ce_outputs_init);
-    assert!(o.loss.is_null() && o.dlogits.is_null() && o.grad_loss.is_null());
+    assert!(o.loss.is_null() && o.dlogits.is_null() && o.grad_loss.is_null() && o.grad_entropy.is_null());
+    // FCE_CE_BWD_INPUTS_INIT: every pointer NULL.
+    let bi = size_of_init!(fce_ce_bwd_inputs_t, fce_ce_bwd_inputs_init);
+    assert!(bi.lse.is_null() && bi.grad_loss.is_null() && bi.entropy.is_null() && bi.grad_entropy.is_null());
     assert_eq!(size_of_init!(fce_lse_options_t, fce_lse_options_init).scale, 1.0);
     let sm = size_of_init!(fce_softmax_options_t, fce_softmax_options_init);
     assert!(sm.temperature == 1.0 && sm.temperatures.is_null());
@@ -437,7 +440,8 @@ fn raw_init_functions_match_the_header() {
     let ko = size_of_init!(fce_kd_outputs_t, fce_kd_outputs_init);
     assert!(ko.loss.is_null() && ko.dstudent.is_null());
     let lo = size_of_init!(fce_linear_ce_outputs_t, fce_linear_ce_outputs_init);
-    assert!(lo.loss.is_null() && lo.dweight.is_null());
+    assert!(lo.loss.is_null() && lo.dweight.is_null() && lo.flags == 0);
+    assert!(lo.grad_entropy.is_null() && lo.saved_entropy.is_null());
     // NULL is refused.
     let n = std::mem::size_of::<sys::fce_ce_options_t>();
     let st = unsafe { sys::fce_ce_options_init(std::ptr::null_mut(), n) };
