@@ -57,9 +57,11 @@ for step in $steps; do
         filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.*'
         [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.InfinitiesAndNaN:Logsumexp.FewAligned*:TempSoftmax.PerRowTemperaturesMixedGreedy:TempSoftmax.FewAligned*:TempSoftmax.FewRows*:TempSoftmax.ManyRowsProbabilitiesOnly:TempSoftmax.ManyLongAlignedRows:KdLoss.NegativeInfinityLogitsGiveNoNaN:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.ChunkSizesAgree:LinearCrossEntropy.ShortLastChunkSplits'
         # gpu_gpu_extra: the programmatic dependent launches behind a kernel that lets them launch at once.
-        for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce gpu_gpu_extra gpu_contract gpu_vocab_parallel; do
+        for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce gpu_gpu_extra gpu_contract gpu_vocab_parallel \
+                 gpu_entropy_grad; do
           f=$filter
           [ $t = gpu_vocab_parallel ] && f='*'
+          [ $t = gpu_entropy_grad ] && f='*:-EntropyGrad.FiniteDifferences'
           [ $t = gpu_gpu_extra ] && f='GpuPdl.*:GpuContract.*'
           # initcheck makes a stream-ordered allocation wait for the stream: the host-timing test would fail
           [ $t = gpu_gpu_extra ] && [ $tool = initcheck ] && f='GpuPdl.*:GpuContract.*:-GpuContract.CachedWorkspace*'
@@ -122,7 +124,8 @@ PY
       for path in fast cffi; do
         if [ $path = fast ]; then e=(FUSEDCE_EXPECT_TORCH_EAGER=$eager); else e=(FUSEDCE_TORCH_EAGER=0 FUSEDCE_EXPECT_TORCH_EAGER=0); fi
         env "${e[@]}" python3 -m pytest -q -p no:cacheprovider -rs bindings/python/tests/test_torch_ops.py \
-          bindings/python/tests/test_torch_gpu.py > "$OUT/pytest_torch_gpu_$path.log" 2>&1
+          bindings/python/tests/test_torch_gpu.py bindings/python/tests/test_logprobs_entropy.py \
+          > "$OUT/pytest_torch_gpu_$path.log" 2>&1
         rc=$?
         case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
         summary+=("pytest torch (GPU, $path path) $r: $(tail -1 "$OUT/pytest_torch_gpu_$path.log")")

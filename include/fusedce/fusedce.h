@@ -422,7 +422,8 @@ FCE_API fce_status_t fce_cross_entropy_bwd_ex_workspace_size(fce_handle_t handle
  * records' sums (docs/numerics.md).
  * Record fields, per row and shard (z the transformed logits of the shard's real columns, m their max):
  *   0 m, 1 sum exp(z - m), 2 z at the target if the shard holds it (else 0), 3 sum w_j z_j (label
- *   smoothing), 4 sum exp(z - m) z (entropy), 5 the largest raw logit, 6 its global index (int32 bits).
+ *   smoothing), 4 sum exp(z - m) (z - m) (entropy), 5 the largest raw logit, 6 its global index (int32
+ *   bits).
  * The caller all-gathers the records with any communicator, or lets the library do it over NCCL
  * (fce_cross_entropy_fwd_vp below: partial, all-gather, combine and gradient in one call).
  */

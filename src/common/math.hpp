@@ -185,7 +185,7 @@ FCE_HD int32_t float_as_index(float f) {
 }
 
 // A row's statistics from the W shards' records (rank order, record r at rec + r * stride; the fields of
-// kCeRecordFields: m, sum e^(z-m), z_t if owned, sum w z, sum e^(z-m) z, the largest raw logit and its
+// kCeRecordFields: m, sum e^(z-m), z_t if owned, sum w z, sum e^(z-m) (z-m), the largest raw logit and its
 // global index as int32 bits). fp64, in rank order: the max first (a NaN max wins), then each shard's sums
 // rescaled to it; the argmax takes NaN as the largest value, then the larger value, ties to the lower index.
 // The same code on the CPU and in the CUDA combine kernel, so both give the same bits.
@@ -210,7 +210,7 @@ FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride
     if (!nan && M != -INFINITY && q[0] != -INFINITY) {
       const double e = ::exp(double(q[0]) - double(M));
       D += double(q[1]) * e;
-      SE += double(q[4]) * e;
+      SE += (double(q[4]) + (double(q[0]) - double(M)) * double(q[1])) * e;  // shifted to M
     }
     c.swz += q[3];
     c.zt += q[2];
@@ -235,7 +235,7 @@ FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride
     c.entropy = NAN;
   } else {
     c.lse = float(double(M) + ::log(D));
-    c.entropy = float(double(c.lse) - SE / D);
+    c.entropy = float(::log(D) - SE / D);
   }
   return c;
 }

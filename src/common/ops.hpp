@@ -45,7 +45,7 @@ struct CeProblem {
 // Vocabulary-parallel cross-entropy: the records of a shard, and the forward of whole rows from the records
 // of every shard (the header's "Vocabulary-parallel cross-entropy"; the gradient is a CeProblem backward
 // with a sharded CeOpts).
-constexpr int64_t kCeRecordFields = 7;  // m, sum exp(z - m), z_t, sum w z, sum exp(z - m) z, max x, its index
+constexpr int64_t kCeRecordFields = 7;  // m, sum exp(z - m), z_t, sum w z, sum exp(z - m) (z - m), max x, its index
 struct CePartialProblem {
   Mat logits;
   Vec targets;

@@ -88,7 +88,8 @@ inline CeRow ce_row_forward(const CeContext& c, const float* x, float* zbuf, int
     swz = s.swz;
     if (m != -INFINITY) {
       r.lse = float(double(m) + std::log(s.s));
-      r.entropy = float(double(r.lse) - s.sz / s.s);
+      // log s - sum p (z - m) in float64: lse - sum p z with lse rounded to fp32 would keep that rounding
+      r.entropy = float(std::log(s.s) - (s.sz / s.s - double(m)));
     }
   }
   if (c.ignored(target)) return r;

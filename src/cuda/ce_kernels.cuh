@@ -10,8 +10,9 @@ namespace fce::cuda {
 namespace {
 
 // Per-thread statistics of a row slice: the online softmax (m, d) in the shifted form with k = log2(e)
-// (m in units of the transformed logits z), the sum of e^(z-m)*z for the entropy (rescaled with d), the plain
-// sum of w_j*z_j for label smoothing, and the raw-logit argmax.
+// (m in units of the transformed logits z), s1 = the sum of e^(z-m) (z-m) for the entropy (shifted with m:
+// H = log d - s1/d keeps the precision of a peaked row's small entropy, which lse - sum p z loses to the
+// rounding of lse), the plain sum of w_j*z_j for label smoothing, and the raw-logit argmax.
 struct CeAcc : OnlineSoftmax {
   float s1, swz, av;
   int64_t ai;
@@ -23,9 +24,15 @@ struct CeAcc : OnlineSoftmax {
     if (v == av || (vn && an)) return j < ai;
     return v > av;
   }
+  // s1 of a part (max mo, sum dd) shifted to the max mn: s1 + (mo - mn) dd; a part that saw nothing adds 0.
+  __device__ static float shifted(float s, float mo, float dd, float mn) {
+    return mo == -INFINITY ? 0.f : __fmaf_rn(__fsub_rn(mo, mn), dd, s);
+  }
   __device__ void merge(const CeAcc& o) {
+    const float ma = m, da = d;
     const Factors f = OnlineSoftmax::merge(o, kLog2e);
-    s1 = m == INFINITY ? 0.f : __fadd_rn(__fmul_rn(s1, f.a), __fmul_rn(o.s1, f.b));  // +inf logits: lse only
+    s1 = m == INFINITY ? 0.f  // +inf logits: lse only
+                       : __fadd_rn(__fmul_rn(shifted(s1, ma, da, m), f.a), __fmul_rn(shifted(o.s1, o.m, o.d, m), f.b));
     swz += o.swz;
     if (better(o.av, o.ai, av, ai)) { av = o.av; ai = o.ai; }
   }
@@ -105,10 +112,11 @@ __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int6
 #pragma unroll
     for (int k = 0; k < kVec<T>; ++k) z[k] = kSoftcap ? tf(v[k]) : v[k] * p.scale;
     // z - max is exact 0 at the maximum, so a single logit gives d = 1 and lse = z exactly.
-    a.add_shifted<kVec<T>>(z, n, tf(vmax), kLog2e, [&](float r) {
-      if (kEntropy) a.s1 *= r;
+    const float g = tf(vmax);
+    a.add_shifted<kVec<T>>(z, n, g, kLog2e, [&](float r) {  // a.d is rescaled already, a.m not yet
+      if (kEntropy) a.s1 = a.m == -INFINITY ? 0.f : __fmaf_rn(__fsub_rn(a.m, g), a.d, __fmul_rn(a.s1, r));
     }, [&](int k, float e) {
-      if (kEntropy && e > 0.f) a.s1 += e * z[k];
+      if (kEntropy && e > 0.f) a.s1 = __fmaf_rn(e, __fsub_rn(z[k], a.m), a.s1);
       if (kSmooth && p.eps > 0.f) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z[k];
     });
   }, cache, cache_vecs);
@@ -195,7 +203,7 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
     return lse;
   }
   if (p.lse) p.lse[row] = lse;
-  const float ent = a.m == -INFINITY ? NAN : lse - a.s1 / a.d;
+  const float ent = a.m == -INFINITY ? NAN : logf(a.d) - a.s1 / a.d;
   if (p.entropy) p.entropy[row] = ent;
   if (H) *H = ent;
   if (p.argmax) {
@@ -249,7 +257,8 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
     }, cache, cache_vecs, next);
     return;
   }
-  const float W = p.weights ? float(p.prep[1]) : float(p.vt);
+  // The class weights' sum enters with label smoothing only (prep holds it then, and only then).
+  const float W = p.weights && p.eps > 0.f ? float(p.prep[1]) : float(p.vt);
   CeGrad grad(lg ? g : 0.f, p.eps, lg && p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse);
   const int64_t tl = t - p.col0;  // the target's column in these logits (outside [0, V) in another shard's)
   if (ge != 0.f) {  // the entropy's term as well (CeGrad), on the general form

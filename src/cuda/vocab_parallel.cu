@@ -77,8 +77,9 @@ __global__ void vp_combine_kernel(VpArgs a) {
   float loss = 0.f, zl = 0.f;
   if (t != a.ignore_index) {
     if (t < 0 || t >= a.vt) loss = zl = NAN;
-    else ce_combined_loss(m, a.weights ? a.weights[t] : 1.0, a.eps, double(a.vt), a.weights ? a.prep[1] : double(a.vt),
-                          a.zq, &loss, &zl);
+    else  // the class weights' sum enters with label smoothing only (prep holds it then)
+      ce_combined_loss(m, a.weights ? a.weights[t] : 1.0, a.eps, double(a.vt),
+                       a.weights && a.eps > 0.f ? a.prep[1] : double(a.vt), a.zq, &loss, &zl);
   }
   a.loss_rows[i] = loss;
   if (a.zl_rows) a.zl_rows[i] = zl;

@@ -182,7 +182,14 @@ TEST(CrossEntropy, EveryOption) {
       run_case(c);
       c.eps = 0; c.zq = 0; c.cap = 5; c.scale = 1.3;
       run_case(c);
+      c.weights = true;  // class weights without smoothing: no class-weight sum is formed
+      run_case(c);
     }
+  CeCase c{9, 263, DT::BF16};  // the same with a summed loss
+  c.reduction = FCE_REDUCTION_SUM;
+  c.weights = true;
+  c.grad_mode = 2;
+  run_case(c);
 }
 
 TEST(CrossEntropy, PeakedAndFlatRows) {

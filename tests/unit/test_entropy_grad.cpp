@@ -480,8 +480,9 @@ TEST(EntropyGrad, VocabularyShards) {
     SCOPED_TRACE(dt_name(dt));
     Handle h;
     EntCase k{CeCase{N, V, dt}};
-    k.ce.reduction = FCE_REDUCTION_MEAN;
-    k.ce.eps = 0.05;
+    k.ce.reduction = dt == DT::F32 ? FCE_REDUCTION_MEAN : FCE_REDUCTION_NONE;
+    k.ce.eps = dt == DT::F32 ? 0.05 : 0.0;
+    k.ce.weights = dt == DT::BF16;  // class weights without smoothing: no class-weight sum is formed
     Tensor full(dt, {N, V});
     fill_logits(full, 2.0, true);
     Inputs in(k);
@@ -510,7 +511,8 @@ TEST(EntropyGrad, VocabularyShards) {
     r3.ndim = 3;
     r3.shape = shape3;
     r3.strides = nullptr;
-    Tensor loss(DT::F32, {}), lse(DT::F32, {N}), ent(DT::F32, {N});
+    Tensor loss = k.ce.reduction == FCE_REDUCTION_NONE ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
+    Tensor lse(DT::F32, {N}), ent(DT::F32, {N});
     fce_ce_outputs_t co = FCE_CE_OUTPUTS_INIT;
     co.loss = loss.dl();
     co.lse = lse.dl();
@@ -547,5 +549,78 @@ TEST(EntropyGrad, VocabularyShards) {
               << "shard " << r << " (" << i << "," << gj << ")";
         }
     }
+  }
+}
+
+// The entropy of peaked rows (one logit far above the rest: H down to ~1e-8 nats) to an absolute error near
+// fp32's resolution of the softmax's sum (~1e-7), not the ulp of the largest logit (~4e-6 at z ~ 60) that
+// lse - sum p z would leave; unsharded, and combined from two shards' records.
+TEST(EntropyGrad, PeakedEntropyPrecision) {
+  const int64_t N = 4, K = 7;
+  for (int64_t V : {1031, 129920}) {
+    SCOPED_TRACE("V=" + std::to_string(V));
+    Handle h;
+    Tensor x(DT::F32, {N, V});
+    std::normal_distribution<double> nd(0.0, 1.0);
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t j = 0; j < V; ++j) x.set(i, j, nd(rng()));
+      x.set(i, (i * 7919) % V, 14.0 + 3.0 * double(i));  // z_max = x / 0.6 up to ~40
+    }
+    x.upload();
+    const double scale = 1.0 / 0.6;
+    std::vector<double> ref(size_t(N), 0.0);
+    for (int64_t i = 0; i < N; ++i) {
+      double m = -INFINITY, s = 0, sz = 0;
+      for (int64_t j = 0; j < V; ++j) m = std::max(m, scale * x.get(i, j));
+      for (int64_t j = 0; j < V; ++j) {
+        const double d = scale * x.get(i, j) - m, e = std::exp(d);
+        s += e;
+        sz += e * d;
+      }
+      ref[size_t(i)] = std::log(s) - sz / s;  // in the shifted form, exact in float64
+    }
+    Tensor targets(DT::I64, {N});
+    for (int64_t i = 0; i < N; ++i) targets.set_int(i, i);
+    targets.upload();
+    fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+    o.reduction = FCE_REDUCTION_NONE;
+    o.logit_scale = float(scale);
+    Tensor loss(DT::F32, {N}), ent(DT::F32, {N});
+    ent.poison();
+    ent.upload();
+    fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+    out.loss = loss.dl();
+    out.entropy = ent.dl();
+    FCE_OK(fce_cross_entropy_fwd(h, test_stream(), x.dl(), targets.dl(), &o, &out, nullptr, 0));
+    ent.download();
+    for (int64_t i = 0; i < N; ++i)
+      EXPECT_NEAR(ent.get(i), ref[size_t(i)], 3e-7 + 1e-4 * ref[size_t(i)]) << "row " << i << " (H = " << ref[size_t(i)] << ")";
+    // two shards, split at V/2 (the peak of some rows in each)
+    o.vocab_total = V;
+    Tensor rec(DT::F32, {2 * N, K});
+    for (int r = 0; r < 2; ++r) {
+      const int64_t start = r == 0 ? 0 : V / 2, width = r == 0 ? V / 2 : V - V / 2;
+      Tensor part(DT::F32, {N, width});
+      for (int64_t i = 0; i < N; ++i)
+        for (int64_t j = 0; j < width; ++j) part.set(i, j, x.get(i, start + j));
+      part.upload();
+      Tensor one(DT::F32, {N, K});
+      o.vocab_start = start;
+      FCE_OK(fce_cross_entropy_partial(h, test_stream(), part.dl(), targets.dl(), &o, one.dl()));
+      one.download();
+      std::memcpy(rec.raw() + 4 * size_t(r * N * K), one.bytes().data(), 4 * size_t(N * K));
+    }
+    rec.upload();
+    int64_t shape3[3] = {2, N, K};
+    DLTensor r3 = *rec.dl();
+    r3.ndim = 3;
+    r3.shape = shape3;
+    r3.strides = nullptr;
+    ent.poison();
+    ent.upload();
+    FCE_OK(fce_cross_entropy_combine(h, test_stream(), &r3, targets.dl(), &o, &out, nullptr, 0));
+    ent.download();
+    for (int64_t i = 0; i < N; ++i)
+      EXPECT_NEAR(ent.get(i), ref[size_t(i)], 3e-7 + 1e-4 * ref[size_t(i)]) << "combined row " << i;
   }
 }

@@ -78,7 +78,7 @@ def test_defaults_come_from_the_library_and_match_the_header():
         lib_values = fusedce.defaults(name)
         assert lib_values == {k: (fusedce.ffi.sizeof(ctype) if v == "sizeof" else v) for k, v in values.items()}, name
         checked += 1
-    assert checked == 8
+    assert checked == 9
     with pytest.raises(KeyError):
         fusedce.defaults("fce_build_info_t")
     # the keyword defaults are the library's
