@@ -520,7 +520,8 @@ class KDLoss(torch.nn.Module):
 
 __all__ = ["CrossEntropyLoss", "CrossEntropyOutput", "KDLoss", "LinearCrossEntropyLoss", "SoftmaxOutput",
            "cross_entropy", "kd_loss", "kd_loss_topk", "linear_cross_entropy", "linear_logprobs_entropy",
-           "log_softmax", "logprobs_entropy", "logsumexp", "softmax", "temp_softmax", "vocab_parallel_cross_entropy"]
+           "log_softmax", "logprobs_entropy", "logsumexp", "softmax", "temp_softmax", "vocab_parallel_cross_entropy",
+           "vocab_parallel_logprobs_entropy"]
 
 
 # ---- vocabulary-parallel cross-entropy -------------------------------------------------------------
@@ -562,6 +563,56 @@ class _VocabParallelCENccl(_VocabParallelCE):
         ctx.save_for_backward(logits, targets, out.lse)
         ctx.kw = kw
         return out.loss
+
+
+class _VocabParallelLPE(torch.autograd.Function):
+    """Per-token log-probabilities and entropies of a vocabulary shard's rows: records, one all-gather,
+    combine (logprobs = -loss with reduction none); the backward is the shard's fce_cross_entropy_bwd_ex
+    from the combined lse and entropy."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, kw):
+        ctx.set_materialize_grads(False)
+        rec = _arrays.cross_entropy_partial(logits.detach(), targets, **kw)
+        combine_kw = {k: v for k, v in kw.items() if k != "vocab_start"}
+        out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets, entropy=True, **combine_kw)
+        ctx.save_for_backward(logits, targets, out.lse, out.entropy)
+        ctx.kw = kw
+        return out.loss.neg_(), out.entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        logits, targets, lse, ent = ctx.saved_tensors
+        if g_lp is None and g_ent is None:
+            return None, None, None, None
+        gl, ge = _ops._lpe_grads(g_lp, g_ent, logits)
+        d = _arrays.cross_entropy_bwd_ex(logits.detach(), targets, lse, entropy=ent if ge is not None else None,
+                                         grad_loss=gl, grad_entropy=ge, **ctx.kw)
+        return d, None, None, None
+
+
+def vocab_parallel_logprobs_entropy(logits, labels, temperature=1.0, reduction="none", *, vocab_start=None,
+                                    vocab_total=None, group=None, ignore_index=-100):
+    """logprobs_entropy of logits whose vocabulary is split across the ranks of a torch.distributed `group`
+    (as vocab_parallel_cross_entropy: this rank holds global columns [vocab_start, vocab_start + V_local),
+    equal shards in rank order by default, uneven or padded ones when given). Returns (logprobs, entropy) of
+    the whole rows, the same bits on every rank, shaped like labels ("none") or reduced ("sum", "mean" over
+    every token); gradients through both flow to this rank's logits. One all-gather of [N, 7] fp32 records
+    through torch.distributed per call; the backward is the shard's fce_cross_entropy_bwd_ex from the combined
+    lse and entropy, elementwise the bits of the unsharded call's backward. Not a torch.library op."""
+    import torch.distributed as dist
+    scale = _logit_scale(temperature)
+    v_local = logits.shape[-1]
+    if vocab_start is None or vocab_total is None:
+        distributed = group is not None or (dist.is_available() and dist.is_initialized())
+        rank = dist.get_rank(group) if distributed else 0
+        world = dist.get_world_size(group) if distributed else 1
+        vocab_start = rank * v_local if vocab_start is None else vocab_start
+        vocab_total = world * v_local if vocab_total is None else vocab_total
+    kw = dict(vocab_start=int(vocab_start), vocab_total=int(vocab_total), reduction=_REDUCTION_NONE,
+              ignore_index=int(ignore_index), logit_scale=scale)
+    lp, ent = _VocabParallelLPE.apply(logits.reshape(-1, v_local), _targets(labels).reshape(-1), group, kw)
+    return _reduce_pair(lp, ent, reduction, tuple(labels.shape))
 
 
 _COMMS = {}  # (process group, device index) -> ops.Communicator over the group's NCCL communicator

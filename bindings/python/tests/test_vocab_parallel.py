@@ -81,14 +81,29 @@ def _rank(rank, world, port, shape, widths, results):
             results.put((rank, red, float((loss.double() - ref.detach()).abs().max()),
                          float((mine.grad.double() - want_grad).abs().max()), loss.detach().numpy().tobytes()))
             mine.grad = None
+        # log-probabilities and entropies (verl's), both differentiated, at temperature 0.8
+        lp, ent = ft.vocab_parallel_logprobs_entropy(mine, t, 0.8, **kw)
+        gen = torch.Generator().manual_seed(5)
+        u1, u2 = torch.randn(t.shape, generator=gen), torch.randn(t.shape, generator=gen)
+        ((lp * u1).sum() + (ent * u2).sum()).backward()
+        x64 = x.double().requires_grad_()
+        logp = torch.log_softmax(x64 / 0.8, -1)
+        rlp = torch.where(t != -100, logp.gather(-1, t.clamp_min(0).unsqueeze(-1)).squeeze(-1), torch.zeros(()).double())
+        rent = -(logp.exp() * logp).sum(-1)
+        ((rlp * u1.double()).sum() + (rent * u2.double()).sum()).backward()
+        want_grad = x64.grad[..., starts[rank]:starts[rank] + widths[rank]]
+        err = max(float((lp.double() - rlp.detach()).abs().max()), float((ent.double() - rent.detach()).abs().max()))
+        results.put((rank, "logprobs_entropy", err, float((mine.grad.double() - want_grad).abs().max()),
+                     lp.detach().numpy().tobytes() + ent.detach().numpy().tobytes()))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("widths", [[20, 20], [13, 27]])
 def test_torch_distributed_two_ranks(widths):
-    """Two processes (gloo, CPU), Megatron's [S, B, V/W] layout: the loss of the whole rows, the same bits on
-    both ranks, and each rank's gradient its columns of PyTorch's float64 gradient."""
+    """Two processes (gloo, CPU), Megatron's [S, B, V/W] layout: the loss of the whole rows (and the
+    log-probabilities and entropies), the same bits on both ranks, and each rank's gradient its columns of
+    PyTorch's float64 gradient."""
     torch = pytest.importorskip("torch")
     import socket
 
@@ -101,14 +116,14 @@ def test_torch_distributed_two_ranks(widths):
     procs = [ctx.Process(target=_rank, args=(r, 2, port, (3, 4, sum(widths)), widths, results)) for r in range(2)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=120) for _ in range(4)]
+    got = [results.get(timeout=120) for _ in range(6)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     by = {}
     for rank, red, loss_err, grad_err, bits in got:
         assert loss_err < 2e-5, (rank, red, loss_err)
-        assert grad_err < 2e-6, (rank, red, grad_err)
+        assert grad_err < (1e-5 if red == "logprobs_entropy" else 2e-6), (rank, red, grad_err)
         by.setdefault(red, set()).add(bits)
     assert all(len(b) == 1 for b in by.values()), "the ranks' losses differ"
     del torch
