@@ -185,6 +185,19 @@ def main():
                 return hl.grad, wl.grad
             return run
 
+        # the C calls alone: forward (with the entropy output), backward without and with the entropy's term
+        fo = fusedce.linear_cross_entropy_fwd(hid, w, t, reduction="none", entropy=True, logit_scale=s)
+        row("linear", "C linear fwd, loss + lse (none)", timed(lambda: fusedce.linear_cross_entropy_fwd(
+            hid, w, t, reduction="none", logit_scale=s), a.iters), flops=2.0 * N * H * V)
+        row("linear", "C linear fwd, + entropy", timed(lambda: fusedce.linear_cross_entropy_fwd(
+            hid, w, t, reduction="none", entropy=True, logit_scale=s), a.iters), flops=2.0 * N * H * V)
+        row("linear", "C linear bwd (grad_loss)", timed(lambda: fusedce.linear_cross_entropy_bwd(
+            hid, w, t, fo.lse, dhidden=dh, dweight=dw, grad_loss=gl, reduction="none", logit_scale=s),
+            max(3, a.iters // 2)), flops=6.0 * N * H * V)
+        row("linear", "C linear bwd (grad_loss + grad_entropy)", timed(lambda: fusedce.linear_cross_entropy_bwd(
+            hid, w, t, fo.lse, dhidden=dh, dweight=dw, grad_loss=gl, grad_entropy=ge, entropy=fo.entropy,
+            reduction="none", logit_scale=s), max(3, a.iters // 2)), flops=6.0 * N * H * V)
+        del fo
         one = torch.ones((), device=dev)
         lin = [
             ("fusedce linear_cross_entropy (mean: 6NHV fused)",
@@ -193,8 +206,10 @@ def main():
              lambda h_, w_: (ft.linear_cross_entropy(h_, w_, t, reduction="none", logit_scale=s),), (gl,), 8.0),
             ("fusedce linear_logprobs_entropy (both grads)",
              lambda h_, w_: ft.linear_logprobs_entropy(h_, w_, t, T), (glp, ge), 8.0),
+            ("fusedce logprobs_entropy(h @ w.T) (logits kept: 6NHV)",
+             lambda h_, w_: ft.logprobs_entropy(h_ @ w_.T, t, T), (glp, ge), 6.0),
             ("torch.compile linear log-prob + entropy",
-             torch.compile(lambda h_, w_: reference_math(h_ @ w_.T, t, T), dynamic=False), (glp, ge), 8.0),
+             torch.compile(lambda h_, w_: reference_math(h_ @ w_.T, t, T), dynamic=False), (glp, ge), 6.0),
         ]
         for name, fn, grads, k in lin:
             run = lstep(fn, grads)

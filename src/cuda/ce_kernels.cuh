@@ -116,7 +116,7 @@ __device__ CeAcc accumulate(const CeParams& p, const T* row, int64_t begin, int6
     a.add_shifted<kVec<T>>(z, n, g, kLog2e, [&](float r) {  // a.d is rescaled already, a.m not yet
       if (kEntropy) a.s1 = a.m == -INFINITY ? 0.f : __fmaf_rn(__fsub_rn(a.m, g), a.d, __fmul_rn(a.s1, r));
     }, [&](int k, float e) {
-      if (kEntropy && e > 0.f) a.s1 = __fmaf_rn(e, __fsub_rn(z[k], a.m), a.s1);
+      if (kEntropy) a.s1 = __fmaf_rn(e, e > 0.f ? __fsub_rn(z[k], a.m) : 0.f, a.s1);  // a select: -inf z adds 0
       if (kSmooth && p.eps > 0.f) a.swz += (p.weights ? p.weights[j0 + k] : 1.f) * z[k];
     });
   }, cache, cache_vecs);
@@ -234,6 +234,20 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
   return lse;
 }
 
+// The gradient with the entropy's term for plain rows (z = s x: no soft-cap, class weights or smoothing),
+// in base 2: dx_j = p_j (g0 + gz x_j) - [j == t] gt, p_j = 2^(x_j s log2(e) - lse log2(e)), g0 = s (cp +
+// ge mu), gz = -s^2 ge (CeGrad's terms); 0 where p_j = 0 (a -inf logit). The pipelined plain kernel and
+// write_grad (the backward) form it alike, so that both give the same bits.
+struct EntPlain {
+  float sl, nl, g0, gz, gt;
+  __device__ EntPlain(float s, float lse, const CeGrad& g)
+      : sl(s * kLog2e), nl(-lse * kLog2e), g0(s * fmaf(g.ge, g.mu, g.cp)), gz(-(s * s) * g.ge), gt(s * g.ct) {}
+  __device__ float operator()(float x, bool is_target) const {
+    const float pj = ex2(__fmaf_rn(x, sl, nl));
+    return (pj == 0.f ? 0.f : pj * __fmaf_rn(gz, x, g0)) - (is_target ? gt : 0.f);
+  }
+};
+
 // dlogits for row slice [begin, end), formed in fp32 and rounded once to O; H is the row's entropy (read
 // only with grad_entropy). With `next`, the cached slots are refilled with the next row as they are used
 // (row_map).
@@ -261,8 +275,17 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
   const float W = p.weights && p.eps > 0.f ? float(p.prep[1]) : float(p.vt);
   CeGrad grad(lg ? g : 0.f, p.eps, lg && p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse);
   const int64_t tl = t - p.col0;  // the target's column in these logits (outside [0, V) in another shard's)
-  if (ge != 0.f) {  // the entropy's term as well (CeGrad), on the general form
+  if (ge != 0.f) {  // the entropy's term as well (CeGrad)
     grad.entropy(ge, lse, H);
+    if (p.softcap == 0.f && !p.weights && p.eps == 0.f) {
+      const EntPlain ep(p.scale, lse, grad);
+      row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
+#pragma unroll
+        for (int k = 0; k < kVec<T>; ++k)
+          if (k < n) v[k] = ep(v[k], j0 + k == tl);
+      }, cache, cache_vecs, next);
+      return;
+    }
     row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
 #pragma unroll
       for (int k = 0; k < kVec<T>; ++k) {
@@ -382,12 +405,14 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe(CeParams p,
   }
 }
 
-// Plain rows (no soft-cap, class weights, smoothing, entropy or argmax: the usual training call): the same
-// pipeline, lean, in base 2 with 32-bit indices within the row (~4 instructions per logit per pass).
-template <class T>
+// Plain rows (no soft-cap, class weights, smoothing or argmax, and no entropy output unless kEnt: the usual
+// training call): the same pipeline, lean, in base 2 with 32-bit indices within the row (~4 instructions per
+// logit per pass). kEnt: the entropy's gradient as well (grad_entropy; the entropy sum in the statistics pass,
+// EntPlain in the gradient pass).
+template <class T, bool kEnt>
 __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CeParams p, int64_t cache_vecs) {
   extern __shared__ uint4 cache[];
-  __shared__ float s_lse;
+  __shared__ float s_lse, s_h;
   constexpr int K = kVec<T>, kThreads = kCachedThreads;
   const int nv = int(p.V / K), cvec = int(cache_vecs);
   const float sl = p.scale * kLog2e;
@@ -404,11 +429,22 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
     const int64_t next = row + gridDim.x;
     // The fused form (c = s log2(e)): m = max of x s log2(e), d = sum of 2^(x s log2(e) - m). The max of
     // each vector is taken on packed pairs for a 16-bit vector.
+    // kEnt: s1b = sum of e (x s log2(e) - m), the entropy sum in base-2 units shifted by m (CeAcc's s1 / ln 2).
     OnlineSoftmax st;
+    float s1b = 0.f;
     auto add = [&](const uint4& raw) {
       float v[K];
       unpack_words<T>(raw, v);
-      st.add_fused(v, K, vec_max<T>(raw), sl);
+      if constexpr (kEnt) {
+        const float g = vec_max<T>(raw);
+        st.add_fused(v, K, g, sl, [&](float r) {  // st.d is rescaled already, st.m not yet
+          s1b = st.m == -INFINITY ? 0.f : __fmaf_rn(__fsub_rn(st.m, fmaxf(st.m, __fmul_rn(g, sl))), st.d, __fmul_rn(s1b, r));
+        }, [&](int i, float e) {
+          s1b = __fmaf_rn(e, e > 0.f ? __fmaf_rn(v[i], sl, -st.m) : 0.f, s1b);
+        });
+      } else {
+        st.add_fused(v, K, vec_max<T>(raw), sl);
+      }
     };
     for (int i = threadIdx.x; i < cvec; i += kThreads) add(cache[i]);
     for (int base = cvec + threadIdx.x; base < nv; base += 4 * kThreads) {
@@ -422,28 +458,47 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
     }
     for (int64_t j = int64_t(nv) * K + threadIdx.x; j < p.V; j += kThreads) {
       const float v = to_float(x[j]);
-      st.add_fused(&v, 1, v, sl);
+      if constexpr (kEnt) {
+        st.add_fused(&v, 1, v, sl, [&](float r) {
+          s1b = st.m == -INFINITY ? 0.f : __fmaf_rn(__fsub_rn(st.m, fmaxf(st.m, __fmul_rn(v, sl))), st.d, __fmul_rn(s1b, r));
+        }, [&](int, float e) {
+          s1b = __fmaf_rn(e, e > 0.f ? __fmaf_rn(v, sl, -st.m) : 0.f, s1b);
+        });
+      } else {
+        st.add_fused(&v, 1, v, sl);
+      }
     }
     CeAcc a;
     a.m = st.m * (1.f / kLog2e);
     a.d = st.d;
+    if constexpr (kEnt) a.s1 = s1b * kLn2;
     a = finish_stats<T>(p, x, 0, p.V, a);
-    if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, &hint);
+    if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, &hint, &s_h);
     __syncthreads();
     if (next < p.N) prefetch_rest<T>(p, next, cache_vecs);
     // dz_j = s [g (1 + 2 zq lse) p_j - g [j == t]]; a whole row of `fill` when the row has no gradient.
     const float lse = s_lse;
     const int64_t t = hint.t;
-    const bool none = t == p.ignore_index || hint.g == 0.f || t < 0 || t >= p.V;
-    const float fill = (t != p.ignore_index && (t < 0 || t >= p.V)) ? NAN : 0.f;
-    const CeGrad cg(hint.g, 0.f, 1.f, float(p.V), p.inv_v, p.zq, lse);
+    const bool bad = t != p.ignore_index && (t < 0 || t >= p.V);
+    const bool lg = !bad && t != p.ignore_index && hint.g != 0.f;  // the loss has a gradient here
+    const float ge = kEnt ? p.grad_entropy[p.ge_scalar ? 0 : row] : 0.f;
+    const bool none = bad || (!lg && ge == 0.f);
+    const float fill = bad ? NAN : 0.f;
+    CeGrad cg(lg ? hint.g : 0.f, 0.f, 1.f, float(p.V), p.inv_v, p.zq, lse);
+    if constexpr (kEnt) cg.entropy(ge, lse, s_h);
     const float ga = p.scale * cg.cp, gt = p.scale * cg.ct, nl = -lse * kLog2e;
-    const int tl = none ? -1 : int(t);
+    const EntPlain ep(p.scale, lse, cg);
+    const int tl = lg ? int(t) : -1;
     T* dx = static_cast<T*>(p.dx) + row * p.ldd;
     uint4* dv = reinterpret_cast<uint4*>(dx);
     auto grad_vec = [&](const uint4& raw, int e0) {
       float v[K];
       unpack_words<T>(raw, v);
+      if (kEnt && ge != 0.f && !none) {  // the entropy's term (EntPlain, target included)
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[k] = ep(v[k], e0 + k == tl);
+        return pack<T>(v);
+      }
 #pragma unroll
       for (int k = 0; k < K; ++k) v[k] = none ? fill : ga * ex2(fmaf(v[k], sl, nl));
       const unsigned kt = unsigned(tl - e0);  // the target's place in this vector, if it is here
@@ -470,7 +525,9 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
     }
     for (int64_t j = int64_t(nv) * K + threadIdx.x; j < p.V; j += kThreads) {
       const float v = to_float(x[j]);
-      dx[j] = from_float<T>(none ? fill : ga * ex2(fmaf(v, sl, nl)) - (j == tl ? gt : 0.f));
+      dx[j] = from_float<T>(none                         ? fill
+                            : kEnt && ge != 0.f          ? ep(v, j == tl)
+                                                         : ga * ex2(fmaf(v, sl, nl)) - (j == tl ? gt : 0.f));
     }
     cp_async_commit();
   }

@@ -202,8 +202,10 @@ void ce_rows(fce_handle* h, cudaStream_t s, const CeRows& r, void* ws) {
         const int64_t cache_vecs = row_vecs < max_vecs ? row_vecs : max_vecs;
         const size_t smem = size_t(cache_vecs) * 16;
         const int64_t grid = pipe_grid(h->caps, r.N);
-        const bool plain = k.softcap == 0.f && !k.weights && k.eps == 0.f && !k.entropy && !k.argmax && !k.grad_entropy;
-        auto kernel = plain ? row_kernel_pipe_plain<T> : row_kernel_pipe<T>;
+        // The lean kernel: plain options; with grad_entropy its entropy variant (which may write the entropy).
+        const bool plain = k.softcap == 0.f && !k.weights && k.eps == 0.f && !k.argmax && (!k.entropy || k.grad_entropy);
+        auto kernel = !plain ? row_kernel_pipe<T>
+                      : k.grad_entropy ? row_kernel_pipe_plain<T, true> : row_kernel_pipe_plain<T, false>;
         check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
               "cudaFuncSetAttribute");
         kernel<<<unsigned(grid), kCachedThreads, smem, s>>>(k, cache_vecs);

@@ -24,6 +24,18 @@ struct CeCase {
   int64_t dpad = -1;  // dlogits row stride V + dpad (-1: V + pad + 1, a stride unlike the logits')
 };
 
+// The library's options for a case (class weights from `weights` when the case has them).
+inline fce_ce_options_t options_of(const CeCase& c, Tensor& weights) {
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  o.reduction = c.reduction;
+  o.label_smoothing = float(c.eps);
+  o.z_loss_scale = float(c.zq);
+  o.softcap = float(c.cap);
+  o.logit_scale = float(c.scale);
+  o.class_weights = c.weights ? weights.dl() : nullptr;
+  return o;
+}
+
 struct Ref {
   std::vector<double> loss, lse, zl, ent, grad;
   std::vector<int64_t> amax;

@@ -1,6 +1,6 @@
 // Vocabulary-parallel cross-entropy over NCCL, one process per GPU (tests/multi/run_vp_nccl.sh starts the
 // ranks): fce_cross_entropy_fwd_vp on each rank's shard against the one-device emulation of the same shards
-// (fce_cross_entropy_partial on every shard, fce_cross_entropy_combine, fce_cross_entropy_bwd), bitwise;
+// (fce_cross_entropy_partial on every shard, fce_cross_entropy_combine, fce_cross_entropy_bwd_ex), bitwise;
 // the ranks' outputs bitwise equal to each other; a NaN in one rank's shard reaches every rank; a CUDA graph
 // of the call replays to the same bits; validation leaves the outputs untouched. With --bench, the timings
 // of docs/benchmarks.md (CUDA events, median of 20 calls).
@@ -110,6 +110,7 @@ struct Case {
   int reduction;
   float smoothing, zloss;
   bool nan_row;  // a NaN in the last rank's shard of row 1
+  bool grad_entropy = false;  // the entropy's upstream gradient too (fce_cross_entropy_bwd_ex in the emulation)
 };
 
 // Host logits [N, V] as fp32 values (bf16-representable when bf16), targets with ignored and random rows.
@@ -204,10 +205,19 @@ void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, co
   const fce_ce_options_t o = options_of(c, s, g_rank);
   const fce_stream_t fs = reinterpret_cast<fce_stream_t>(st);
 
+  // The entropy's upstream gradient, [N] (the same on every rank).
+  Buf ge({c.N}, kF32, dev);
+  {
+    std::vector<float> g(size_t(c.N));
+    for (int64_t i = 0; i < c.N; ++i) g[size_t(i)] = 0.5f - 0.01f * float(i % 97);
+    ge.upload(g.data());
+  }
+
   // NCCL mode.
   Outs got(c, s, dev);
   got.poison();
   fce_ce_outputs_t ov = got.view(true);
+  if (c.grad_entropy) ov.grad_entropy = &ge.t;
   ok(fce_cross_entropy_fwd_vp(h, comm, fs, &logits.t, &targets.t, &o, &ov, nullptr, 0), "fce_cross_entropy_fwd_vp");
   ck(cudaStreamSynchronize(st), "sync");
   const std::vector<uint8_t> mine = got.bytes();
@@ -229,14 +239,18 @@ void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, co
   emu.poison();
   fce_ce_outputs_t ev = emu.view(false);
   ok(fce_cross_entropy_combine(h, fs, &recs.t, &targets.t, &o, &ev, nullptr, 0), "fce_cross_entropy_combine");
-  ok(fce_cross_entropy_bwd(h, fs, &logits.t, &targets.t, &emu.lse.t, nullptr, &o, &emu.dl.t, nullptr, 0),
-     "fce_cross_entropy_bwd");
+  fce_ce_bwd_inputs_t bin = FCE_CE_BWD_INPUTS_INIT;
+  bin.lse = &emu.lse.t;
+  bin.entropy = &emu.ent.t;
+  bin.grad_entropy = c.grad_entropy ? &ge.t : nullptr;
+  ok(fce_cross_entropy_bwd_ex(h, fs, &logits.t, &targets.t, &bin, &o, &emu.dl.t, nullptr, 0),
+     "fce_cross_entropy_bwd_ex");
   ck(cudaStreamSynchronize(st), "sync");
   const std::vector<uint8_t> ref = emu.bytes();
   char name[160];
-  std::snprintf(name, sizeof name, "N=%lld V=%lld %s reduction=%d smoothing=%g zloss=%g%s", (long long)c.N,
+  std::snprintf(name, sizeof name, "N=%lld V=%lld %s reduction=%d smoothing=%g zloss=%g%s%s", (long long)c.N,
                 (long long)c.V, c.bf16 ? "bf16" : "fp32", c.reduction, c.smoothing, c.zloss,
-                c.nan_row ? " NaN row" : "");
+                c.nan_row ? " NaN row" : "", c.grad_entropy ? " grad_entropy" : "");
   CHECK(mine == ref, "%s: NCCL mode differs from the one-device emulation", name);
 
   // Every rank's outputs, gathered by the test's own NCCL: the same bits everywhere.
@@ -463,6 +477,8 @@ int main(int argc, char** argv) {
         {300, 129920, true, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, false},
         {300, 129920, true, FCE_REDUCTION_NONE, 0.f, 0.f, true},
         {64, 7, false, FCE_REDUCTION_SUM, 0.f, 0.f, false},  // shards of 4 and 3 columns
+        {300, 129920, true, FCE_REDUCTION_NONE, 0.f, 0.f, false, true},
+        {37, 50021, false, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, true, true},
     };
     for (const Case& c : cases) run_case(c, W, dev, h, comm, nccl, nc, st);
     validation(W, dev, h, comm, st);

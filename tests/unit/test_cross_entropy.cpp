@@ -54,13 +54,7 @@ void run_case(const CeCase& c) {
   const std::vector<double> x = values(logits);
   const Ref ref = reference(c, x, tg, w, gup);
 
-  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
-  o.reduction = c.reduction;
-  o.label_smoothing = float(c.eps);
-  o.z_loss_scale = float(c.zq);
-  o.softcap = float(c.cap);
-  o.logit_scale = float(c.scale);
-  o.class_weights = c.weights ? weights.dl() : nullptr;
+  fce_ce_options_t o = options_of(c, weights);
 
   const bool none = c.reduction == FCE_REDUCTION_NONE;
   Tensor loss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});

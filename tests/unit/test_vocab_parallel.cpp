@@ -84,13 +84,7 @@ void run(const Case& k) {
   if (k.out_of_range && c.reduction == FCE_REDUCTION_MEAN && ref.denom > 0)
     for (double& g : ref.grad) g *= ref.denom / (ref.denom + 1.0);
 
-  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
-  o.reduction = c.reduction;
-  o.label_smoothing = float(c.eps);
-  o.z_loss_scale = float(c.zq);
-  o.softcap = float(c.cap);
-  o.logit_scale = float(c.scale);
-  o.class_weights = c.weights ? weights.dl() : nullptr;
+  fce_ce_options_t o = options_of(c, weights);
   o.vocab_total = V;
   int64_t fields = 0;
   FCE_OK(fce_cross_entropy_record_fields(&o, &fields));
