@@ -42,12 +42,12 @@
  * Structs: every options, outputs and teacher struct starts with `uint32_t struct_size`. Fill it with the
  * _INIT macro, or from another language with the matching fce_*_init function. Structs only grow at the
  * end, within an ABI version, and have no tail padding, so new fields start past the old size. The
- * library takes any struct_size from the struct's first published size up to FCE_MAX_STRUCT_SIZE: a
- * smaller struct than this library's (a caller built against an older header) gets the defaults for the
- * fields it lacks; a larger one (a newer header) is accepted when every byte past the struct this library
- * knows is zero, i.e. the newer options are left at their defaults. A non-zero byte there, or a size out
- * of that range, is FCE_STATUS_INVALID_ARGUMENT with the struct's name and this library's version in the
- * message (the rule Linux applies to growing syscall structs).
+ * library reads a struct_size that is a size the struct has had (its first published size, or this
+ * library's) or larger, up to FCE_MAX_STRUCT_SIZE: a smaller struct than this library's (a caller built
+ * against an older header) gets the defaults for the fields it lacks; a larger one (a newer header) is
+ * accepted when every byte past the struct this library knows is zero, i.e. the newer options are left at
+ * their defaults. A non-zero byte there, or another size, is FCE_STATUS_INVALID_ARGUMENT with the struct's
+ * name and this library's version in the message (the rule Linux applies to growing syscall structs).
  * Errors: every function returns an fce_status_t. On failure a per-thread message is available from
  * fce_last_error_message(), and no output tensor has been written (validation precedes all writes).
  * Determinism: results are bitwise identical run to run on the same device and library build (fixed-order

@@ -60,6 +60,11 @@ template <class T>
 T checked_struct(const T* p, const char* name) {
   FCE_CHECK(p != nullptr, FCE_STATUS_INVALID_ARGUMENT, "%s is NULL", name);
   const uint32_t size = checked_struct_size(p, p->struct_size, name);
+  // A smaller struct is an older header's: exactly one of its published sizes, never one that cuts a field
+  // (half a pointer would be read as an address).
+  FCE_CHECK(size >= sizeof(T) || size == struct_first_size(p), FCE_STATUS_INVALID_ARGUMENT,
+            "%s->struct_size is %u: not a size %s has had (%zu in its first release, %zu now)", name, unsigned(size),
+            struct_name(p), struct_first_size(p), sizeof(T));
   const unsigned char* bytes = reinterpret_cast<const unsigned char*>(p);
   for (size_t i = sizeof(T); i < size; ++i)
     FCE_CHECK(bytes[i] == 0, FCE_STATUS_INVALID_ARGUMENT,

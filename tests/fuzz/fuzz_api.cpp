@@ -76,8 +76,8 @@ struct Stats {
   struct Row {
     unsigned long calls = 0, ok = 0, valid = 0, by_status[16] = {};
   };
-  Row rows[16];
-  const char* names[16] = {};
+  Row rows[32];
+  const char* names[32] = {};
   unsigned long grown_zero = 0, grown_nonzero = 0;  // make_opt's growing-struct cases
   int n = 0;
   Row& row(const char* fn) {
@@ -842,7 +842,9 @@ void fuzz_cross_entropy(Env& e, fce_handle_t h0, bool backward) {
   const int targets = e.add("targets", Role::In, ikind(e), {d.N});
   const int weights = use_opts && e.coin(25) ? e.add("class_weights", Role::In, F32, {d.V}) : -1;
   const bool none = red == FCE_REDUCTION_NONE;
-  int loss = -1, lse = -1, zl = -1, amax = -1, ent = -1, dl = -1, gl = -1;
+  int loss = -1, lse = -1, zl = -1, amax = -1, ent = -1, dl = -1, gl = -1, ge = -1;
+  const bool ex = backward && e.coin(50);  // the backward through fce_cross_entropy_bwd_ex
+  const auto row_or_scalar = [&] { return e.coin(60) ? std::vector<int64_t>{d.N} : std::vector<int64_t>{}; };
   if (!backward) {
     if (e.coin(97)) loss = e.add("loss", Role::Out, F32, reduced_shape(e, red, d.N));
     else ok = false;
@@ -853,10 +855,19 @@ void fuzz_cross_entropy(Env& e, fce_handle_t h0, bool backward) {
     if (e.coin(50)) {
       dl = e.add("dlogits", Role::Out, lk, {d.N, d.V}, logits);
       if (e.coin(40)) gl = e.add("grad_loss", Role::In, F32, none && e.coin(60) ? std::vector<int64_t>{d.N} : std::vector<int64_t>{});
+      if (e.coin(25)) ge = e.add("grad_entropy", Role::In, F32, row_or_scalar());
+    } else if (e.coin(5)) {
+      ge = e.add("grad_entropy", Role::In, F32, row_or_scalar());  // without dlogits: refused
+      ok = false;
     }
   } else {
     lse = e.add("lse", Role::In, F32, {d.N});
     if (e.coin(50)) gl = e.add("grad_loss", Role::In, F32, none && e.coin(60) ? std::vector<int64_t>{d.N} : std::vector<int64_t>{});
+    if (ex && e.coin(50)) {
+      ge = e.add("grad_entropy", Role::In, F32, row_or_scalar());
+      if (e.coin(90)) ent = e.add("entropy", Role::In, F32, {d.N});
+      else ok = false;  // grad_entropy without the saved entropy: refused
+    }
     if (e.coin(97)) dl = e.add("dlogits", Role::Out, lk, {d.N, d.V}, logits);
     else ok = false;
   }
@@ -870,7 +881,7 @@ void fuzz_cross_entropy(Env& e, fce_handle_t h0, bool backward) {
   if (!backward) {
     fce_ce_outputs_t ou = FCE_CE_OUTPUTS_INIT;
     ou.loss = e.t(loss); ou.lse = e.t(lse); ou.z_loss = e.t(zl); ou.argmax = e.t(amax); ou.entropy = e.t(ent);
-    ou.dlogits = e.t(dl); ou.grad_loss = e.t(gl);
+    ou.dlogits = e.t(dl); ou.grad_loss = e.t(gl); ou.grad_entropy = e.t(ge);
     bool ook = true;
     Opt<fce_ce_outputs_t> out = make_opt(e, ou, &ook);
     fce_ce_outputs_t* outp = e.coin(2) ? nullptr : out.get();
@@ -879,6 +890,18 @@ void fuzz_cross_entropy(Env& e, fce_handle_t h0, bool backward) {
         [&](void* ws, size_t wb) { return fce_cross_entropy_fwd(h, nullptr, e.t(logits), e.t(targets), op, outp, ws, wb); },
         [&](size_t* b) { return fce_cross_entropy_fwd_workspace_size(h, e.t(logits), e.t(targets), op, outp, b); },
         expect);
+  } else if (ex) {
+    fce_ce_bwd_inputs_t iv = FCE_CE_BWD_INPUTS_INIT;
+    iv.lse = e.t(lse); iv.grad_loss = e.t(gl); iv.entropy = e.t(ent); iv.grad_entropy = e.t(ge);
+    bool iok = true;
+    Opt<fce_ce_bwd_inputs_t> in = make_opt(e, iv, &iok);
+    const fce_ce_bwd_inputs_t* ip = e.coin(2) ? nullptr : in.get();
+    run(e, "fce_cross_entropy_bwd_ex",
+        [&](void* ws, size_t wb) {
+          return fce_cross_entropy_bwd_ex(h, nullptr, e.t(logits), e.t(targets), ip, op, e.t(dl), ws, wb);
+        },
+        [&](size_t* b) { return fce_cross_entropy_bwd_ex_workspace_size(h, e.t(logits), e.t(targets), ip, op, e.t(dl), b); },
+        clean && iok && ip);
   } else {
     run(e, "fce_cross_entropy_bwd",
         [&](void* ws, size_t wb) {
@@ -1037,6 +1060,14 @@ void fuzz_linear_ce(Env& e, fce_handle_t h0, bool backward) {
   if (backward && dh < 0 && dw < 0 && db < 0) ok = false;
   if ((dh >= 0 || dw >= 0 || db >= 0) && e.coin(40))
     gl = e.add("grad_loss", Role::In, F32, red == FCE_REDUCTION_NONE && e.coin(60) ? std::vector<int64_t>{d.N} : std::vector<int64_t>{});
+  int ge = -1, sent = -1;  // grad_entropy, and the backward's saved entropy
+  if ((dh >= 0 || dw >= 0 || db >= 0) && e.coin(20)) {
+    ge = e.add("grad_entropy", Role::In, F32, e.coin(60) ? std::vector<int64_t>{d.N} : std::vector<int64_t>{});
+    if (backward) {
+      if (e.coin(90)) sent = e.add("saved_entropy", Role::In, F32, {d.N});
+      else ok = false;
+    }
+  }
   e.place();
   e.fill(d.V, {weights});
   fce_ce_options_t o = ov;
@@ -1046,6 +1077,7 @@ void fuzz_linear_ce(Env& e, fce_handle_t h0, bool backward) {
   fce_linear_ce_outputs_t ou = FCE_LINEAR_CE_OUTPUTS_INIT;
   ou.loss = e.t(loss); ou.lse = e.t(lse); ou.z_loss = e.t(zl); ou.argmax = e.t(amax); ou.entropy = e.t(ent);
   ou.dhidden = e.t(dh); ou.dweight = e.t(dw); ou.dbias = e.t(db); ou.grad_loss = e.t(gl);
+  ou.grad_entropy = e.t(ge); ou.saved_entropy = e.t(sent);
   Opt<fce_linear_ce_outputs_t> out = make_opt(e, ou, &ok);
   fce_linear_ce_outputs_t* outp = e.coin(2) ? (ok = false, nullptr) : out.get();
   if (!backward)
