@@ -422,13 +422,24 @@ FCE_API fce_status_t fce_cross_entropy_bwd_ex_workspace_size(fce_handle_t handle
  * records' sums (docs/numerics.md).
  * Record fields, per row and shard (z the transformed logits of the shard's real columns, m their max):
  *   0 m, 1 sum exp(z - m), 2 z at the target if the shard holds it (else 0), 3 sum w_j z_j (label
- *   smoothing), 4 sum exp(z - m) (z - m) (entropy), 5 the largest raw logit, 6 its global index (int32
- *   bits).
+ *   smoothing; 0 without it), 4 sum exp(z - m) (z - m) (entropy), 5 the largest raw logit, 6 its global
+ *   index (int32 bits).
+ * A record may be narrower, a prefix of these fields: FCE_CE_RECORD_FIELDS_LOSS (4) for the loss, lse and
+ * z-loss, FCE_CE_RECORD_FIELDS_ENTROPY (5) with the entropy as well, FCE_CE_RECORD_FIELDS_ALL (7) with the
+ * argmax. The partial writes what the records' width holds and skips the sums it does not (the entropy's
+ * costs the partial time); the all-gather moves fewer bytes. Every rank uses the same width.
  * The caller all-gathers the records with any communicator, or lets the library do it over NCCL
  * (fce_cross_entropy_fwd_vp below: partial, all-gather, combine and gradient in one call).
  */
 
-/** Fields K of a cross-entropy record for these options (NULL = defaults).
+/** Record width for the loss, lse and z-loss only (fields 0-3). */
+#define FCE_CE_RECORD_FIELDS_LOSS 4
+/** Record width that adds the entropy (fields 0-4). */
+#define FCE_CE_RECORD_FIELDS_ENTROPY 5
+/** Record width with every field (0-6): what fce_cross_entropy_record_fields returns. */
+#define FCE_CE_RECORD_FIELDS_ALL 7
+
+/** Fields K of a full cross-entropy record for these options (NULL = defaults): FCE_CE_RECORD_FIELDS_ALL.
  *  @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT when fields is NULL or the options are invalid. */
 FCE_API fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* options, int64_t* fields);
 
@@ -438,9 +449,9 @@ FCE_API fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* opt
  * @param targets [N] int32 or int64, global indices (as for the unsharded call).
  * @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); class weights, if
  *                any, of the whole vocabulary.
- * @param records [N,K] fp32, written.
- * @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options),
- *         CUDA_ERROR.
+ * @param records [N,K] fp32, written; K one of the record widths (FCE_CE_RECORD_FIELDS_*).
+ * @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options;
+ *         SHAPE_MISMATCH for another K), CUDA_ERROR.
  */
 FCE_API fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
                                                const DLTensor* targets, const fce_ce_options_t* options,
@@ -448,10 +459,12 @@ FCE_API fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t
 
 /**
  * The cross-entropy forward of whole rows from the records of all shards.
- * @param records [W,N,K] fp32: every rank's records, in rank (vocabulary) order.
+ * @param records [W,N,K] fp32: every rank's records, in rank (vocabulary) order; K one of the record widths.
  * @param targets [N] int32 or int64, global indices.
  * @param options the partial calls' options (vocab_total required; vocab_start is not read).
- * @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set).
+ * @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set);
+ *                entropy needs K >= FCE_CE_RECORD_FIELDS_ENTROPY and argmax K = FCE_CE_RECORD_FIELDS_ALL
+ *                (INVALID_ARGUMENT otherwise).
  * @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
  */
 FCE_API fce_status_t fce_cross_entropy_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
@@ -510,7 +523,8 @@ FCE_API fce_status_t fce_comm_info(fce_comm_t comm, int32_t* rank, int32_t* size
  *                rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss;
  *                grad_entropy, whose term uses the combined lse and entropy, as fce_cross_entropy_bwd_ex).
  * @param workspace as everywhere (fce_cross_entropy_fwd_vp_workspace_size): the records of all W ranks
- *                (N * 7 * 4 * (W + 1) bytes) and the steps' own.
+ *                (N * K * 4 * (W + 1) bytes, K the narrowest record width the outputs allow) and the steps'
+ *                own.
  * @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or without
  *         vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR.
  */

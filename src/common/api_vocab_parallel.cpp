@@ -31,7 +31,10 @@ CePartialProblem partial_problem(fce_handle* h, const DLTensor* logits, const DL
   p.targets = read_targets(val, targets, "targets", N);
   p.o = sharded_options(val, options, p.logits.cols, "fce_cross_entropy_partial");
   p.records = val.matrix(records, "records", kF32);
-  expect_shape(p.records, "records", N, kCeRecordFields);
+  FCE_CHECK(p.records.rows == N && ce_record_width_ok(p.records.cols), FCE_STATUS_SHAPE_MISMATCH,
+            "records has shape [%lld, %lld]; expected [%lld, K] with K = %lld, %lld or %lld (the record widths)",
+            (long long)p.records.rows, (long long)p.records.cols, (long long)N, (long long)kCeRecordLoss,
+            (long long)kCeRecordEntropy, (long long)kCeRecordFields);
   val.output("records", p.records.data, Validator::span(p.records));
   return p;
 }
@@ -45,9 +48,10 @@ CeCombineProblem combine_problem(fce_handle* h, const DLTensor* records, const D
             records->ndim);
   FCE_CHECK(records->shape != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records has a NULL shape");
   const int64_t W = records->shape[0], N = records->shape[1], K = records->shape[2];
-  FCE_CHECK(W >= 1 && N >= 1 && K == kCeRecordFields, FCE_STATUS_SHAPE_MISMATCH,
-            "records has shape [%lld, %lld, %lld]; expected [W >= 1, N >= 1, %lld]", (long long)W, (long long)N,
-            (long long)K, (long long)kCeRecordFields);
+  FCE_CHECK(W >= 1 && N >= 1 && ce_record_width_ok(K), FCE_STATUS_SHAPE_MISMATCH,
+            "records has shape [%lld, %lld, %lld]; expected [W >= 1, N >= 1, K] with K = %lld, %lld or %lld (the "
+            "record widths)", (long long)W, (long long)N, (long long)K, (long long)kCeRecordLoss,
+            (long long)kCeRecordEntropy, (long long)kCeRecordFields);
   if (records->strides) {
     const int64_t* st = records->strides;
     FCE_CHECK(st[2] == 1 && (N == 1 || st[1] == K) && (W == 1 || st[0] == N * K), FCE_STATUS_UNSUPPORTED_LAYOUT,
@@ -71,6 +75,12 @@ CeCombineProblem combine_problem(fce_handle* h, const DLTensor* records, const D
             "outputs->dlogits, grad_loss and grad_entropy must be NULL: a shard's gradient comes from "
             "fce_cross_entropy_bwd or fce_cross_entropy_bwd_ex "
             "with the combined lse");
+  FCE_CHECK(!out.entropy || K >= kCeRecordEntropy, FCE_STATUS_INVALID_ARGUMENT,
+            "outputs->entropy needs records of at least %lld fields (these have %lld)", (long long)kCeRecordEntropy,
+            (long long)K);
+  FCE_CHECK(!out.argmax || K == kCeRecordFields, FCE_STATUS_INVALID_ARGUMENT,
+            "outputs->argmax needs records of %lld fields (these have %lld)", (long long)kCeRecordFields,
+            (long long)K);
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, out.lse, out.z_loss, out.argmax,
                                          out.entropy, true);
   take_stat_outputs(p, s);

@@ -18,6 +18,7 @@ struct VpCall {
   CeCombineProblem comb;  // records: the gathered [W * N, K]
   CeProblem bwd;          // the shard's dlogits from the combined lse (no dlogits: no gradient)
   size_t gathered = 0, lse = 0, ent = 0, comb_ws = 0, bwd_ws = 0, bytes = 0;  // workspace offsets and size
+  int64_t K = kCeRecordFields;  // the record's width: only the fields the outputs need cross the wire
 };
 
 VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const DLTensor* targets,
@@ -48,10 +49,13 @@ VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const D
     FCE_CHECK(!out.grad_loss && !out.grad_entropy, FCE_STATUS_INVALID_ARGUMENT,
               "outputs->%s is set without outputs->dlogits", out.grad_loss ? "grad_loss" : "grad_entropy");
   }
+  v.K = out.argmax                               ? kCeRecordFields
+        : out.entropy || (v.bwd.dlogits && v.bwd.grad_entropy) ? kCeRecordEntropy
+                                                               : kCeRecordLoss;
   // Workspace: this rank's records, every rank's records, the lse when the caller does not keep it and the
   // gradient needs it, then the combine's and the backward's own workspaces.
-  const size_t rec = size_t(N) * size_t(kCeRecordFields) * 4;
-  FCE_CHECK(rec / 4 / size_t(kCeRecordFields) == size_t(N) && size_t(W) <= SIZE_MAX / 2 / rec, FCE_STATUS_OVERFLOW,
+  const size_t rec = size_t(N) * size_t(v.K) * 4;
+  FCE_CHECK(rec / 4 / size_t(v.K) == size_t(N) && size_t(W) <= SIZE_MAX / 2 / rec, FCE_STATUS_OVERFLOW,
             "the records of %lld rows from %lld ranks overflow", (long long)N, (long long)W);
   v.gathered = align_up(rec);
   size_t at = v.gathered + align_up(rec * size_t(W));
@@ -77,8 +81,8 @@ VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const D
 void place(VpCall& v, const Workspace& w) {
   char* base = static_cast<char*>(w.ptr);
   const int64_t N = v.part.logits.rows;
-  v.part.records = Mat{base, DType::F32, N, kCeRecordFields, kCeRecordFields};
-  v.comb.records = Mat{base + v.gathered, DType::F32, v.comb.W * N, kCeRecordFields, kCeRecordFields};
+  v.part.records = Mat{base, DType::F32, N, v.K, v.K};
+  v.comb.records = Mat{base + v.gathered, DType::F32, v.comb.W * N, v.K, v.K};
   if (v.bwd.dlogits) {
     v.bwd.saved_lse = v.comb.lse ? v.comb.lse : Vec{base + v.lse, DType::F32, N, false};
     if (!v.comb.lse) v.comb.lse = v.bwd.saved_lse;
@@ -139,7 +143,7 @@ FCE_API fce_status_t fce_cross_entropy_fwd_vp(fce_handle_t handle, fce_comm_t co
     place(v, w);
     cuda::ce_partial(h, stream, v.part);
     cuda::comm_all_gather(c, stream, v.part.records.data, v.comb.records.data,
-                          size_t(v.part.logits.rows) * size_t(kCeRecordFields));
+                          size_t(v.part.logits.rows) * size_t(v.K));
     char* base = static_cast<char*>(w.ptr);
     cuda::ce_combine(h, stream, v.comb, Workspace{base + v.comb_ws, v.bwd_ws - v.comb_ws});
     if (v.bwd.dlogits) cuda::ce(h, stream, v.bwd, Workspace{base + v.bwd_ws, v.bytes - v.bwd_ws});

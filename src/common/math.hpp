@@ -184,17 +184,18 @@ FCE_HD int32_t float_as_index(float f) {
 #endif
 }
 
-// A row's statistics from the W shards' records (rank order, record r at rec + r * stride; the fields of
-// kCeRecordFields: m, sum e^(z-m), z_t if owned, sum w z, sum e^(z-m) (z-m), the largest raw logit and its
-// global index as int32 bits). fp64, in rank order: the max first (a NaN max wins), then each shard's sums
-// rescaled to it; the argmax takes NaN as the largest value, then the larger value, ties to the lower index.
-// The same code on the CPU and in the CUDA combine kernel, so both give the same bits.
+// A row's statistics from the W shards' records (rank order, record r at rec + r * stride; the first K of the
+// kCeRecordFields fields: m, sum e^(z-m), z_t if owned, sum w z, then with K >= 5 sum e^(z-m) (z-m), and with
+// K = 7 the largest raw logit and its global index as int32 bits). fp64, in rank order: the max first (a NaN
+// max wins), then each shard's sums rescaled to it; the argmax takes NaN as the largest value, then the larger
+// value, ties to the lower index. The same code on the CPU and in the CUDA combine kernel, so both give the
+// same bits. Fields a record does not hold give entropy NaN and argmax kNoRecordIndex.
 struct CeCombined {
   float lse, entropy;
   double zt, swz;   // the target's logit (from the shard that owns it), sum of w z
   int32_t argmax;   // kNoRecordIndex when no shard has a column
 };
-FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride) {
+FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride, int64_t K) {
   bool nan = false;
   float M = -INFINITY;
   for (int64_t r = 0; r < W; ++r) {
@@ -210,10 +211,11 @@ FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride
     if (!nan && M != -INFINITY && q[0] != -INFINITY) {
       const double e = ::exp(double(q[0]) - double(M));
       D += double(q[1]) * e;
-      SE += (double(q[4]) + (double(q[0]) - double(M)) * double(q[1])) * e;  // shifted to M
+      if (K > 4) SE += (double(q[4]) + (double(q[0]) - double(M)) * double(q[1])) * e;  // shifted to M
     }
     c.swz += q[3];
     c.zt += q[2];
+    if (K < 7) continue;
     const float v = q[5];
     const int32_t ix = float_as_index(q[6]);
     if (ix == kNoRecordIndex) continue;
@@ -235,7 +237,7 @@ FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride
     c.entropy = NAN;
   } else {
     c.lse = float(double(M) + ::log(D));
-    c.entropy = float(::log(D) - SE / D);
+    c.entropy = K > 4 ? float(::log(D) - SE / D) : NAN;
   }
   return c;
 }

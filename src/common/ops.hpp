@@ -45,15 +45,21 @@ struct CeProblem {
 // Vocabulary-parallel cross-entropy: the records of a shard, and the forward of whole rows from the records
 // of every shard (the header's "Vocabulary-parallel cross-entropy"; the gradient is a CeProblem backward
 // with a sharded CeOpts).
+// A record is a prefix of the full width: the loss's fields, then the entropy's, then the argmax's.
 constexpr int64_t kCeRecordFields = 7;  // m, sum exp(z - m), z_t, sum w z, sum exp(z - m) (z - m), max x, its index
+constexpr int64_t kCeRecordLoss = 4;     // m, sum exp(z - m), z_t, sum w z: loss, lse, z-loss
+constexpr int64_t kCeRecordEntropy = 5;  // and sum exp(z - m) (z - m): the entropy
+inline bool ce_record_width_ok(int64_t K) {
+  return K == kCeRecordLoss || K == kCeRecordEntropy || K == kCeRecordFields;
+}
 struct CePartialProblem {
   Mat logits;
   Vec targets;
   CeOpts o;
-  Mat records;  // [N, kCeRecordFields] fp32
+  Mat records;  // [N, K] fp32, K one of the widths above
 };
 struct CeCombineProblem {
-  Mat records;  // [W * N, kCeRecordFields] fp32: rank r's row i at r * N + i
+  Mat records;  // [W * N, K] fp32: rank r's row i at r * N + i
   int64_t W = 0;
   Vec targets;
   CeOpts o;

@@ -64,7 +64,7 @@ void ce_partial(const CePartialProblem& p) {
         if (tl >= 0) zt = z[tl];
       }
       const float r[kCeRecordFields] = {m, d, zt, swz, se, av, index_as_float(ai)};
-      std::memcpy(rec, r, sizeof(r));
+      std::memcpy(rec, r, size_t(p.records.cols) * sizeof(float));  // the record's width: a prefix
     }
   }
 }
@@ -79,7 +79,7 @@ void ce_combine(const CeCombineProblem& p) {
     auto rec = [&](int64_t r) {
       return reinterpret_cast<const float*>(p.records.data) + size_t(r * N + i) * size_t(p.records.ld);
     };
-    const CeCombined m = ce_combine_records(rec(0), W, int64_t(p.records.ld) * N);
+    const CeCombined m = ce_combine_records(rec(0), W, int64_t(p.records.ld) * N, p.records.cols);
     CeRow row;
     row.lse = m.lse;
     row.entropy = m.entropy;

@@ -1,5 +1,6 @@
 // CUDA vocabulary-parallel cross-entropy: a shard's records (one block per row, the CE row statistics of
-// ce_kernels.cuh over the shard's real columns), their combine (one thread per row, the records merged in
+// ce_kernels.cuh over the shard's real columns, with the entropy and smoothing sums only when the record
+// holds or needs them), their combine (one thread per row, the records merged in
 // rank order in fp64 by math.hpp's ce_combine_records, the CPU's code, then the fixed-order finalize of a
 // reduction). A shard's gradient runs through cross_entropy.cu's backward kernels (CeParams col0, vt).
 #include "cuda/ce_internal.hpp"
@@ -7,8 +8,6 @@
 
 namespace fce::cuda {
 namespace {
-
-constexpr int kRecordFields = int(kCeRecordFields);
 
 // The shard's columns inside the vocabulary (the rest is padding).
 int64_t real_cols(const CeOpts& o, int64_t V) {
@@ -26,7 +25,7 @@ struct VpArgs {
   float scale, softcap, eps, zq;
   const float* weights;  // [vocab_total] or null
   float* rec;            // partial: [N, K] with row stride ldr; combine: [W * N, K] (read)
-  int64_t ldr, W;
+  int64_t ldr, W, K;     // K: the record's width (a prefix of kCeRecordFields)
   const double* prep;    // [0] mean denominator, [1] sum of class weights
   // combine outputs
   float *loss_rows, *zl_rows, *lse, *entropy;
@@ -34,7 +33,9 @@ struct VpArgs {
   bool a64;
 };
 
-template <class T>
+// kEntropy: the entropy sum (a record of 5 fields or more); kSmooth: the sum of w z (label smoothing; 0
+// otherwise, which the combine then does not read).
+template <class T, bool kSoftcap, bool kEntropy, bool kSmooth>
 __global__ void __launch_bounds__(kRowThreads) vp_partial_kernel(VpArgs a) {
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(a.x) + row * a.ld;
@@ -45,13 +46,10 @@ __global__ void __launch_bounds__(kRowThreads) vp_partial_kernel(VpArgs a) {
   p.scale = a.scale;
   p.softcap = a.softcap;
   p.full = true;
-  p.eps = 1.f;  // make accumulate form the sum of w z (the combine reads it only with smoothing)
+  p.eps = a.eps;
   p.weights = a.weights ? a.weights + a.vs : nullptr;
   CeAcc s;
-  if (a.n > 0) {
-    s = a.softcap > 0.f ? block_stats<T, true, true, true, false>(p, x, 0, a.n, nullptr, 0)
-                        : block_stats<T, false, true, true, false>(p, x, 0, a.n, nullptr, 0);
-  }
+  if (a.n > 0) s = block_stats<T, kSoftcap, kEntropy, kSmooth, false>(p, x, 0, a.n, nullptr, 0);
   if (threadIdx.x != 0) return;
   const int64_t t = load_index(a.targets, a.t64, row);
   float zt = 0.f;
@@ -62,16 +60,27 @@ __global__ void __launch_bounds__(kRowThreads) vp_partial_kernel(VpArgs a) {
   r[1] = s.m == -INFINITY ? 0.f : s.d;
   r[2] = zt;
   r[3] = s.swz;
-  r[4] = s.m == -INFINITY ? 0.f : s.s1;
+  if (kEntropy) r[4] = s.m == -INFINITY ? 0.f : s.s1;
+  if (a.K < kCeRecordFields) return;
   r[5] = s.av;
   r[6] = index_as_float(s.ai == INT64_MAX ? kNoRecordIndex : int32_t(a.vs + s.ai));
+}
+
+template <class T, bool kSoftcap>
+void launch_partial(const VpArgs& a, cudaStream_t s) {
+  const unsigned n = unsigned(a.N);
+  const bool ent = a.K > kCeRecordLoss, smooth = a.eps > 0.f;
+  if (ent && smooth) vp_partial_kernel<T, kSoftcap, true, true><<<n, kRowThreads, 0, s>>>(a);
+  else if (ent) vp_partial_kernel<T, kSoftcap, true, false><<<n, kRowThreads, 0, s>>>(a);
+  else if (smooth) vp_partial_kernel<T, kSoftcap, false, true><<<n, kRowThreads, 0, s>>>(a);
+  else vp_partial_kernel<T, kSoftcap, false, false><<<n, kRowThreads, 0, s>>>(a);
 }
 
 // One thread per row: the records of the W shards merged in rank order (fp64), the row's outputs.
 __global__ void vp_combine_kernel(VpArgs a) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= a.N) return;
-  const CeCombined m = ce_combine_records(a.rec + i * kRecordFields, a.W, a.N * kRecordFields);
+  const CeCombined m = ce_combine_records(a.rec + i * a.K, a.W, a.N * a.K, a.K);
   const float lse = m.lse, ent = m.entropy;
   const int64_t t = load_index(a.targets, a.t64, i);
   float loss = 0.f, zl = 0.f;
@@ -136,8 +145,11 @@ void ce_partial(fce_handle* h, fce_stream_t stream, const CePartialProblem& p) {
   a.n = real_cols(p.o, a.V);
   a.rec = reinterpret_cast<float*>(p.records.data);
   a.ldr = p.records.ld;
+  a.K = p.records.cols;
   dispatch_float(p.logits.dtype, [&](auto tag) {
-    vp_partial_kernel<decltype(tag)><<<unsigned(a.N), kRowThreads, 0, s>>>(a);
+    using T = decltype(tag);
+    if (a.softcap > 0.f) launch_partial<T, true>(a, s);
+    else launch_partial<T, false>(a, s);
   });
   check_launch("vocabulary-parallel partial kernel");
 }
@@ -154,6 +166,7 @@ void ce_combine(fce_handle* h, fce_stream_t stream, const CeCombineProblem& p, W
   VpArgs a = args_of(p.o, p.targets);
   a.N = N;
   a.W = p.W;
+  a.K = p.records.cols;
   a.rec = reinterpret_cast<float*>(const_cast<char*>(p.records.data));
   a.prep = ws.prep;
   const bool none = p.o.reduction == FCE_REDUCTION_NONE;

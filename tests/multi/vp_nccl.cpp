@@ -379,20 +379,77 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
     grad.dlogits = &x.t;  // in place, as a training step does
     size_t wsb = 0;
     ok(fce_cross_entropy_fwd_vp_workspace_size(h, comm, &x.t, &t.t, &o, &grad, &wsb), "ws");
+    Buf ent({N}, kF32, dev), lse({N}, kF32, dev), amax({N}, kI64, dev);
+    fce_ce_outputs_t fe = fwd;  // with the entropy (5-field records) and the argmax (7)
+    fe.entropy = &ent.t;
+    fe.argmax = &amax.t;
+    size_t wse = 0;
+    ok(fce_cross_entropy_fwd_vp_workspace_size(h, comm, &x.t, &t.t, &o, &fe, &wse), "ws");
+    wsb = std::max(wsb, wse);
     void* ws = nullptr;
     ck(cudaMalloc(&ws, wsb), "ws");
     const float tf = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &fwd, ws, wsb), "vp"); });
+    const float tfe = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &fe, ws, wsb), "vp"); });
+    // The steps alone: the shard's records at each width, its gradient from an lse, and a copy of the
+    // shard (a read and a write: the bandwidth of this run).
+    float tp[3];
+    const int64_t widths[3] = {FCE_CE_RECORD_FIELDS_LOSS, FCE_CE_RECORD_FIELDS_ENTROPY, FCE_CE_RECORD_FIELDS_ALL};
+    for (int k = 0; k < 3; ++k) {
+      Buf rec({N, widths[k]}, kF32, dev);
+      tp[k] = time([&] { ok(fce_cross_entropy_partial(h, fs, &x.t, &t.t, &o, &rec.t), "partial"); });
+    }
+    ck(cudaMemset(lse.p, 0, lse.bytes), "memset");
+    Buf dx({N, width}, kBF16, dev);
+    const float tb = time([&] {
+      ok(fce_cross_entropy_bwd(h, fs, &x.t, &t.t, &lse.t, nullptr, &o, &dx.t, ws, wsb), "bwd");
+    });
+    const float tc = time([&] { ck(cudaMemcpyAsync(dx.p, x.p, x.bytes, cudaMemcpyDeviceToDevice, st), "copy"); });
+    // What one pass over the shard would cost (the stretch design: rows kept on chip across the exchange):
+    // the unsharded fused forward + dlogits of the same [N, V_local] columns, into dx.
+    float t1p = 0;
+    {
+      Buf tl({N}, kI64, dev);
+      std::vector<int64_t> tloc(size_t(N), 0);
+      for (int64_t i = 0; i < N; ++i) tloc[size_t(i)] = int64_t(g() % uint64_t(width));
+      tl.upload(tloc.data());
+      fce_ce_outputs_t one = FCE_CE_OUTPUTS_INIT;
+      one.loss = &loss.t;
+      one.dlogits = &dx.t;
+      t1p = time([&] { ok(fce_cross_entropy_fwd(h, fs, &x.t, &tl.t, nullptr, &one, nullptr, 0), "fwd"); });
+    }
+    // The library's own device memory when it takes the workspace itself (cudaMemGetInfo around the first
+    // such call of a fresh handle: the handle keeps its workspace).
+    size_t lib_bytes = 0;
+    {
+      fce_handle_t h2 = nullptr;
+      ok(fce_handle_create(kDLCUDA, dev, &h2), "handle");
+      ck(cudaDeviceSynchronize(), "sync");
+      size_t f0 = 0, f1 = 0, total = 0;
+      ck(cudaMemGetInfo(&f0, &total), "meminfo");
+      ok(fce_cross_entropy_fwd_vp(h2, comm, fs, &x.t, &t.t, &o, &fe, nullptr, 0), "vp");
+      ck(cudaDeviceSynchronize(), "sync");
+      ck(cudaMemGetInfo(&f1, &total), "meminfo");
+      lib_bytes = f0 > f1 ? f0 - f1 : 0;
+      fce_handle_destroy(h2);
+    }
+    // last: the gradient in place changes the logits
     const float tg2 = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &grad, ws, wsb), "vp"); });
     cudaFree(ws);
     std::printf("| rank %d | %s | N=%lld V_local=%lld V=%lld | %.3f | %.3f |\n", g_rank, weak ? "weak" : "strong",
                 (long long)N, (long long)width, (long long)VT, tf, tg2);
+    std::printf("| rank %d | %s steps | loss+entropy+argmax %.3f; partial K=4/5/7 %.3f / %.3f / %.3f; shard bwd %.3f;"
+                " copy %.3f (%.0f GB/s); one pass over the shard (unsharded fused call) %.3f; library memory with workspace NULL %.2f MiB (workspace query %.2f MiB) | | |\n",
+                g_rank, weak ? "weak" : "strong", tfe, tp[0], tp[1], tp[2], tb, tc, 2e-6 * double(x.bytes) / tc, t1p,
+                double(lib_bytes) / 1048576.0, double(wsb) / 1048576.0);
   }
-  {  // the exchange alone: the all-gather of [N, 7] fp32 records
-    Buf mine({N, 7}, kF32, dev), all({int64_t(W) * N, 7}, kF32, dev);
+  for (int64_t K : {int64_t(FCE_CE_RECORD_FIELDS_LOSS), int64_t(FCE_CE_RECORD_FIELDS_ALL)}) {
+    // the exchange alone: the all-gather of [N, K] fp32 records
+    Buf mine({N, K}, kF32, dev), all({int64_t(W) * N, K}, kF32, dev);
     const float ta = time([&] {
-      if (nccl.all_gather(mine.p, all.p, size_t(N) * 7, 7, nc, st) != 0) CHECK(false, "all-gather failed");
+      if (nccl.all_gather(mine.p, all.p, size_t(N * K), 7, nc, st) != 0) CHECK(false, "all-gather failed");
     });
-    std::printf("| rank %d | all-gather of the records | N=%lld, %d ranks | %.3f | |\n", g_rank, (long long)N, W, ta);
+    std::printf("| rank %d | all-gather of [N, %lld] records | N=%lld, %d ranks | %.3f | |\n", g_rank, (long long)K,
+                (long long)N, W, ta);
   }
   {  // one GPU, the whole V, fused forward + dlogits in place
     Buf x({N, V}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);

@@ -316,7 +316,9 @@ TEST(EntropyGrad, MaskedTailAndZeroUpstream) {
   for (int64_t i = 0; i < N; ++i)
     for (int64_t j = 0; j < V; ++j) {
       ASSERT_FALSE(std::isnan(dl.get(i, j))) << "(" << i << "," << j << ")";
-      if (j >= 30) ASSERT_EQ(dl.get(i, j), 0.0) << "(" << i << "," << j << ")";
+      if (j >= 30) {
+        ASSERT_EQ(dl.get(i, j), 0.0) << "(" << i << "," << j << ")";
+      }
     }
   // zero grad_entropy: bwd_ex == bwd, bit for bit
   Tensor zero = scalar_f32(0.0), a(DT::F32, {N, V}), b(DT::F32, {N, V});

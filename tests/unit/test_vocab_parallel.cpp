@@ -265,6 +265,116 @@ TEST(VocabParallel, NaNOutOfRangeAndAllIgnored) {
   run(k);
 }
 
+// Narrow records (4 and 5 fields) are the full record's prefix, bit for bit, and combine to the same bits as
+// the full width; the combine refuses outputs a width does not hold.
+void run_narrow(const CeCase& c, const std::vector<int64_t>& widths, int64_t pad) {
+  const int64_t N = c.N, V = c.V;
+  Handle h;
+  Tensor full(c.dt, {N, V});
+  fill_logits(full, c.logit_std, c.peaked);
+  const std::vector<Shard> shards = split(V, widths, pad);
+  const int64_t W = int64_t(shards.size());
+  Tensor targets(c.tdt, {N});
+  for (int64_t i = 0; i < N; ++i) targets.set_int(i, i % 5 == 3 ? -100 : (i * 7919) % V);
+  targets.upload();
+  Tensor weights;
+  if (c.weights) {
+    weights = Tensor(DT::F32, {V});
+    for (int64_t j = 0; j < V; ++j) weights.set(j, 0.5 + double(j % 7) / 4);
+    weights.upload();
+  }
+  fce_ce_options_t o = options_of(c, weights);
+  o.vocab_total = V;
+  const int64_t widths_k[] = {FCE_CE_RECORD_FIELDS_LOSS, FCE_CE_RECORD_FIELDS_ENTROPY, FCE_CE_RECORD_FIELDS_ALL};
+  std::vector<Records> recs;
+  recs.reserve(3);  // a Records' view points into itself: no reallocation
+  for (int64_t K : widths_k) recs.emplace_back(W, N, K);
+  for (int64_t r = 0; r < W; ++r) {
+    const Shard& s = shards[size_t(r)];
+    Tensor part(c.dt, {N, s.cols});
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < s.cols; ++j) part.set(i, j, j < s.width ? full.get(i, s.start + j) : NAN);
+    part.upload();
+    o.vocab_start = s.start;
+    for (size_t q = 0; q < 3; ++q) {
+      const int64_t K = widths_k[q];
+      Tensor one(DT::F32, {N, K});
+      one.poison();
+      one.upload();
+      FCE_OK(fce_cross_entropy_partial(h, test_stream(), part.dl(), targets.dl(), &o, one.dl()));
+      one.download();
+      std::memcpy(recs[q].t.raw() + 4 * size_t(r * N * K), one.bytes().data(), 4 * size_t(N * K));
+    }
+  }
+  for (int64_t i = 0; i < W * N; ++i)
+    for (size_t q = 0; q < 2; ++q)
+      for (int64_t f = 0; f < widths_k[q]; ++f) {
+        SCOPED_TRACE(testing::Message() << "record " << i << " field " << f << " width " << widths_k[q]);
+        const float a = recs[q].t.get(i, f), b = recs[2].t.get(i, f);
+        EXPECT_EQ(std::memcmp(&a, &b, 4), 0) << a << " vs " << b;
+      }
+  // Combine each width: loss, lse and z-loss (all widths), entropy (5 and 7).
+  const bool none = c.reduction == FCE_REDUCTION_NONE;
+  std::vector<std::vector<Tensor>> got;
+  for (size_t q = 0; q < 3; ++q) {
+    recs[q].t.upload();
+    std::vector<Tensor> t;
+    t.emplace_back(DT::F32, none ? std::vector<int64_t>{N} : std::vector<int64_t>{});
+    t.emplace_back(DT::F32, std::vector<int64_t>{N});
+    t.emplace_back(DT::F32, none ? std::vector<int64_t>{N} : std::vector<int64_t>{});
+    t.emplace_back(DT::F32, std::vector<int64_t>{N});
+    for (Tensor& x : t) { x.poison(); x.upload(); }
+    fce_ce_outputs_t out = FCE_CE_OUTPUTS_INIT;
+    out.loss = t[0].dl();
+    out.lse = t[1].dl();
+    out.z_loss = t[2].dl();
+    Tensor amax(DT::I64, {N});
+    out.argmax = q < 2 ? amax.dl() : nullptr;
+    if (q < 2) {  // argmax needs the full width
+      EXPECT_EQ(fce_cross_entropy_combine(h, test_stream(), &recs[q].dl, targets.dl(), &o, &out, nullptr, 0),
+                FCE_STATUS_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(fce_last_error_message()).find("argmax"), std::string::npos);
+      out.argmax = nullptr;
+    }
+    out.entropy = t[3].dl();
+    if (q == 0) {  // the entropy needs 5 fields
+      EXPECT_EQ(fce_cross_entropy_combine(h, test_stream(), &recs[q].dl, targets.dl(), &o, &out, nullptr, 0),
+                FCE_STATUS_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(fce_last_error_message()).find("entropy"), std::string::npos);
+      out.entropy = nullptr;
+    }
+    for (Tensor& x : t) x.download();
+    for (uint8_t b : t[0].bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
+    FCE_OK(fce_cross_entropy_combine(h, test_stream(), &recs[q].dl, targets.dl(), &o, &out, nullptr, 0));
+    for (Tensor& x : t) x.download();
+    got.push_back(std::move(t));
+  }
+  for (size_t q = 0; q < 2; ++q)
+    for (size_t k = 0; k < 4; ++k) {
+      if (k == 3 && q == 0) continue;
+      SCOPED_TRACE(testing::Message() << "width " << widths_k[q] << " output " << k);
+      EXPECT_EQ(got[q][k].bytes(), got[2][k].bytes());
+    }
+}
+
+TEST(VocabParallel, NarrowRecords) {
+  for (DT dt : {DT::F32, DT::BF16, DT::F16}) {
+    CeCase c;
+    c.N = 23;
+    c.V = 1031;
+    c.dt = dt;
+    c.reduction = FCE_REDUCTION_NONE;
+    SCOPED_TRACE(dt_name(dt));
+    run_narrow(c, {400, 300}, 5);
+    c.reduction = FCE_REDUCTION_MEAN;
+    c.eps = 0.1;
+    c.zq = 1e-3;
+    c.cap = 3.0;
+    c.weights = true;
+    run_narrow(c, {1, 600}, 0);
+  }
+}
+
 TEST(VocabParallel, Validation) {
   Handle h;
   Tensor x(DT::F32, {3, 10}), t(DT::I64, {3}), rec(DT::F32, {3, 7}), bad(DT::F32, {3, 6});

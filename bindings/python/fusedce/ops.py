@@ -231,8 +231,13 @@ def cross_entropy_bwd_ex(logits, targets, lse, *, entropy=None, grad_loss=None, 
 
 # ---- vocabulary-parallel cross-entropy ------------------------------------------------------------
 
+RECORD_FIELDS_LOSS, RECORD_FIELDS_ENTROPY, RECORD_FIELDS_ALL = (
+    MACROS[f"FCE_CE_RECORD_FIELDS_{k}"] for k in ("LOSS", "ENTROPY", "ALL"))
+
+
 def cross_entropy_record_fields():
-    """K, the fp32 fields of a row's record (fce_cross_entropy_record_fields)."""
+    """K, the fp32 fields of a row's full record (fce_cross_entropy_record_fields: RECORD_FIELDS_ALL). Narrower
+    records are its prefixes: RECORD_FIELDS_LOSS (loss, lse, z-loss) and RECORD_FIELDS_ENTROPY (and entropy)."""
     k = ffi.new("int64_t *")
     check(lib.fce_cross_entropy_record_fields(ffi.NULL, k), "fce_cross_entropy_record_fields")
     return int(k[0])
@@ -241,14 +246,16 @@ def cross_entropy_record_fields():
 def cross_entropy_partial(logits, targets, *, vocab_start, vocab_total, reduction=_NAME["reduction"][_CE["reduction"]],
                           ignore_index=_CE["ignore_index"], label_smoothing=_CE["label_smoothing"],
                           z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"], logit_scale=_CE["logit_scale"],
-                          class_weights=None, records=None, handle=None, stream=None):
+                          class_weights=None, fields=RECORD_FIELDS_ALL, records=None, handle=None, stream=None):
     """fce_cross_entropy_partial: the [N, K] fp32 records of a vocabulary shard. logits [N, V_local] are the
     global columns [vocab_start, vocab_start + V_local) of a vocabulary of vocab_total (columns past it are
-    padding); targets [N] are global indices; class_weights cover the whole vocabulary. Gather every rank's
-    records in rank order ([W, N, K]) for cross_entropy_combine."""
+    padding); targets [N] are global indices; class_weights cover the whole vocabulary. fields: K, one of
+    RECORD_FIELDS_LOSS / _ENTROPY / _ALL (the narrower the record, the less the partial computes; the combine
+    then gives no entropy / argmax); a given `records` array sets it by its shape. Gather every rank's records
+    in rank order ([W, N, K]) for cross_entropy_combine."""
     c = Call(logits, handle, stream)
     targets = c.native(targets)
-    out = records if records is not None else c.empty((_rows(logits), cross_entropy_record_fields()), "float32")
+    out = records if records is not None else c.empty((_rows(logits), int(fields)), "float32")
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
                        vocab_start, vocab_total)
     c.run_plain("fce_cross_entropy_partial", c.dl(logits), c.dl(targets), opts, c.dl(out, True))

@@ -539,7 +539,7 @@ def _gather_records(records, group):
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, kw):
-        rec = _arrays.cross_entropy_partial(logits.detach(), targets, **kw)
+        rec = _arrays.cross_entropy_partial(logits.detach(), targets, fields=_arrays.RECORD_FIELDS_LOSS, **kw)
         combine_kw = {k: v for k, v in kw.items() if k != "vocab_start"}
         out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets, **combine_kw)
         ctx.save_for_backward(logits, targets, out.lse)
@@ -573,7 +573,7 @@ class _VocabParallelLPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, kw):
         ctx.set_materialize_grads(False)
-        rec = _arrays.cross_entropy_partial(logits.detach(), targets, **kw)
+        rec = _arrays.cross_entropy_partial(logits.detach(), targets, fields=_arrays.RECORD_FIELDS_ENTROPY, **kw)
         combine_kw = {k: v for k, v in kw.items() if k != "vocab_start"}
         out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets, entropy=True, **combine_kw)
         ctx.save_for_backward(logits, targets, out.lse, out.entropy)
@@ -597,7 +597,7 @@ def vocab_parallel_logprobs_entropy(logits, labels, temperature=1.0, reduction="
     (as vocab_parallel_cross_entropy: this rank holds global columns [vocab_start, vocab_start + V_local),
     equal shards in rank order by default, uneven or padded ones when given). Returns (logprobs, entropy) of
     the whole rows, the same bits on every rank, shaped like labels ("none") or reduced ("sum", "mean" over
-    every token); gradients through both flow to this rank's logits. One all-gather of [N, 7] fp32 records
+    every token); gradients through both flow to this rank's logits. One all-gather of [N, 5] fp32 records
     through torch.distributed per call; the backward is the shard's fce_cross_entropy_bwd_ex from the combined
     lse and entropy, elementwise the bits of the unsharded call's backward. Not a torch.library op."""
     import torch.distributed as dist
@@ -652,7 +652,7 @@ def vocab_parallel_cross_entropy(logits, target, *, vocab_start=None, vocab_tota
     class indices. vocab_start / vocab_total: default equal shards in rank order (rank * V_local,
     world_size * V_local); give them for uneven or padded shards (columns at or past vocab_total are padding).
     weight: class weights of the whole vocabulary. Without an initialized process group the call is the
-    one-shard case. Per call: one all-gather of [N, 7] fp32 records (fce_cross_entropy_partial on this
+    one-shard case. Per call: one all-gather of [N, 4] fp32 records (fce_cross_entropy_partial on this
     rank's shard, fce_cross_entropy_combine of all ranks' records in rank order; no float all-reduce, so NaN
     propagates and the result does not depend on the collective's algorithm), and the backward is
     fce_cross_entropy_bwd of the shard. On CUDA with an NCCL group (and nccl=True) the library runs the

@@ -539,7 +539,10 @@ cross_entropy_record_fields() = _record_fields(Ptr{L.fce_ce_options_t}(C_NULL))
 Step 1 of vocabulary-parallel cross-entropy (`fce_cross_entropy_partial`; the math and the record
 fields are in the header's "Vocabulary-parallel cross-entropy"): the records of one shard of the
 vocabulary, a `K×N` Float32 matrix (the C `[N, K]`, `K = cross_entropy_record_fields()`), written into
-`records` if given (contiguous) and returned.
+`records` if given (contiguous) and returned. A given `records` may be narrower, a prefix of the fields:
+`K = LibFusedCE.FCE_CE_RECORD_FIELDS_LOSS` (4: loss, lse and z-loss; the partial then skips the entropy's
+sums) or `FCE_CE_RECORD_FIELDS_ENTROPY` (5: and the entropy); `cross_entropy_combine` then refuses the
+outputs that width does not hold. Use one width on every shard.
 
 - `logits_shard`: `V_local×N` (Float32, Float16 or BFloat16; a view with unit stride down columns is
   fine), the rows `vocab_start+1 : vocab_start+V_local` of the whole `V×N` logits. The last shard may be

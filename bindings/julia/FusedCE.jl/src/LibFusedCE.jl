@@ -17,6 +17,9 @@ const FCE_VERSION_NUMBER = (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 
 const FCE_ABI_VERSION = 0
 const FCE_WORKSPACE_ALIGNMENT = 16
 const FCE_MAX_STRUCT_SIZE = 4096
+const FCE_CE_RECORD_FIELDS_LOSS = 4
+const FCE_CE_RECORD_FIELDS_ENTROPY = 5
+const FCE_CE_RECORD_FIELDS_ALL = 7
 const FCE_KD_TEMPERATURE_MIN = 1.0f-4
 const FCE_KD_TEMPERATURE_MAX = 100.0f0
 const FCE_LINEAR_CE_ACCUMULATE = 1
@@ -579,7 +582,7 @@ function fce_cross_entropy_bwd_ex_workspace_size(handle, logits, targets, inputs
 end
 
 """
-Fields K of a cross-entropy record for these options (NULL = defaults).
+Fields K of a full cross-entropy record for these options (NULL = defaults): FCE_CE_RECORD_FIELDS_ALL.
  @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT when fields is NULL or the options are invalid.
 """
 function fce_cross_entropy_record_fields(options, fields)
@@ -592,9 +595,9 @@ The records of a vocabulary shard.
 @param targets [N] int32 or int64, global indices (as for the unsharded call).
 @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); class weights, if
                any, of the whole vocabulary.
-@param records [N,K] fp32, written.
-@return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options),
-        CUDA_ERROR.
+@param records [N,K] fp32, written; K one of the record widths (FCE_CE_RECORD_FIELDS_*).
+@return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options;
+        SHAPE_MISMATCH for another K), CUDA_ERROR.
 """
 function fce_cross_entropy_partial(handle, stream, logits, targets, options, records)
     @ccall $(_fptr_fce_cross_entropy_partial[])(handle::fce_handle_t, stream::fce_stream_t, logits::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, records::Ptr{DLTensor})::fce_status_t
@@ -602,10 +605,12 @@ end
 
 """
 The cross-entropy forward of whole rows from the records of all shards.
-@param records [W,N,K] fp32: every rank's records, in rank (vocabulary) order.
+@param records [W,N,K] fp32: every rank's records, in rank (vocabulary) order; K one of the record widths.
 @param targets [N] int32 or int64, global indices.
 @param options the partial calls' options (vocab_total required; vocab_start is not read).
-@param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set).
+@param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set);
+               entropy needs K >= FCE_CE_RECORD_FIELDS_ENTROPY and argmax K = FCE_CE_RECORD_FIELDS_ALL
+               (INVALID_ARGUMENT otherwise).
 @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
 """
 function fce_cross_entropy_combine(handle, stream, records, targets, options, outputs, workspace, workspace_bytes)
@@ -671,7 +676,8 @@ columns of vocab_start_r).
                rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss;
                grad_entropy, whose term uses the combined lse and entropy, as fce_cross_entropy_bwd_ex).
 @param workspace as everywhere (fce_cross_entropy_fwd_vp_workspace_size): the records of all W ranks
-               (N * 7 * 4 * (W + 1) bytes) and the steps' own.
+               (N * K * 4 * (W + 1) bytes, K the narrowest record width the outputs allow) and the steps'
+               own.
 @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or without
         vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR.
 """

@@ -7,6 +7,9 @@ pub const FCE_VERSION_NUMBER: u32 = 200;
 pub const FCE_ABI_VERSION: u32 = 0;
 pub const FCE_WORKSPACE_ALIGNMENT: u32 = 16;
 pub const FCE_MAX_STRUCT_SIZE: u32 = 4096;
+pub const FCE_CE_RECORD_FIELDS_LOSS: u32 = 4;
+pub const FCE_CE_RECORD_FIELDS_ENTROPY: u32 = 5;
+pub const FCE_CE_RECORD_FIELDS_ALL: u32 = 7;
 pub const FCE_KD_TEMPERATURE_MIN: f64 = 0.0001;
 pub const FCE_KD_TEMPERATURE_MAX: f64 = 100.0;
 pub const FCE_LINEAR_CE_ACCUMULATE: u32 = 1;
@@ -1377,7 +1380,7 @@ extern "C" {
     ) -> fce_status_t;
 }
 extern "C" {
-    #[doc = " Fields K of a cross-entropy record for these options (NULL = defaults)."]
+    #[doc = " Fields K of a full cross-entropy record for these options (NULL = defaults): FCE_CE_RECORD_FIELDS_ALL."]
     #[doc = "  @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT when fields is NULL or the options are invalid."]
     pub fn fce_cross_entropy_record_fields(
         options: *const fce_ce_options_t,
@@ -1390,9 +1393,9 @@ extern "C" {
     #[doc = " @param targets [N] int32 or int64, global indices (as for the unsharded call)."]
     #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); class weights, if"]
     #[doc = "                any, of the whole vocabulary."]
-    #[doc = " @param records [N,K] fp32, written."]
-    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options),"]
-    #[doc = "         CUDA_ERROR."]
+    #[doc = " @param records [N,K] fp32, written; K one of the record widths (FCE_CE_RECORD_FIELDS_*)."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options;"]
+    #[doc = "         SHAPE_MISMATCH for another K), CUDA_ERROR."]
     pub fn fce_cross_entropy_partial(
         handle: fce_handle_t,
         stream: fce_stream_t,
@@ -1404,10 +1407,12 @@ extern "C" {
 }
 extern "C" {
     #[doc = " The cross-entropy forward of whole rows from the records of all shards."]
-    #[doc = " @param records [W,N,K] fp32: every rank's records, in rank (vocabulary) order."]
+    #[doc = " @param records [W,N,K] fp32: every rank's records, in rank (vocabulary) order; K one of the record widths."]
     #[doc = " @param targets [N] int32 or int64, global indices."]
     #[doc = " @param options the partial calls' options (vocab_total required; vocab_start is not read)."]
-    #[doc = " @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set)."]
+    #[doc = " @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set);"]
+    #[doc = "                entropy needs K >= FCE_CE_RECORD_FIELDS_ENTROPY and argmax K = FCE_CE_RECORD_FIELDS_ALL"]
+    #[doc = "                (INVALID_ARGUMENT otherwise)."]
     #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR."]
     pub fn fce_cross_entropy_combine(
         handle: fce_handle_t,
@@ -1482,7 +1487,8 @@ extern "C" {
     #[doc = "                rows; dlogits [N,V] in the logits' dtype, may be the logits' memory; grad_loss;"]
     #[doc = "                grad_entropy, whose term uses the combined lse and entropy, as fce_cross_entropy_bwd_ex)."]
     #[doc = " @param workspace as everywhere (fce_cross_entropy_fwd_vp_workspace_size): the records of all W ranks"]
-    #[doc = "                (N * 7 * 4 * (W + 1) bytes) and the steps' own."]
+    #[doc = "                (N * K * 4 * (W + 1) bytes, K the narrowest record width the outputs allow) and the steps'"]
+    #[doc = "                own."]
     #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or without"]
     #[doc = "         vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR."]
     pub fn fce_cross_entropy_fwd_vp(

@@ -524,11 +524,14 @@ impl Handle {
     /// * `options`: [`CeOptions::vocab_start`] and [`CeOptions::vocab_total`] required
     ///   (0 <= vocab_start < vocab_total <= 2³¹ − 1); the other options as for
     ///   [`Handle::cross_entropy_fwd`] (class weights of the whole vocabulary, `[vocab_total]`).
-    /// * `records`: `[N, K]` fp32, written; K from [`crate::cross_entropy_record_fields`] (7). Per row,
-    ///   with z the transformed logits of the shard's real columns and m their max: 0 m, 1 Σ exp(z − m),
-    ///   2 z at the target if the shard holds it (else 0), 3 Σ w_j·z_j (label smoothing), 4
-    ///   Σ exp(z − m)·z (entropy), 5 the largest raw logit, 6 its global index (int32 bits in the fp32
-    ///   slot). A shard with no column below vocab_total gives a neutral record.
+    /// * `records`: `[N, K]` fp32, written; K from [`crate::cross_entropy_record_fields`] (7), or a
+    ///   narrower prefix: `sys::FCE_CE_RECORD_FIELDS_LOSS` (4: loss, lse, z-loss; the partial skips the
+    ///   entropy's sums) or `sys::FCE_CE_RECORD_FIELDS_ENTROPY` (5: and the entropy), the same on every
+    ///   rank; the combine then refuses the outputs the width does not hold. Per row, with z the
+    ///   transformed logits of the shard's real columns and m their max: 0 m, 1 Σ exp(z − m), 2 z at the
+    ///   target if the shard holds it (else 0), 3 Σ w_j·z_j (label smoothing; 0 without it), 4
+    ///   Σ exp(z − m)·(z − m) (entropy), 5 the largest raw logit, 6 its global index (int32 bits in the
+    ///   fp32 slot). A shard with no column below vocab_total gives a neutral record.
     ///
     /// Math: [`CeOptions`] over the whole vocabulary; the records' sums are rounded to fp32 once per
     /// shard (`docs/numerics.md`, "Vocabulary shards").
