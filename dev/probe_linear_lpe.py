@@ -3,7 +3,9 @@
 (event-timed after an L2 flush), so that clock and power drift over the run falls on all of them alike; the
 medians and ranges over the rounds. Variants: the PyTorch path's forward + backward (linear_cross_entropy
 with reduction none and an [N] upstream gradient, linear_logprobs_entropy with both), and the C calls that
-make them up (forward without / with the entropy output, backward without / with the entropy's term).
+make them up (forward without / with the entropy output, backward without / with the entropy's term), and
+the peers of the same math that keep the logits: fusedce's logprobs_entropy(hidden @ weight.T) and
+torch.compile of log_softmax / gather / entropy (bench_entropy.reference_math).
 
     FUSEDCE_LIBRARY=... python3 dev/probe_linear_lpe.py [--tokens 8192 --vocab 128256 --hidden 4096 --rounds 15]
 """
@@ -19,7 +21,7 @@ import torch  # noqa: E402
 
 import fusedce  # noqa: E402
 import fusedce.torch as ft  # noqa: E402
-from bench_entropy import flush_l2  # noqa: E402
+from bench_entropy import flush_l2, reference_math  # noqa: E402
 
 
 def once(fn):
@@ -62,6 +64,10 @@ def main():
             lambda h_, w_: (ft.linear_cross_entropy(h_, w_, t, reduction="none", logit_scale=s),), (gl,)),
         "torch: linear_logprobs_entropy, fwd+bwd": step(
             lambda h_, w_: ft.linear_logprobs_entropy(h_, w_, t, T), (-gl, ge)),
+        "torch: logprobs_entropy(h @ w.T), fwd+bwd (bf16 logits kept)": step(
+            lambda h_, w_: ft.logprobs_entropy(h_ @ w_.T, t, T), (-gl, ge)),
+        "torch.compile of the same math, fwd+bwd": step(
+            torch.compile(lambda h_, w_: reference_math(h_ @ w_.T, t, T), dynamic=False), (-gl, ge)),
         "C fwd, loss + lse": lambda: fusedce.linear_cross_entropy_fwd(hid, w, t, reduction="none", logit_scale=s),
         "C fwd, + entropy": lambda: fusedce.linear_cross_entropy_fwd(hid, w, t, reduction="none", entropy=True,
                                                                      logit_scale=s),
@@ -85,9 +91,9 @@ def main():
         med[k] = statistics.median(v)
         print("| %s | %.2f | %.2f | %.2f |" % (k, med[k], min(v), max(v)))
     keys = list(variants)
-    for a_, b_ in ((keys[1], keys[0]), (keys[3], keys[2]), (keys[5], keys[4])):
+    for a_, b_ in ((keys[1], keys[0]), (keys[5], keys[4]), (keys[7], keys[6]), (keys[1], keys[3]), (keys[2], keys[3])):
         print("(%s) / (%s): %.3f" % (a_, b_, med[a_] / med[b_]))
-    print("C sum (fwd + entropy, bwd + grad_entropy) %.2f vs torch path %.2f" % (med[keys[3]] + med[keys[5]],
+    print("C sum (fwd + entropy, bwd + grad_entropy) %.2f vs torch path %.2f" % (med[keys[5]] + med[keys[7]],
                                                                                med[keys[1]]))
 
 

@@ -342,13 +342,21 @@ def logprobs_entropy(logits, labels, temperature=1.0, reduction="none", *, ignor
     return _reduce_pair(lp, ent, reduction, shape)
 
 
-def linear_logprobs_entropy(hidden, weight, labels, temperature=1.0, reduction="none", *, ignore_index=-100):
+def linear_logprobs_entropy(hidden, weight, labels, temperature=1.0, reduction="none", *, ignore_index=-100,
+                            keep_logits=False):
     """logprobs_entropy(hidden @ weight.T, labels, temperature, reduction) without materializing the logits
     (verl's LinearCrossEntropy): hidden (..., H) and weight (V, H) of one dtype (fp32/bf16/fp16), labels (...).
     Returns (logprobs, entropy) as logprobs_entropy; gradients through both reach hidden and weight
     (fce_linear_cross_entropy_bwd with grad_entropy: the backward recomputes the logits chunk by chunk, so
     forward + backward is 8 N H V flops). The logits are accumulated in fp32 and rounded to the inputs' dtype,
-    as torch.nn.functional.linear gives them."""
+    as torch.nn.functional.linear gives them.
+
+    keep_logits=True trades memory for time: the [N, V] logits in the inputs' dtype are formed once and kept
+    for the backward (logprobs_entropy(hidden @ weight.T, ...): 6 N H V flops, N V elements twice, for the
+    logits and their gradient), the same results within rounding. docs/benchmarks.md has both paths' time and
+    memory."""
+    if keep_logits:
+        return logprobs_entropy(hidden @ weight.T, labels, temperature, reduction, ignore_index=ignore_index)
     scale = _logit_scale(temperature)
     shape = tuple(labels.shape)
     h = hidden.reshape(-1, hidden.shape[-1])

@@ -99,14 +99,15 @@ def test_reductions_and_shapes(device, reduction):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_logprobs_entropy(device, dtype):
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_linear_logprobs_entropy(device, dtype, keep_logits):
     g = torch.Generator().manual_seed(7)
     n, hdim, v = 17, 32, 389
     h = (torch.randn(n, hdim, generator=g)).to(dtype).to(device).requires_grad_(True)
     w = (torch.randn(v, hdim, generator=g) * 0.3).to(dtype).to(device).requires_grad_(True)
     labels = torch.randint(0, v, (n,), generator=g).to(device)
     labels[2] = -100
-    lp, ent = ft.linear_logprobs_entropy(h, w, labels, temperature=0.8)
+    lp, ent = ft.linear_logprobs_entropy(h, w, labels, temperature=0.8, keep_logits=keep_logits)
     hr, wr = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     logits = (h.detach().float() @ w.detach().float().T).to(dtype).double()  # the logits as the library rounds them
     rlp, rent = _reference(logits, labels, 0.8)
