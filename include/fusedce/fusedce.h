@@ -671,12 +671,17 @@ typedef struct fce_kd_options {
   int32_t topk_norm;        /**< fce_kd_topk_norm_t; default FCE_KD_TOPK_FULL_VOCAB */
   int32_t reduction;        /**< fce_reduction_t; MEAN = batchmean over unmasked rows; default MEAN */
   int64_t ignore_index;     /**< rows whose target equals this are masked (when targets given); -100 */
+  /** A shard of the vocabulary (since 0.2.0; the vocabulary-parallel calls below): the global index of the
+   *  shard's first column; default 0. */
+  int64_t vocab_start;
+  /** The whole vocabulary's size, 0 (default) when the logits are not a shard. fce_kd_loss refuses a shard. */
+  int64_t vocab_total;
 } fce_kd_options_t;
 
 /** Initializer of fce_kd_options_t: struct_size and every default. */
 #define FCE_KD_OPTIONS_INIT \
   { (uint32_t)sizeof(fce_kd_options_t), FCE_KD_FORWARD_KL, 0.5f, 1.0f, 0, FCE_KD_TOPK_FULL_VOCAB, \
-    FCE_REDUCTION_MEAN, -100 }
+    FCE_REDUCTION_MEAN, -100, 0, 0 }
 
 /** Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
  *  FCE_KD_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
@@ -744,6 +749,93 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
                                                 const fce_kd_teacher_t* teacher, const DLTensor* targets,
                                                 const fce_kd_options_t* options,
                                                 const fce_kd_outputs_t* outputs, size_t* bytes);
+
+/* Vocabulary-parallel knowledge distillation ------------------------------------------------------ */
+/*
+ * Student and teacher logits split across W ranks by the same columns (options->vocab_start and
+ * vocab_total as for cross-entropy; uneven and padded shards allowed), full teacher logits, forward or
+ * reverse KL (JSD needs the mixture's log-probabilities, a second exchange: FCE_STATUS_NOT_IMPLEMENTED; so is
+ * a top-K teacher):
+ *   1. each rank: fce_kd_partial -> records [N, FCE_KD_RECORD_FIELDS] fp32 of its shard;
+ *   2. the caller gathers every rank's records in rank order ([W, N, K], one all-gather);
+ *   3. each rank: fce_kd_combine -> the loss of the whole rows (what fce_kd_loss returns) and the rows'
+ *      statistics [N, FCE_KD_ROW_STATS_FIELDS] for the gradient, the same bits on every rank;
+ *   4. each rank: fce_kd_bwd -> its shard's dstudent.
+ * With z = logits / T, P the divergence's weighting distribution (the teacher for forward KL, the student
+ * for reverse KL) and Q the other, a record holds, over the shard's real columns: 0 m_P = max z_P,
+ * 1 sum exp(z_P - m_P), 2 m_Q, 3 sum exp(z_Q - m_Q), 4 X = sum exp(z_P - m_P) ((z_P - m_P) - (z_Q - m_Q)),
+ * terms of zero probability under P adding 0. The combine shifts each record to the row's maxima M and
+ * merges them in rank order in fp64: KL(P || Q) = X / D_P - log D_P + log D_Q (identical distributions give
+ * exactly 0; a column where P > 0 and Q = 0 gives +inf; NaN propagates; a row without a finite logit in
+ * either distribution gives NaN, as fce_kd_loss does). Row statistics: 0 M_student, 1 log D_student,
+ * 2 M_teacher, 3 log D_teacher (the row's log-probabilities are (z - M) - log D), 4 A = sum_j a_j of the
+ * gradient dL/dz_j = a_j - q_j A (forward KL: -1; reverse KL: KL + 1; the element terms of fce_kd_loss).
+ * Against fce_kd_loss of the whole rows: masked rows, all-masked means, NaN and +inf losses and identical
+ * distributions (exactly 0) as it gives them; the loss and dstudent within the fp32 rounding of the records'
+ * sums (docs/numerics.md).
+ */
+
+/** Fields of a knowledge-distillation record (fce_kd_partial). */
+#define FCE_KD_RECORD_FIELDS 5
+/** Fields of a row's knowledge-distillation statistics (fce_kd_combine, fce_kd_bwd). */
+#define FCE_KD_ROW_STATS_FIELDS 5
+
+/**
+ * The records of a vocabulary shard of student and teacher.
+ * @param student [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total).
+ * @param teacher full logits [N,V] (any float dtype); a top-K teacher is NOT_IMPLEMENTED.
+ * @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); divergence forward or
+ *                reverse KL; temperature as for fce_kd_loss; the same options on every rank and call.
+ * @param records [N, FCE_KD_RECORD_FIELDS] fp32, written.
+ * @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (no shard in the options, options out of domain);
+ *         NOT_IMPLEMENTED (JSD, top-K teacher); SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
+ *         DEVICE_MISMATCH; CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_kd_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
+                                    const fce_kd_teacher_t* teacher, const fce_kd_options_t* options,
+                                    DLTensor* records);
+
+/**
+ * The divergence of whole rows from every shard's records.
+ * @param records   [W,N,FCE_KD_RECORD_FIELDS] fp32, contiguous: every rank's records in rank (vocabulary) order.
+ * @param targets   optional [N] int32/int64: rows whose target is options->ignore_index are masked (loss 0).
+ * @param options   the partial calls' options (vocab_total required; vocab_start is not read).
+ * @param loss      fp32: [N] with reduction NONE (0 at masked rows), else a scalar (MEAN: batchmean over
+ *                  the unmasked rows); nats, times T^2 with scale_by_t2.
+ * @param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: the rows' statistics for fce_kd_bwd.
+ * @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_kd_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
+                                    const DLTensor* targets, const fce_kd_options_t* options, DLTensor* loss,
+                                    DLTensor* row_stats, void* workspace, size_t workspace_bytes);
+/** Workspace bytes fce_kd_combine needs for these arguments (same validation). */
+FCE_API fce_status_t fce_kd_combine_workspace_size(fce_handle_t handle, const DLTensor* records,
+                                                   const DLTensor* targets, const fce_kd_options_t* options,
+                                                   const DLTensor* loss, const DLTensor* row_stats, size_t* bytes);
+
+/**
+ * A shard's dstudent from the rows' statistics: d(loss)/d(student logits) * grad_loss for the shard's columns
+ * (fp32, rounded once; 0 at masked rows and padding columns).
+ * @param student   [N,V] the shard's columns, as given to fce_kd_partial.
+ * @param teacher   full logits [N,V], as given to fce_kd_partial.
+ * @param targets   optional [N], as given to fce_kd_combine (the mean counts the same rows).
+ * @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine.
+ * @param options   the partial call's options (vocab_start and vocab_total of this shard).
+ * @param grad_loss optional fp32 upstream gradient: a scalar, or [N] with reduction NONE; NULL = 1.
+ * @param dstudent  [N,V] in the student's dtype; may be the student's memory (in place).
+ * @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_kd_bwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
+                                const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                const DLTensor* row_stats, const fce_kd_options_t* options,
+                                const DLTensor* grad_loss, DLTensor* dstudent, void* workspace,
+                                size_t workspace_bytes);
+/** Workspace bytes fce_kd_bwd needs for these arguments (same validation). */
+FCE_API fce_status_t fce_kd_bwd_workspace_size(fce_handle_t handle, const DLTensor* student,
+                                               const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                               const DLTensor* row_stats, const fce_kd_options_t* options,
+                                               const DLTensor* grad_loss, const DLTensor* dstudent,
+                                               size_t* bytes);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Linear cross-entropy                                                                             */

@@ -4,6 +4,38 @@ using namespace fce;
 
 namespace {
 
+// Validates KD options (domain of every field; a shard's vocab_start and vocab_total).
+KdOpts read_kd_options(const fce_kd_options_t* options) {
+  const fce_kd_options_t o = checked_struct(options, "options");
+  FCE_CHECK(o.divergence >= FCE_KD_FORWARD_KL && o.divergence <= FCE_KD_JSD, FCE_STATUS_INVALID_ARGUMENT,
+            "options->divergence %d is not an fce_kd_divergence_t", o.divergence);
+  FCE_CHECK(finite(o.beta) && o.beta >= 0.f && o.beta <= 1.f, FCE_STATUS_INVALID_ARGUMENT,
+            "options->beta %g is outside [0, 1]", o.beta);
+  FCE_CHECK(o.temperature >= FCE_KD_TEMPERATURE_MIN && o.temperature <= FCE_KD_TEMPERATURE_MAX,
+            FCE_STATUS_INVALID_ARGUMENT, "options->temperature %g is outside [%g, %g] (FCE_KD_TEMPERATURE_MIN/MAX)",
+            o.temperature, double(FCE_KD_TEMPERATURE_MIN), double(FCE_KD_TEMPERATURE_MAX));
+  FCE_CHECK(o.topk_norm == FCE_KD_TOPK_FULL_VOCAB || o.topk_norm == FCE_KD_TOPK_RENORMALIZE,
+            FCE_STATUS_INVALID_ARGUMENT, "options->topk_norm %d is not an fce_kd_topk_norm_t", o.topk_norm);
+  FCE_CHECK(o.reduction >= FCE_REDUCTION_NONE && o.reduction <= FCE_REDUCTION_MEAN, FCE_STATUS_INVALID_ARGUMENT,
+            "options->reduction %d is not an fce_reduction_t", o.reduction);
+  FCE_CHECK(o.vocab_total >= 0 && o.vocab_start >= 0 && (o.vocab_total == 0 ? o.vocab_start == 0
+                                                                              : o.vocab_start < o.vocab_total),
+            FCE_STATUS_INVALID_ARGUMENT,
+            "options->vocab_start %lld and vocab_total %lld: a shard needs 0 <= vocab_start < vocab_total (both 0 "
+            "without one)", (long long)o.vocab_start, (long long)o.vocab_total);
+  KdOpts r;
+  r.divergence = o.divergence;
+  r.beta = o.beta;
+  r.temperature = o.temperature;
+  r.scale_by_t2 = o.scale_by_t2 != 0;
+  r.topk_norm = o.topk_norm;
+  r.reduction = o.reduction;
+  r.ignore_index = o.ignore_index;
+  r.vocab_start = o.vocab_start;
+  r.vocab_total = o.vocab_total;
+  return r;
+}
+
 KdProblem kd_problem(fce_handle* h, const DLTensor* student, const fce_kd_teacher_t* teacher,
                      const DLTensor* targets, const fce_kd_options_t* options, const fce_kd_outputs_t* outputs) {
   Validator val(h->backend, h->device_id);
@@ -31,27 +63,10 @@ KdProblem kd_problem(fce_handle* h, const DLTensor* student, const fce_kd_teache
     val.input("teacher->topk_logprobs", p.topk_lp.data, Validator::span(p.topk_lp));
   }
   if (targets) p.targets = read_targets(val, targets, "targets", N);
-  if (options) {
-    const fce_kd_options_t o = checked_struct(options, "options");
-    FCE_CHECK(o.divergence >= FCE_KD_FORWARD_KL && o.divergence <= FCE_KD_JSD, FCE_STATUS_INVALID_ARGUMENT,
-              "options->divergence %d is not an fce_kd_divergence_t", o.divergence);
-    FCE_CHECK(finite(o.beta) && o.beta >= 0.f && o.beta <= 1.f, FCE_STATUS_INVALID_ARGUMENT,
-              "options->beta %g is outside [0, 1]", o.beta);
-    FCE_CHECK(o.temperature >= FCE_KD_TEMPERATURE_MIN && o.temperature <= FCE_KD_TEMPERATURE_MAX,
-              FCE_STATUS_INVALID_ARGUMENT, "options->temperature %g is outside [%g, %g] (FCE_KD_TEMPERATURE_MIN/MAX)",
-              o.temperature, double(FCE_KD_TEMPERATURE_MIN), double(FCE_KD_TEMPERATURE_MAX));
-    FCE_CHECK(o.topk_norm == FCE_KD_TOPK_FULL_VOCAB || o.topk_norm == FCE_KD_TOPK_RENORMALIZE,
-              FCE_STATUS_INVALID_ARGUMENT, "options->topk_norm %d is not an fce_kd_topk_norm_t", o.topk_norm);
-    FCE_CHECK(o.reduction >= FCE_REDUCTION_NONE && o.reduction <= FCE_REDUCTION_MEAN, FCE_STATUS_INVALID_ARGUMENT,
-              "options->reduction %d is not an fce_reduction_t", o.reduction);
-    p.o.divergence = o.divergence;
-    p.o.beta = o.beta;
-    p.o.temperature = o.temperature;
-    p.o.scale_by_t2 = o.scale_by_t2 != 0;
-    p.o.topk_norm = o.topk_norm;
-    p.o.reduction = o.reduction;
-    p.o.ignore_index = o.ignore_index;
-  }
+  if (options) p.o = read_kd_options(options);
+  FCE_CHECK(p.o.vocab_total == 0, FCE_STATUS_INVALID_ARGUMENT,
+            "options->vocab_total is %lld: fce_kd_loss takes whole rows (a shard goes through fce_kd_partial, "
+            "fce_kd_combine and fce_kd_bwd)", (long long)p.o.vocab_total);
   const fce_kd_outputs_t out = checked_struct(outputs, "outputs");
   CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, nullptr, nullptr, nullptr, nullptr, true);
   p.loss = s.loss;
@@ -65,6 +80,124 @@ KdProblem kd_problem(fce_handle* h, const DLTensor* student, const fce_kd_teache
     p.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, N);
   }
   return p;
+}
+
+// ---- vocabulary-parallel KD ---------------------------------------------------------------------------
+
+// A shard call's options: required, a shard, forward or reverse KL.
+KdOpts kd_shard_options(const fce_kd_options_t* options, const char* fn) {
+  FCE_CHECK(options != nullptr, FCE_STATUS_INVALID_ARGUMENT, "options is NULL: %s needs options->vocab_total", fn);
+  KdOpts o = read_kd_options(options);
+  FCE_CHECK(o.vocab_total > 0, FCE_STATUS_INVALID_ARGUMENT,
+            "options->vocab_total is 0: %s is for a vocabulary shard (set vocab_start and vocab_total)", fn);
+  int div = o.divergence;
+  if (div == FCE_KD_JSD && o.beta == 0.f) div = FCE_KD_FORWARD_KL;  // KdTerm's convention: exactly KL
+  if (div == FCE_KD_JSD && o.beta == 1.f) div = FCE_KD_REVERSE_KL;
+  FCE_CHECK(div != FCE_KD_JSD, FCE_STATUS_NOT_IMPLEMENTED,
+            "%s: JSD over vocabulary shards is not implemented (its mixture needs a second exchange); forward "
+            "and reverse KL are", fn);
+  o.divergence = div;
+  return o;
+}
+
+// The student shard and the full teacher shard of the same shape.
+void read_shard_pair(Validator& val, const DLTensor* student, const fce_kd_teacher_t* teacher, Mat& s, Mat& t,
+                     const char* fn) {
+  s = val.matrix(student, "student", kFloats);
+  val.input("student", s.data, Validator::span(s));
+  const fce_kd_teacher_t tt = checked_struct(teacher, "teacher");
+  FCE_CHECK(!tt.topk_ids && !tt.topk_logprobs, FCE_STATUS_NOT_IMPLEMENTED,
+            "%s: a top-K teacher over vocabulary shards is not implemented (give teacher->logits)", fn);
+  FCE_CHECK(tt.logits != nullptr, FCE_STATUS_INVALID_ARGUMENT, "teacher->logits is NULL");
+  t = val.matrix(tt.logits, "teacher->logits", kFloats);
+  expect_shape(t, "teacher->logits", s.rows, s.cols);
+  val.input("teacher->logits", t.data, Validator::span(t));
+}
+
+KdPartialProblem kd_partial_problem(fce_handle* h, const DLTensor* student, const fce_kd_teacher_t* teacher,
+                                    const fce_kd_options_t* options, DLTensor* records) {
+  Validator val(h->backend, h->device_id);
+  KdPartialProblem p;
+  read_shard_pair(val, student, teacher, p.student, p.teacher, "fce_kd_partial");
+  p.o = kd_shard_options(options, "fce_kd_partial");
+  p.records = val.matrix(records, "records", kF32);
+  expect_shape(p.records, "records", p.student.rows, kKdRecordFields);
+  val.output("records", p.records.data, Validator::span(p.records));
+  return p;
+}
+
+// Row statistics [N, kKdRowStatsFields] fp32 (an output of the combine, an input of the backward).
+Mat read_row_stats(Validator& val, const DLTensor* t, int64_t N) {
+  Mat m = val.matrix(t, "row_stats", kF32);
+  expect_shape(m, "row_stats", N, kKdRowStatsFields);
+  return m;
+}
+
+KdCombineProblem kd_combine_problem(fce_handle* h, const DLTensor* records, const DLTensor* targets,
+                                    const fce_kd_options_t* options, DLTensor* loss, DLTensor* row_stats) {
+  Validator val(h->backend, h->device_id);
+  KdCombineProblem p;
+  FCE_CHECK(records != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records is NULL");
+  FCE_CHECK(records->ndim == 3, FCE_STATUS_SHAPE_MISMATCH, "records must be 3-D [W, N, K], has ndim %d",
+            records->ndim);
+  FCE_CHECK(records->shape != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records has a NULL shape");
+  const int64_t W = records->shape[0], N = records->shape[1], K = records->shape[2];
+  FCE_CHECK(W >= 1 && N >= 1 && K == kKdRecordFields, FCE_STATUS_SHAPE_MISMATCH,
+            "records has shape [%lld, %lld, %lld]; expected [W >= 1, N >= 1, %lld]", (long long)W, (long long)N,
+            (long long)K, (long long)kKdRecordFields);
+  if (records->strides) {
+    const int64_t* st = records->strides;
+    FCE_CHECK(st[2] == 1 && (N == 1 || st[1] == K) && (W == 1 || st[0] == N * K), FCE_STATUS_UNSUPPORTED_LAYOUT,
+              "records must be contiguous [W, N, K] (strides [%lld, %lld, %lld])", (long long)st[0],
+              (long long)st[1], (long long)st[2]);
+  }
+  FCE_CHECK(W <= INT64_MAX / N, FCE_STATUS_OVERFLOW, "records: W * N overflows");
+  DLTensor flat = *records;  // [W * N, K]: every check of a matrix applies
+  int64_t shape[2] = {W * N, K};
+  flat.ndim = 2;
+  flat.shape = shape;
+  flat.strides = nullptr;
+  p.records = val.matrix(&flat, "records", kF32);
+  val.input("records", p.records.data, Validator::span(p.records));
+  p.W = W;
+  p.N = N;
+  if (targets) p.targets = read_targets(val, targets, "targets", N);
+  p.o = kd_shard_options(options, "fce_kd_combine");
+  CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, loss, nullptr, nullptr, nullptr, nullptr, true);
+  p.loss = s.loss;
+  if (row_stats) {
+    p.row_stats = read_row_stats(val, row_stats, N);
+    val.output("row_stats", p.row_stats.data, Validator::span(p.row_stats));
+  }
+  return p;
+}
+
+KdBwdProblem kd_bwd_problem(fce_handle* h, const DLTensor* student, const fce_kd_teacher_t* teacher,
+                            const DLTensor* targets, const DLTensor* row_stats, const fce_kd_options_t* options,
+                            const DLTensor* grad_loss, const DLTensor* dstudent) {
+  Validator val(h->backend, h->device_id);
+  KdBwdProblem p;
+  read_shard_pair(val, student, teacher, p.student, p.teacher, "fce_kd_bwd");
+  const int64_t N = p.student.rows;
+  if (targets) p.targets = read_targets(val, targets, "targets", N);
+  p.o = kd_shard_options(options, "fce_kd_bwd");
+  p.row_stats = read_row_stats(val, row_stats, N);
+  val.input("row_stats", p.row_stats.data, Validator::span(p.row_stats));
+  p.grad_loss = read_grad_loss(val, grad_loss, p.o.reduction, N);
+  p.dstudent = val.matrix(dstudent, "dstudent", kFloats);
+  expect_shape(p.dstudent, "dstudent", N, p.student.cols);
+  FCE_CHECK(p.dstudent.dtype == p.student.dtype, FCE_STATUS_UNSUPPORTED_DTYPE,
+            "dstudent is %s; it must have the student's dtype %s", dtype_name(p.dstudent.dtype),
+            dtype_name(p.student.dtype));
+  val.output_allow_exact("dstudent", p.dstudent, p.student, "student");
+  return p;
+}
+
+size_t kd_combine_need(fce_handle* h, const KdCombineProblem& p) {
+  return h->backend == Backend::CPU ? 0 : cuda::kd_combine_workspace(h, p);
+}
+size_t kd_bwd_need(fce_handle* h, const KdBwdProblem& p) {
+  return h->backend == Backend::CPU ? 0 : cuda::kd_bwd_workspace(h, p);
 }
 
 size_t kd_need(fce_handle* h, const KdProblem& p) {
@@ -95,6 +228,66 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     write_size(bytes, kd_need(h, kd_problem(h, student, teacher, targets, options, outputs)));
+  });
+}
+
+FCE_API fce_status_t fce_kd_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
+                                    const fce_kd_teacher_t* teacher, const fce_kd_options_t* options,
+                                    DLTensor* records) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const KdPartialProblem p = kd_partial_problem(h, student, teacher, options, records);
+    if (h->backend == Backend::CPU) cpu::kd_partial(p);
+    else cuda::kd_partial(h, stream, p);
+  });
+}
+
+FCE_API fce_status_t fce_kd_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
+                                    const DLTensor* targets, const fce_kd_options_t* options, DLTensor* loss,
+                                    DLTensor* row_stats, void* workspace, size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const KdCombineProblem p = kd_combine_problem(h, records, targets, options, loss, row_stats);
+    const Workspace w = resolve_workspace(h, workspace, workspace_bytes, kd_combine_need(h, p), stream);
+    if (h->backend == Backend::CPU) cpu::kd_combine(p);
+    else cuda::kd_combine(h, stream, p, w);
+  });
+}
+
+FCE_API fce_status_t fce_kd_combine_workspace_size(fce_handle_t handle, const DLTensor* records,
+                                                   const DLTensor* targets, const fce_kd_options_t* options,
+                                                   const DLTensor* loss, const DLTensor* row_stats, size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    write_size(bytes, kd_combine_need(h, kd_combine_problem(h, records, targets, options,
+                                                            const_cast<DLTensor*>(loss),
+                                                            const_cast<DLTensor*>(row_stats))));
+  });
+}
+
+FCE_API fce_status_t fce_kd_bwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
+                                const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                const DLTensor* row_stats, const fce_kd_options_t* options,
+                                const DLTensor* grad_loss, DLTensor* dstudent, void* workspace,
+                                size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const KdBwdProblem p = kd_bwd_problem(h, student, teacher, targets, row_stats, options, grad_loss, dstudent);
+    const Workspace w = resolve_workspace(h, workspace, workspace_bytes, kd_bwd_need(h, p), stream);
+    if (h->backend == Backend::CPU) cpu::kd_bwd(p);
+    else cuda::kd_bwd(h, stream, p, w);
+  });
+}
+
+FCE_API fce_status_t fce_kd_bwd_workspace_size(fce_handle_t handle, const DLTensor* student,
+                                               const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                               const DLTensor* row_stats, const fce_kd_options_t* options,
+                                               const DLTensor* grad_loss, const DLTensor* dstudent,
+                                               size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    write_size(bytes, kd_bwd_need(h, kd_bwd_problem(h, student, teacher, targets, row_stats, options, grad_loss,
+                                                    dstudent)));
   });
 }
 

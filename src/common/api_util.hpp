@@ -20,7 +20,6 @@ namespace fce {
 FCE_STRUCT_TRAITS(fce_ce_bwd_inputs_t, FCE_CE_BWD_INPUTS_INIT)
 FCE_STRUCT_TRAITS(fce_lse_options_t, FCE_LSE_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_softmax_options_t, FCE_SOFTMAX_OPTIONS_INIT)
-FCE_STRUCT_TRAITS(fce_kd_options_t, FCE_KD_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_kd_teacher_t, FCE_KD_TEACHER_INIT)
 FCE_STRUCT_TRAITS(fce_kd_outputs_t, FCE_KD_OUTPUTS_INIT)
 // Grown in 0.2.0 (vocab_start, vocab_total): 0.1.0's struct ends at class_weights.
@@ -37,6 +36,10 @@ inline fce_linear_ce_outputs_t struct_defaults(const fce_linear_ce_outputs_t*) {
   return fce_linear_ce_outputs_t(FCE_LINEAR_CE_OUTPUTS_INIT);
 }
 constexpr size_t struct_first_size(const fce_linear_ce_outputs_t*) { return offsetof(fce_linear_ce_outputs_t, flags); }
+// Grown in 0.2.0 (vocab_start, vocab_total): 0.1.0's struct ends at ignore_index.
+inline const char* struct_name(const fce_kd_options_t*) { return "fce_kd_options_t"; }
+inline fce_kd_options_t struct_defaults(const fce_kd_options_t*) { return fce_kd_options_t(FCE_KD_OPTIONS_INIT); }
+constexpr size_t struct_first_size(const fce_kd_options_t*) { return offsetof(fce_kd_options_t, vocab_start); }
 FCE_STRUCT_TRAITS(fce_build_info_t, FCE_BUILD_INFO_INIT)
 #undef FCE_STRUCT_TRAITS
 

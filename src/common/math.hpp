@@ -161,6 +161,69 @@ FCE_HD float kd_grad(float a, float q, float A, float scale) {
   return (q == 0.f ? a : a - q * A) * scale;
 }
 
+// ---- vocabulary-parallel knowledge distillation: the cross statistics of KL(P || Q) -------------------
+
+// Statistics of KL(P || Q) over a slice of a row, z = logits / T: the max and the sum of exp(z - max) of P and
+// of Q, and x = sum exp(z_P - m_P) ((z_P - m_P) - (z_Q - m_Q)), terms of zero P-probability adding 0. The
+// header's KD record (fields 0-4). R: float on the device's threads, double in the combine.
+template <class R>
+struct KdCross {
+  R mp, dp, mq, dq, x;
+};
+
+FCE_HD float kd_exp(float v) { return expf(v); }
+FCE_HD double kd_exp(double v) { return ::exp(v); }
+
+// Adds slice b, shifted to the maxima (MP, MQ) >= its own, into acc's sums. A slice without P mass adds
+// nothing to D_P or x; one whose Q is all -inf where P has mass makes x +inf (KL is then +inf).
+template <class R>
+FCE_HD void kd_cross_add(KdCross<R>& acc, const KdCross<R>& b, R MP, R MQ) {
+  if (b.mq != -INFINITY) acc.dq += b.dq * kd_exp(b.mq - MQ);
+  if (b.mp == -INFINITY) return;
+  const R f = kd_exp(b.mp - MP);
+  acc.dp += b.dp * f;
+  const R sq = b.mq == -INFINITY ? R(-INFINITY) : b.mq - MQ;
+  acc.x += f * (b.dp == R(0) ? b.x : b.x + b.dp * ((b.mp - MP) - sq));
+}
+
+// Two slices merged (the running maxima first): a's sums, then b's.
+template <class R>
+FCE_HD KdCross<R> kd_cross_merge(const KdCross<R>& a, const KdCross<R>& b) {
+  KdCross<R> r{a.mp > b.mp ? a.mp : b.mp, R(0), a.mq > b.mq ? a.mq : b.mq, R(0), R(0)};
+  kd_cross_add(r, a, r.mp, r.mq);
+  kd_cross_add(r, b, r.mp, r.mq);
+  return r;
+}
+
+// A row of the vocabulary-parallel KD from the W shards' records (rank order, record r at rec + r * stride):
+// the maxima first, then each record's sums in fp64. kl = KL(P || Q) (NaN for a row without a finite z in P
+// or in Q, as fce_kd_loss's log-softmax); the log-probabilities' shifts M and log D of P and Q.
+struct KdCombined {
+  double kl;
+  float mp, logdp, mq, logdq;
+};
+FCE_HD KdCombined kd_combine_records(const float* rec, int64_t W, int64_t stride) {
+  double MP = -INFINITY, MQ = -INFINITY;
+  for (int64_t r = 0; r < W; ++r) {
+    const float* q = rec + r * stride;
+    if (q[0] > MP) MP = q[0];
+    if (q[2] > MQ) MQ = q[2];
+  }
+  KdCross<double> c{MP, 0.0, MQ, 0.0, 0.0};
+  for (int64_t r = 0; r < W; ++r) {
+    const float* q = rec + r * stride;
+    kd_cross_add(c, KdCross<double>{q[0], q[1], q[2], q[3], q[4]}, MP, MQ);
+  }
+  KdCombined k;
+  const bool none = MP == -INFINITY || MQ == -INFINITY;
+  k.kl = none ? NAN : c.x / c.dp - ::log(c.dp) + ::log(c.dq);
+  k.mp = float(MP);
+  k.mq = float(MQ);
+  k.logdp = float(::log(c.dp));
+  k.logdq = float(::log(c.dq));
+  return k;
+}
+
 // ---- vocabulary-parallel cross-entropy: the combine of the shards' records ----------------------------
 
 constexpr int32_t kNoRecordIndex = INT32_MAX;  // a shard without real columns has no argmax

@@ -87,6 +87,36 @@ struct KdOpts {
   int topk_norm = FCE_KD_TOPK_FULL_VOCAB;
   int reduction = FCE_REDUCTION_MEAN;
   int64_t ignore_index = -100;
+  int64_t vocab_start = 0, vocab_total = 0;  // a vocabulary shard when vocab_total > 0
+  int64_t real_cols(int64_t V) const {  // the shard's columns inside the vocabulary (the rest is padding)
+    return vocab_total - vocab_start < V ? vocab_total - vocab_start : V;
+  }
+};
+
+// Vocabulary-parallel KD (the header's "Vocabulary-parallel knowledge distillation"): a shard's records, their
+// combine into whole rows, and a shard's dstudent from the rows' statistics.
+constexpr int64_t kKdRecordFields = 5;    // m_P, sum exp(z_P - m_P), m_Q, sum exp(z_Q - m_Q), cross sum X
+constexpr int64_t kKdRowStatsFields = 5;  // M_s, log D_s, M_t, log D_t, A
+struct KdPartialProblem {
+  Mat student, teacher;
+  KdOpts o;
+  Mat records;  // [N, kKdRecordFields]
+};
+struct KdCombineProblem {
+  Mat records;  // [W * N, kKdRecordFields]: rank r's row i at r * N + i
+  int64_t W = 0, N = 0;
+  Vec targets;  // optional
+  KdOpts o;
+  Vec loss;
+  Mat row_stats;  // optional [N, kKdRowStatsFields]
+};
+struct KdBwdProblem {
+  Mat student, teacher;
+  Vec targets;  // optional
+  KdOpts o;
+  Mat row_stats;
+  Vec grad_loss;  // optional
+  Mat dstudent;
 };
 
 struct KdProblem {
@@ -135,6 +165,9 @@ size_t softmax_workspace(const SoftmaxProblem&);
 void softmax(const SoftmaxProblem&, Workspace);
 size_t kd_workspace(const KdProblem&);
 void kd(const KdProblem&, Workspace);
+void kd_partial(const KdPartialProblem&);
+void kd_combine(const KdCombineProblem&);
+void kd_bwd(const KdBwdProblem&);
 size_t linear_ce_workspace(const LinearCeProblem&, bool minimum);
 void linear_ce(const LinearCeProblem&, Workspace);
 void scale_rows(const ScaleProblem&);
@@ -152,6 +185,11 @@ size_t softmax_workspace(fce_handle*, const SoftmaxProblem&);
 void softmax(fce_handle*, fce_stream_t, const SoftmaxProblem&, Workspace);
 size_t kd_workspace(fce_handle*, const KdProblem&);
 void kd(fce_handle*, fce_stream_t, const KdProblem&, Workspace);
+void kd_partial(fce_handle*, fce_stream_t, const KdPartialProblem&);
+size_t kd_combine_workspace(fce_handle*, const KdCombineProblem&);
+void kd_combine(fce_handle*, fce_stream_t, const KdCombineProblem&, Workspace);
+size_t kd_bwd_workspace(fce_handle*, const KdBwdProblem&);
+void kd_bwd(fce_handle*, fce_stream_t, const KdBwdProblem&, Workspace);
 size_t linear_ce_workspace(fce_handle*, const LinearCeProblem&, bool minimum);
 void linear_ce(fce_handle*, fce_stream_t, const LinearCeProblem&, Workspace);
 void scale_rows(fce_handle*, fce_stream_t, const ScaleProblem&);

@@ -258,5 +258,34 @@ __device__ __forceinline__ bool target_masked(const KdArgs& a, int64_t row) {
   return a.targets && load_index(a.targets, a.tgt64, row) == a.ignore_index;
 }
 
+// ---- MEAN's row count and the reduction -----------------------------------------------------------
+
+// Unmasked rows, for MEAN's gradient scale: a warp per row, integer atomics (exact in any order).
+__global__ void __launch_bounds__(256) kd_count_kernel(const KdArgs a, int* count) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  bool keep = false;
+  if (row < a.N) {  // the same for the whole warp
+    keep = !target_masked(a, row);
+    if (keep && a.ids) {  // a top-K row without a used slot is masked
+      int any = 0;
+      for (int64_t k = lane; k < a.K; k += 32) any |= load_index(a.ids, a.ids64, row * a.ldi + k) >= 0;
+      keep = __any_sync(0xffffffffu, any) != 0;
+    }
+  }
+  const int c = __syncthreads_count(lane == 0 && keep);
+  if (threadIdx.x == 0 && c) atomicAdd(count, c);
+}
+
+// SUM/MEAN of the per-row losses in a fixed order, in fp64; MEAN divides by the unmasked rows (0 if none).
+__global__ void __launch_bounds__(1024) kd_finalize_kernel(const float* row_loss, const int* row_used, int64_t N,
+                                                           int mean, float* out) {
+  finalize_rows(row_loss, nullptr, N, mean != 0, [&] {
+    long long u = 0;
+    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) u += row_used[i];
+    return double(block_reduce(SumL(u)).s);
+  }, out, nullptr);
+}
+
 }  // namespace
 }  // namespace fce::cuda

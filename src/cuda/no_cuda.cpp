@@ -22,6 +22,11 @@ FCE_NO_CUDA_OP(ce, CeProblem)
 FCE_NO_CUDA_OP(lse, LseProblem)
 FCE_NO_CUDA_OP(softmax, SoftmaxProblem)
 FCE_NO_CUDA_OP(kd, KdProblem)
+FCE_NO_CUDA_OP(kd_combine, KdCombineProblem)
+FCE_NO_CUDA_OP(kd_bwd, KdBwdProblem)
+void kd_partial(fce_handle*, fce_stream_t, const KdPartialProblem&) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
 size_t linear_ce_workspace(fce_handle*, const LinearCeProblem&, bool) { return 0; }
 size_t ce_combine_workspace(fce_handle*, const CeCombineProblem&) { return 0; }
 void ce_partial(fce_handle*, fce_stream_t, const CePartialProblem&) {

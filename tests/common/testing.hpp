@@ -192,6 +192,42 @@ inline Tensor scalar_f32(double v) {
   return t;
 }
 
+// A [W, N, K] view of a [W * N, K] fp32 tensor: the records of W vocabulary shards in rank order.
+struct Records {
+  Tensor t;
+  int64_t shape[3];
+  DLTensor dl;
+  Records(int64_t W, int64_t N, int64_t K) : t(DT::F32, {W * N, K}), shape{W, N, K} { view(); }
+  Records(Records&& o) noexcept : t(std::move(o.t)), shape{o.shape[0], o.shape[1], o.shape[2]} { view(); }
+  Records& operator=(Records&&) = delete;
+
+ private:
+  void view() {  // dl points into this object
+    dl = *t.dl();
+    dl.ndim = 3;
+    dl.shape = shape;
+    dl.strides = nullptr;
+  }
+};
+
+// Vocabulary shard r: global columns [start, start + width), stored in `cols` columns (cols - width of
+// padding).
+struct Shard {
+  int64_t start, width, cols;
+};
+
+// Splits V into shards of the given widths (the last takes the rest), the last padded by `pad` columns.
+inline std::vector<Shard> split_vocabulary(int64_t V, const std::vector<int64_t>& widths, int64_t pad) {
+  std::vector<Shard> s;
+  int64_t at = 0;
+  for (size_t r = 0; r < widths.size(); ++r) {
+    const int64_t w = r + 1 == widths.size() ? V - at : widths[r];
+    s.push_back({at, w, w + (r + 1 == widths.size() ? pad : 0)});
+    at += w;
+  }
+  return s;
+}
+
 // RAII handle on the test target.
 class Handle {
  public:

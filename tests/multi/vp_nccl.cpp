@@ -296,6 +296,97 @@ void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, co
   std::printf("rank %d: %s: ok\n", g_rank, name);
 }
 
+// Vocabulary-parallel KD with the caller's all-gather (the test's own NCCL): fce_kd_partial on this rank's
+// shards of student and teacher, the records all-gathered, fce_kd_combine and fce_kd_bwd; against the
+// one-device emulation (every shard's records on this GPU), bitwise, and the same loss on every rank.
+void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl& nccl, ncclComm* nc,
+             cudaStream_t st) {
+  const Split s{c.V, W, (c.V + W - 1) / W};
+  std::vector<float> x, y;
+  std::vector<int64_t> t;
+  make_inputs(c, x, t);
+  Case ct = c;
+  ct.N += 1;  // another seed for the teacher (its first N rows)
+  ct.nan_row = false;
+  std::vector<int64_t> unused;
+  make_inputs(ct, y, unused);
+  y.resize(size_t(c.N * c.V));
+  const DLDataType xt = c.bf16 ? kBF16 : kF32;
+  const fce_stream_t fs = reinterpret_cast<fce_stream_t>(st);
+  Buf targets({c.N}, kI64, dev);
+  targets.upload(t.data());
+  fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
+  o.divergence = div;
+  o.temperature = 2.f;
+  o.reduction = fce_reduction_t(c.reduction);
+  o.vocab_total = c.V;
+  const bool none = c.reduction == FCE_REDUCTION_NONE;
+  auto partial = [&](int64_t r, DLTensor* out) {
+    Buf a({c.N, s.width}, xt, dev), b({c.N, s.width}, xt, dev);
+    a.upload(shard_bytes(c, s, r, x).data());
+    b.upload(shard_bytes(c, s, r, y).data());
+    fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+    tt.logits = &b.t;
+    fce_kd_options_t orr = o;
+    orr.vocab_start = s.start(r);
+    ok(fce_kd_partial(h, fs, &a.t, &tt, &orr, out), "fce_kd_partial");
+    ck(cudaStreamSynchronize(st), "sync");
+  };
+  // rank's path: its records, the all-gather, the combine, its shard's dstudent
+  auto finish = [&](Buf& recs, Buf& loss, Buf& stats, Buf& ds) {
+    ok(fce_kd_combine(h, fs, &recs.t, &targets.t, &o, &loss.t, &stats.t, nullptr, 0), "fce_kd_combine");
+    Buf a({c.N, s.width}, xt, dev), b({c.N, s.width}, xt, dev);
+    a.upload(shard_bytes(c, s, g_rank, x).data());
+    b.upload(shard_bytes(c, s, g_rank, y).data());
+    fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+    tt.logits = &b.t;
+    fce_kd_options_t orr = o;
+    orr.vocab_start = s.start(g_rank);
+    ok(fce_kd_bwd(h, fs, &a.t, &tt, &targets.t, &stats.t, &orr, nullptr, &ds.t, nullptr, 0), "fce_kd_bwd");
+    ck(cudaStreamSynchronize(st), "sync");
+  };
+  const std::vector<int64_t> lshape = none ? std::vector<int64_t>{c.N} : std::vector<int64_t>{};
+  Buf mine({c.N, FCE_KD_RECORD_FIELDS}, kF32, dev), all({int64_t(W), c.N, FCE_KD_RECORD_FIELDS}, kF32, dev);
+  partial(g_rank, &mine.t);
+  if (nccl.all_gather(mine.p, all.p, size_t(c.N) * FCE_KD_RECORD_FIELDS, 7, nc, st) != 0)
+    CHECK(false, "KD all-gather failed");
+  Buf loss(lshape, kF32, dev), stats({c.N, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), ds({c.N, s.width}, xt, dev);
+  finish(all, loss, stats, ds);
+  Buf emu({int64_t(W), c.N, FCE_KD_RECORD_FIELDS}, kF32, dev);
+  for (int r = 0; r < W; ++r) {
+    DLTensor view = emu.t;
+    int64_t vshape[2] = {c.N, FCE_KD_RECORD_FIELDS};
+    view.ndim = 2;
+    view.shape = vshape;
+    view.byte_offset = uint64_t(r) * uint64_t(c.N) * FCE_KD_RECORD_FIELDS * 4;
+    partial(r, &view);
+  }
+  Buf eloss(lshape, kF32, dev), estats({c.N, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), eds({c.N, s.width}, xt, dev);
+  finish(emu, eloss, estats, eds);
+  char name[128];
+  std::snprintf(name, sizeof name, "KD %s N=%lld V=%lld %s reduction=%d%s", div == FCE_KD_FORWARD_KL ? "forward" : "reverse",
+                (long long)c.N, (long long)c.V, c.bf16 ? "bf16" : "fp32", c.reduction, c.nan_row ? " NaN row" : "");
+  CHECK(all.download() == emu.download(), "%s: the gathered records differ from the emulation's", name);
+  CHECK(loss.download() == eloss.download() && stats.download() == estats.download() &&
+            ds.download() == eds.download(),
+        "%s: loss, statistics or dstudent differ from the one-device emulation", name);
+  const auto lb = loss.download();
+  Buf lb_d({int64_t(lb.size())}, DLDataType{kDLUInt, 8, 1}, dev), lall({int64_t(lb.size()) * W}, DLDataType{kDLUInt, 8, 1}, dev);
+  lb_d.upload(lb.data());
+  if (nccl.all_gather(lb_d.p, lall.p, lb.size(), 0, nc, st) != 0) CHECK(false, "test all-gather failed");
+  ck(cudaStreamSynchronize(st), "sync");
+  const auto la = lall.download();
+  for (int r = 1; r < W; ++r)
+    CHECK(std::memcmp(la.data(), la.data() + size_t(r) * lb.size(), lb.size()) == 0, "%s: rank %d's loss differs",
+          name, r);
+  if (c.nan_row && none && c.N > 1) {
+    float l1 = 0;
+    std::memcpy(&l1, lb.data() + 4, 4);
+    CHECK(std::isnan(l1), "%s: row 1's NaN did not reach rank %d (loss %g)", name, g_rank, l1);
+  }
+  std::printf("rank %d: %s: ok\n", g_rank, name);
+}
+
 void validation(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st) {
   const Case c{4, 1000, false, FCE_REDUCTION_NONE, 0.f, 0.f, false};
   const Split s{c.V, W, (c.V + W - 1) / W};
@@ -451,6 +542,48 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
     std::printf("| rank %d | all-gather of [N, %lld] records | N=%lld, %d ranks | %.3f | |\n", g_rank, (long long)K,
                 (long long)N, W, ta);
   }
+  {  // KD forward KL, student and teacher both sharded (strong), N = 4096: records, the all-gather, combine
+    const int64_t NK = 4096, width = (V + W - 1) / W;
+    Buf xs({NK, width}, kBF16, dev), xt({NK, width}, kBF16, dev), rec({NK, FCE_KD_RECORD_FIELDS}, kF32, dev);
+    Buf all({int64_t(W), NK, FCE_KD_RECORD_FIELDS}, kF32, dev), loss({}, kF32, dev);
+    Buf stats({NK, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), ds({NK, width}, kBF16, dev);
+    std::vector<uint16_t> hx(size_t(NK * width));
+    std::normal_distribution<float> nd(0.f, 2.f);
+    for (auto& v : hx) v = to_bf16(nd(g));
+    xs.upload(hx.data());
+    for (auto& v : hx) v = to_bf16(nd(g));
+    xt.upload(hx.data());
+    fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
+    o.vocab_start = g_rank * width;
+    o.vocab_total = V;
+    fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+    tt.logits = &xt.t;
+    size_t wsb = 0;
+    ok(fce_kd_combine_workspace_size(h, &all.t, nullptr, &o, &loss.t, &stats.t, &wsb), "ws");
+    void* ws = nullptr;
+    ck(cudaMalloc(&ws, wsb + 256), "ws");
+    const float tp = time([&] { ok(fce_kd_partial(h, fs, &xs.t, &tt, &o, &rec.t), "kd partial"); });
+    const float tf = time([&] {
+      ok(fce_kd_partial(h, fs, &xs.t, &tt, &o, &rec.t), "kd partial");
+      if (nccl.all_gather(rec.p, all.p, size_t(NK) * FCE_KD_RECORD_FIELDS, 7, nc, st) != 0) CHECK(false, "all-gather");
+      ok(fce_kd_combine(h, fs, &all.t, nullptr, &o, &loss.t, &stats.t, ws, wsb + 256), "kd combine");
+    });
+    const float tb = time([&] {
+      ok(fce_kd_bwd(h, fs, &xs.t, &tt, nullptr, &stats.t, &o, nullptr, &ds.t, ws, wsb + 256), "kd bwd");
+    });
+    cudaFree(ws);
+    Buf ws1({NK, V}, kBF16, dev), wt1({NK, V}, kBF16, dev), l1({}, kF32, dev);
+    ck(cudaMemset(ws1.p, 0, ws1.bytes), "memset");
+    ck(cudaMemset(wt1.p, 0, wt1.bytes), "memset");
+    fce_kd_teacher_t t1 = FCE_KD_TEACHER_INIT;
+    t1.logits = &wt1.t;
+    fce_kd_outputs_t o1 = FCE_KD_OUTPUTS_INIT;
+    o1.loss = &l1.t;
+    const float t1f = time([&] { ok(fce_kd_loss(h, fs, &ws1.t, &t1, nullptr, nullptr, &o1, nullptr, 0), "kd"); });
+    std::printf("| rank %d | KD forward KL, strong | N=%lld V_local=%lld V=%lld | partial %.3f; partial + all-gather + "
+                "combine %.3f; shard dstudent %.3f; one GPU fce_kd_loss over V %.3f | |\n", g_rank, (long long)NK,
+                (long long)width, (long long)V, tp, tf, tb, t1f);
+  }
   {  // one GPU, the whole V, fused forward + dlogits in place
     Buf x({N, V}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
     std::vector<uint16_t> hx(size_t(N * V));
@@ -538,6 +671,13 @@ int main(int argc, char** argv) {
         {37, 50021, false, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, true, true},
     };
     for (const Case& c : cases) run_case(c, W, dev, h, comm, nccl, nc, st);
+    const Case kd_cases[] = {
+        {37, 50021, false, FCE_REDUCTION_NONE, 0.f, 0.f, true},
+        {300, 129920, true, FCE_REDUCTION_MEAN, 0.f, 0.f, false},
+        {64, 7, false, FCE_REDUCTION_SUM, 0.f, 0.f, false},
+    };
+    for (const Case& c : kd_cases)
+      for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) kd_case(c, div, W, dev, h, nccl, nc, st);
     validation(W, dev, h, comm, st);
   }
   fce_comm_destroy(comm);

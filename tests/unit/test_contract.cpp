@@ -645,9 +645,10 @@ TEST(Contract, GrowingStructsZeroTailAcceptedNonZeroTailRefused) {
   fce_kd_outputs_t kout = FCE_KD_OUTPUTS_INIT;
   kout.loss = loss.dl();
   kout.dstudent = dl.dl();
+  // Grown in 0.2.0 by vocab_start and vocab_total (vocabulary-parallel KD): 0.1.0's struct is still taken.
   check_struct_growth("fce_kd_options_t", ko, growth_call<fce_kd_options_t>({&loss, &dl}, [&](fce_handle_t h, const fce_kd_options_t* p) {
     return fce_kd_loss(h, test_stream(), x.dl(), &kt, nullptr, p, &kout, nullptr, 0);
-  }));
+  }), offsetof(fce_kd_options_t, vocab_start));
   check_struct_growth("fce_kd_teacher_t", kk, growth_call<fce_kd_teacher_t>({&loss, &dl}, [&](fce_handle_t h, const fce_kd_teacher_t* p) {
     return fce_kd_loss(h, test_stream(), x.dl(), p, nullptr, &ko, &kout, nullptr, 0);
   }));
@@ -887,6 +888,8 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
     EXPECT_EQ(a.topk_norm, b.topk_norm);
     EXPECT_EQ(a.reduction, b.reduction);
     EXPECT_EQ(a.ignore_index, b.ignore_index);
+    EXPECT_EQ(a.vocab_start, 0);
+    EXPECT_EQ(a.vocab_total, 0);
   }
   {
     fce_kd_teacher_t a, b = FCE_KD_TEACHER_INIT;
@@ -937,7 +940,7 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
   for (size_t i = sizeof(fce_kd_options_t); i < sizeof(buf); ++i) EXPECT_EQ(buf[i], 0) << "byte " << i;
   // Sizes out of range write nothing.
   std::memset(buf, 0xcd, sizeof(buf));
-  for (size_t bad : {sizeof(fce_kd_options_t) - 4, size_t(FCE_MAX_STRUCT_SIZE) + 1}) {
+  for (size_t bad : {offsetof(fce_kd_options_t, vocab_start) - 4, size_t(FCE_MAX_STRUCT_SIZE) + 1}) {
     EXPECT_EQ(fce_kd_options_init(k, bad), FCE_STATUS_INVALID_ARGUMENT) << bad;
     for (unsigned char c : buf) ASSERT_EQ(c, 0xcd) << "written for size " << bad;
   }

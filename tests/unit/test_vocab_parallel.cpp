@@ -9,36 +9,6 @@ using namespace fct;
 
 namespace {
 
-// Shard r: global columns [start, start + width), stored in `cols` columns (cols - width of padding).
-struct Shard {
-  int64_t start, width, cols;
-};
-
-// Splits V into shards of the given widths (the last takes the rest), each padded by `pad` columns.
-std::vector<Shard> split(int64_t V, std::vector<int64_t> widths, int64_t pad) {
-  std::vector<Shard> s;
-  int64_t at = 0;
-  for (size_t r = 0; r < widths.size(); ++r) {
-    const int64_t w = r + 1 == widths.size() ? V - at : widths[r];
-    s.push_back({at, w, w + (r + 1 == widths.size() ? pad : 0)});
-    at += w;
-  }
-  return s;
-}
-
-// A [W, N, K] view of a [W * N, K] fp32 tensor.
-struct Records {
-  Tensor t;
-  int64_t shape[3];
-  DLTensor dl;
-  Records(int64_t W, int64_t N, int64_t K) : t(DT::F32, {W * N, K}), shape{W, N, K} {
-    dl = *t.dl();
-    dl.ndim = 3;
-    dl.shape = shape;
-    dl.strides = nullptr;
-  }
-};
-
 struct Case {
   CeCase ce;
   std::vector<int64_t> widths;
@@ -53,7 +23,7 @@ void run(const Case& k) {
   Handle h;
   Tensor full(c.dt, {N, V});
   fill_logits(full, c.logit_std, c.peaked);
-  const std::vector<Shard> shards = split(V, k.widths, k.pad);
+  const std::vector<Shard> shards = split_vocabulary(V, k.widths, k.pad);
   const int64_t W = int64_t(shards.size());
   if (k.nan_row) {
     full.set(1, shards[1].start + 1, NAN);
@@ -272,7 +242,7 @@ void run_narrow(const CeCase& c, const std::vector<int64_t>& widths, int64_t pad
   Handle h;
   Tensor full(c.dt, {N, V});
   fill_logits(full, c.logit_std, c.peaked);
-  const std::vector<Shard> shards = split(V, widths, pad);
+  const std::vector<Shard> shards = split_vocabulary(V, widths, pad);
   const int64_t W = int64_t(shards.size());
   Tensor targets(c.tdt, {N});
   for (int64_t i = 0; i < N; ++i) targets.set_int(i, i % 5 == 3 ? -100 : (i * 7919) % V);
@@ -287,7 +257,6 @@ void run_narrow(const CeCase& c, const std::vector<int64_t>& widths, int64_t pad
   o.vocab_total = V;
   const int64_t widths_k[] = {FCE_CE_RECORD_FIELDS_LOSS, FCE_CE_RECORD_FIELDS_ENTROPY, FCE_CE_RECORD_FIELDS_ALL};
   std::vector<Records> recs;
-  recs.reserve(3);  // a Records' view points into itself: no reallocation
   for (int64_t K : widths_k) recs.emplace_back(W, N, K);
   for (int64_t r = 0; r < W; ++r) {
     const Shard& s = shards[size_t(r)];

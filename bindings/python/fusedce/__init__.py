@@ -21,7 +21,7 @@ from ._lib import (ABI_VERSION, HEADER_VERSION, KD_TEMPERATURE_MAX, KD_TEMPERATU
 from .ops import (CrossEntropyOutput, KDOutput, LinearCrossEntropyGrads, LinearCrossEntropyOutput, SoftmaxOutput,
                   cross_entropy, cross_entropy_bwd, cross_entropy_bwd_ex, cross_entropy_combine, cross_entropy_fwd,
                   cross_entropy_partial,
-                  cross_entropy_record_fields, kd_loss, linear_cross_entropy,
+                  cross_entropy_record_fields, kd_bwd, kd_combine, kd_loss, kd_partial, linear_cross_entropy,
                   linear_cross_entropy_bwd, linear_cross_entropy_fwd, logsumexp, temp_softmax)
 
 __version__ = HEADER_VERSION
@@ -44,7 +44,8 @@ __all__ = [
     "LinearCrossEntropyGrads", "LinearCrossEntropyOutput", "NoDeviceError", "OutOfMemoryError",
     "ShapeMismatchError", "SoftmaxOutput", "UnsupportedDtypeError", "UnsupportedLayoutError", "build_info",
     "cross_entropy", "cross_entropy_bwd", "cross_entropy_bwd_ex", "cross_entropy_combine", "cross_entropy_fwd", "cross_entropy_partial",
-    "cross_entropy_record_fields", "default_handle", "defaults", "ffi", "kd_loss",
+    "cross_entropy_record_fields", "default_handle", "defaults", "ffi", "kd_bwd", "kd_combine", "kd_loss",
+    "kd_partial",
     "lib", "library_path", "linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_fwd",
     "logsumexp", "new_struct", "temp_softmax", "version",
 ]

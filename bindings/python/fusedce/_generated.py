@@ -218,6 +218,8 @@ typedef struct fce_kd_options {
   int32_t topk_norm;
   int32_t reduction;
   int64_t ignore_index;
+  int64_t vocab_start;
+  int64_t vocab_total;
 } fce_kd_options_t;
 fce_status_t fce_kd_options_init(fce_kd_options_t* options, size_t struct_size);
 typedef struct fce_kd_teacher {
@@ -242,6 +244,25 @@ fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTensor* stu
                                                 const fce_kd_teacher_t* teacher, const DLTensor* targets,
                                                 const fce_kd_options_t* options,
                                                 const fce_kd_outputs_t* outputs, size_t* bytes);
+fce_status_t fce_kd_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
+                                    const fce_kd_teacher_t* teacher, const fce_kd_options_t* options,
+                                    DLTensor* records);
+fce_status_t fce_kd_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
+                                    const DLTensor* targets, const fce_kd_options_t* options, DLTensor* loss,
+                                    DLTensor* row_stats, void* workspace, size_t workspace_bytes);
+fce_status_t fce_kd_combine_workspace_size(fce_handle_t handle, const DLTensor* records,
+                                                   const DLTensor* targets, const fce_kd_options_t* options,
+                                                   const DLTensor* loss, const DLTensor* row_stats, size_t* bytes);
+fce_status_t fce_kd_bwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
+                                const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                const DLTensor* row_stats, const fce_kd_options_t* options,
+                                const DLTensor* grad_loss, DLTensor* dstudent, void* workspace,
+                                size_t workspace_bytes);
+fce_status_t fce_kd_bwd_workspace_size(fce_handle_t handle, const DLTensor* student,
+                                               const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                               const DLTensor* row_stats, const fce_kd_options_t* options,
+                                               const DLTensor* grad_loss, const DLTensor* dstudent,
+                                               size_t* bytes);
 typedef struct fce_linear_ce_outputs {
   uint32_t struct_size;
   DLTensor* loss;
@@ -295,6 +316,8 @@ MACROS = {
     'FCE_CE_RECORD_FIELDS_ALL': 7,
     'FCE_KD_TEMPERATURE_MIN': 9.999999747378752e-05,
     'FCE_KD_TEMPERATURE_MAX': 100.0,
+    'FCE_KD_RECORD_FIELDS': 5,
+    'FCE_KD_ROW_STATS_FIELDS': 5,
     'FCE_LINEAR_CE_ACCUMULATE': 1,
 }
 
@@ -359,6 +382,8 @@ INITS = {
         'topk_norm': 0,
         'reduction': 2,
         'ignore_index': -100,
+        'vocab_start': 0,
+        'vocab_total': 0,
     }),
     'FCE_KD_TEACHER_INIT': ('fce_kd_teacher_t', {
         'struct_size': 'sizeof',

@@ -396,6 +396,18 @@ def kd_loss(student, teacher_logits=None, *, topk_ids=None, topk_logprobs=None, 
     teacher.logits = c.dl(None if teacher_logits is None else c.native(teacher_logits))
     teacher.topk_ids = c.dl(None if topk_ids is None else c.native(topk_ids))
     teacher.topk_logprobs = c.dl(None if topk_logprobs is None else c.native(topk_logprobs))
+    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index)
+    outs = c.struct("fce_kd_outputs_t")
+    outs.loss = c.dl(loss_a, True)
+    outs.dstudent = c.dl(ds_a, True)
+    outs.grad_loss = c.dl(_grad(c, grad_loss))
+    c.run("fce_kd_loss", c.dl(student), teacher, c.dl(None if targets is None else c.native(targets)), o, outs,
+          workspace=workspace)
+    return KDOutput(c.scalar_out(loss_a), ds_a)
+
+
+def _kd_options(c, divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index, vocab_start=0,
+                vocab_total=0):
     o = c.struct("fce_kd_options_t")
     o.divergence = _enum(_DIVERGENCES, divergence, "divergence")
     o.beta = float(beta)
@@ -404,13 +416,71 @@ def kd_loss(student, teacher_logits=None, *, topk_ids=None, topk_logprobs=None, 
     o.topk_norm = _enum(_TOPK_NORMS, topk_norm, "topk_norm")
     o.reduction = _enum(_REDUCTIONS, reduction, "reduction")
     o.ignore_index = int(ignore_index)
-    outs = c.struct("fce_kd_outputs_t")
-    outs.loss = c.dl(loss_a, True)
-    outs.dstudent = c.dl(ds_a, True)
-    outs.grad_loss = c.dl(_grad(c, grad_loss))
-    c.run("fce_kd_loss", c.dl(student), teacher, c.dl(None if targets is None else c.native(targets)), o, outs,
-          workspace=workspace)
-    return KDOutput(c.scalar_out(loss_a), ds_a)
+    o.vocab_start = int(vocab_start)
+    o.vocab_total = int(vocab_total)
+    return o
+
+
+def _full_teacher(c, teacher_logits):
+    teacher = c.struct("fce_kd_teacher_t")
+    teacher.logits = c.dl(c.native(teacher_logits))
+    return teacher
+
+
+# ---- vocabulary-parallel knowledge distillation ---------------------------------------------------
+
+KD_RECORD_FIELDS, KD_ROW_STATS_FIELDS = MACROS["FCE_KD_RECORD_FIELDS"], MACROS["FCE_KD_ROW_STATS_FIELDS"]
+
+
+def kd_partial(student, teacher_logits, *, vocab_start, vocab_total,
+               divergence=_NAME["divergence"][_KD["divergence"]], temperature=_KD["temperature"], records=None,
+               handle=None, stream=None):
+    """fce_kd_partial: the [N, KD_RECORD_FIELDS] fp32 records of a vocabulary shard of student and teacher
+    logits ([N, V_local] each: global columns [vocab_start, vocab_start + V_local) of vocab_total; columns past
+    it are padding). divergence "forward_kl" or "reverse_kl" ("jsd" raises BackendNotImplementedError, a
+    NotImplementedError). Gather every rank's records in rank order ([W, N, K]) for kd_combine."""
+    c = Call(student, handle, stream)
+    out = records if records is not None else c.empty((_rows(student), KD_RECORD_FIELDS), "float32")
+    o = _kd_options(c, divergence, 0.5, temperature, False, "full_vocab", "mean", -100, vocab_start, vocab_total)
+    c.run_plain("fce_kd_partial", c.dl(student), _full_teacher(c, teacher_logits), o, c.dl(out, True))
+    return out
+
+
+def kd_combine(records, *, vocab_total, targets=None, divergence=_NAME["divergence"][_KD["divergence"]],
+               temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
+               reduction=_NAME["reduction"][_KD["reduction"]], ignore_index=_KD["ignore_index"], row_stats=True,
+               handle=None, stream=None, workspace=None):
+    """fce_kd_combine: the divergence of whole rows from every shard's records [W, N, KD_RECORD_FIELDS]
+    (rank order), with the partial calls' options; rows whose target is ignore_index are masked. Returns
+    (loss, row_stats): loss [N] ("none") or a scalar, and the [N, KD_ROW_STATS_FIELDS] fp32 statistics
+    kd_bwd takes (None with row_stats=False)."""
+    c = Call(records, handle, stream)
+    n = int(records.shape[1])
+    loss_a = _loss_buffer(c, reduction, n)
+    stats = c.empty((n, KD_ROW_STATS_FIELDS), "float32") if row_stats else None
+    o = _kd_options(c, divergence, 0.5, temperature, scale_by_t2, "full_vocab", reduction, ignore_index, 0,
+                    vocab_total)
+    c.run("fce_kd_combine", c.dl(records), c.dl(None if targets is None else c.native(targets)), o,
+          c.dl(loss_a, True), c.dl(stats, True), workspace=workspace)
+    return c.scalar_out(loss_a), stats
+
+
+def kd_bwd(student, teacher_logits, row_stats, *, vocab_start, vocab_total, targets=None,
+           divergence=_NAME["divergence"][_KD["divergence"]], temperature=_KD["temperature"],
+           scale_by_t2=bool(_KD["scale_by_t2"]), reduction=_NAME["reduction"][_KD["reduction"]],
+           ignore_index=_KD["ignore_index"], grad_loss=None, dstudent=None, handle=None, stream=None,
+           workspace=None):
+    """fce_kd_bwd: this shard's d(loss)/d(student) * grad_loss from kd_combine's row_stats (the same options
+    and targets as the combine); into `dstudent` when given (may be `student`, in place), else a new array in
+    the student's dtype."""
+    c = Call(student, handle, stream)
+    ds_a = dstudent if dstudent is not None else c.empty_like(student)
+    o = _kd_options(c, divergence, 0.5, temperature, scale_by_t2, "full_vocab", reduction, ignore_index,
+                    vocab_start, vocab_total)
+    c.run("fce_kd_bwd", c.dl(student), _full_teacher(c, teacher_logits),
+          c.dl(None if targets is None else c.native(targets)), c.dl(c.native(row_stats)), o,
+          c.dl(_grad(c, grad_loss)), c.dl(ds_a, True), workspace=workspace)
+    return ds_a
 
 
 # ---- linear cross-entropy -------------------------------------------------------------------------

@@ -529,7 +529,7 @@ class KDLoss(torch.nn.Module):
 __all__ = ["CrossEntropyLoss", "CrossEntropyOutput", "KDLoss", "LinearCrossEntropyLoss", "SoftmaxOutput",
            "cross_entropy", "kd_loss", "kd_loss_topk", "linear_cross_entropy", "linear_logprobs_entropy",
            "log_softmax", "logprobs_entropy", "logsumexp", "softmax", "temp_softmax", "vocab_parallel_cross_entropy",
-           "vocab_parallel_logprobs_entropy"]
+           "vocab_parallel_kd_loss", "vocab_parallel_logprobs_entropy"]
 
 
 # ---- vocabulary-parallel cross-entropy -------------------------------------------------------------
@@ -599,6 +599,69 @@ class _VocabParallelLPE(torch.autograd.Function):
         return d, None, None, None
 
 
+def _shard_of(v_local, vocab_start, vocab_total, group):
+    """(vocab_start, vocab_total) of this rank's shard: the given ones, or equal shards in rank order."""
+    import torch.distributed as dist
+    if vocab_start is None or vocab_total is None:
+        distributed = group is not None or (dist.is_available() and dist.is_initialized())
+        rank = dist.get_rank(group) if distributed else 0
+        world = dist.get_world_size(group) if distributed else 1
+        vocab_start = rank * v_local if vocab_start is None else vocab_start
+        vocab_total = world * v_local if vocab_total is None else vocab_total
+    return int(vocab_start), int(vocab_total)
+
+
+class _VocabParallelKD(torch.autograd.Function):
+    """Records of the shard, one all-gather, combine (loss and the rows' statistics); the backward is the
+    shard's fce_kd_bwd from those statistics."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, targets, group, kw):
+        pkw = {k: kw[k] for k in ("vocab_start", "vocab_total", "divergence", "temperature")}
+        rec = _arrays.kd_partial(student.detach(), teacher, **pkw)
+        ckw = {k: v for k, v in kw.items() if k != "vocab_start"}
+        loss, stats = _arrays.kd_combine(_gather_records(rec, group), targets=targets, **ckw)
+        ctx.save_for_backward(student, teacher, targets, stats)
+        ctx.kw = kw
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        student, teacher, targets, stats = ctx.saved_tensors
+        d = _arrays.kd_bwd(student.detach(), teacher, stats, targets=targets, grad_loss=grad.float().contiguous(),
+                           **ctx.kw)
+        return d, None, None, None, None
+
+
+def vocab_parallel_kd_loss(student_logits, teacher_logits, target=None, *, divergence=_KD_DIVERGENCE,
+                           temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
+                           reduction=_KD_REDUCTION, ignore_index=_KD["ignore_index"], vocab_start=None,
+                           vocab_total=None, group=None):
+    """kd_loss of student and teacher logits whose vocabulary is split across the ranks of a
+    torch.distributed `group` by the same columns (this rank holds global columns [vocab_start, vocab_start +
+    V_local) of both; equal shards in rank order by default, uneven or padded ones when given). divergence
+    "forward_kl" or "reverse_kl" (JSD raises NotImplementedError: its mixture needs a second exchange);
+    reduction "mean" is batchmean over rows whose target is not ignore_index. Returns the loss of the whole
+    rows, the same bits on every rank; its gradient flows to this rank's student logits (the teacher gets
+    none).
+
+    student_logits / teacher_logits: [..., V_local], fp32/bf16/fp16, CPU or CUDA. Per call: one all-gather of
+    [N, 5] fp32 records through torch.distributed (fce_kd_partial on this rank's shard, fce_kd_combine of every
+    rank's records in rank order: no float all-reduce, so NaN propagates and the result does not depend on
+    the collective's algorithm); the backward is fce_kd_bwd of the shard. Without an initialized process group
+    the call is the one-shard case. Not a torch.library op: torch.compile graph-breaks around it."""
+    v_local = student_logits.shape[-1]
+    vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
+    kw = dict(vocab_start=vocab_start, vocab_total=vocab_total, divergence=divergence,
+              temperature=float(temperature), scale_by_t2=bool(scale_by_t2), reduction=reduction,
+              ignore_index=int(ignore_index))
+    x = student_logits.reshape(-1, v_local)
+    t = teacher_logits.detach().reshape(-1, v_local)
+    tg = None if target is None else _targets(target).reshape(-1)
+    loss = _VocabParallelKD.apply(x, t, tg, group, kw)
+    return loss.reshape(student_logits.shape[:-1]) if _reduction(reduction) == _REDUCTION_NONE else loss
+
+
 def vocab_parallel_logprobs_entropy(logits, labels, temperature=1.0, reduction="none", *, vocab_start=None,
                                     vocab_total=None, group=None, ignore_index=-100):
     """logprobs_entropy of logits whose vocabulary is split across the ranks of a torch.distributed `group`
@@ -608,16 +671,10 @@ def vocab_parallel_logprobs_entropy(logits, labels, temperature=1.0, reduction="
     every token); gradients through both flow to this rank's logits. One all-gather of [N, 5] fp32 records
     through torch.distributed per call; the backward is the shard's fce_cross_entropy_bwd_ex from the combined
     lse and entropy, elementwise the bits of the unsharded call's backward. Not a torch.library op."""
-    import torch.distributed as dist
     scale = _logit_scale(temperature)
     v_local = logits.shape[-1]
-    if vocab_start is None or vocab_total is None:
-        distributed = group is not None or (dist.is_available() and dist.is_initialized())
-        rank = dist.get_rank(group) if distributed else 0
-        world = dist.get_world_size(group) if distributed else 1
-        vocab_start = rank * v_local if vocab_start is None else vocab_start
-        vocab_total = world * v_local if vocab_total is None else vocab_total
-    kw = dict(vocab_start=int(vocab_start), vocab_total=int(vocab_total), reduction=_REDUCTION_NONE,
+    vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
+    kw = dict(vocab_start=vocab_start, vocab_total=vocab_total, reduction=_REDUCTION_NONE,
               ignore_index=int(ignore_index), logit_scale=scale)
     lp, ent = _VocabParallelLPE.apply(logits.reshape(-1, v_local), _targets(labels).reshape(-1), group, kw)
     return _reduce_pair(lp, ent, reduction, tuple(labels.shape))
@@ -668,14 +725,8 @@ def vocab_parallel_cross_entropy(logits, target, *, vocab_start=None, vocab_tota
     all-gather goes through torch.distributed. Both give the same bits. Not a
     torch.library op: torch.compile graph-breaks around it.
     """
-    import torch.distributed as dist
     v_local = logits.shape[-1]
-    if vocab_start is None or vocab_total is None:
-        distributed = group is not None or (dist.is_available() and dist.is_initialized())
-        rank = dist.get_rank(group) if distributed else 0
-        world = dist.get_world_size(group) if distributed else 1
-        vocab_start = rank * v_local if vocab_start is None else vocab_start
-        vocab_total = world * v_local if vocab_total is None else vocab_total
+    vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
     red = _reduction(reduction)
     kw = dict(vocab_start=int(vocab_start), vocab_total=int(vocab_total), reduction=red, ignore_index=int(ignore_index),
               label_smoothing=float(label_smoothing), z_loss_scale=float(lse_square_scale),

@@ -95,6 +95,21 @@ def _rank(rank, world, port, shape, widths, results):
         err = max(float((lp.double() - rlp.detach()).abs().max()), float((ent.double() - rent.detach()).abs().max()))
         results.put((rank, "logprobs_entropy", err, float((mine.grad.double() - want_grad).abs().max()),
                      lp.detach().numpy().tobytes() + ent.detach().numpy().tobytes()))
+        # knowledge distillation, reverse KL at T = 2 with T^2, batchmean over the unmasked rows
+        mine.grad = None
+        teacher = torch.randn(s, b, v, generator=g) * 2
+        tmine = teacher[..., starts[rank]:starts[rank] + widths[rank]]
+        kd = ft.vocab_parallel_kd_loss(mine, tmine, t, divergence="reverse_kl", temperature=2.0, scale_by_t2=True,
+                                       **kw)
+        kd.backward()
+        x64 = x.double().requires_grad_()
+        lq, lpt = torch.log_softmax(x64 / 2, -1), torch.log_softmax(teacher.double() / 2, -1)
+        rows = (lq.exp() * (lq - lpt)).sum(-1) * 4
+        ref = (rows * (t != -100)).sum() / (t != -100).sum()
+        ref.backward()
+        want_grad = x64.grad[..., starts[rank]:starts[rank] + widths[rank]]
+        results.put((rank, "kd", float((kd.double() - ref.detach()).abs()), float((mine.grad.double() - want_grad).abs().max()),
+                     kd.detach().numpy().tobytes()))
     finally:
         dist.destroy_process_group()
 
@@ -102,8 +117,8 @@ def _rank(rank, world, port, shape, widths, results):
 @pytest.mark.parametrize("widths", [[20, 20], [13, 27]])
 def test_torch_distributed_two_ranks(widths):
     """Two processes (gloo, CPU), Megatron's [S, B, V/W] layout: the loss of the whole rows (and the
-    log-probabilities and entropies), the same bits on both ranks, and each rank's gradient its columns of
-    PyTorch's float64 gradient."""
+    log-probabilities and entropies, and a KD divergence), the same bits on both ranks, and each rank's
+    gradient its columns of PyTorch's float64 gradient."""
     torch = pytest.importorskip("torch")
     import socket
 
@@ -116,14 +131,14 @@ def test_torch_distributed_two_ranks(widths):
     procs = [ctx.Process(target=_rank, args=(r, 2, port, (3, 4, sum(widths)), widths, results)) for r in range(2)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=120) for _ in range(6)]
+    got = [results.get(timeout=120) for _ in range(8)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     by = {}
     for rank, red, loss_err, grad_err, bits in got:
         assert loss_err < 2e-5, (rank, red, loss_err)
-        assert grad_err < (1e-5 if red == "logprobs_entropy" else 2e-6), (rank, red, grad_err)
+        assert grad_err < (1e-5 if red in ("logprobs_entropy", "kd") else 2e-6), (rank, red, grad_err)
         by.setdefault(red, set()).add(bits)
     assert all(len(b) == 1 for b in by.values()), "the ranks' losses differ"
     del torch

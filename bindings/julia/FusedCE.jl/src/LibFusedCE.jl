@@ -22,6 +22,8 @@ const FCE_CE_RECORD_FIELDS_ENTROPY = 5
 const FCE_CE_RECORD_FIELDS_ALL = 7
 const FCE_KD_TEMPERATURE_MIN = 1.0f-4
 const FCE_KD_TEMPERATURE_MAX = 100.0f0
+const FCE_KD_RECORD_FIELDS = 5
+const FCE_KD_ROW_STATS_FIELDS = 5
 const FCE_LINEAR_CE_ACCUMULATE = 1
 
 # ---- types and functions, in header order ----
@@ -846,8 +848,13 @@ struct fce_kd_options
     reduction::Int32
     # rows whose target equals this are masked (when targets given); -100
     ignore_index::Int64
+    # A shard of the vocabulary (since 0.2.0; the vocabulary-parallel calls below): the global index of the
+    #  shard's first column; default 0.
+    vocab_start::Int64
+    # The whole vocabulary's size, 0 (default) when the logits are not a shard. fce_kd_loss refuses a shard.
+    vocab_total::Int64
 end
-@assert sizeof(fce_kd_options) == 40
+@assert sizeof(fce_kd_options) == 56
 @assert fieldoffset(fce_kd_options, 1) == 0
 @assert fieldoffset(fce_kd_options, 2) == 4
 @assert fieldoffset(fce_kd_options, 3) == 8
@@ -856,6 +863,8 @@ end
 @assert fieldoffset(fce_kd_options, 6) == 20
 @assert fieldoffset(fce_kd_options, 7) == 24
 @assert fieldoffset(fce_kd_options, 8) == 32
+@assert fieldoffset(fce_kd_options, 9) == 40
+@assert fieldoffset(fce_kd_options, 10) == 48
 
 const fce_kd_options_t = fce_kd_options
 
@@ -953,6 +962,65 @@ Workspace bytes fce_kd_loss needs for these arguments.
 """
 function fce_kd_loss_workspace_size(handle, student, teacher, targets, options, outputs, bytes)
     @ccall $(_fptr_fce_kd_loss_workspace_size[])(handle::fce_handle_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, outputs::Ptr{fce_kd_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+"""
+The records of a vocabulary shard of student and teacher.
+@param student [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total).
+@param teacher full logits [N,V] (any float dtype); a top-K teacher is NOT_IMPLEMENTED.
+@param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); divergence forward or
+               reverse KL; temperature as for fce_kd_loss; the same options on every rank and call.
+@param records [N, FCE_KD_RECORD_FIELDS] fp32, written.
+@return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (no shard in the options, options out of domain);
+        NOT_IMPLEMENTED (JSD, top-K teacher); SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
+        DEVICE_MISMATCH; CUDA_ERROR.
+"""
+function fce_kd_partial(handle, stream, student, teacher, options, records)
+    @ccall $(_fptr_fce_kd_partial[])(handle::fce_handle_t, stream::fce_stream_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, options::Ptr{fce_kd_options_t}, records::Ptr{DLTensor})::fce_status_t
+end
+
+"""
+The divergence of whole rows from every shard's records.
+@param records   [W,N,FCE_KD_RECORD_FIELDS] fp32, contiguous: every rank's records in rank (vocabulary) order.
+@param targets   optional [N] int32/int64: rows whose target is options->ignore_index are masked (loss 0).
+@param options   the partial calls' options (vocab_total required; vocab_start is not read).
+@param loss      fp32: [N] with reduction NONE (0 at masked rows), else a scalar (MEAN: batchmean over
+                 the unmasked rows); nats, times T^2 with scale_by_t2.
+@param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: the rows' statistics for fce_kd_bwd.
+@return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+"""
+function fce_kd_combine(handle, stream, records, targets, options, loss, row_stats, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_kd_combine[])(handle::fce_handle_t, stream::fce_stream_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, loss::Ptr{DLTensor}, row_stats::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_kd_combine needs for these arguments (same validation).
+"""
+function fce_kd_combine_workspace_size(handle, records, targets, options, loss, row_stats, bytes)
+    @ccall $(_fptr_fce_kd_combine_workspace_size[])(handle::fce_handle_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, loss::Ptr{DLTensor}, row_stats::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+"""
+A shard's dstudent from the rows' statistics: d(loss)/d(student logits) * grad_loss for the shard's columns
+(fp32, rounded once; 0 at masked rows and padding columns).
+@param student   [N,V] the shard's columns, as given to fce_kd_partial.
+@param teacher   full logits [N,V], as given to fce_kd_partial.
+@param targets   optional [N], as given to fce_kd_combine (the mean counts the same rows).
+@param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine.
+@param options   the partial call's options (vocab_start and vocab_total of this shard).
+@param grad_loss optional fp32 upstream gradient: a scalar, or [N] with reduction NONE; NULL = 1.
+@param dstudent  [N,V] in the student's dtype; may be the student's memory (in place).
+@return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+"""
+function fce_kd_bwd(handle, stream, student, teacher, targets, row_stats, options, grad_loss, dstudent, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_kd_bwd[])(handle::fce_handle_t, stream::fce_stream_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, targets::Ptr{DLTensor}, row_stats::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, grad_loss::Ptr{DLTensor}, dstudent::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_kd_bwd needs for these arguments (same validation).
+"""
+function fce_kd_bwd_workspace_size(handle, student, teacher, targets, row_stats, options, grad_loss, dstudent, bytes)
+    @ccall $(_fptr_fce_kd_bwd_workspace_size[])(handle::fce_handle_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, targets::Ptr{DLTensor}, row_stats::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, grad_loss::Ptr{DLTensor}, dstudent::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
 end
 
 """
@@ -1145,7 +1213,9 @@ const FCE_KD_OPTIONS_INIT = fce_kd_options_t(
     0,
     FCE_KD_TOPK_FULL_VOCAB,
     FCE_REDUCTION_MEAN,
-    -100)
+    -100,
+    0,
+    0)
 
 const FCE_KD_TEACHER_INIT = fce_kd_teacher_t(
     UInt32(sizeof(fce_kd_teacher_t)),
@@ -1213,6 +1283,11 @@ const _fptr_fce_kd_teacher_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_outputs_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_loss = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_loss_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_partial = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_combine = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_combine_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_bwd = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_bwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_ce_outputs_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_fwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_fwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
@@ -1265,6 +1340,11 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_kd_outputs_init[] = Libdl.dlsym(lib, :fce_kd_outputs_init)
     _fptr_fce_kd_loss[] = Libdl.dlsym(lib, :fce_kd_loss)
     _fptr_fce_kd_loss_workspace_size[] = Libdl.dlsym(lib, :fce_kd_loss_workspace_size)
+    _fptr_fce_kd_partial[] = Libdl.dlsym(lib, :fce_kd_partial)
+    _fptr_fce_kd_combine[] = Libdl.dlsym(lib, :fce_kd_combine)
+    _fptr_fce_kd_combine_workspace_size[] = Libdl.dlsym(lib, :fce_kd_combine_workspace_size)
+    _fptr_fce_kd_bwd[] = Libdl.dlsym(lib, :fce_kd_bwd)
+    _fptr_fce_kd_bwd_workspace_size[] = Libdl.dlsym(lib, :fce_kd_bwd_workspace_size)
     _fptr_fce_linear_ce_outputs_init[] = Libdl.dlsym(lib, :fce_linear_ce_outputs_init)
     _fptr_fce_linear_cross_entropy_fwd[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_fwd)
     _fptr_fce_linear_cross_entropy_fwd_workspace_size[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_fwd_workspace_size)
@@ -1314,6 +1394,11 @@ const FUNCTIONS = (
     :fce_kd_outputs_init,
     :fce_kd_loss,
     :fce_kd_loss_workspace_size,
+    :fce_kd_partial,
+    :fce_kd_combine,
+    :fce_kd_combine_workspace_size,
+    :fce_kd_bwd,
+    :fce_kd_bwd_workspace_size,
     :fce_linear_ce_outputs_init,
     :fce_linear_cross_entropy_fwd,
     :fce_linear_cross_entropy_fwd_workspace_size,

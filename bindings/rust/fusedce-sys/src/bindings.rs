@@ -12,6 +12,8 @@ pub const FCE_CE_RECORD_FIELDS_ENTROPY: u32 = 5;
 pub const FCE_CE_RECORD_FIELDS_ALL: u32 = 7;
 pub const FCE_KD_TEMPERATURE_MIN: f64 = 0.0001;
 pub const FCE_KD_TEMPERATURE_MAX: f64 = 100.0;
+pub const FCE_KD_RECORD_FIELDS: u32 = 5;
+pub const FCE_KD_ROW_STATS_FIELDS: u32 = 5;
 pub const FCE_LINEAR_CE_ACCUMULATE: u32 = 1;
 pub const kDLCPU: DLDeviceType = 1;
 pub const kDLCUDA: DLDeviceType = 2;
@@ -1783,12 +1785,17 @@ pub struct fce_kd_options {
     pub reduction: i32,
     #[doc = "< rows whose target equals this are masked (when targets given); -100"]
     pub ignore_index: i64,
+    #[doc = " A shard of the vocabulary (since 0.2.0; the vocabulary-parallel calls below): the global index of the"]
+    #[doc = "  shard's first column; default 0."]
+    pub vocab_start: i64,
+    #[doc = " The whole vocabulary's size, 0 (default) when the logits are not a shard. fce_kd_loss refuses a shard."]
+    pub vocab_total: i64,
 }
 #[test]
 fn bindgen_test_layout_fce_kd_options() {
     assert_eq!(
         ::std::mem::size_of::<fce_kd_options>(),
-        40usize,
+        56usize,
         concat!("Size of: ", stringify!(fce_kd_options))
     );
     assert_eq!(
@@ -1932,6 +1939,40 @@ fn bindgen_test_layout_fce_kd_options() {
         );
     }
     test_field_ignore_index();
+    fn test_field_vocab_start() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_kd_options>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).vocab_start) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_kd_options),
+                "::",
+                stringify!(vocab_start)
+            )
+        );
+    }
+    test_field_vocab_start();
+    fn test_field_vocab_total() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_kd_options>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).vocab_total) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_kd_options),
+                "::",
+                stringify!(vocab_total)
+            )
+        );
+    }
+    test_field_vocab_total();
 }
 #[doc = " Options of fce_kd_loss. Initialize with FCE_KD_OPTIONS_INIT."]
 #[doc = " With temperature T both distributions are softmax(logits / T); with a top-K teacher the teacher's"]
@@ -2191,6 +2232,97 @@ extern "C" {
         targets: *const DLTensor,
         options: *const fce_kd_options_t,
         outputs: *const fce_kd_outputs_t,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " The records of a vocabulary shard of student and teacher."]
+    #[doc = " @param student [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total)."]
+    #[doc = " @param teacher full logits [N,V] (any float dtype); a top-K teacher is NOT_IMPLEMENTED."]
+    #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); divergence forward or"]
+    #[doc = "                reverse KL; temperature as for fce_kd_loss; the same options on every rank and call."]
+    #[doc = " @param records [N, FCE_KD_RECORD_FIELDS] fp32, written."]
+    #[doc = " @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (no shard in the options, options out of domain);"]
+    #[doc = "         NOT_IMPLEMENTED (JSD, top-K teacher); SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;"]
+    #[doc = "         DEVICE_MISMATCH; CUDA_ERROR."]
+    pub fn fce_kd_partial(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        student: *const DLTensor,
+        teacher: *const fce_kd_teacher_t,
+        options: *const fce_kd_options_t,
+        records: *mut DLTensor,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " The divergence of whole rows from every shard's records."]
+    #[doc = " @param records   [W,N,FCE_KD_RECORD_FIELDS] fp32, contiguous: every rank's records in rank (vocabulary) order."]
+    #[doc = " @param targets   optional [N] int32/int64: rows whose target is options->ignore_index are masked (loss 0)."]
+    #[doc = " @param options   the partial calls' options (vocab_total required; vocab_start is not read)."]
+    #[doc = " @param loss      fp32: [N] with reduction NONE (0 at masked rows), else a scalar (MEAN: batchmean over"]
+    #[doc = "                  the unmasked rows); nats, times T^2 with scale_by_t2."]
+    #[doc = " @param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: the rows' statistics for fce_kd_bwd."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR."]
+    pub fn fce_kd_combine(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        records: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_kd_options_t,
+        loss: *mut DLTensor,
+        row_stats: *mut DLTensor,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_kd_combine needs for these arguments (same validation)."]
+    pub fn fce_kd_combine_workspace_size(
+        handle: fce_handle_t,
+        records: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_kd_options_t,
+        loss: *const DLTensor,
+        row_stats: *const DLTensor,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " A shard's dstudent from the rows' statistics: d(loss)/d(student logits) * grad_loss for the shard's columns"]
+    #[doc = " (fp32, rounded once; 0 at masked rows and padding columns)."]
+    #[doc = " @param student   [N,V] the shard's columns, as given to fce_kd_partial."]
+    #[doc = " @param teacher   full logits [N,V], as given to fce_kd_partial."]
+    #[doc = " @param targets   optional [N], as given to fce_kd_combine (the mean counts the same rows)."]
+    #[doc = " @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine."]
+    #[doc = " @param options   the partial call's options (vocab_start and vocab_total of this shard)."]
+    #[doc = " @param grad_loss optional fp32 upstream gradient: a scalar, or [N] with reduction NONE; NULL = 1."]
+    #[doc = " @param dstudent  [N,V] in the student's dtype; may be the student's memory (in place)."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR."]
+    pub fn fce_kd_bwd(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        student: *const DLTensor,
+        teacher: *const fce_kd_teacher_t,
+        targets: *const DLTensor,
+        row_stats: *const DLTensor,
+        options: *const fce_kd_options_t,
+        grad_loss: *const DLTensor,
+        dstudent: *mut DLTensor,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_kd_bwd needs for these arguments (same validation)."]
+    pub fn fce_kd_bwd_workspace_size(
+        handle: fce_handle_t,
+        student: *const DLTensor,
+        teacher: *const fce_kd_teacher_t,
+        targets: *const DLTensor,
+        row_stats: *const DLTensor,
+        options: *const fce_kd_options_t,
+        grad_loss: *const DLTensor,
+        dstudent: *const DLTensor,
         bytes: *mut usize,
     ) -> fce_status_t;
 }

@@ -1,0 +1,263 @@
+// CUDA vocabulary-parallel knowledge distillation: a shard's records (one block per row: student and
+// teacher streamed together once, each thread keeping the cross statistics of KL(P || Q) online, merged by
+// the block's fixed tree), their combine (one thread per row, math.hpp's kd_combine_records in fp64 in rank
+// order, the CPU's code; SUM/MEAN through kd_finalize_kernel), and a shard's dstudent from the rows'
+// statistics (KdTerm and kd_grad per element, as fce_kd_loss).
+#include "cuda/kd_common.cuh"
+#include "cuda/online_softmax.cuh"
+
+namespace fce::cuda {
+namespace {
+
+// KdCross<float> for block_reduce.
+struct CrossAcc : KdCross<float> {
+  __device__ CrossAcc() : KdCross<float>{-INFINITY, 0.f, -INFINITY, 0.f, 0.f} {}
+  __device__ explicit CrossAcc(const KdCross<float>& c) : KdCross<float>(c) {}
+  __device__ void merge(const CrossAcc& o) { *this = CrossAcc(kd_cross_merge<float>(*this, o)); }
+  __device__ CrossAcc shfl_down(unsigned off) const {
+    CrossAcc r;
+    r.mp = __shfl_down_sync(0xffffffffu, mp, off);
+    r.dp = __shfl_down_sync(0xffffffffu, dp, off);
+    r.mq = __shfl_down_sync(0xffffffffu, mq, off);
+    r.dq = __shfl_down_sync(0xffffffffu, dq, off);
+    r.x = __shfl_down_sync(0xffffffffu, x, off);
+    return r;
+  }
+};
+
+// e^(z - m) for z - m = zd (0 where m is -inf: nothing seen yet has probability).
+__device__ __forceinline__ float shifted_exp(float zd, float m) { return m == -INFINITY ? 0.f : ex2(zd * kLog2e); }
+
+// kRev: P is the student (reverse KL), else the teacher (forward KL). n real columns.
+template <class Ts, class Tt, bool kRev>
+__global__ void __launch_bounds__(kKdThreads) kd_vp_partial_kernel(const KdArgs a, int64_t n, float* rec,
+                                                                    int64_t ldr) {
+  constexpr int G = kGroup<Ts, Tt>;
+  const int64_t row = blockIdx.x;
+  const Ts* s = static_cast<const Ts*>(a.s) + row * a.lds;
+  const Tt* t = static_cast<const Tt*>(a.t) + row * a.ldt;
+  const float inv_t = a.inv_t;
+  CrossAcc acc;
+  visit2<Ts, Tt, false>(s, t, nullptr, nullptr, n, [&](float (&vs)[G], float (&vt)[G], int64_t, int cnt) {
+    const float* vp = kRev ? vs : vt;
+    const float* vq = kRev ? vt : vs;
+    float gp = -INFINITY, gq = -INFINITY;
+    for (int k = 0; k < cnt; ++k) {
+      gp = fmaxf(gp, vp[k]);
+      gq = fmaxf(gq, vq[k]);
+    }
+    gp *= inv_t;
+    gq *= inv_t;
+    if (gp > acc.mp || gq > acc.mq) {  // a new maximum: the sums shifted to it
+      KdCross<float> r{fmaxf(acc.mp, gp), 0.f, fmaxf(acc.mq, gq), 0.f, 0.f};
+      kd_cross_add(r, static_cast<const KdCross<float>&>(acc), r.mp, r.mq);
+      acc = CrossAcc(r);
+    }
+    for (int k = 0; k < cnt; ++k) {
+      const float zp = zdiff(vp[k], inv_t, acc.mp), zq = acc.mq == -INFINITY ? -INFINITY : zdiff(vq[k], inv_t, acc.mq);
+      const float ep = shifted_exp(zp, acc.mp);
+      acc.dp += ep;
+      acc.dq += shifted_exp(zq, acc.mq);
+      if (ep > 0.f) acc.x = __fmaf_rn(ep, zp - zq, acc.x);  // zero P-probability adds 0 (no 0 * inf)
+    }
+  });
+  acc = block_reduce(acc, false);
+  if (threadIdx.x != 0) return;
+  float* r = rec + row * ldr;
+  r[0] = acc.mp;
+  r[1] = acc.dp;
+  r[2] = acc.mq;
+  r[3] = acc.dq;
+  r[4] = acc.x;
+}
+
+struct CombineArgs {
+  const float* rec;  // [W * N, kKdRecordFields]
+  int64_t W, N;
+  const void* targets;
+  bool tgt64;
+  int64_t ignore_index;
+  bool rev, reduced;
+  float t2;
+  float* row_loss;  // NONE: the loss output; else the workspace
+  int* row_used;    // SUM/MEAN
+  float* stats;     // [N, kKdRowStatsFields] with row stride ld_stats, or null
+  int64_t ld_stats;
+};
+
+__global__ void kd_vp_combine_kernel(const CombineArgs a) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= a.N) return;
+  const KdCombined k = kd_combine_records(a.rec + i * kKdRecordFields, a.W, a.N * kKdRecordFields);
+  const bool masked = a.targets && load_index(a.targets, a.tgt64, i) == a.ignore_index;
+  a.row_loss[i] = masked ? 0.f : float(k.kl) * a.t2;
+  if (a.reduced) a.row_used[i] = !masked;
+  if (a.stats) {
+    float* s = a.stats + i * a.ld_stats;
+    s[0] = a.rev ? k.mp : k.mq;  // the student's shift
+    s[1] = a.rev ? k.logdp : k.logdq;
+    s[2] = a.rev ? k.mq : k.mp;  // the teacher's
+    s[3] = a.rev ? k.logdq : k.logdp;
+    s[4] = a.rev ? float(k.kl + 1.0) : -1.f;  // A = sum_j a_j (KdTerm): KL + sum q, or -sum p
+  }
+}
+
+// One block per row: dstudent_j = kd_grad(a_j, q_j, A, scale) over the n real columns, 0 on the padding and
+// on masked rows; a_j as KdTerm forms it (forward KL -p_j, reverse KL q_j (log q_j - log p_j + 1), 0 where
+// q_j = 0) without its loss term. Each thread reads its group before it writes it (in place allowed); a
+// group is stored as 16-byte vectors where dstudent's row is aligned.
+template <class Ts, class Tt, bool kRev>
+__global__ void __launch_bounds__(kKdThreads) kd_vp_bwd_kernel(const KdArgs a, int64_t n, const float* stats,
+                                                                int64_t ld_stats) {
+  constexpr int G = kGroup<Ts, Tt>, K = kVec<Ts>;
+  const int64_t row = blockIdx.x;
+  const Ts* s = static_cast<const Ts*>(a.s) + row * a.lds;
+  const Tt* t = static_cast<const Tt*>(a.t) + row * a.ldt;
+  Ts* ds = static_cast<Ts*>(a.ds) + row * a.ldd;
+  if (a.V > n) fill_slice<Ts>(ds + n, a.V - n, 0.f);
+  if (target_masked(a, row)) {
+    fill_slice<Ts>(ds, n, 0.f);
+    return;
+  }
+  const float* st = stats + row * ld_stats;
+  const float A = st[4], scale = kd_grad_scale(a, row), inv_t = a.inv_t;
+  const LogProb lq{inv_t, st[0], st[1]}, lp{inv_t, st[2], st[3]};  // student, teacher
+  const bool vec = (reinterpret_cast<uintptr_t>(ds) & 15u) == 0;
+  auto grad = [&](float xs, float xt) {
+    const float logq = lq(xs), q = fast_exp(logq), logp = lp(xt);
+    const float ak = kRev ? (q == 0.f ? 0.f : q * (logq - logp + 1.f)) : -fast_exp(logp);
+    return kd_grad(ak, q, A, scale);
+  };
+  visit2<Ts, Tt, false>(s, t, nullptr, nullptr, n, [&](float (&vs)[G], float (&vt)[G], int64_t e, int cnt) {
+    if (cnt == G && vec) {
+#pragma unroll
+      for (int c = 0; c < G / K; ++c) {
+        float v[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[k] = grad(vs[c * K + k], vt[c * K + k]);
+        reinterpret_cast<uint4*>(ds + e)[c] = pack<Ts>(v);
+      }
+      return;
+    }
+    for (int k = 0; k < cnt; ++k) ds[e + k] = from_float<Ts>(grad(vs[k], vt[k]));
+  });
+}
+
+KdArgs args_of(const Mat& student, const Mat& teacher, const KdOpts& o) {
+  KdArgs a{};
+  a.s = student.data;
+  a.lds = student.ld;
+  a.t = teacher.data;
+  a.ldt = teacher.ld;
+  a.ignore_index = o.ignore_index;
+  a.reduction = o.reduction;
+  a.div = o.divergence;
+  a.beta = o.beta;
+  a.inv_t = 1.f / o.temperature;
+  a.temperature = o.temperature;
+  a.t2 = o.scale_by_t2 ? o.temperature * o.temperature : 1.f;
+  a.N = student.rows;
+  a.V = student.cols;
+  return a;
+}
+
+struct CombineWorkspace {
+  float* row_loss = nullptr;
+  int* row_used = nullptr;
+  size_t bytes = 0;
+  CombineWorkspace(const KdCombineProblem& p, void* base) {
+    Carver c(base);
+    if (p.o.reduction != FCE_REDUCTION_NONE) {
+      row_loss = c.take<float>(size_t(p.N));
+      row_used = c.take<int>(size_t(p.N));
+    }
+    bytes = c.used;
+  }
+};
+
+}  // namespace
+
+void kd_partial(fce_handle* h, fce_stream_t stream, const KdPartialProblem& p) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  const KdArgs a = args_of(p.student, p.teacher, p.o);
+  const int64_t n = p.o.real_cols(p.student.cols);
+  float* rec = reinterpret_cast<float*>(p.records.data);
+  const bool rev = p.o.divergence == FCE_KD_REVERSE_KL;
+  dispatch_float(p.student.dtype, [&](auto stag) {
+    dispatch_float(p.teacher.dtype, [&](auto ttag) {
+      using Ts = decltype(stag);
+      using Tt = decltype(ttag);
+      if (rev) kd_vp_partial_kernel<Ts, Tt, true><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, rec, p.records.ld);
+      else kd_vp_partial_kernel<Ts, Tt, false><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, rec, p.records.ld);
+    });
+  });
+  check_launch("vocabulary-parallel KD partial kernel");
+}
+
+size_t kd_combine_workspace(fce_handle*, const KdCombineProblem& p) { return CombineWorkspace(p, nullptr).bytes; }
+
+void kd_combine(fce_handle* h, fce_stream_t stream, const KdCombineProblem& p, Workspace w) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  const CombineWorkspace ws(p, w.ptr);
+  CombineArgs a{};
+  a.rec = reinterpret_cast<const float*>(p.records.data);
+  a.W = p.W;
+  a.N = p.N;
+  a.targets = p.targets ? p.targets.data : nullptr;
+  a.tgt64 = p.targets && p.targets.dtype == DType::I64;
+  a.ignore_index = p.o.ignore_index;
+  a.rev = p.o.divergence == FCE_KD_REVERSE_KL;
+  a.reduced = p.o.reduction != FCE_REDUCTION_NONE;
+  a.t2 = p.o.scale_by_t2 ? p.o.temperature * p.o.temperature : 1.f;
+  a.row_loss = a.reduced ? ws.row_loss : reinterpret_cast<float*>(p.loss.data);
+  a.row_used = ws.row_used;
+  a.stats = p.row_stats ? reinterpret_cast<float*>(p.row_stats.data) : nullptr;
+  a.ld_stats = p.row_stats ? p.row_stats.ld : 0;
+  kd_vp_combine_kernel<<<unsigned((p.N + 127) / 128), 128, 0, s>>>(a);
+  check_launch("vocabulary-parallel KD combine kernel");
+  if (a.reduced) {
+    kd_finalize_kernel<<<1, 1024, 0, s>>>(ws.row_loss, ws.row_used, p.N, p.o.reduction == FCE_REDUCTION_MEAN,
+                                          reinterpret_cast<float*>(p.loss.data));
+    check_launch("KD finalize kernel");
+  }
+}
+
+size_t kd_bwd_workspace(fce_handle*, const KdBwdProblem& p) {
+  return p.o.reduction == FCE_REDUCTION_MEAN ? 256 : 0;  // MEAN's row count
+}
+
+void kd_bwd(fce_handle* h, fce_stream_t stream, const KdBwdProblem& p, Workspace w) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  KdArgs a = args_of(p.student, p.teacher, p.o);
+  a.targets = p.targets ? p.targets.data : nullptr;
+  a.tgt64 = p.targets && p.targets.dtype == DType::I64;
+  a.ds = p.dstudent.data;
+  a.ldd = p.dstudent.ld;
+  a.grad = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) : nullptr;
+  a.grad_scalar = p.grad_loss && p.grad_loss.scalar;
+  if (p.o.reduction == FCE_REDUCTION_MEAN) {
+    int* count = static_cast<int*>(w.ptr);
+    check(cudaMemsetAsync(count, 0, sizeof(int), s), "cudaMemsetAsync (KD row count)");
+    kd_count_kernel<<<unsigned((a.N + 7) / 8), 256, 0, s>>>(a, count);
+    check_launch("KD row-count kernel");
+    a.count = count;
+  }
+  const int64_t n = p.o.real_cols(p.student.cols);
+  const float* stats = reinterpret_cast<const float*>(p.row_stats.data);
+  dispatch_float(p.student.dtype, [&](auto stag) {
+    dispatch_float(p.teacher.dtype, [&](auto ttag) {
+      using Ts = decltype(stag);
+      using Tt = decltype(ttag);
+      if (p.o.divergence == FCE_KD_REVERSE_KL)
+        kd_vp_bwd_kernel<Ts, Tt, true><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, stats, p.row_stats.ld);
+      else
+        kd_vp_bwd_kernel<Ts, Tt, false><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, stats, p.row_stats.ld);
+    });
+  });
+  check_launch("vocabulary-parallel KD backward kernel");
+}
+
+}  // namespace fce::cuda

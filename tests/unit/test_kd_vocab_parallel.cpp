@@ -1,0 +1,381 @@
+// Vocabulary-parallel knowledge distillation: student and teacher split into shards (even, uneven, padded),
+// fce_kd_partial per shard, the records concatenated in rank order, fce_kd_combine, and each shard's
+// fce_kd_bwd; against a float64 reference written here (the loss, and the analytic gradient of forward and
+// reverse KL) and against fce_kd_loss of the whole rows.
+#include <algorithm>
+
+#include "../common/testing.hpp"
+
+using namespace fct;
+
+namespace {
+
+struct Case {
+  int64_t N = 13, V = 1031;  // V prime
+  DT ds = DT::F32, dt = DT::F32;  // student and teacher dtypes
+  int div = FCE_KD_FORWARD_KL;
+  double T = 1.0;
+  bool t2 = false;
+  int reduction = FCE_REDUCTION_MEAN;
+  std::vector<int64_t> widths{400, 300};
+  int64_t pad = 5;
+  bool special = false;  // row 0 masked, row 1 identical, row 2 +inf divergence, row 3 a NaN
+};
+
+std::vector<double> log_softmax(const std::vector<double>& z) {
+  double m = -INFINITY;
+  for (double v : z) m = std::max(m, v);
+  double s = 0;
+  for (double v : z) s += std::exp(v - m);
+  std::vector<double> r(z.size());
+  for (size_t j = 0; j < z.size(); ++j) r[j] = z[j] - m - std::log(s);
+  return r;
+}
+
+// KL(P || Q) of one row and its gradient in z = student / T (float64): forward KL P = teacher, Q = student,
+// dKL/dz_j = q_j - p_j; reverse KL P = student, dKL/dz_j = q_j (log q_j - log p_j - KL) with q the student.
+// cancel: reverse KL's gradient q_j (u_j - KL) / T forms log-ratios u_j of tens at T = 0.5 against a peaked
+// teacher, which fp32 rounds to a few ulps of their size (as test_kd.cpp allows): 16 ulps of q_j (|u_j| + A).
+struct RowRef {
+  double kl;
+  std::vector<double> dz, cancel;
+};
+RowRef reference(const Case& c, const std::vector<double>& s, const std::vector<double>& t) {
+  std::vector<double> zs(s.size()), zt(t.size());
+  for (size_t j = 0; j < s.size(); ++j) {
+    zs[j] = s[j] / c.T;
+    zt[j] = t[j] / c.T;
+  }
+  const std::vector<double> lq = log_softmax(zs), lp = log_softmax(zt);  // student q, teacher p
+  RowRef r{0.0, std::vector<double>(s.size()), std::vector<double>(s.size(), 0.0)};
+  for (size_t j = 0; j < s.size(); ++j) {
+    const double p = std::exp(lp[j]), q = std::exp(lq[j]);
+    if (c.div == FCE_KD_FORWARD_KL) r.kl += p > 0 ? p * (lp[j] - lq[j]) : 0.0;
+    else r.kl += q > 0 ? q * (lq[j] - lp[j]) : 0.0;
+  }
+  double A = 0;
+  for (size_t j = 0; j < s.size(); ++j)
+    if (std::isfinite(lq[j]) && std::isfinite(lp[j])) A += std::exp(lq[j]) * std::fabs(lq[j] - lp[j]);
+  for (size_t j = 0; j < s.size(); ++j) {
+    const double p = std::exp(lp[j]), q = std::exp(lq[j]);
+    r.dz[j] = c.div == FCE_KD_FORWARD_KL ? q - p : q * (lq[j] - lp[j] - r.kl);
+    if (c.div != FCE_KD_FORWARD_KL && std::isfinite(lq[j]) && std::isfinite(lp[j]))
+      r.cancel[j] = 16 * 0x1p-24 * q * (std::fabs(lq[j] - lp[j]) + A);
+  }
+  return r;
+}
+
+fce_kd_options_t options_of(const Case& c) {
+  fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
+  o.divergence = c.div;
+  o.temperature = float(c.T);
+  o.scale_by_t2 = c.t2;
+  o.reduction = c.reduction;
+  return o;
+}
+
+void run(const Case& c) {
+  SCOPED_TRACE(testing::Message() << "student " << dt_name(c.ds) << " teacher " << dt_name(c.dt) << " div " << c.div
+                                  << " T " << c.T << " t2 " << c.t2 << " reduction " << c.reduction << " shards "
+                                  << c.widths.size() << " pad " << c.pad << (c.special ? " special" : ""));
+  const int64_t N = c.N, V = c.V;
+  Handle h;
+  Tensor st(c.ds, {N, V}), te(c.dt, {N, V});
+  fill_logits(st, 2.0, false);
+  fill_logits(te, 2.0, true, 8.0);
+  Tensor targets(DT::I64, {N});
+  for (int64_t i = 0; i < N; ++i) targets.set_int(i, i % 4 == 3 ? -100 : i % V);
+  const std::vector<Shard> shards = split_vocabulary(V, c.widths, c.pad);
+  const int64_t W = int64_t(shards.size());
+  if (c.special) {
+    targets.set_int(0, -100);
+    targets.set_int(1, 1);
+    targets.set_int(2, 2);
+    targets.set_int(3, 3);
+    for (int64_t j = 0; j < V; ++j) te.set(1, j, st.get(1, j));  // identical (the student's dtype rounding)
+    // +inf: the student -inf where the teacher has mass (forward), the teacher -inf where the student has
+    // (reverse), in the first shard.
+    if (c.div == FCE_KD_FORWARD_KL) st.set(2, 3, -INFINITY);
+    else te.set(2, 3, -INFINITY);
+    st.set(3, shards.back().start + 1, NAN);
+    st.upload();
+    te.upload();
+  }
+  targets.upload();
+  const fce_kd_options_t base = options_of(c);
+
+  // The unsharded call, and the float64 reference.
+  const bool none = c.reduction == FCE_REDUCTION_NONE;
+  Tensor gl = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
+  for (int64_t i = 0; i < (none ? N : 1); ++i) gl.set(i, none ? 0.5 + 0.1 * double(i) : 1.3);
+  gl.upload();
+  Tensor uloss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {}), ud(c.ds, {N, V});
+  {
+    fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+    tt.logits = te.dl();
+    fce_kd_outputs_t out = FCE_KD_OUTPUTS_INIT;
+    out.loss = uloss.dl();
+    out.dstudent = ud.dl();
+    out.grad_loss = gl.dl();
+    FCE_OK(fce_kd_loss(h, test_stream(), st.dl(), &tt, targets.dl(), &base, &out, nullptr, 0));
+    uloss.download();
+    ud.download();
+  }
+  std::vector<RowRef> ref;
+  int64_t used = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    std::vector<double> s(size_t(V), 0.0), t(size_t(V), 0.0);
+    for (int64_t j = 0; j < V; ++j) {
+      s[size_t(j)] = st.get(i, j);
+      t[size_t(j)] = te.get(i, j);
+    }
+    ref.push_back(reference(c, s, t));
+    used += targets.get_int(i) != -100;
+  }
+
+  // Shards: columns (padding NaN, never read), records, combine.
+  std::vector<Tensor> sp, tp;
+  Records rec(W, N, FCE_KD_RECORD_FIELDS);
+  for (int64_t r = 0; r < W; ++r) {
+    const Shard& sh = shards[size_t(r)];
+    Tensor a(c.ds, {N, sh.cols}), b(c.dt, {N, sh.cols});
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < sh.cols; ++j) {
+        a.set(i, j, j < sh.width ? st.get(i, sh.start + j) : NAN);
+        b.set(i, j, j < sh.width ? te.get(i, sh.start + j) : NAN);
+      }
+    a.upload();
+    b.upload();
+    Tensor one(DT::F32, {N, FCE_KD_RECORD_FIELDS});
+    one.poison();
+    one.upload();
+    fce_kd_options_t o = base;
+    o.vocab_start = sh.start;
+    o.vocab_total = V;
+    fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+    tt.logits = b.dl();
+    FCE_OK(fce_kd_partial(h, test_stream(), a.dl(), &tt, &o, one.dl()));
+    one.download();
+    std::memcpy(rec.t.raw() + 4 * size_t(r * N * FCE_KD_RECORD_FIELDS), one.bytes().data(),
+                4 * size_t(N * FCE_KD_RECORD_FIELDS));
+    sp.push_back(std::move(a));
+    tp.push_back(std::move(b));
+  }
+  rec.t.upload();
+  fce_kd_options_t o = base;
+  o.vocab_total = V;
+  Tensor loss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {}), stats(DT::F32, {N, FCE_KD_ROW_STATS_FIELDS});
+  loss.poison();
+  loss.upload();
+  stats.poison();
+  stats.upload();
+  FCE_OK(fce_kd_combine(h, test_stream(), &rec.dl, targets.dl(), &o, loss.dl(), stats.dl(), nullptr, 0));
+  loss.download();
+  stats.download();
+
+  const double t2 = c.t2 ? c.T * c.T : 1.0;
+  auto is_special = [&](int64_t i) { return c.special && i >= 1 && i <= 3; };
+  double total = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const bool masked = targets.get_int(i) == -100;
+    const double want = masked ? 0.0 : ref[size_t(i)].kl * t2;
+    if (!is_special(i)) total += want;
+    if (!none) continue;
+    SCOPED_TRACE(testing::Message() << "row " << i);
+    if (is_special(i)) {  // as the unsharded call gives them: exactly 0, +inf, NaN
+      if (i == 1) {
+        EXPECT_EQ(loss.get(i), 0.0);
+      }
+      if (i == 2) {
+        EXPECT_EQ(loss.get(i), INFINITY);
+      }
+      if (i == 3) {
+        EXPECT_TRUE(std::isnan(loss.get(i)));
+      }
+      EXPECT_TRUE(close(loss.get(i), uloss.get(i), 0, 0)) << "unsharded";
+      continue;
+    }
+    EXPECT_TRUE(close(loss.get(i), want, 2e-5, 2e-6));
+    EXPECT_TRUE(close(loss.get(i), uloss.get(i), 2e-5, 2e-6)) << "unsharded";
+  }
+  if (!none && !c.special) {
+    const double want = c.reduction == FCE_REDUCTION_MEAN ? (used ? total / double(used) : 0.0) : total;
+    EXPECT_TRUE(close(loss.get(0), want, 2e-5, 2e-6));
+    EXPECT_TRUE(close(loss.get(0), uloss.get(0), 2e-5, 2e-6)) << "unsharded";
+  }
+  if (!none && c.special) {
+    EXPECT_TRUE(std::isnan(loss.get(0)));  // the NaN row reaches the sum
+  }
+
+  // Each shard's dstudent: its columns of the reference gradient, padding 0.
+  const double gt = dtype_rtol(c.ds) + 2e-4;
+  for (int64_t r = 0; r < W; ++r) {
+    const Shard& sh = shards[size_t(r)];
+    Tensor d(c.ds, {N, sh.cols});
+    d.poison();
+    d.upload();
+    fce_kd_options_t so = o;
+    so.vocab_start = sh.start;
+    fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+    tt.logits = tp[size_t(r)].dl();
+    FCE_OK(fce_kd_bwd(h, test_stream(), sp[size_t(r)].dl(), &tt, targets.dl(), stats.dl(), &so, gl.dl(), d.dl(),
+                      nullptr, 0));
+    d.download();
+    for (int64_t i = 0; i < N; ++i) {
+      const bool masked = targets.get_int(i) == -100;
+      const double g = (none ? gl.get(i) : gl.get(0)) * t2 / c.T /
+                       (c.reduction == FCE_REDUCTION_MEAN ? double(std::max<int64_t>(used, 1)) : 1.0);
+      double scale = 0;
+      for (int64_t j = 0; j < sh.width; ++j) scale = std::max(scale, std::fabs(ref[size_t(i)].dz[size_t(sh.start + j)]));
+      for (int64_t j = 0; j < sh.cols; ++j) {
+        SCOPED_TRACE(testing::Message() << "shard " << r << " row " << i << " column " << j);
+        const double got = d.get(i, j);
+        if (j >= sh.width || masked) {
+          ASSERT_EQ(got, 0.0);
+          continue;
+        }
+        const double u = ud.get(i, sh.start + j);
+        if (is_special(i)) {
+          if (i == 1) {
+            ASSERT_EQ(got, 0.0) << "identical distributions";
+          }
+          if (i == 3) {
+            ASSERT_TRUE(std::isnan(got));
+          }
+          if (i == 2) {  // the +inf row's limit, as the unsharded call: same class (NaN, +-inf or finite)
+            ASSERT_EQ(std::isnan(got), std::isnan(u)) << got << " vs " << u;
+            ASSERT_EQ(std::isinf(got), std::isinf(u)) << got << " vs " << u;
+            if (std::isinf(u)) {
+              ASSERT_EQ(got, u);
+            }
+          }
+          continue;
+        }
+        const double want = g * ref[size_t(i)].dz[size_t(sh.start + j)];
+        const double at = std::fabs(g) * (gt * scale + ref[size_t(i)].cancel[size_t(sh.start + j)]) + 1e-9;
+        ASSERT_TRUE(close(got, want, gt, at));
+        ASSERT_TRUE(close(got, u, gt, 2 * at)) << "unsharded";
+      }
+    }
+  }
+}
+
+TEST(KdVocabParallel, ShardsDtypesDivergences) {
+  struct L {
+    std::vector<int64_t> widths;
+    int64_t pad;
+  };
+  const L layouts[] = {{{1031}, 0}, {{400, 300}, 5}, {{1, 700}, 0}, {{64, 64, 64}, 3}};
+  for (const L& l : layouts)
+    for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL})
+      for (int red : {FCE_REDUCTION_NONE, FCE_REDUCTION_SUM, FCE_REDUCTION_MEAN}) {
+        Case c;
+        c.widths = l.widths;
+        c.pad = l.pad;
+        c.div = div;
+        c.reduction = red;
+        run(c);
+      }
+  for (DT ds : {DT::F32, DT::BF16, DT::F16})
+    for (DT dt : {DT::F32, DT::BF16})
+      for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) {
+        Case c;
+        c.ds = ds;
+        c.dt = dt;
+        c.div = div;
+        c.T = 2.0;
+        c.t2 = true;
+        run(c);
+      }
+}
+
+TEST(KdVocabParallel, TemperaturesAndSpecialRows) {
+  for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL})
+    for (double T : {0.5, 1.0, 4.0}) {
+      Case c;
+      c.div = div;
+      c.T = T;
+      c.reduction = FCE_REDUCTION_NONE;
+      c.special = true;
+      run(c);
+      c.reduction = FCE_REDUCTION_SUM;
+      run(c);
+    }
+}
+
+TEST(KdVocabParallel, ManyRowsLongShards) {  // rows and columns enough for every thread of a GPU block
+  for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) {
+    Case c;
+    c.N = 40;
+    c.V = 20011;
+    c.ds = c.dt = DT::BF16;
+    c.div = div;
+    c.widths = {10000, 5000};
+    c.pad = 11;
+    run(c);
+  }
+}
+
+TEST(KdVocabParallel, Validation) {
+  Handle h;
+  Tensor s(DT::F32, {3, 10}), t(DT::F32, {3, 10}), rec(DT::F32, {3, FCE_KD_RECORD_FIELDS}), bad(DT::F32, {3, 4});
+  fill_logits(s, 1.0, false);
+  fill_logits(t, 1.0, false);
+  rec.poison();
+  rec.upload();
+  fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+  tt.logits = t.dl();
+  fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
+  EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);  // no shard
+  EXPECT_NE(std::string(fce_last_error_message()).find("vocab_total"), std::string::npos);
+  EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, nullptr, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  o.vocab_total = 20;
+  o.vocab_start = 20;
+  EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  o.vocab_start = 10;
+  o.divergence = FCE_KD_JSD;
+  EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, rec.dl()), FCE_STATUS_NOT_IMPLEMENTED);
+  EXPECT_NE(std::string(fce_last_error_message()).find("JSD"), std::string::npos);
+  o.divergence = FCE_KD_FORWARD_KL;
+  EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, bad.dl()), FCE_STATUS_SHAPE_MISMATCH);
+  Tensor ids(DT::I64, {3, 2}), lp(DT::F32, {3, 2});
+  fce_kd_teacher_t topk = FCE_KD_TEACHER_INIT;
+  topk.topk_ids = ids.dl();
+  topk.topk_logprobs = lp.dl();
+  EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &topk, &o, rec.dl()), FCE_STATUS_NOT_IMPLEMENTED);
+  rec.download();
+  for (uint8_t b : rec.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
+  // JSD at beta 0 is forward KL exactly, and runs.
+  o.divergence = FCE_KD_JSD;
+  o.beta = 0.f;
+  FCE_OK(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, rec.dl()));
+  // fce_kd_loss refuses a shard.
+  Tensor loss(DT::F32, {});
+  fce_kd_outputs_t out = FCE_KD_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  EXPECT_EQ(fce_kd_loss(h, test_stream(), s.dl(), &tt, nullptr, &o, &out, nullptr, 0), FCE_STATUS_INVALID_ARGUMENT);
+  // 0.1.0's options struct (without the shard's fields) is still taken.
+  fce_kd_options_t old = FCE_KD_OPTIONS_INIT;
+  old.struct_size = uint32_t(offsetof(fce_kd_options_t, vocab_start));
+  FCE_OK(fce_kd_loss(h, test_stream(), s.dl(), &tt, nullptr, &old, &out, nullptr, 0));
+  // The combine: records [W, N, 5], row_stats [N, 5].
+  Records r(2, 3, FCE_KD_RECORD_FIELDS);
+  o.divergence = FCE_KD_FORWARD_KL;
+  Tensor st(DT::F32, {3, FCE_KD_ROW_STATS_FIELDS}), st_bad(DT::F32, {3, 4});
+  EXPECT_EQ(fce_kd_combine(h, test_stream(), &r.dl, nullptr, &o, loss.dl(), st_bad.dl(), nullptr, 0),
+            FCE_STATUS_SHAPE_MISMATCH);
+  r.shape[2] = 4;
+  EXPECT_EQ(fce_kd_combine(h, test_stream(), &r.dl, nullptr, &o, loss.dl(), st.dl(), nullptr, 0),
+            FCE_STATUS_SHAPE_MISMATCH);
+  r.shape[2] = FCE_KD_RECORD_FIELDS;
+  size_t bytes = 1;
+  FCE_OK(fce_kd_combine_workspace_size(h, &r.dl, nullptr, &o, loss.dl(), st.dl(), &bytes));
+  // The backward: dstudent of the student's shape and dtype.
+  Tensor d16(DT::BF16, {3, 10});
+  EXPECT_EQ(fce_kd_bwd(h, test_stream(), s.dl(), &tt, nullptr, st.dl(), &o, nullptr, d16.dl(), nullptr, 0),
+            FCE_STATUS_UNSUPPORTED_DTYPE);
+  EXPECT_EQ(fce_kd_bwd(h, test_stream(), s.dl(), &tt, nullptr, st_bad.dl(), &o, nullptr, s.dl(), nullptr, 0),
+            FCE_STATUS_SHAPE_MISMATCH);
+}
+
+}  // namespace
