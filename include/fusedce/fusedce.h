@@ -754,8 +754,8 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
 /*
  * Student and teacher logits split across W ranks by the same columns (options->vocab_start and
  * vocab_total as for cross-entropy; uneven and padded shards allowed), full teacher logits, forward or
- * reverse KL (JSD needs the mixture's log-probabilities, a second exchange: FCE_STATUS_NOT_IMPLEMENTED; so is
- * a top-K teacher):
+ * reverse KL (JSD needs the mixture's log-probabilities, a second exchange: FCE_STATUS_NOT_IMPLEMENTED, except
+ * at beta 0 and 1, which are exactly forward and reverse KL; a top-K teacher is NOT_IMPLEMENTED too):
  *   1. each rank: fce_kd_partial -> records [N, FCE_KD_RECORD_FIELDS] fp32 of its shard;
  *   2. the caller gathers every rank's records in rank order ([W, N, K], one all-gather);
  *   3. each rank: fce_kd_combine -> the loss of the whole rows (what fce_kd_loss returns) and the rows'

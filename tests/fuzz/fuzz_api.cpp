@@ -44,6 +44,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "fusedce/fusedce.h"
@@ -402,6 +403,19 @@ struct Env {
       *bytes = ((unsigned __int128)(r - 1) * (unsigned __int128)ld + (unsigned __int128)c) * es;
       return true;
     }
+    if (t.ndim == 3) {  // the records of vocabulary shards: [W, N, K], contiguous (extent-1 axes: any stride)
+      const int64_t w = t.shape[0], r = t.shape[1], c = t.shape[2];
+      if (w <= 0 || r <= 0 || c <= 0) return false;
+      const unsigned __int128 rows = (unsigned __int128)w * (unsigned __int128)r;
+      if (rows > (unsigned __int128)INT64_MAX) return false;
+      if (t.strides && ((c > 1 && t.strides[2] != 1) || (r > 1 && t.strides[1] != c) ||
+                        (w > 1 && (unsigned __int128)t.strides[0] != (unsigned __int128)r * (unsigned __int128)c)))
+        return false;
+      a.rows = int64_t(rows);
+      a.cols = a.ld = c;
+      *bytes = rows * (unsigned __int128)c * es;
+      return true;
+    }
     return false;
   }
 
@@ -741,8 +755,9 @@ constexpr size_t kSizePoison = 0xa5a5a5a5a5a5a5a5ull;
 // Runs `call` (the op) and `query` (its _workspace_size with the same arguments), applying every oracle.
 template <class Call, class Query>
 void run(Env& e, const char* fn, Call&& call, Query&& query, bool expect_success) {
-  const int which = e.fdp.ConsumeIntegralInRange(0, 2);  // 0: the op, 1: the query, 2: both
-  if (which != 0) {
+  constexpr bool has_query = !std::is_same_v<std::decay_t<Query>, std::nullptr_t>;  // nullptr: an op without one
+  const int which = has_query ? e.fdp.ConsumeIntegralInRange(0, 2) : 0;  // 0: the op, 1: the query, 2: both
+  if constexpr (has_query) if (which != 0) {
     size_t bytes = kSizePoison;
     const bool null_bytes = e.coin(5);
     const fce_status_t s = query(null_bytes ? nullptr : &bytes);
@@ -1024,6 +1039,76 @@ void fuzz_kd(Env& e, fce_handle_t h0) {
       ok && e.clean);
 }
 
+// Vocabulary-parallel KD: a shard's records, their combine ([W, N, K] records), a shard's dstudent.
+void fuzz_kd_vp(Env& e, fce_handle_t h0) {
+  const Dims d = fuzz_dims(e);
+  bool ok = true;
+  fce_handle_t h = pick_handle(e, h0, &ok);
+  fce_kd_options_t ov = FCE_KD_OPTIONS_INIT;
+  ov.divergence = e.coin(90) ? e.fdp.ConsumeIntegralInRange(0, 2) : e.fdp.ConsumeIntegral<int32_t>();
+  if (e.coin(40)) ov.beta = e.pick<float>({0.f, 1.f, 0.5f});
+  if (e.coin(40)) ov.temperature = e.coin(70) ? e.fdp.ConsumeFloatingPointInRange(0.1f, 5.f) : e.fuzz_float();
+  if (e.coin(30)) ov.scale_by_t2 = e.fdp.ConsumeIntegral<int32_t>();
+  if (e.coin(40)) ov.reduction = e.coin(90) ? e.fdp.ConsumeIntegralInRange(0, 2) : e.fdp.ConsumeIntegral<int32_t>();
+  ov.vocab_total = e.coin(90) ? d.V + e.fdp.ConsumeIntegralInRange<int64_t>(-d.V + 1, 3 * d.V) : 0;
+  ov.vocab_start = e.coin(90) ? e.fdp.ConsumeIntegralInRange<int64_t>(0, std::max<int64_t>(ov.vocab_total - 1, 0))
+                              : e.fdp.ConsumeIntegral<int64_t>();
+  const int div = ov.divergence == 2 && ov.beta == 0.f ? 0 : ov.divergence == 2 && ov.beta == 1.f ? 1 : ov.divergence;
+  if (!(div == 0 || div == 1)) ok = false;  // JSD: not implemented; others invalid
+  if (!(ov.temperature >= FCE_KD_TEMPERATURE_MIN && ov.temperature <= FCE_KD_TEMPERATURE_MAX)) ok = false;
+  if (!(ov.reduction >= 0 && ov.reduction <= 2)) ok = false;
+  if (!(ov.vocab_total > 0 && ov.vocab_start >= 0 && ov.vocab_start < ov.vocab_total)) ok = false;
+  const int mode = e.fdp.ConsumeIntegralInRange(0, 2);  // 0 partial, 1 bwd, 2 combine
+  const Kind sk = fkind(e);
+  const int64_t W = e.fdp.ConsumeIntegralInRange<int64_t>(1, 3);
+  int student = -1, tlogits = -1, rec = -1, targets = -1, loss = -1, stats = -1, gl = -1, ds = -1;
+  if (mode != 2) {
+    student = e.add("student", Role::In, sk, {d.N, d.V});
+    tlogits = e.add("teacher->logits", Role::In, fkind(e), {d.N, d.V});
+  }
+  if (mode != 0 && e.coin(50)) targets = e.add("targets", Role::In, ikind(e), {d.N});
+  if (mode == 0) rec = e.add("records", Role::Out, F32, {d.N, FCE_KD_RECORD_FIELDS});
+  if (mode == 1) {
+    stats = e.add("row_stats", Role::In, F32, {d.N, FCE_KD_ROW_STATS_FIELDS});
+    if (e.coin(40)) gl = e.add("grad_loss", Role::In, F32, ov.reduction == FCE_REDUCTION_NONE && e.coin(60) ? std::vector<int64_t>{d.N} : std::vector<int64_t>{});
+    ds = e.add("dstudent", Role::Out, sk, {d.N, d.V}, student);
+  }
+  if (mode == 2) {
+    rec = e.add("records", Role::In, F32, {W, d.N, FCE_KD_RECORD_FIELDS});
+    loss = e.add("loss", Role::Out, F32, reduced_shape(e, ov.reduction, d.N));
+    if (e.coin(60)) stats = e.add("row_stats", Role::Out, F32, {d.N, FCE_KD_ROW_STATS_FIELDS});
+  }
+  e.place();
+  e.fill(d.V);
+  fce_kd_teacher_t tv = FCE_KD_TEACHER_INIT;
+  tv.logits = e.t(tlogits);
+  Opt<fce_kd_teacher_t> teacher = make_opt(e, tv, &ok);
+  Opt<fce_kd_options_t> opt = make_opt(e, ov, &ok);
+  const fce_kd_options_t* op = e.coin(3) ? (ok = false, nullptr) : opt.get();
+  const bool clean = ok && e.clean;
+  if (mode == 0) {
+    run(e, "fce_kd_partial", [&](void*, size_t) {
+      return fce_kd_partial(h, nullptr, e.t(student), teacher.get(), op, e.t(rec));
+    }, nullptr, clean);
+  } else if (mode == 1) {
+    run(e, "fce_kd_bwd",
+        [&](void* ws, size_t wb) {
+          return fce_kd_bwd(h, nullptr, e.t(student), teacher.get(), e.t(targets), e.t(stats), op, e.t(gl), e.t(ds), ws, wb);
+        },
+        [&](size_t* b) {
+          return fce_kd_bwd_workspace_size(h, e.t(student), teacher.get(), e.t(targets), e.t(stats), op, e.t(gl), e.t(ds), b);
+        },
+        clean);
+  } else {
+    run(e, "fce_kd_combine",
+        [&](void* ws, size_t wb) {
+          return fce_kd_combine(h, nullptr, e.t(rec), e.t(targets), op, e.t(loss), e.t(stats), ws, wb);
+        },
+        [&](size_t* b) { return fce_kd_combine_workspace_size(h, e.t(rec), e.t(targets), op, e.t(loss), e.t(stats), b); },
+        clean);
+  }
+}
+
 void fuzz_linear_ce(Env& e, fce_handle_t h0, bool backward) {
   Dims d = fuzz_dims(e);
   d.V = std::min<int64_t>(d.V, 64);
@@ -1174,7 +1259,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fce_handle_t h = nullptr;
   if (fce_handle_create(kDLCPU, fdp.ConsumeIntegral<int8_t>(), &h) != FCE_STATUS_SUCCESS || !h)
     die("cannot create a CPU handle");
-  switch (fdp.ConsumeIntegralInRange(0, 8)) {
+  switch (fdp.ConsumeIntegralInRange(0, 9)) {
     case 0: fuzz_cross_entropy(e, h, false); break;
     case 1: fuzz_cross_entropy(e, h, true); break;
     case 2: fuzz_logsumexp(e, h); break;
@@ -1182,6 +1267,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 4: fuzz_kd(e, h); break;
     case 5: fuzz_linear_ce(e, h, false); break;
     case 6: fuzz_linear_ce(e, h, true); break;
+    case 7: fuzz_kd_vp(e, h); break;
     default: fuzz_misc(e); break;
   }
   if (fce_handle_destroy(h) != FCE_STATUS_SUCCESS) die("fce_handle_destroy failed");

@@ -803,17 +803,8 @@ impl Handle {
         call: Call<'_>,
     ) -> Result<()> {
         let s = student.as_dl();
-        let (tl, ids, lps) = match teacher {
-            Teacher::Logits(l) => (Some(l.as_dl()), None, None),
-            Teacher::TopK { ids, logprobs } => (None, Some(ids.as_dl()), Some(logprobs.as_dl())),
-        };
-        let mut t = raw::init::<sys::fce_kd_teacher_t>();
-        {
-            let r = &mut t;
-            r.logits = cptr(&tl);
-            r.topk_ids = cptr(&ids);
-            r.topk_logprobs = cptr(&lps);
-        }
+        let tt = RawTeacher::new(teacher);
+        let t = tt.to_raw();
         let tg = targets.map(|t| t.as_dl());
         let o = options.to_raw();
         let mut loss = outputs.loss.as_dl();
@@ -843,6 +834,286 @@ impl Handle {
                 Call::Query(bytes) => {
                     sys::fce_kd_loss_workspace_size(self.as_raw(), &s, &t, cptr(&tg), &o, &out, bytes)
                 }
+            }
+        };
+        check(st)
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // Vocabulary-parallel knowledge distillation
+    // ---------------------------------------------------------------------------------------------
+
+    /// The records of one vocabulary shard of student and teacher (`fce_kd_partial`): step 1 of
+    /// vocabulary-parallel distillation, whose steps are (the header's "Vocabulary-parallel knowledge
+    /// distillation"):
+    ///
+    /// 1. each rank: `kd_partial` on its shard → records `[N, KD_RECORD_FIELDS]` (5);
+    /// 2. the caller gathers every rank's records in rank (vocabulary) order into `[W, N, 5]` (one
+    ///    all-gather; the library does no communication);
+    /// 3. each rank: [`Handle::kd_combine`] → the loss of the whole rows (what [`Handle::kd_loss`]
+    ///    returns) and the rows' statistics `[N, KD_ROW_STATS_FIELDS]` (5), the same bits on every rank;
+    /// 4. each rank: [`Handle::kd_bwd`] with those statistics → its shard's dstudent (padding columns 0).
+    ///
+    /// * `student`: `[N, V_local]` fp32, bf16 or fp16, V_local >= 1: global columns
+    ///   `[options.vocab_start, options.vocab_start + V_local)`; those at or past `options.vocab_total`
+    ///   are padding and never read.
+    /// * `teacher`: [`Teacher::Logits`] `[N, V_local]` (any float dtype), the same columns; a
+    ///   [`Teacher::TopK`] teacher is `NOT_IMPLEMENTED`.
+    /// * `options`: [`KdOptions::vocab_start`] and [`KdOptions::vocab_total`] required
+    ///   (0 <= vocab_start < vocab_total); divergence [`Divergence::ForwardKl`] or
+    ///   [`Divergence::ReverseKl`]; temperature as for [`Handle::kd_loss`]; the same options on every rank
+    ///   and call.
+    /// * `records`: `[N, KD_RECORD_FIELDS]` fp32 ([`crate::KD_RECORD_FIELDS`]), written. With z = logits / T,
+    ///   P the divergence's weighting distribution (the teacher for forward KL, the student for reverse
+    ///   KL) and Q the other, a row's record holds, over the shard's real columns: 0 m_P = max z_P,
+    ///   1 Σ exp(z_P − m_P), 2 m_Q, 3 Σ exp(z_Q − m_Q), 4 X = Σ exp(z_P − m_P)·((z_P − m_P) − (z_Q − m_Q)),
+    ///   terms of zero probability under P adding 0.
+    ///
+    /// Math: the combine shifts each record to the row's maxima and merges them in rank order in fp64:
+    /// KL(P ‖ Q) = X / D_P − log D_P + log D_Q; the records' sums are rounded to fp32 once per shard
+    /// (`docs/numerics.md`).
+    ///
+    /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total)`,
+    /// options out of domain), `NOT_IMPLEMENTED` (JSD, a top-K teacher), `SHAPE_MISMATCH` (teacher not
+    /// the student's shape, records not `[N, 5]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`,
+    /// `DEVICE_MISMATCH`, `ALIASING`, `CUDA_ERROR`.
+    ///
+    /// [`Divergence::ForwardKl`]: crate::Divergence::ForwardKl
+    /// [`Divergence::ReverseKl`]: crate::Divergence::ReverseKl
+    pub fn kd_partial(
+        &self,
+        student: &TensorRef<'_>,
+        teacher: &Teacher<'_>,
+        options: &KdOptions,
+        records: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let s = student.as_dl();
+        let tt = RawTeacher::new(teacher);
+        let t = tt.to_raw();
+        let o = options.to_raw();
+        let mut r = records.as_dl();
+        // SAFETY: as in ce_fwd.
+        let st = unsafe { sys::fce_kd_partial(self.as_raw(), self.stream, &s, &t, &o, &mut r) };
+        check(st)
+    }
+
+    /// The divergence of whole rows from the records of every shard (`fce_kd_combine`): step 3 of
+    /// [`Handle::kd_partial`]'s recipe. It writes what [`Handle::kd_loss`] would for the unsharded rows:
+    /// masked rows, all-masked means, NaN and +inf losses and identical distributions (exactly 0) as it
+    /// gives them; the loss within the fp32 rounding of the records' sums (`docs/numerics.md`). The
+    /// records are merged in rank order in fp64 (no float all-reduce), so the result is bitwise
+    /// reproducible and the same on every rank.
+    ///
+    /// * `records`: `[W, N, KD_RECORD_FIELDS]` fp32, contiguous (e.g. [`TensorRef::new`] with shape
+    ///   `[w, n, 5]`): the records of ranks 0..W from [`Handle::kd_partial`], in rank (vocabulary) order.
+    /// * `targets`: optional `[N]` i32 or i64; rows whose target equals `options.ignore_index` are
+    ///   masked (loss 0).
+    /// * `options`: the partial calls' options ([`KdOptions::vocab_total`] required;
+    ///   [`KdOptions::vocab_start`] is not read).
+    /// * `loss`: fp32, `[N]` with [`Reduction::None`] (0 at masked rows), else a scalar
+    ///   ([`Reduction::Mean`]: batchmean over the unmasked rows); nats, times T² with
+    ///   [`KdOptions::scale_by_t2`].
+    /// * `row_stats`: optional `[N, KD_ROW_STATS_FIELDS]` fp32 ([`crate::KD_ROW_STATS_FIELDS`]), the
+    ///   rows' statistics for [`Handle::kd_bwd`]: 0 M_student, 1 log D_student, 2 M_teacher,
+    ///   3 log D_teacher (a row's log-probabilities are (z − M) − log D), 4 A = Σ_j a_j of the gradient
+    ///   dL/dz_j = a_j − q_j·A (forward KL: −1; reverse KL: KL + 1).
+    ///
+    /// Math: KL(P ‖ Q) = X / D_P − log D_P + log D_Q over the merged records (see [`Handle::kd_partial`]);
+    /// a column where P > 0 and Q = 0 gives +inf; NaN propagates; a row without a finite logit in either
+    /// distribution gives NaN, as [`Handle::kd_loss`] does.
+    ///
+    /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain),
+    /// `NOT_IMPLEMENTED` (JSD), `SHAPE_MISMATCH` (records not `[W >= 1, N, 5]`, targets not `[N]`,
+    /// loss or row_stats of the wrong shape), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (records not
+    /// contiguous), `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
+    ///
+    /// [`Reduction::None`]: crate::Reduction::None
+    /// [`Reduction::Mean`]: crate::Reduction::Mean
+    pub fn kd_combine(
+        &self,
+        records: &TensorRef<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        loss: &mut TensorMut<'_>,
+        row_stats: Option<&mut TensorMut<'_>>,
+    ) -> Result<()> {
+        self.kd_combine_impl(records, targets, options, loss, row_stats, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::kd_combine`] needs for these arguments (same validation; 0 on a CPU
+    /// handle).
+    pub fn kd_combine_workspace_size(
+        &self,
+        records: &TensorRef<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        loss: &mut TensorMut<'_>,
+        row_stats: Option<&mut TensorMut<'_>>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        self.kd_combine_impl(records, targets, options, loss, row_stats, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    fn kd_combine_impl(
+        &self,
+        records: &TensorRef<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        loss: &mut TensorMut<'_>,
+        row_stats: Option<&mut TensorMut<'_>>,
+        call: Call<'_>,
+    ) -> Result<()> {
+        let r = records.as_dl();
+        let tg = targets.map(|t| t.as_dl());
+        let o = options.to_raw();
+        let mut l = loss.as_dl();
+        let mut rs = row_stats.map(|t| t.as_dl());
+        // SAFETY: as in ce_fwd.
+        let st = unsafe {
+            match call {
+                Call::Run => sys::fce_kd_combine(
+                    self.as_raw(),
+                    self.stream,
+                    &r,
+                    cptr(&tg),
+                    &o,
+                    &mut l,
+                    mptr(&mut rs),
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                Call::Query(bytes) => {
+                    sys::fce_kd_combine_workspace_size(self.as_raw(), &r, cptr(&tg), &o, &l, cptr(&rs), bytes)
+                }
+            }
+        };
+        check(st)
+    }
+
+    /// A shard's dstudent from the rows' statistics (`fce_kd_bwd`): step 4 of [`Handle::kd_partial`]'s
+    /// recipe. `dstudent` = d(loss)/d(student logits) × grad_loss for the shard's columns, the shard's
+    /// columns of [`Handle::kd_loss`]'s dstudent within the fp32 rounding of the records' sums; formed in
+    /// fp32 and rounded once; 0 at masked rows and padding columns.
+    ///
+    /// * `student` `[N, V_local]` fp32, bf16 or fp16 and `teacher` ([`Teacher::Logits`] `[N, V_local]`,
+    ///   any float dtype; `TopK` is `NOT_IMPLEMENTED`) as given to [`Handle::kd_partial`].
+    /// * `targets`: optional `[N]` i32/i64, as given to [`Handle::kd_combine`] (the mean counts the same
+    ///   rows).
+    /// * `row_stats`: `[N, KD_ROW_STATS_FIELDS]` fp32 from [`Handle::kd_combine`].
+    /// * `options`: the partial call's options (this shard's [`KdOptions::vocab_start`] and
+    ///   [`KdOptions::vocab_total`]).
+    /// * `grad_loss`: optional fp32 upstream gradient: a scalar, or `[N]` with [`Reduction::None`];
+    ///   None means 1.
+    /// * `dstudent`: `[N, V_local]` in the student's dtype.
+    ///
+    /// Math: with z = student logits / T and q the student's probabilities, dL/dz_j = a_j − q_j·A, A = Σ_j a_j
+    /// from `row_stats` (forward KL: a_j = −p_teacher,j, A = −1; reverse KL: A = KL + 1; the element
+    /// terms of [`Handle::kd_loss`]), chained through 1/T, times T² with [`KdOptions::scale_by_t2`], the
+    /// reduction's factor and grad_loss.
+    ///
+    /// Errors: `INVALID_ARGUMENT` (options without a shard or out of domain), `NOT_IMPLEMENTED` (JSD, a
+    /// top-K teacher), `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE` (also a dstudent not of the student's
+    /// dtype), `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
+    ///
+    /// [`Reduction::None`]: crate::Reduction::None
+    #[allow(clippy::too_many_arguments)]
+    pub fn kd_bwd(
+        &self,
+        student: &TensorRef<'_>,
+        teacher: &Teacher<'_>,
+        targets: Option<&TensorRef<'_>>,
+        row_stats: &TensorRef<'_>,
+        options: &KdOptions,
+        grad_loss: Option<&TensorRef<'_>>,
+        dstudent: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let s = student.as_dl();
+        let mut d = dstudent.as_dl();
+        self.kd_bwd_impl(&s, teacher, targets, row_stats, options, grad_loss, &mut d, Call::Run)
+    }
+
+    /// [`Handle::kd_bwd`] in place: `student` `[N, V_local]` is read, then overwritten by the shard's
+    /// dstudent (padding columns 0).
+    pub fn kd_bwd_in_place(
+        &self,
+        student: &mut TensorMut<'_>,
+        teacher: &Teacher<'_>,
+        targets: Option<&TensorRef<'_>>,
+        row_stats: &TensorRef<'_>,
+        options: &KdOptions,
+        grad_loss: Option<&TensorRef<'_>>,
+    ) -> Result<()> {
+        let mut s = student.as_dl();
+        let sp: *mut sys::DLTensor = &mut s;
+        // As in cross_entropy_bwd_in_place: the header allows dstudent to be the student's memory.
+        self.kd_bwd_impl(sp, teacher, targets, row_stats, options, grad_loss, sp, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::kd_bwd`] needs for these arguments (same validation; 0 on a CPU handle).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kd_bwd_workspace_size(
+        &self,
+        student: &TensorRef<'_>,
+        teacher: &Teacher<'_>,
+        targets: Option<&TensorRef<'_>>,
+        row_stats: &TensorRef<'_>,
+        options: &KdOptions,
+        grad_loss: Option<&TensorRef<'_>>,
+        dstudent: &mut TensorMut<'_>,
+    ) -> Result<usize> {
+        let s = student.as_dl();
+        let mut d = dstudent.as_dl();
+        let mut bytes = 0usize;
+        self.kd_bwd_impl(&s, teacher, targets, row_stats, options, grad_loss, &mut d, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn kd_bwd_impl(
+        &self,
+        student: *const sys::DLTensor,
+        teacher: &Teacher<'_>,
+        targets: Option<&TensorRef<'_>>,
+        row_stats: &TensorRef<'_>,
+        options: &KdOptions,
+        grad_loss: Option<&TensorRef<'_>>,
+        dstudent: *mut sys::DLTensor,
+        call: Call<'_>,
+    ) -> Result<()> {
+        let tt = RawTeacher::new(teacher);
+        let t = tt.to_raw();
+        let tg = targets.map(|t| t.as_dl());
+        let rs = row_stats.as_dl();
+        let o = options.to_raw();
+        let g = grad_loss.map(|g| g.as_dl());
+        // SAFETY: as in ce_fwd.
+        let st = unsafe {
+            match call {
+                Call::Run => sys::fce_kd_bwd(
+                    self.as_raw(),
+                    self.stream,
+                    student,
+                    &t,
+                    cptr(&tg),
+                    &rs,
+                    &o,
+                    cptr(&g),
+                    dstudent,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                Call::Query(bytes) => sys::fce_kd_bwd_workspace_size(
+                    self.as_raw(),
+                    student,
+                    &t,
+                    cptr(&tg),
+                    &rs,
+                    &o,
+                    cptr(&g),
+                    dstudent,
+                    bytes,
+                ),
             }
         };
         check(st)
@@ -1029,6 +1300,36 @@ impl Handle {
             }
         };
         check(st)
+    }
+}
+
+/// DLTensors of a distillation call's teacher, kept alive for the call.
+struct RawTeacher {
+    logits: Option<sys::DLTensor>,
+    topk_ids: Option<sys::DLTensor>,
+    topk_logprobs: Option<sys::DLTensor>,
+}
+
+impl RawTeacher {
+    fn new(t: &Teacher<'_>) -> RawTeacher {
+        match t {
+            Teacher::Logits(l) => RawTeacher { logits: Some(l.as_dl()), topk_ids: None, topk_logprobs: None },
+            Teacher::TopK { ids, logprobs } => {
+                RawTeacher { logits: None, topk_ids: Some(ids.as_dl()), topk_logprobs: Some(logprobs.as_dl()) }
+            }
+        }
+    }
+    /// The C struct (filled by `fce_kd_teacher_init`, then these fields), pointing into `self`: valid while
+    /// `self` is neither moved nor dropped.
+    fn to_raw(&self) -> sys::fce_kd_teacher_t {
+        let mut t = raw::init::<sys::fce_kd_teacher_t>();
+        {
+            let r = &mut t;
+            r.logits = cptr(&self.logits);
+            r.topk_ids = cptr(&self.topk_ids);
+            r.topk_logprobs = cptr(&self.topk_logprobs);
+        }
+        t
     }
 }
 

@@ -417,11 +417,20 @@ impl<'a> SoftmaxOptions<'a> {
     }
 }
 
-/// Options of [`crate::Handle::kd_loss`] (`fce_kd_options_t`); the default is the library's
-/// `fce_kd_options_init` (`FCE_KD_OPTIONS_INIT`).
+/// Options of [`crate::Handle::kd_loss`] and of vocabulary-parallel distillation (`fce_kd_options_t`);
+/// the default is the library's `fce_kd_options_init` (`FCE_KD_OPTIONS_INIT`).
 ///
 /// With temperature T both distributions are softmax(logits / T); a top-K teacher's distribution over
 /// its K ids is softmax_K(logprobs / T). Terms of zero probability contribute exactly 0.
+///
+/// Vocabulary-parallel distillation (the header's "Vocabulary-parallel knowledge distillation"): when
+/// student and teacher logits are the same columns `[vocab_start, vocab_start + V_local)` of a vocabulary
+/// of `vocab_total` (one rank's shard, possibly padded past `vocab_total`), set [`KdOptions::vocab_start`]
+/// and [`KdOptions::vocab_total`] and use [`crate::Handle::kd_partial`], [`crate::Handle::kd_combine`]
+/// and [`crate::Handle::kd_bwd`]; the divergence is then that of the whole rows. Forward and reverse KL
+/// only ([`Divergence::Jsd`] is `NOT_IMPLEMENTED` there: the mixture would need a second exchange), full
+/// teacher logits only. [`crate::Handle::kd_loss`] refuses options with `vocab_total` set
+/// (`INVALID_ARGUMENT`).
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct KdOptions {
     /// The divergence; default [`Divergence::ForwardKl`].
@@ -439,6 +448,13 @@ pub struct KdOptions {
     pub reduction: Reduction,
     /// Rows whose target equals this are masked (when targets are given); default -100.
     pub ignore_index: i64,
+    /// Vocabulary-parallel calls: the global index of the shard's first column, in `[0, vocab_total)`;
+    /// default 0 (and it must be 0 when `vocab_total` is 0). Not read by [`crate::Handle::kd_combine`].
+    /// Since 0.2.0.
+    pub vocab_start: i64,
+    /// Vocabulary-parallel calls: V of the whole vocabulary (columns of a shard at or past it are
+    /// padding, never read, gradient 0); default 0 = not sharded. Since 0.2.0.
+    pub vocab_total: i64,
 }
 
 impl Default for KdOptions {
@@ -453,6 +469,8 @@ impl Default for KdOptions {
             topk_norm: TopkNorm::from_raw(d.topk_norm).unwrap_or_default(),
             reduction: Reduction::from_raw(d.reduction).unwrap_or_default(),
             ignore_index: d.ignore_index,
+            vocab_start: d.vocab_start,
+            vocab_total: d.vocab_total,
         }
     }
 }
@@ -497,6 +515,16 @@ impl KdOptions {
         self.ignore_index = i;
         self
     }
+    /// Sets [`KdOptions::vocab_start`].
+    pub fn vocab_start(mut self, start: i64) -> Self {
+        self.vocab_start = start;
+        self
+    }
+    /// Sets [`KdOptions::vocab_total`].
+    pub fn vocab_total(mut self, total: i64) -> Self {
+        self.vocab_total = total;
+        self
+    }
     pub(crate) fn to_raw(self) -> sys::fce_kd_options_t {
         let mut r = raw::init::<sys::fce_kd_options_t>();
         let o = &mut r;
@@ -507,11 +535,15 @@ impl KdOptions {
         o.topk_norm = self.topk_norm.to_raw();
         o.reduction = self.reduction.to_raw();
         o.ignore_index = self.ignore_index;
+        o.vocab_start = self.vocab_start;
+        o.vocab_total = self.vocab_total;
         r
     }
 }
 
-/// The teacher of [`crate::Handle::kd_loss`] (`fce_kd_teacher_t`).
+/// The teacher of [`crate::Handle::kd_loss`] and of the vocabulary-parallel calls
+/// ([`crate::Handle::kd_partial`], [`crate::Handle::kd_bwd`]: full logits only, `TopK` is
+/// `NOT_IMPLEMENTED` there) (`fce_kd_teacher_t`).
 #[derive(Copy, Clone, Debug)]
 pub enum Teacher<'a> {
     /// Full teacher logits `[N, V]` fp32, bf16 or fp16 (may differ from the student's dtype).

@@ -381,7 +381,7 @@ fn option_defaults_come_from_the_init_functions() {
         (Reduction::Mean, -100, 0.0, 0.0, 0.0, 1.0, true, 0, 0)
     );
     assert_eq!(Reduction::Mean.to_raw(), fusedce::sys::FCE_REDUCTION_MEAN as i32);
-    // FCE_KD_OPTIONS_INIT: FORWARD_KL, 0.5, 1, 0, FULL_VOCAB, MEAN, -100.
+    // FCE_KD_OPTIONS_INIT: FORWARD_KL, 0.5, 1, 0, FULL_VOCAB, MEAN, -100, 0, 0.
     let k = KdOptions::default();
     assert_eq!(
         (
@@ -391,7 +391,9 @@ fn option_defaults_come_from_the_init_functions() {
             k.scale_by_t2,
             k.topk_norm.to_raw(),
             k.reduction,
-            k.ignore_index
+            k.ignore_index,
+            k.vocab_start,
+            k.vocab_total
         ),
         (
             fusedce::sys::FCE_KD_FORWARD_KL as i32,
@@ -400,7 +402,9 @@ fn option_defaults_come_from_the_init_functions() {
             false,
             fusedce::sys::FCE_KD_TOPK_FULL_VOCAB as i32,
             Reduction::Mean,
-            -100
+            -100,
+            0,
+            0
         )
     );
     assert_eq!(LseOptions::default().scale, 1.0);
@@ -435,6 +439,7 @@ fn raw_init_functions_match_the_header() {
     assert!(sm.temperature == 1.0 && sm.temperatures.is_null());
     let kd = size_of_init!(fce_kd_options_t, fce_kd_options_init);
     assert!(kd.beta == 0.5 && kd.temperature == 1.0 && kd.scale_by_t2 == 0);
+    assert!(kd.vocab_start == 0 && kd.vocab_total == 0);
     let t = size_of_init!(fce_kd_teacher_t, fce_kd_teacher_init);
     assert!(t.logits.is_null() && t.topk_ids.is_null() && t.topk_logprobs.is_null());
     let ko = size_of_init!(fce_kd_outputs_t, fce_kd_outputs_init);
