@@ -15,12 +15,15 @@ Layout convention (Julia is column-major, the library row-major): **a C tensor `
 | top-K ids `[N, K]`    | `K×N` matrix of 1-based ids; an id ≤ 0 marks an unused slot |
 | CE records `[N, K]`   | `K×N` Float32 matrix (one shard's, `cross_entropy_partial`) |
 | CE records `[W, N, K]`| `K×N×W` Float32 array, shards in rank order (`cross_entropy_combine`) |
+| KD records `[N, 5]`   | `5×N` Float32 matrix (one shard's, `kd_partial`) |
+| KD records `[W, N, 5]`| `5×N×W` Float32 array, shards in rank order (`kd_combine`) |
+| KD row statistics `[N, 5]` | `5×N` Float32 matrix (`kd_combine` → `kd_bwd`) |
 
 Class indices are 1-based everywhere (targets, `argmax` outputs, top-K ids, `ignore_index`); the
 binding subtracts 1 before calling the library, so `ignore_index = 0` works as well as the default -100.
-The one exception is `vocab_start` (vocabulary-parallel cross-entropy), an offset rather than a class: the
-number of vocabulary columns before a shard, passed to the library as is (the shard holds the 1-based
-classes `vocab_start+1 : vocab_start+size(logits, 1)`).
+The one exception is `vocab_start` (vocabulary-parallel cross-entropy and distillation), an offset rather
+than a class: the number of vocabulary columns before a shard, passed to the library as is (the shard holds
+the 1-based classes `vocab_start+1 : vocab_start+size(logits, 1)`).
 Any strided array works as long as its first dimension has unit stride (a view of a padded matrix
 is fine). Element types: `Float32`, `Float16`, any 16-bit type named `BFloat16` (BFloat16s.jl) for
 floating data; `Int32`/`Int64` for indices. Options are keyword arguments whose defaults are the loaded
@@ -39,7 +42,8 @@ const L = LibFusedCE
 export Handle, FusedCEError, default_handle, library_path, version, abi_version, build_info,
        cross_entropy, cross_entropy_fwd, cross_entropy_bwd, cross_entropy_record_fields, cross_entropy_partial,
        cross_entropy_combine, logsumexp, temp_softmax,
-       kd_loss, kd_loss_topk, linear_cross_entropy, linear_cross_entropy_fwd, linear_cross_entropy_bwd
+       kd_loss, kd_loss_topk, kd_partial, kd_combine, kd_bwd,
+       linear_cross_entropy, linear_cross_entropy_fwd, linear_cross_entropy_bwd
 
 # ------------------------------------------------------------------------------------------------
 # Loading
@@ -677,8 +681,18 @@ end
 # Knowledge distillation
 # ------------------------------------------------------------------------------------------------
 
+# The library's ignore_index is 0-based like its targets; vocab_start is an offset, passed as is.
+function _kd_options(divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index;
+                     vocab_start::Integer = _KD[].vocab_start, vocab_total::Integer = _KD[].vocab_total)
+    return _cstruct(L.fce_kd_options_t; divergence = _enum(_DIVERGENCES, divergence, "divergence"),
+                    beta = Float32(beta), temperature = Float32(temperature), scale_by_t2 = Int32(scale_by_t2 ? 1 : 0),
+                    topk_norm = _enum(_TOPK_NORMS, topk_norm, "topk_norm"),
+                    reduction = _enum(_REDUCTIONS, reduction, "reduction"), ignore_index = Int64(ignore_index) - 1,
+                    vocab_start = Int64(vocab_start), vocab_total = Int64(vocab_total))
+end
+
 function _kd(student, teacher_logits, topk_ids, topk_logprobs, targets, divergence, beta, temperature,
-             scale_by_t2, topk_norm, reduction, ignore_index, dstudent, grad_loss, handle)
+             scale_by_t2, topk_norm, reduction, ignore_index, vocab_start, vocab_total, dstudent, grad_loss, handle)
     N = size(student, 2)
     loss_a = _loss_buffer(reduction, N)
     ds_a = _out(dstudent, () -> similar(student))
@@ -688,11 +702,8 @@ function _kd(student, teacher_logits, topk_ids, topk_logprobs, targets, divergen
         _tensor(ds_a), _tensor(grad_loss)
     GC.@preserve ts ttl tid tlp ttg tloss tds tg begin
         teacher = _cstruct(L.fce_kd_teacher_t; logits = _ptr(ttl), topk_ids = _ptr(tid), topk_logprobs = _ptr(tlp))
-        opts = _cstruct(L.fce_kd_options_t; divergence = _enum(_DIVERGENCES, divergence, "divergence"),
-                        beta = Float32(beta), temperature = Float32(temperature),
-                        scale_by_t2 = Int32(scale_by_t2 ? 1 : 0),
-                        topk_norm = _enum(_TOPK_NORMS, topk_norm, "topk_norm"),
-                        reduction = _enum(_REDUCTIONS, reduction, "reduction"), ignore_index = Int64(ignore_index) - 1)
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index;
+                           vocab_start = vocab_start, vocab_total = vocab_total)
         outs = _cstruct(L.fce_kd_outputs_t; loss = _ptr(tloss), dstudent = _ptr(tds), grad_loss = _ptr(tg))
         _check(L.fce_kd_loss(_ptr(handle), C_NULL, _ptr(ts), teacher, _ptr(ttg), opts, outs, C_NULL, 0),
                :fce_kd_loss)
@@ -702,25 +713,28 @@ end
 
 """
     kd_loss(student, teacher; targets=nothing, divergence=:forward_kl, beta=0.5, temperature=1,
-            scale_by_t2=false, reduction=:mean, ignore_index=-100, dstudent=false, grad_loss=nothing,
-            handle=default_handle())
+            scale_by_t2=false, reduction=:mean, ignore_index=-100, vocab_start=0, vocab_total=0,
+            dstudent=false, grad_loss=nothing, handle=default_handle())
 
 Distillation divergence between the student's and the teacher's softmax at `temperature`, per column of
 `student`/`teacher` (`V×N` each): `:forward_kl` KL(teacher‖student), `:reverse_kl`, or `:jsd` (generalized,
 weight `beta` in [0, 1]). `temperature` must lie in [1e-4, 100] (`LibFusedCE.FCE_KD_TEMPERATURE_MIN`,
 `FCE_KD_TEMPERATURE_MAX`; `FusedCEError` INVALID_ARGUMENT otherwise). Columns whose 1-based target equals
 `ignore_index` are masked; `:mean` is batchmean over unmasked columns. `dstudent = true` (or an array) also
-returns the gradient. Returns `(loss, dstudent)`.
+returns the gradient. Returns `(loss, dstudent)`. `vocab_start`/`vocab_total` must stay 0 here (the library
+refuses a shard, `FusedCEError` INVALID_ARGUMENT): a shard's divergence comes from `kd_partial`,
+`kd_combine` and `kd_bwd`.
 """
 function kd_loss(student::AbstractMatrix, teacher::AbstractMatrix;
                  targets::Union{Nothing,AbstractVector{<:Integer}} = nothing, divergence::Symbol = _def_divergence(),
                  beta::Real = _KD[].beta, temperature::Real = _KD[].temperature,
                  scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
                  reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
+                 vocab_start::Integer = _KD[].vocab_start, vocab_total::Integer = _KD[].vocab_total,
                  dstudent = false, grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
                  handle::Handle = default_handle())
     return _kd(student, teacher, nothing, nothing, targets, divergence, beta, temperature, scale_by_t2,
-               _def_topk_norm(), reduction, ignore_index, dstudent, grad_loss, handle)
+               _def_topk_norm(), reduction, ignore_index, vocab_start, vocab_total, dstudent, grad_loss, handle)
 end
 
 """
@@ -737,10 +751,157 @@ function kd_loss_topk(student::AbstractMatrix, topk_ids::AbstractMatrix{<:Intege
                       beta::Real = _KD[].beta, temperature::Real = _KD[].temperature,
                       scale_by_t2::Bool = _KD[].scale_by_t2 != 0, topk_norm::Symbol = _def_topk_norm(),
                       reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
+                      vocab_start::Integer = _KD[].vocab_start, vocab_total::Integer = _KD[].vocab_total,
                       dstudent = false, grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
                       handle::Handle = default_handle())
     return _kd(student, nothing, topk_ids, topk_logprobs, targets, divergence, beta, temperature, scale_by_t2,
-               topk_norm, reduction, ignore_index, dstudent, grad_loss, handle)
+               topk_norm, reduction, ignore_index, vocab_start, vocab_total, dstudent, grad_loss, handle)
+end
+
+# ------------------------------------------------------------------------------------------------
+# Vocabulary-parallel knowledge distillation
+# ------------------------------------------------------------------------------------------------
+
+# The teacher of a shard call: full logits only (the library refuses a top-K teacher over shards).
+_full_teacher(tt::Tensor) = _cstruct(L.fce_kd_teacher_t; logits = _ptr(tt))
+
+"""
+    kd_partial(student_shard, teacher_shard; vocab_start, vocab_total, divergence=:forward_kl, beta=0.5,
+               temperature=1, scale_by_t2=false, reduction=:mean, ignore_index=-100,
+               records=Matrix{Float32}(undef, 5, N), handle=default_handle())
+
+Step 1 of vocabulary-parallel knowledge distillation (`fce_kd_partial`; the math and the record fields are
+in the header's "Vocabulary-parallel knowledge distillation"): the records of one shard of the vocabulary,
+a `K×N` Float32 matrix (the C `[N, K]`, `K = LibFusedCE.FCE_KD_RECORD_FIELDS` = 5), written into `records`
+if given (contiguous) and returned. With `z = logits / temperature`, P the distribution that weights the
+divergence (the teacher for `:forward_kl`, the student for `:reverse_kl`) and Q the other, a record holds,
+over the shard's real columns: `m_P = max z_P`, `Σ exp(z_P - m_P)`, `m_Q`, `Σ exp(z_Q - m_Q)` and
+`X = Σ exp(z_P - m_P) ((z_P - m_P) - (z_Q - m_Q))`.
+
+- `student_shard`, `teacher_shard`: `V_local×N` each (Float32, Float16 or BFloat16, their element types may
+  differ; a view with unit stride down columns is fine), the rows `vocab_start+1 : vocab_start+V_local` of
+  the whole `V×N` logits. The last shard may be padded: rows past `vocab_total` are ignored (they may hold
+  anything, NaN included). The teacher is full logits (a top-K teacher over shards is NOT_IMPLEMENTED in the
+  library and has no Julia method here).
+- `vocab_start` (required): the 0-based offset of the shard, the number of vocabulary rows before it (so
+  `0 ≤ vocab_start < vocab_total`); `vocab_total` (required): V of the whole vocabulary.
+- `divergence`: `:forward_kl` or `:reverse_kl` (`:jsd` is NOT_IMPLEMENTED, its mixture needs a second
+  exchange, except at `beta` 0 or 1 where it is exactly forward or reverse KL); `temperature` in [1e-4, 100]
+  as for `kd_loss`. Use the same options on every shard and in `kd_combine` and `kd_bwd` (the partial
+  reads `divergence`, `beta` and `temperature`; the others are validated only).
+
+Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`,
+options out of domain), NOT_IMPLEMENTED (`:jsd`), SHAPE_MISMATCH (teacher's or records' size),
+UNSUPPORTED_DTYPE, UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
+"""
+function kd_partial(student::AbstractMatrix, teacher::AbstractMatrix; vocab_start::Integer, vocab_total::Integer,
+                    divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
+                    temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                    reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
+                    records::Union{Nothing,AbstractMatrix} = nothing, handle::Handle = default_handle())
+    rec_a = records === nothing ? Matrix{Float32}(undef, L.FCE_KD_RECORD_FIELDS, size(student, 2)) : records
+    ts, tt, trec = Tensor(student), Tensor(teacher), Tensor(rec_a)
+    GC.@preserve ts tt trec begin
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
+                           vocab_start = vocab_start, vocab_total = vocab_total)
+        _check(L.fce_kd_partial(_ptr(handle), C_NULL, _ptr(ts), _full_teacher(tt), opts, _ptr(trec)),
+               :fce_kd_partial)
+    end
+    return rec_a
+end
+
+"""
+    kd_combine(records; vocab_total, targets=nothing, divergence=:forward_kl, beta=0.5, temperature=1,
+               scale_by_t2=false, reduction=:mean, ignore_index=-100, row_stats=true,
+               handle=default_handle())
+
+Step 3 of vocabulary-parallel knowledge distillation (`fce_kd_combine`; the header's "Vocabulary-parallel
+knowledge distillation" has the math): the divergence of the whole rows, what `kd_loss` of the unsharded
+logits returns, from the records of every shard. Each record is shifted to the row's maxima M and the
+records are merged in rank order in Float64: `KL(P‖Q) = X / D_P - log D_P + log D_Q`.
+
+- `records`: `5×N×W` Float32, contiguous (the C `[W, N, FCE_KD_RECORD_FIELDS]`): the W shards'
+  `kd_partial` results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)` or an all-gather's
+  buffer.
+- `targets`: optional, length N (Int32/Int64, 1-based): columns whose target equals `ignore_index` are
+  masked (loss 0; `:mean` is batchmean over the unmasked columns).
+- `vocab_total` (required) and the other options: those of the partial calls (`vocab_start` is not read).
+- `row_stats`: `false`, `true` (allocated) or a `5×N` Float32 matrix (the C `[N, FCE_KD_ROW_STATS_FIELDS]`)
+  to write into: per column `M_student`, `log D_student`, `M_teacher`, `log D_teacher` (the row's
+  log-probabilities are `(z - M) - log D`) and `A` of the gradient `∂L/∂z_j = a_j - q_j A` (`:forward_kl`:
+  -1; `:reverse_kl`: KL + 1), for `kd_bwd`.
+
+Returns `(loss, row_stats)`: `loss` a Float32 for `:sum`/`:mean`, a length-N vector for `:none` (nats,
+times `temperature^2` with `scale_by_t2`); `row_stats` `nothing` when not asked for. The loss agrees with
+`kd_loss` of the whole rows within the Float32 rounding of the records' sums; masked columns, all-masked
+means, NaN and +Inf losses and identical distributions (exactly 0) as `kd_loss` gives them. Errors:
+`FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, options out of domain), NOT_IMPLEMENTED (`:jsd`),
+SHAPE_MISMATCH (records not `5×N×W`, targets' or row_stats' size), UNSUPPORTED_LAYOUT (records not
+contiguous), UNSUPPORTED_DTYPE, DEVICE_MISMATCH.
+"""
+function kd_combine(records::AbstractArray{<:Any,3}; vocab_total::Integer,
+                    targets::Union{Nothing,AbstractVector{<:Integer}} = nothing,
+                    divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
+                    temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                    reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
+                    row_stats = true, handle::Handle = default_handle())
+    N = size(records, 2)
+    loss_a = _loss_buffer(reduction, N)
+    rs_a = _out(row_stats, () -> Matrix{Float32}(undef, L.FCE_KD_ROW_STATS_FIELDS, N))
+    trec, ttg, tloss, trs = Tensor(records), _tensor(targets === nothing ? nothing : _indices0(targets)),
+                            Tensor(loss_a), _tensor(rs_a)
+    GC.@preserve trec ttg tloss trs begin
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
+                           vocab_start = 0, vocab_total = vocab_total)
+        _check(L.fce_kd_combine(_ptr(handle), C_NULL, _ptr(trec), _ptr(ttg), opts, _ptr(tloss), _ptr(trs), C_NULL, 0),
+               :fce_kd_combine)
+    end
+    return (loss = _scalar_or_vec(loss_a), row_stats = rs_a)
+end
+
+"""
+    kd_bwd(student_shard, teacher_shard, row_stats; vocab_start, vocab_total, targets=nothing,
+           divergence=:forward_kl, beta=0.5, temperature=1, scale_by_t2=false, reduction=:mean,
+           ignore_index=-100, grad_loss=nothing, dstudent=similar(student_shard), handle=default_handle())
+
+Step 4 of vocabulary-parallel knowledge distillation (`fce_kd_bwd`): the shard's columns of
+d(loss)/d(student logits) times `grad_loss`, from `kd_combine`'s `row_stats` (`5×N` Float32), formed in
+Float32 and rounded once to the student's element type: per element `(a_j - q_j A) / temperature` (times
+`temperature^2` with `scale_by_t2`, divided by the unmasked columns for `:mean`), with the log-probabilities
+`(z - M) - log D` of the row statistics and `a_j` the element terms of `kd_loss` (the header's
+"Vocabulary-parallel knowledge distillation"). 0 at masked columns and in padding rows (global class >
+`vocab_total`).
+
+- `student_shard`, `teacher_shard`, `vocab_start`, `vocab_total` and the options: those of this shard's
+  `kd_partial` call; `targets` and `reduction` those of `kd_combine` (the mean counts the same columns).
+- `grad_loss`: Float32 upstream gradient, a number (or, for `:none`, a length-N vector); `nothing` = 1.
+- `dstudent`: `V_local×N` in the student's element type, written and returned; `dstudent = student_shard`
+  works in place.
+
+Agrees with `kd_loss(...; dstudent = true)` of the whole rows within the Float32 rounding of the records'
+sums. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`,
+options out of domain), NOT_IMPLEMENTED (`:jsd`), SHAPE_MISMATCH (teacher's, targets', row_stats',
+grad_loss' or dstudent's size), UNSUPPORTED_DTYPE (dstudent not the student's type), UNSUPPORTED_LAYOUT,
+DEVICE_MISMATCH.
+"""
+function kd_bwd(student::AbstractMatrix, teacher::AbstractMatrix, row_stats::AbstractMatrix;
+                vocab_start::Integer, vocab_total::Integer,
+                targets::Union{Nothing,AbstractVector{<:Integer}} = nothing,
+                divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
+                temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
+                grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                dstudent::AbstractMatrix = similar(student), handle::Handle = default_handle())
+    ts, tt, ttg, trs, tg, tds = Tensor(student), Tensor(teacher),
+                                _tensor(targets === nothing ? nothing : _indices0(targets)), Tensor(row_stats),
+                                _tensor(grad_loss), Tensor(dstudent)
+    GC.@preserve ts tt ttg trs tg tds begin
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
+                           vocab_start = vocab_start, vocab_total = vocab_total)
+        _check(L.fce_kd_bwd(_ptr(handle), C_NULL, _ptr(ts), _full_teacher(tt), _ptr(ttg), _ptr(trs), opts, _ptr(tg),
+                            _ptr(tds), C_NULL, 0), :fce_kd_bwd)
+    end
+    return dstudent
 end
 
 # ------------------------------------------------------------------------------------------------

@@ -199,17 +199,27 @@ end
     @test L.fce_kd_options_init(Ptr{L.fce_kd_options_t}(C_NULL), sizeof(L.fce_kd_options_t)) ==
           L.FCE_STATUS_INVALID_ARGUMENT
     # struct_size is the size given: defaults, then zeros past this library's struct; a size below the
-    # struct or above FCE_MAX_STRUCT_SIZE is refused and nothing is written
+    # struct's first published size (0.1's, which ended before vocab_start) or above FCE_MAX_STRUCT_SIZE is
+    # refused and nothing is written; the first published size itself (an older header's) gets the defaults
+    # of the fields it has, and nothing past them is written
     n = sizeof(L.fce_kd_options_t)
+    first = Int(fieldoffset(L.fce_kd_options_t, findfirst(==(:vocab_start), fieldnames(L.fce_kd_options_t))))
+    @test first == 40 && n == first + 16
     buf = fill(0xab, n + 24)
     GC.@preserve buf begin
         p = Ptr{L.fce_kd_options_t}(pointer(buf))
         @test L.fce_kd_options_init(p, n + 16) == L.FCE_STATUS_SUCCESS
         o = unsafe_load(p)
         @test o.struct_size == n + 16 && o.beta == 0.5f0 && o.ignore_index == -100
+        @test o.vocab_start == 0 && o.vocab_total == 0
         @test all(iszero, buf[n+1:n+16]) && all(==(0xab), buf[n+17:end])
         fill!(buf, 0xab)
-        @test L.fce_kd_options_init(p, n - 8) == L.FCE_STATUS_INVALID_ARGUMENT
+        @test L.fce_kd_options_init(p, first) == L.FCE_STATUS_SUCCESS
+        o = unsafe_load(p)
+        @test o.struct_size == first && o.beta == 0.5f0 && o.ignore_index == -100
+        @test all(==(0xab), buf[first+1:end])
+        fill!(buf, 0xab)
+        @test L.fce_kd_options_init(p, first - 8) == L.FCE_STATUS_INVALID_ARGUMENT
         @test L.fce_kd_options_init(p, L.FCE_MAX_STRUCT_SIZE + 1) == L.FCE_STATUS_INVALID_ARGUMENT
         @test all(==(0xab), buf)
     end
@@ -580,6 +590,176 @@ end
     @test all(r.dstudent[:, 5] .== 0)
     r32 = FusedCE.kd_loss_topk(S, Int32.(ids), lps; kw...)
     @test r32.loss == r.loss
+end
+
+@testset "vocabulary-parallel knowledge distillation" begin
+    KR, KS = L.FCE_KD_RECORD_FIELDS, L.FCE_KD_ROW_STATS_FIELDS
+    @test KR == 5 && KS == 5
+    Vk, Nk = 53, 7
+    Sk = randn(Float32, Vk, Nk) .* 2
+    Tk = randn(Float32, Vk, Nk) .* 2
+    tk = rand(1:Vk, Nk)
+    tk[3] = -100                                   # a masked column
+    # shards: (rows of the V×N logits, padding rows of NaN after them), in rank order
+    layouts = ("20 + 33" => ((1:20, 0), (21:53, 0)),
+               "20 + 33, the last padded by 4 NaN rows" => ((1:20, 0), (21:53, 4)),
+               "18 + 18 + 17, the last padded by 1 NaN row" => ((1:18, 0), (19:36, 0), (37:53, 1)))
+    pad(X, rows, p) = vcat(X[rows, :], fill(NaN32, p, size(X, 2)))
+    lse_cols(X, T) = [lse64(Float64.(X[:, n]) ./ T) for n in 1:size(X, 2)]
+    # a shard's record in Float64 (header: m_P, sum exp(z_P - m_P), m_Q, sum exp(z_Q - m_Q), X)
+    function kd_record64(P, Q, T)
+        zp, zq = Float64.(P) ./ T, Float64.(Q) ./ T
+        mp, mq = maximum(zp), maximum(zq)
+        ep = exp.(zp .- mp)
+        return [mp, sum(ep), mq, sum(exp.(zq .- mq)), sum(ep .* ((zp .- mp) .- (zq .- mq)))]
+    end
+    for (name, shards) in layouts, kw in ((divergence = :forward_kl, reduction = :none),
+                                          (divergence = :forward_kl, reduction = :mean),
+                                          (divergence = :reverse_kl, reduction = :none),
+                                          (divergence = :reverse_kl, reduction = :mean),
+                                          (divergence = :forward_kl, reduction = :mean, temperature = 2.0,
+                                           scale_by_t2 = true),
+                                          (divergence = :reverse_kl, reduction = :none, temperature = 0.7))
+        T = Float64(get(kw, :temperature, 1.0))
+        rev = kw.divergence === :reverse_kl
+        starts = [first(rows) - 1 for (rows, _) in shards]     # vocab_start: 0-based offset of each shard
+        ss = [pad(Sk, rows, p) for (rows, p) in shards]
+        ts = [pad(Tk, rows, p) for (rows, p) in shards]
+        # step 1: each shard's records, into a poisoned buffer
+        recs = [FusedCE.kd_partial(ss[r], ts[r]; vocab_start = starts[r], vocab_total = Vk, kw...,
+                                   records = fill(NaN32, KR, Nk)) for r in eachindex(shards)]
+        @test all(r -> size(r) == (KR, Nk) && eltype(r) == Float32, recs)
+        for (r, (rows, _)) in enumerate(shards), n in 1:Nk
+            P, Q = rev ? (Sk[rows, n], Tk[rows, n]) : (Tk[rows, n], Sk[rows, n])
+            @test approx(recs[r][:, n], kd_record64(P, Q, T); rtol = 1e-5, atol = 1e-5)
+        end
+        @test FusedCE.kd_partial(ss[1], ts[1]; vocab_start = starts[1], vocab_total = Vk, kw...) == recs[1]
+        stacked = cat(recs...; dims = 3)               # 5×N×W, rank order
+        @test size(stacked) == (KR, Nk, length(shards))
+        for targets in (nothing, tk)
+            g = kw.reduction === :none ? rand(Float32, Nk) .+ 0.5f0 : 1.7f0
+            ref = FusedCE.kd_loss(Sk, Tk; targets = targets, dstudent = true, grad_loss = g, kw...)
+            @test maximum(abs, ref.dstudent) > 1e-3   # far above the gradient's atol
+            # step 3: the whole rows' loss and statistics (poisoned buffer)
+            c = FusedCE.kd_combine(stacked; vocab_total = Vk, targets = targets, kw..., row_stats = fill(NaN32, KS, Nk))
+            @test size(c.row_stats) == (KS, Nk) && eltype(c.row_stats) == Float32
+            @test all(isapprox.(c.loss, ref.loss; rtol = 2e-5, atol = 0))
+            @test approx(c.loss, kd_ref(Sk, Tk; targets = targets, kw...))     # the Float64 reference too
+            unmasked = targets === nothing ? (1:Nk) : [1, 2, 4, 5, 6, 7]
+            kw.reduction === :none && @test c.loss isa Vector{Float32} && all(>(0), c.loss[unmasked])
+            kw.reduction === :mean && @test c.loss isa Float32
+            targets === nothing || kw.reduction !== :none || @test c.loss[3] == 0
+            # row statistics: M + log D is each distribution's lse of z = logits / T; A = -1 (forward KL) or
+            # the row's KL + 1 (reverse KL; unscaled, every row)
+            @test approx(c.row_stats[1, :] .+ c.row_stats[2, :], lse_cols(Sk, T))
+            @test approx(c.row_stats[3, :] .+ c.row_stats[4, :], lse_cols(Tk, T))
+            @test approx(c.row_stats[5, :], rev ? kd_ref(Sk, Tk; divergence = :reverse_kl, temperature = T,
+                                                         reduction = :none) .+ 1 : fill(-1.0, Nk))
+            # step 4: each shard's dstudent (poisoned buffer): its rows of the unsharded gradient, 0 in the padding
+            for (r, (rows, p)) in enumerate(shards)
+                d = FusedCE.kd_bwd(ss[r], ts[r], c.row_stats; vocab_start = starts[r], vocab_total = Vk,
+                                   targets = targets, grad_loss = g, kw..., dstudent = fill(NaN32, size(ss[r])))
+                @test all(isapprox.(d[1:length(rows), :], ref.dstudent[rows, :]; rtol = 1e-4, atol = 1e-6))
+                @test all(d[length(rows)+1:end, :] .== 0)
+                p > 0 && @test size(d, 1) == length(rows) + p
+                targets === nothing || @test all(d[:, 3] .== 0)
+            end
+        end
+        # grad_loss defaults to 1; the gradient in place, into the student's memory; row_stats not asked for
+        ref1 = FusedCE.kd_loss(Sk, Tk; dstudent = true, kw...)
+        c1 = FusedCE.kd_combine(stacked; vocab_total = Vk, kw...)
+        c0 = FusedCE.kd_combine(stacked; vocab_total = Vk, kw..., row_stats = false)
+        @test c0.row_stats === nothing && c0.loss == c1.loss
+        r = length(shards)
+        rows = shards[r][1]
+        d1 = FusedCE.kd_bwd(ss[r], ts[r], c1.row_stats; vocab_start = starts[r], vocab_total = Vk, kw...)
+        @test all(isapprox.(d1[1:length(rows), :], ref1.dstudent[rows, :]; rtol = 1e-4, atol = 1e-6))
+        sc = copy(ss[r])
+        @test FusedCE.kd_bwd(sc, ts[r], c1.row_stats; vocab_start = starts[r], vocab_total = Vk, kw...,
+                             dstudent = sc) === sc
+        @test sc == d1
+    end
+
+    # Float16 student, Float32 teacher: dstudent in Float16; a padded shard given as a view
+    s16 = Float16.(Sk)
+    ref16 = FusedCE.kd_loss(s16, Tk; targets = tk, dstudent = true, reduction = :none)
+    big = vcat(s16[21:53, :], fill(Float16(NaN), 3, Nk), zeros(Float16, 2, Nk))
+    tbig = vcat(Tk[21:53, :], fill(NaN32, 3, Nk))
+    v16 = view(big, 1:36, :)
+    rec16 = cat(FusedCE.kd_partial(s16[1:20, :], Tk[1:20, :]; vocab_start = 0, vocab_total = Vk),
+                FusedCE.kd_partial(v16, tbig; vocab_start = 20, vocab_total = Vk); dims = 3)
+    c16 = FusedCE.kd_combine(rec16; vocab_total = Vk, targets = tk, reduction = :none)
+    @test all(isapprox.(c16.loss, ref16.loss; rtol = 2e-5, atol = 0))
+    d16 = FusedCE.kd_bwd(v16, tbig, c16.row_stats; vocab_start = 20, vocab_total = Vk, targets = tk, reduction = :none)
+    @test eltype(d16) == Float16 && size(d16) == (36, Nk)
+    @test approx(d16[1:33, :], ref16.dstudent[21:53, :]; rtol = 2e-3, atol = 1e-5)
+    @test all(d16[34:36, :] .== 0)
+
+    # errors
+    s1, s2 = Sk[1:20, :], Sk[21:53, :]
+    t1, t2 = Tk[1:20, :], Tk[21:53, :]
+    function kd_status(f, func)
+        try
+            f()
+        catch e
+            e isa FusedCEError || rethrow()
+            @test e.func === func
+            @test !isempty(e.message)
+            return e.name
+        end
+        return "no error"
+    end
+    recs = cat(FusedCE.kd_partial(s1, t1; vocab_start = 0, vocab_total = Vk),
+               FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk); dims = 3)
+    st = FusedCE.kd_combine(recs; vocab_total = Vk).row_stats
+    # JSD needs a second exchange: NOT_IMPLEMENTED in every step; at beta 0 or 1 it is exactly forward or
+    # reverse KL (the same records)
+    @test kd_status(() -> FusedCE.kd_partial(s1, t1; vocab_start = 0, vocab_total = Vk, divergence = :jsd),
+                    :fce_kd_partial) == "NOT_IMPLEMENTED"
+    @test kd_status(() -> FusedCE.kd_combine(recs; vocab_total = Vk, divergence = :jsd, beta = 0.3),
+                    :fce_kd_combine) == "NOT_IMPLEMENTED"
+    @test kd_status(() -> FusedCE.kd_bwd(s1, t1, st; vocab_start = 0, vocab_total = Vk, divergence = :jsd),
+                    :fce_kd_bwd) == "NOT_IMPLEMENTED"
+    @test FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, divergence = :jsd, beta = 0) ==
+          recs[:, :, 2]
+    @test FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, divergence = :jsd, beta = 1) ==
+          FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, divergence = :reverse_kl)
+    @test recs[:, :, 2] != FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, divergence = :reverse_kl)
+    # no shard in the options, or a vocab_start outside [0, vocab_total)
+    @test kd_status(() -> FusedCE.kd_partial(s1, t1; vocab_start = 0, vocab_total = 0), :fce_kd_partial) ==
+          "INVALID_ARGUMENT"
+    @test kd_status(() -> FusedCE.kd_combine(recs; vocab_total = 0), :fce_kd_combine) == "INVALID_ARGUMENT"
+    @test kd_status(() -> FusedCE.kd_bwd(s1, t1, st; vocab_start = 0, vocab_total = 0), :fce_kd_bwd) ==
+          "INVALID_ARGUMENT"
+    @test kd_status(() -> FusedCE.kd_partial(s2, t2; vocab_start = Vk, vocab_total = Vk), :fce_kd_partial) ==
+          "INVALID_ARGUMENT"
+    @test kd_status(() -> FusedCE.kd_partial(s2, t2; vocab_start = -1, vocab_total = Vk), :fce_kd_partial) ==
+          "INVALID_ARGUMENT"
+    @test kd_status(() -> FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, temperature = 0),
+                    :fce_kd_partial) == "INVALID_ARGUMENT"
+    # kd_loss takes whole rows only
+    @test kd_status(() -> FusedCE.kd_loss(Sk, Tk; vocab_start = 0, vocab_total = Vk), :fce_kd_loss) ==
+          "INVALID_ARGUMENT"
+    # shapes, layout, dtype
+    @test kd_status(() -> FusedCE.kd_partial(s2, t1; vocab_start = 20, vocab_total = Vk), :fce_kd_partial) ==
+          "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk,
+                                             records = zeros(Float32, KR - 1, Nk)), :fce_kd_partial) == "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_combine(recs[1:KR-1, :, :]; vocab_total = Vk), :fce_kd_combine) == "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_combine(recs; vocab_total = Vk, targets = tk[1:end-1]), :fce_kd_combine) ==
+          "SHAPE_MISMATCH"
+    padded = zeros(Float32, KR + 1, Nk, 2)
+    padded[1:KR, :, :] .= recs
+    @test kd_status(() -> FusedCE.kd_combine(view(padded, 1:KR, :, :); vocab_total = Vk), :fce_kd_combine) ==
+          "UNSUPPORTED_LAYOUT"
+    @test kd_status(() -> FusedCE.kd_bwd(s1, t1, st[1:KS-1, :]; vocab_start = 0, vocab_total = Vk), :fce_kd_bwd) ==
+          "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_bwd(s1, t1, st; vocab_start = 0, vocab_total = Vk,
+                                         dstudent = zeros(Float16, 20, Nk)), :fce_kd_bwd) == "UNSUPPORTED_DTYPE"
+    @test_throws UndefKeywordError FusedCE.kd_partial(s1, t1; vocab_total = Vk)
+    @test_throws UndefKeywordError FusedCE.kd_combine(recs)
+    @test_throws UndefKeywordError FusedCE.kd_bwd(s1, t1, st; vocab_total = Vk)
+    @test_throws ArgumentError FusedCE.kd_partial(s1, t1; vocab_start = 0, vocab_total = Vk, divergence = :kl)
 end
 
 @testset "linear cross-entropy $(keys(kw)) $(values(kw))" for kw in (
