@@ -546,10 +546,15 @@ FCE_API fce_status_t fce_cross_entropy_fwd_vp_workspace_size(fce_handle_t handle
 typedef struct fce_lse_options {
   uint32_t struct_size; /**< sizeof(fce_lse_options_t) */
   float scale;          /**< s > 0, finite: lse_i = log sum_j exp(s * x_ij); default 1 */
+  /** A shard of the vocabulary (since 0.2.0; fce_logsumexp_partial / _combine): the global index of its first
+   *  column; default 0. */
+  int64_t vocab_start;
+  /** The whole vocabulary's size, 0 (default) when x is not a shard. fce_logsumexp refuses a shard. */
+  int64_t vocab_total;
 } fce_lse_options_t;
 
 /** Initializer of fce_lse_options_t: struct_size and every default. */
-#define FCE_LSE_OPTIONS_INIT { (uint32_t)sizeof(fce_lse_options_t), 1.0f }
+#define FCE_LSE_OPTIONS_INIT { (uint32_t)sizeof(fce_lse_options_t), 1.0f, 0, 0 }
 
 /** Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
  *  FCE_LSE_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and
@@ -573,6 +578,38 @@ FCE_API fce_status_t fce_logsumexp_workspace_size(fce_handle_t handle, const DLT
                                                   const fce_lse_options_t* options, const DLTensor* lse,
                                                   size_t* bytes);
 
+/* Vocabulary-parallel logsumexp: x split across ranks by columns (options->vocab_start and vocab_total as
+ * for cross-entropy; uneven and padded shards allowed). Each rank's fce_logsumexp_partial writes records
+ * [N, FCE_LSE_RECORD_FIELDS] fp32 of its shard: 0 m = the max of s * x over its real columns (NaN when one
+ * is NaN), 1 sum exp(s * x - m) (1 when m is +inf, 0 when it is -inf); the caller gathers every rank's records
+ * in rank order ([W, N, K]); fce_logsumexp_combine returns the lse of the whole rows, the same bits on every
+ * rank: M + log sum_r d_r exp(m_r - M) in fp64 in rank order, NaN when a record is NaN, +inf when a max is
+ * +inf, -inf for rows of all -inf, as fce_logsumexp gives them. With scale 1/T this is the lse that
+ * fce_temp_softmax takes for a shard's probabilities. */
+
+/** Fields of a logsumexp record (fce_logsumexp_partial). */
+#define FCE_LSE_RECORD_FIELDS 2
+
+/**
+ * The records of a vocabulary shard of x.
+ * @param x       [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total).
+ * @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); scale as for
+ *                fce_logsumexp.
+ * @param records [N, FCE_LSE_RECORD_FIELDS] fp32, written.
+ * @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard), CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_logsumexp_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* x,
+                                           const fce_lse_options_t* options, DLTensor* records);
+
+/**
+ * The logsumexp of whole rows from every shard's records.
+ * @param records [W, N, FCE_LSE_RECORD_FIELDS] fp32, contiguous, in rank (vocabulary) order.
+ * @param lse     [N] fp32, written.
+ * @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_logsumexp_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
+                                           DLTensor* lse);
+
 /* ------------------------------------------------------------------------------------------------ */
 /* Temperature softmax                                                                              */
 /* ------------------------------------------------------------------------------------------------ */
@@ -586,10 +623,20 @@ typedef struct fce_softmax_options {
   /** Optional per-row temperatures [N] fp32, read on the device. A row whose temperature is negative or
    *  NaN gets NaN in every output element of that row (it cannot be reported without a host sync). */
   const DLTensor* temperatures;
+  /** A shard of the vocabulary (since 0.2.0): the global index of its first column; default 0. */
+  int64_t vocab_start;
+  /** The whole vocabulary's size, 0 (default) when the logits are not a shard. With a shard the call writes
+   *  the shard's probabilities of the whole rows from `lse`: p_j = exp(x_j / T - lse), log p_j = x_j / T -
+   *  lse (padding columns: 0 and -inf); T must be finite and > 0 and `temperatures` NULL (else
+   *  FCE_STATUS_NOT_IMPLEMENTED). */
+  int64_t vocab_total;
+  /** With a shard: [N] fp32, the rows' logsumexp of logits / T over the whole vocabulary
+   *  (fce_logsumexp_combine of every shard's fce_logsumexp_partial with scale 1/T); required then. */
+  const DLTensor* lse;
 } fce_softmax_options_t;
 
 /** Initializer of fce_softmax_options_t: struct_size and every default. */
-#define FCE_SOFTMAX_OPTIONS_INIT { (uint32_t)sizeof(fce_softmax_options_t), 1.0f, NULL }
+#define FCE_SOFTMAX_OPTIONS_INIT { (uint32_t)sizeof(fce_softmax_options_t), 1.0f, NULL, 0, 0, NULL }
 
 /** Fills the struct_size bytes at `options` with this library's defaults, for callers that cannot use
  *  FCE_SOFTMAX_OPTIONS_INIT (FFI): the fields it knows get the macro's values, bytes past them are zeroed, and

@@ -15,8 +15,8 @@ namespace {
 FCE_NO_TAIL_PADDING(fce_ce_options_t, vocab_total);
 FCE_NO_TAIL_PADDING(fce_ce_outputs_t, grad_entropy);
 FCE_NO_TAIL_PADDING(fce_ce_bwd_inputs_t, grad_entropy);
-FCE_NO_TAIL_PADDING(fce_lse_options_t, scale);
-FCE_NO_TAIL_PADDING(fce_softmax_options_t, temperatures);
+FCE_NO_TAIL_PADDING(fce_lse_options_t, vocab_total);
+FCE_NO_TAIL_PADDING(fce_softmax_options_t, lse);
 FCE_NO_TAIL_PADDING(fce_kd_options_t, vocab_total);
 FCE_NO_TAIL_PADDING(fce_kd_teacher_t, topk_logprobs);
 FCE_NO_TAIL_PADDING(fce_kd_outputs_t, grad_loss);

@@ -137,28 +137,8 @@ KdCombineProblem kd_combine_problem(fce_handle* h, const DLTensor* records, cons
                                     const fce_kd_options_t* options, DLTensor* loss, DLTensor* row_stats) {
   Validator val(h->backend, h->device_id);
   KdCombineProblem p;
-  FCE_CHECK(records != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records is NULL");
-  FCE_CHECK(records->ndim == 3, FCE_STATUS_SHAPE_MISMATCH, "records must be 3-D [W, N, K], has ndim %d",
-            records->ndim);
-  FCE_CHECK(records->shape != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records has a NULL shape");
-  const int64_t W = records->shape[0], N = records->shape[1], K = records->shape[2];
-  FCE_CHECK(W >= 1 && N >= 1 && K == kKdRecordFields, FCE_STATUS_SHAPE_MISMATCH,
-            "records has shape [%lld, %lld, %lld]; expected [W >= 1, N >= 1, %lld]", (long long)W, (long long)N,
-            (long long)K, (long long)kKdRecordFields);
-  if (records->strides) {
-    const int64_t* st = records->strides;
-    FCE_CHECK(st[2] == 1 && (N == 1 || st[1] == K) && (W == 1 || st[0] == N * K), FCE_STATUS_UNSUPPORTED_LAYOUT,
-              "records must be contiguous [W, N, K] (strides [%lld, %lld, %lld])", (long long)st[0],
-              (long long)st[1], (long long)st[2]);
-  }
-  FCE_CHECK(W <= INT64_MAX / N, FCE_STATUS_OVERFLOW, "records: W * N overflows");
-  DLTensor flat = *records;  // [W * N, K]: every check of a matrix applies
-  int64_t shape[2] = {W * N, K};
-  flat.ndim = 2;
-  flat.shape = shape;
-  flat.strides = nullptr;
-  p.records = val.matrix(&flat, "records", kF32);
-  val.input("records", p.records.data, Validator::span(p.records));
+  int64_t W = 0, N = 0;
+  p.records = read_gathered_records(val, records, {kKdRecordFields}, &W, &N);
   p.W = W;
   p.N = N;
   if (targets) p.targets = read_targets(val, targets, "targets", N);

@@ -4,15 +4,64 @@ using namespace fce;
 
 namespace {
 
+// Validated options: scale, and a shard's vocab_start and vocab_total.
+fce_lse_options_t read_lse_options(const fce_lse_options_t* options) {
+  const fce_lse_options_t o = checked_struct(options, "options");
+  FCE_CHECK(finite(o.scale) && o.scale > 0.f, FCE_STATUS_INVALID_ARGUMENT,
+            "options->scale %g must be finite and > 0", o.scale);
+  FCE_CHECK(o.vocab_total >= 0 && o.vocab_start >= 0 &&
+                (o.vocab_total == 0 ? o.vocab_start == 0 : o.vocab_start < o.vocab_total),
+            FCE_STATUS_INVALID_ARGUMENT,
+            "options->vocab_start %lld and vocab_total %lld: a shard needs 0 <= vocab_start < vocab_total (both 0 "
+            "without one)", (long long)o.vocab_start, (long long)o.vocab_total);
+  return o;
+}
+
+LsePartialProblem lse_partial_problem(fce_handle* h, const DLTensor* x, const fce_lse_options_t* options,
+                                      DLTensor* records) {
+  Validator val(h->backend, h->device_id);
+  LsePartialProblem p;
+  p.x = val.matrix(x, "x", kFloats);
+  val.input("x", p.x.data, Validator::span(p.x));
+  FCE_CHECK(options != nullptr, FCE_STATUS_INVALID_ARGUMENT,
+            "options is NULL: fce_logsumexp_partial needs options->vocab_total");
+  const fce_lse_options_t o = read_lse_options(options);
+  FCE_CHECK(o.vocab_total > 0, FCE_STATUS_INVALID_ARGUMENT,
+            "options->vocab_total is 0: fce_logsumexp_partial is for a vocabulary shard (set vocab_start and "
+            "vocab_total)");
+  p.scale = o.scale;
+  p.vocab_start = o.vocab_start;
+  p.vocab_total = o.vocab_total;
+  p.records = val.matrix(records, "records", kF32);
+  expect_shape(p.records, "records", p.x.rows, kLseRecordFields);
+  val.output("records", p.records.data, Validator::span(p.records));
+  return p;
+}
+
+LseCombineProblem lse_combine_problem(fce_handle* h, const DLTensor* records, DLTensor* lse) {
+  Validator val(h->backend, h->device_id);
+  LseCombineProblem p;
+  int64_t W = 0, N = 0;
+  p.records = read_gathered_records(val, records, {kLseRecordFields}, &W, &N);
+  p.W = W;
+  p.N = N;
+  p.lse = val.vector(lse, "lse", kF32);
+  FCE_CHECK(p.lse.n == N, FCE_STATUS_SHAPE_MISMATCH, "lse has length %lld; expected N = %lld", (long long)p.lse.n,
+            (long long)N);
+  val.output("lse", p.lse.data, Validator::span(p.lse));
+  return p;
+}
+
 LseProblem lse_problem(fce_handle* h, const DLTensor* x, const fce_lse_options_t* options, const DLTensor* lse) {
   Validator val(h->backend, h->device_id);
   LseProblem p;
   p.x = val.matrix(x, "x", kFloats);
   val.input("x", p.x.data, Validator::span(p.x));
   if (options) {
-    const fce_lse_options_t o = checked_struct(options, "options");
-    FCE_CHECK(finite(o.scale) && o.scale > 0.f, FCE_STATUS_INVALID_ARGUMENT,
-              "options->scale %g must be finite and > 0", o.scale);
+    const fce_lse_options_t o = read_lse_options(options);
+    FCE_CHECK(o.vocab_total == 0, FCE_STATUS_INVALID_ARGUMENT,
+              "options->vocab_total is %lld: fce_logsumexp takes whole rows (a shard goes through "
+              "fce_logsumexp_partial and fce_logsumexp_combine)", (long long)o.vocab_total);
     p.scale = o.scale;
   }
   p.lse = val.vector(lse, "lse", kF32);
@@ -48,6 +97,26 @@ FCE_API fce_status_t fce_logsumexp_workspace_size(fce_handle_t handle, const DLT
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     write_size(bytes, lse_need(h, lse_problem(h, x, options, lse)));
+  });
+}
+
+FCE_API fce_status_t fce_logsumexp_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* x,
+                                           const fce_lse_options_t* options, DLTensor* records) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const LsePartialProblem p = lse_partial_problem(h, x, options, records);
+    if (h->backend == Backend::CPU) cpu::lse_partial(p);
+    else cuda::lse_partial(h, stream, p);
+  });
+}
+
+FCE_API fce_status_t fce_logsumexp_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
+                                           DLTensor* lse) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const LseCombineProblem p = lse_combine_problem(h, records, lse);
+    if (h->backend == Backend::CPU) cpu::lse_combine(p);
+    else cuda::lse_combine(h, stream, p);
   });
 }
 

@@ -33,6 +33,25 @@ SoftmaxProblem softmax_problem(fce_handle* h, const DLTensor* logits, const fce_
                 "options->temperature %g must be >= 0 (0 = greedy)", o.temperature);
       p.temperature = o.temperature;
     }
+    FCE_CHECK(o.vocab_total >= 0 && o.vocab_start >= 0 &&
+                  (o.vocab_total == 0 ? o.vocab_start == 0 : o.vocab_start < o.vocab_total),
+              FCE_STATUS_INVALID_ARGUMENT,
+              "options->vocab_start %lld and vocab_total %lld: a shard needs 0 <= vocab_start < vocab_total (both 0 "
+              "without one)", (long long)o.vocab_start, (long long)o.vocab_total);
+    if (o.vocab_total > 0) {  // a shard: the probabilities of whole rows from their lse
+      FCE_CHECK(!o.temperatures && std::isfinite(o.temperature) && o.temperature > 0.f,
+                FCE_STATUS_NOT_IMPLEMENTED,
+                "a vocabulary shard's softmax takes one finite temperature > 0 (per-row, greedy and infinite "
+                "temperatures are not implemented over shards)");
+      FCE_CHECK(o.lse != nullptr, FCE_STATUS_INVALID_ARGUMENT,
+                "options->lse is NULL: a shard's softmax needs the whole rows' lse (fce_logsumexp_combine)");
+      p.lse = val.vector(o.lse, "options->lse", kF32);
+      FCE_CHECK(p.lse.n == p.logits.rows, FCE_STATUS_SHAPE_MISMATCH, "options->lse has length %lld; expected N = %lld",
+                (long long)p.lse.n, (long long)p.logits.rows);
+      val.input("options->lse", p.lse.data, Validator::span(p.lse));
+      p.vocab_start = o.vocab_start;
+      p.vocab_total = o.vocab_total;
+    }
   }
   FCE_CHECK(probs || logprobs, FCE_STATUS_INVALID_ARGUMENT, "probs and logprobs are both NULL");
   if (probs) {
@@ -49,6 +68,7 @@ SoftmaxProblem softmax_problem(fce_handle* h, const DLTensor* logits, const fce_
 }
 
 size_t softmax_need(fce_handle* h, const SoftmaxProblem& p) {
+  if (p.vocab_total > 0) return 0;  // a shard: one elementwise pass
   return h->backend == Backend::CPU ? cpu::softmax_workspace(p) : cuda::softmax_workspace(h, p);
 }
 
@@ -63,8 +83,14 @@ FCE_API fce_status_t fce_temp_softmax(fce_handle_t handle, fce_stream_t stream, 
     fce_handle* h = check_handle(handle);
     SoftmaxProblem p = softmax_problem(h, logits, options, probs, logprobs);
     Workspace w = resolve_workspace(h, workspace, workspace_bytes, softmax_need(h, p), stream);
-    if (h->backend == Backend::CPU) cpu::softmax(p, w);
-    else cuda::softmax(h, stream, p, w);
+    if (p.vocab_total > 0) {
+      if (h->backend == Backend::CPU) cpu::softmax_shard(p);
+      else cuda::softmax_shard(h, stream, p);
+    } else if (h->backend == Backend::CPU) {
+      cpu::softmax(p, w);
+    } else {
+      cuda::softmax(h, stream, p, w);
+    }
   });
 }
 

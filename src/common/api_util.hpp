@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <initializer_list>
 
 #include "common/error.hpp"
 #include "common/handle.hpp"
@@ -18,8 +19,6 @@ namespace fce {
   inline T struct_defaults(const T*) { return T(INIT); }                   \
   constexpr size_t struct_first_size(const T*) { return sizeof(T); }
 FCE_STRUCT_TRAITS(fce_ce_bwd_inputs_t, FCE_CE_BWD_INPUTS_INIT)
-FCE_STRUCT_TRAITS(fce_lse_options_t, FCE_LSE_OPTIONS_INIT)
-FCE_STRUCT_TRAITS(fce_softmax_options_t, FCE_SOFTMAX_OPTIONS_INIT)
 FCE_STRUCT_TRAITS(fce_kd_teacher_t, FCE_KD_TEACHER_INIT)
 FCE_STRUCT_TRAITS(fce_kd_outputs_t, FCE_KD_OUTPUTS_INIT)
 // Grown in 0.2.0 (vocab_start, vocab_total): 0.1.0's struct ends at class_weights.
@@ -36,6 +35,18 @@ inline fce_linear_ce_outputs_t struct_defaults(const fce_linear_ce_outputs_t*) {
   return fce_linear_ce_outputs_t(FCE_LINEAR_CE_OUTPUTS_INIT);
 }
 constexpr size_t struct_first_size(const fce_linear_ce_outputs_t*) { return offsetof(fce_linear_ce_outputs_t, flags); }
+// Grown in 0.2.0 (vocab_start, vocab_total): 0.1.0's struct ends at scale.
+inline const char* struct_name(const fce_lse_options_t*) { return "fce_lse_options_t"; }
+inline fce_lse_options_t struct_defaults(const fce_lse_options_t*) { return fce_lse_options_t(FCE_LSE_OPTIONS_INIT); }
+constexpr size_t struct_first_size(const fce_lse_options_t*) { return offsetof(fce_lse_options_t, vocab_start); }
+// Grown in 0.2.0 (vocab_start, vocab_total, lse): 0.1.0's struct ends at temperatures.
+inline const char* struct_name(const fce_softmax_options_t*) { return "fce_softmax_options_t"; }
+inline fce_softmax_options_t struct_defaults(const fce_softmax_options_t*) {
+  return fce_softmax_options_t(FCE_SOFTMAX_OPTIONS_INIT);
+}
+constexpr size_t struct_first_size(const fce_softmax_options_t*) {
+  return offsetof(fce_softmax_options_t, vocab_start);
+}
 // Grown in 0.2.0 (vocab_start, vocab_total): 0.1.0's struct ends at ignore_index.
 inline const char* struct_name(const fce_kd_options_t*) { return "fce_kd_options_t"; }
 inline fce_kd_options_t struct_defaults(const fce_kd_options_t*) { return fce_kd_options_t(FCE_KD_OPTIONS_INIT); }
@@ -114,6 +125,11 @@ void read_fused_dlogits(Validator& val, const fce_ce_outputs_t& out, CeProblem& 
 // The options of a vocabulary-shard call `fn`: options required, vocab_total set and at most 2^31 - 1 (the
 // records hold int32 indices).
 CeOpts sharded_options(Validator& val, const fce_ce_options_t* options, int64_t V, const char* fn);
+
+// Every rank's records of a vocabulary-parallel combine: a contiguous [W, N, K] fp32 tensor with K one of
+// `widths` (W, N >= 1), as the [W * N, K] matrix it is (an input).
+Mat read_gathered_records(Validator& val, const DLTensor* records, std::initializer_list<int64_t> widths, int64_t* W,
+                          int64_t* N);
 
 // The targets vector [N].
 Vec read_targets(Validator& val, const DLTensor* t, const char* name, int64_t N);

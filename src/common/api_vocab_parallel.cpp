@@ -1,5 +1,7 @@
 // Vocabulary-parallel cross-entropy: validation of the partial and combine calls (the header's
 // "Vocabulary-parallel cross-entropy"); the shard's gradient is fce_cross_entropy_bwd (api_cross_entropy.cpp).
+#include <string>
+
 #include "common/api_util.hpp"
 
 using namespace fce;
@@ -13,6 +15,41 @@ CeOpts fce::sharded_options(Validator& val, const fce_ce_options_t* options, int
   FCE_CHECK(o.vocab_total <= INT32_MAX, FCE_STATUS_INVALID_ARGUMENT,
             "options->vocab_total %lld is above 2^31 - 1 (records hold int32 indices)", (long long)o.vocab_total);
   return o;
+}
+
+Mat fce::read_gathered_records(Validator& val, const DLTensor* records, std::initializer_list<int64_t> widths,
+                               int64_t* W_out, int64_t* N_out) {
+  FCE_CHECK(records != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records is NULL");
+  FCE_CHECK(records->ndim == 3, FCE_STATUS_SHAPE_MISMATCH, "records must be 3-D [W, N, K], has ndim %d",
+            records->ndim);
+  FCE_CHECK(records->shape != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records has a NULL shape");
+  const int64_t W = records->shape[0], N = records->shape[1], K = records->shape[2];
+  bool width = false;
+  std::string allowed;
+  for (int64_t k : widths) {
+    width = width || K == k;
+    allowed += (allowed.empty() ? "" : " or ") + std::to_string(k);
+  }
+  FCE_CHECK(W >= 1 && N >= 1 && width, FCE_STATUS_SHAPE_MISMATCH,
+            "records has shape [%lld, %lld, %lld]; expected [W >= 1, N >= 1, K] with K = %s", (long long)W,
+            (long long)N, (long long)K, allowed.c_str());
+  if (records->strides) {
+    const int64_t* st = records->strides;
+    FCE_CHECK(st[2] == 1 && (N == 1 || st[1] == K) && (W == 1 || st[0] == N * K), FCE_STATUS_UNSUPPORTED_LAYOUT,
+              "records must be contiguous [W, N, K] (strides [%lld, %lld, %lld])", (long long)st[0],
+              (long long)st[1], (long long)st[2]);
+  }
+  FCE_CHECK(W <= INT64_MAX / N, FCE_STATUS_OVERFLOW, "records: W * N overflows");
+  DLTensor flat = *records;  // [W * N, K]: every check of a matrix applies
+  int64_t shape[2] = {W * N, K};
+  flat.ndim = 2;
+  flat.shape = shape;
+  flat.strides = nullptr;
+  Mat m = val.matrix(&flat, "records", kF32);
+  val.input("records", m.data, Validator::span(m));
+  *W_out = W;
+  *N_out = N;
+  return m;
 }
 
 namespace {
@@ -43,30 +80,9 @@ CeCombineProblem combine_problem(fce_handle* h, const DLTensor* records, const D
                                  const fce_ce_options_t* options, const fce_ce_outputs_t* outputs) {
   Validator val(h->backend, h->device_id);
   CeCombineProblem p;
-  FCE_CHECK(records != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records is NULL");
-  FCE_CHECK(records->ndim == 3, FCE_STATUS_SHAPE_MISMATCH, "records must be 3-D [W, N, K], has ndim %d",
-            records->ndim);
-  FCE_CHECK(records->shape != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records has a NULL shape");
-  const int64_t W = records->shape[0], N = records->shape[1], K = records->shape[2];
-  FCE_CHECK(W >= 1 && N >= 1 && ce_record_width_ok(K), FCE_STATUS_SHAPE_MISMATCH,
-            "records has shape [%lld, %lld, %lld]; expected [W >= 1, N >= 1, K] with K = %lld, %lld or %lld (the "
-            "record widths)", (long long)W, (long long)N, (long long)K, (long long)kCeRecordLoss,
-            (long long)kCeRecordEntropy, (long long)kCeRecordFields);
-  if (records->strides) {
-    const int64_t* st = records->strides;
-    FCE_CHECK(st[2] == 1 && (N == 1 || st[1] == K) && (W == 1 || st[0] == N * K), FCE_STATUS_UNSUPPORTED_LAYOUT,
-              "records must be contiguous [W, N, K] (strides [%lld, %lld, %lld])", (long long)st[0],
-              (long long)st[1], (long long)st[2]);
-  }
-  FCE_CHECK(W <= INT64_MAX / N, FCE_STATUS_OVERFLOW, "records: W * N overflows");
-  // The records as a [W * N, K] matrix (every check of a matrix applies).
-  DLTensor flat = *records;
-  int64_t shape[2] = {W * N, K};
-  flat.ndim = 2;
-  flat.shape = shape;
-  flat.strides = nullptr;
-  p.records = val.matrix(&flat, "records", kF32);
-  val.input("records", p.records.data, Validator::span(p.records));
+  int64_t W = 0, N = 0;
+  p.records = read_gathered_records(val, records, {kCeRecordLoss, kCeRecordEntropy, kCeRecordFields}, &W, &N);
+  const int64_t K = p.records.cols;
   p.W = W;
   p.targets = read_targets(val, targets, "targets", N);
   p.o = sharded_options(val, options, /*V, unused with a shard=*/1, "fce_cross_entropy_combine");

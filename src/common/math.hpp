@@ -161,6 +161,26 @@ FCE_HD float kd_grad(float a, float q, float A, float scale) {
   return (q == 0.f ? a : a - q * A) * scale;
 }
 
+// ---- vocabulary-parallel logsumexp: the combine of the shards' records --------------------------------
+
+// The lse of a row from W records (m, d) in rank order (record r at rec + r * stride), in fp64: NaN when a
+// record is NaN, +inf when a max is +inf (its d is 1, the others' terms vanish), -inf without a finite max.
+FCE_HD float lse_combine_records(const float* rec, int64_t W, int64_t stride) {
+  double M = -INFINITY;
+  for (int64_t r = 0; r < W; ++r) {
+    const float m = rec[r * stride];
+    if (m != m) return NAN;
+    if (m > M) M = m;
+  }
+  if (M == INFINITY || M == -INFINITY) return float(M);
+  double D = 0;
+  for (int64_t r = 0; r < W; ++r) {
+    const float* q = rec + r * stride;
+    if (q[0] != -INFINITY) D += double(q[1]) * ::exp(double(q[0]) - M);
+  }
+  return float(M + ::log(D));
+}
+
 // ---- vocabulary-parallel knowledge distillation: the cross statistics of KL(P || Q) -------------------
 
 // Statistics of KL(P || Q) over a slice of a row, z = logits / T: the max and the sum of exp(z - max) of P and

@@ -77,6 +77,22 @@ struct SoftmaxProblem {
   float temperature = 1.f;
   Vec temperatures;  // optional [N] fp32
   Mat probs, logprobs;
+  int64_t vocab_start = 0, vocab_total = 0;  // a vocabulary shard when vocab_total > 0
+  Vec lse;                                    // with a shard: the whole rows' lse of logits / T
+};
+
+// Vocabulary-parallel logsumexp (the header's fce_logsumexp_partial / _combine).
+constexpr int64_t kLseRecordFields = 2;  // m, sum exp(s x - m)
+struct LsePartialProblem {
+  Mat x;
+  float scale = 1.f;
+  int64_t vocab_start = 0, vocab_total = 0;
+  Mat records;  // [N, kLseRecordFields]
+};
+struct LseCombineProblem {
+  Mat records;  // [W * N, kLseRecordFields]: rank r's row i at r * N + i
+  int64_t W = 0, N = 0;
+  Vec lse;
 };
 
 struct KdOpts {
@@ -168,6 +184,9 @@ void kd(const KdProblem&, Workspace);
 void kd_partial(const KdPartialProblem&);
 void kd_combine(const KdCombineProblem&);
 void kd_bwd(const KdBwdProblem&);
+void lse_partial(const LsePartialProblem&);
+void lse_combine(const LseCombineProblem&);
+void softmax_shard(const SoftmaxProblem&);
 size_t linear_ce_workspace(const LinearCeProblem&, bool minimum);
 void linear_ce(const LinearCeProblem&, Workspace);
 void scale_rows(const ScaleProblem&);
@@ -190,6 +209,9 @@ size_t kd_combine_workspace(fce_handle*, const KdCombineProblem&);
 void kd_combine(fce_handle*, fce_stream_t, const KdCombineProblem&, Workspace);
 size_t kd_bwd_workspace(fce_handle*, const KdBwdProblem&);
 void kd_bwd(fce_handle*, fce_stream_t, const KdBwdProblem&, Workspace);
+void lse_partial(fce_handle*, fce_stream_t, const LsePartialProblem&);
+void lse_combine(fce_handle*, fce_stream_t, const LseCombineProblem&);
+void softmax_shard(fce_handle*, fce_stream_t, const SoftmaxProblem&);
 size_t linear_ce_workspace(fce_handle*, const LinearCeProblem&, bool minimum);
 void linear_ce(fce_handle*, fce_stream_t, const LinearCeProblem&, Workspace);
 void scale_rows(fce_handle*, fce_stream_t, const ScaleProblem&);

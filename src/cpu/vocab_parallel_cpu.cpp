@@ -1,5 +1,6 @@
 // Vocabulary-parallel cross-entropy on the CPU: a shard's records, their combine into whole rows, and a
-// shard's gradient from the combined lse. The same row arithmetic as ce_row.hpp, over the shard's real
+// shard's gradient from the combined lse; logsumexp's records and combine, and a shard's temperature softmax
+// from the whole rows' lse. The same row arithmetic as ce_row.hpp, over the shard's real
 // columns (padding past vocab_total is never read into a sum).
 #include <cmath>
 #include <cstring>
@@ -122,6 +123,64 @@ void ce_shard_backward(const CeProblem& p) {
       ce_row_grad(c, z, n, w, load_f32(p.saved_lse, i), t, local_target(p.o, t, n), g, eg, dx);
       std::fill(dx + n, dx + V, !c.ignored(t) && !c.in_range(t) ? NAN : 0.f);  // padding
       row_out_done(p.dlogits, i, dx);
+    }
+  }
+}
+
+void lse_partial(const LsePartialProblem& p) {
+  const int64_t N = p.x.rows, V = p.x.cols;
+  const int64_t n = p.vocab_total - p.vocab_start < V ? p.vocab_total - p.vocab_start : V;
+#pragma omp parallel
+  {
+    simd::Row xbuf(V);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      const float* x = row_in(p.x, i, xbuf.data());
+      float m = -INFINITY;
+      bool nan = false;
+      for (int64_t j = 0; j < n; ++j) {
+        nan = nan || std::isnan(x[j]);
+        m = std::fmax(m, x[j] * p.scale);
+      }
+      double d = 0;
+      if (m == INFINITY) d = 1;  // +inf: the lse is +inf (the GPU's convention)
+      else if (m != -INFINITY)
+        for (int64_t j = 0; j < n; ++j) d += std::exp(double(x[j] * p.scale) - double(m));
+      float* r = reinterpret_cast<float*>(row_ptr_mut(p.records, i));
+      r[0] = nan ? NAN : m;
+      r[1] = nan ? NAN : float(d);
+    }
+  }
+}
+
+void lse_combine(const LseCombineProblem& p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < p.N; ++i) {
+    const float* rec = reinterpret_cast<const float*>(p.records.data) + size_t(i) * size_t(p.records.ld);
+    store_f32(p.lse, i, lse_combine_records(rec, p.W, int64_t(p.records.ld) * p.N));
+  }
+}
+
+void softmax_shard(const SoftmaxProblem& p) {
+  const int64_t N = p.logits.rows, V = p.logits.cols;
+  const int64_t n = p.vocab_total - p.vocab_start < V ? p.vocab_total - p.vocab_start : V;
+  const float inv_t = 1.f / p.temperature;
+#pragma omp parallel
+  {
+    simd::Row xbuf(V), pbuf(V), lbuf(V);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      const float* x = row_in(p.logits, i, xbuf.data());  // read whole: an output may be the logits
+      const float lse = load_f32(p.lse, i);
+      float* pr = p.probs ? row_out(p.probs, i, pbuf.data()) : nullptr;
+      float* lp = p.logprobs ? row_out(p.logprobs, i, lbuf.data()) : nullptr;
+      for (int64_t j = 0; j < V; ++j) {
+        const float l = j < n ? x[j] * inv_t - lse : -INFINITY;
+        if (pr) pr[j] = j < n ? std::exp(l) : 0.f;
+        if (lp) lp[j] = l;
+      }
+      if (pr) row_out_done(p.probs, i, pr);
+      if (lp) row_out_done(p.logprobs, i, lp);
     }
   }
 }

@@ -24,6 +24,15 @@ FCE_NO_CUDA_OP(softmax, SoftmaxProblem)
 FCE_NO_CUDA_OP(kd, KdProblem)
 FCE_NO_CUDA_OP(kd_combine, KdCombineProblem)
 FCE_NO_CUDA_OP(kd_bwd, KdBwdProblem)
+void lse_partial(fce_handle*, fce_stream_t, const LsePartialProblem&) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
+void lse_combine(fce_handle*, fce_stream_t, const LseCombineProblem&) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
+void softmax_shard(fce_handle*, fce_stream_t, const SoftmaxProblem&) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
 void kd_partial(fce_handle*, fce_stream_t, const KdPartialProblem&) {
   raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
 }

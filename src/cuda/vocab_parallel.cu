@@ -1,4 +1,5 @@
-// CUDA vocabulary-parallel cross-entropy: a shard's records (one block per row, the CE row statistics of
+// CUDA vocabulary-parallel cross-entropy (and logsumexp's records and combine, a shard's temperature softmax
+// from the whole rows' lse): a shard's records (one block per row, the CE row statistics of
 // ce_kernels.cuh over the shard's real columns, with the entropy and smoothing sums only when the record
 // holds or needs them), their combine (one thread per row, the records merged in
 // rank order in fp64 by math.hpp's ce_combine_records, the CPU's code, then the fixed-order finalize of a
@@ -101,6 +102,53 @@ __global__ void vp_combine_kernel(VpArgs a) {
   }
 }
 
+// Logsumexp's record of a shard's row: the statistics of fce_logsumexp's row kernel over the n real columns
+// (NaN in m and d when the row holds a NaN; +inf rows give m = +inf, d = 1).
+template <class T>
+__global__ void __launch_bounds__(kRowThreads) lse_partial_kernel(CeParams p, float* rec, int64_t ldr) {
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(p.x) + row * p.ld;
+  CeAcc a;
+  if (p.V > 0) a = row_stats<T>(p, x, 0, p.V);
+  if (threadIdx.x != 0) return;
+  const bool nan = isnan(a.av);
+  rec[row * ldr] = nan ? NAN : a.m;
+  rec[row * ldr + 1] = nan ? NAN : a.m == -INFINITY ? 0.f : a.d;
+}
+
+__global__ void lse_combine_kernel(const float* rec, int64_t W, int64_t N, float* lse) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < N) lse[i] = lse_combine_records(rec + i * kLseRecordFields, W, N * kLseRecordFields);
+}
+
+// A shard's probabilities (kLog: log-probabilities) from the rows' lse: x / T - lse over the n real columns,
+// 0 (-inf) on the padding.
+template <class T, class O, bool kLog>
+__global__ void __launch_bounds__(kRowThreads) softmax_shard_kernel(const T* x, int64_t ldx, O* out, int64_t ldo,
+                                                                     int64_t n, int64_t V, float inv_t,
+                                                                     const float* lse) {
+  const int64_t row = blockIdx.x;
+  const float l = lse[row];
+  auto f = [&](float (&v)[kVec<T>], int64_t j0, int cnt) {
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k) {
+      if (k < cnt) {
+        const float z = j0 + k < n ? __fsub_rn(__fmul_rn(v[k], inv_t), l) : -INFINITY;
+        v[k] = kLog ? z : ex2(z * kLog2e);
+      }
+    }
+  };
+  if constexpr (std::is_same_v<T, O> || sizeof(O) * kVec<T> <= 16) {
+    row_map<T, O>(x + row * ldx, out + row * ldo, 0, V, f);
+  } else {  // 16-bit logits to fp32: vector loads, element stores (row_map's vectors stop at 16 bytes)
+    O* o = out + row * ldo;
+    row_visit<T>(x + row * ldx, 0, V, [&](float (&v)[kVec<T>], int64_t j0, int cnt) {
+      f(v, j0, cnt);
+      for (int k = 0; k < cnt; ++k) o[j0 + k] = from_float<O>(v[k]);
+    });
+  }
+}
+
 VpArgs args_of(const CeOpts& o, const Vec& targets) {
   VpArgs a{};
   a.targets = targets.data;
@@ -181,6 +229,57 @@ void ce_combine(fce_handle* h, fce_stream_t stream, const CeCombineProblem& p, W
   if (!none)
     ce_finalize(s, ws.loss_rows, ws.zl_rows, N, p.o.reduction, ws.prep, reinterpret_cast<float*>(p.loss.data),
                 p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);
+}
+
+void lse_partial(fce_handle* h, fce_stream_t stream, const LsePartialProblem& p) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  CeParams k{};
+  k.x = p.x.data;
+  k.ld = p.x.ld;
+  k.N = p.x.rows;
+  k.V = p.vocab_total - p.vocab_start < p.x.cols ? p.vocab_total - p.vocab_start : p.x.cols;
+  k.scale = p.scale;
+  k.full = false;
+  float* rec = reinterpret_cast<float*>(p.records.data);
+  dispatch_float(p.x.dtype, [&](auto tag) {
+    lse_partial_kernel<decltype(tag)><<<unsigned(k.N), kRowThreads, 0, s>>>(k, rec, p.records.ld);
+  });
+  check_launch("vocabulary-parallel logsumexp partial kernel");
+}
+
+void lse_combine(fce_handle* h, fce_stream_t stream, const LseCombineProblem& p) {
+  DeviceGuard guard(h->device_id);
+  lse_combine_kernel<<<unsigned((p.N + 127) / 128), 128, 0, stream_of(stream)>>>(
+      reinterpret_cast<const float*>(p.records.data), p.W, p.N, reinterpret_cast<float*>(p.lse.data));
+  check_launch("vocabulary-parallel logsumexp combine kernel");
+}
+
+void softmax_shard(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  const int64_t N = p.logits.rows, V = p.logits.cols;
+  const int64_t n = p.vocab_total - p.vocab_start < V ? p.vocab_total - p.vocab_start : V;
+  const float inv_t = 1.f / p.temperature;
+  const float* lse = reinterpret_cast<const float*>(p.lse.data);
+  dispatch_float(p.logits.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = reinterpret_cast<const T*>(p.logits.data);
+    // logprobs first: when it is the logits' memory, probs is NULL (the header's rule)
+    for (const Mat* m : {&p.logprobs, &p.probs}) {
+      if (!*m) continue;
+      const bool log = m == &p.logprobs;
+      auto launch = [&](auto otag) {
+        using O = decltype(otag);
+        O* out = reinterpret_cast<O*>(m->data);
+        if (log) softmax_shard_kernel<T, O, true><<<unsigned(N), kRowThreads, 0, s>>>(x, p.logits.ld, out, m->ld, n, V, inv_t, lse);
+        else softmax_shard_kernel<T, O, false><<<unsigned(N), kRowThreads, 0, s>>>(x, p.logits.ld, out, m->ld, n, V, inv_t, lse);
+      };
+      if (m->dtype == DType::F32) launch(float{});
+      else launch(T{});
+    }
+  });
+  check_launch("vocabulary-parallel softmax kernel");
 }
 
 }  // namespace fce::cuda

@@ -625,14 +625,16 @@ TEST(Contract, GrowingStructsZeroTailAcceptedNonZeroTailRefused) {
   }));
   fce_lse_options_t lo = FCE_LSE_OPTIONS_INIT;
   lo.scale = 0.5f;
+  // Grown in 0.2.0 by vocab_start and vocab_total (fce_logsumexp_partial): 0.1.0's struct is still taken.
   check_struct_growth("fce_lse_options_t", lo, growth_call<fce_lse_options_t>({&lse}, [&](fce_handle_t h, const fce_lse_options_t* p) {
     return fce_logsumexp(h, test_stream(), x.dl(), p, lse.dl(), nullptr, 0);
-  }));
+  }), offsetof(fce_lse_options_t, vocab_start));
   fce_softmax_options_t so = FCE_SOFTMAX_OPTIONS_INIT;
   so.temperatures = temps.dl();
+  // Grown in 0.2.0 by vocab_start, vocab_total and lse (a shard's softmax): 0.1.0's struct is still taken.
   check_struct_growth("fce_softmax_options_t", so, growth_call<fce_softmax_options_t>({&probs}, [&](fce_handle_t h, const fce_softmax_options_t* p) {
     return fce_temp_softmax(h, test_stream(), x.dl(), p, probs.dl(), nullptr, nullptr, 0);
-  }));
+  }), offsetof(fce_softmax_options_t, vocab_start));
   fce_kd_options_t ko = FCE_KD_OPTIONS_INIT;
   ko.divergence = FCE_KD_JSD;
   ko.reduction = FCE_REDUCTION_NONE;

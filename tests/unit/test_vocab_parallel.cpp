@@ -405,3 +405,155 @@ TEST(VocabParallel, Validation) {
   EXPECT_EQ(fce_linear_cross_entropy_fwd(h, test_stream(), hid.dl(), wt.dl(), nullptr, t.dl(), &o, &lo, nullptr, 0),
             FCE_STATUS_NOT_IMPLEMENTED);
 }
+
+namespace {
+
+// Logsumexp over shards (fce_logsumexp_partial, _combine), then each shard's temperature softmax from the
+// whole rows' lse, against float64 and the unsharded fce_logsumexp / fce_temp_softmax. Rows 0-2 (with
+// `special`): a NaN in the last shard, a +inf, all -inf.
+void run_lse_softmax(DT dt, DT out_dt, double T, const std::vector<int64_t>& widths, int64_t pad, bool special) {
+  SCOPED_TRACE(testing::Message() << dt_name(dt) << " -> " << dt_name(out_dt) << " T " << T << " shards "
+                                  << widths.size() << " pad " << pad << (special ? " special" : ""));
+  const int64_t N = 11, V = 1031;
+  Handle h;
+  Tensor x(dt, {N, V});
+  fill_logits(x, 3.0, true, 12.0);
+  const std::vector<Shard> shards = split_vocabulary(V, widths, pad);
+  const int64_t W = int64_t(shards.size());
+  if (special) {
+    x.set(0, shards.back().start, NAN);
+    x.set(1, 5, INFINITY);
+    for (int64_t j = 0; j < V; ++j) x.set(2, j, -INFINITY);
+    x.upload();
+  }
+  const double s = 1.0 / T;
+  fce_lse_options_t lo = FCE_LSE_OPTIONS_INIT;
+  lo.scale = float(s);
+  lo.vocab_total = V;
+  Records rec(W, N, FCE_LSE_RECORD_FIELDS);
+  std::vector<Tensor> parts;
+  for (int64_t r = 0; r < W; ++r) {
+    const Shard& sh = shards[size_t(r)];
+    Tensor part(dt, {N, sh.cols});
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < sh.cols; ++j) part.set(i, j, j < sh.width ? x.get(i, sh.start + j) : NAN);
+    part.upload();
+    Tensor one(DT::F32, {N, FCE_LSE_RECORD_FIELDS});
+    one.poison();
+    one.upload();
+    lo.vocab_start = sh.start;
+    FCE_OK(fce_logsumexp_partial(h, test_stream(), part.dl(), &lo, one.dl()));
+    one.download();
+    std::memcpy(rec.t.raw() + 4 * size_t(r * N * FCE_LSE_RECORD_FIELDS), one.bytes().data(),
+                4 * size_t(N * FCE_LSE_RECORD_FIELDS));
+    parts.push_back(std::move(part));
+  }
+  rec.t.upload();
+  Tensor lse(DT::F32, {N}), ulse(DT::F32, {N});
+  lse.poison();
+  lse.upload();
+  FCE_OK(fce_logsumexp_combine(h, test_stream(), &rec.dl, lse.dl()));
+  lse.download();
+  fce_lse_options_t uo = FCE_LSE_OPTIONS_INIT;
+  uo.scale = float(s);
+  FCE_OK(fce_logsumexp(h, test_stream(), x.dl(), &uo, ulse.dl(), nullptr, 0));
+  ulse.download();
+  for (int64_t i = 0; i < N; ++i) {
+    SCOPED_TRACE(testing::Message() << "row " << i);
+    if (special && i < 3) {
+      EXPECT_TRUE(i == 0 ? std::isnan(lse.get(i)) : lse.get(i) == (i == 1 ? INFINITY : -INFINITY)) << lse.get(i);
+      EXPECT_TRUE(close(lse.get(i), ulse.get(i), 0, 0)) << "unsharded";
+      continue;
+    }
+    double m = -INFINITY, d = 0;
+    for (int64_t j = 0; j < V; ++j) m = std::max(m, double(float(x.get(i, j) * float(s))));
+    for (int64_t j = 0; j < V; ++j) d += std::exp(double(float(x.get(i, j) * float(s))) - m);
+    EXPECT_TRUE(close(lse.get(i), m + std::log(d), 4e-7, 1e-6));
+    EXPECT_TRUE(close(lse.get(i), ulse.get(i), 4e-7, 1e-6)) << "unsharded";
+  }
+  // Each shard's probabilities and log-probabilities from the combined lse.
+  Tensor up(out_dt, {N, V}), ulp(out_dt, {N, V});
+  fce_softmax_options_t so = FCE_SOFTMAX_OPTIONS_INIT;
+  so.temperature = float(T);
+  FCE_OK(fce_temp_softmax(h, test_stream(), x.dl(), &so, up.dl(), ulp.dl(), nullptr, 0));
+  up.download();
+  ulp.download();
+  so.vocab_total = V;
+  so.lse = lse.dl();
+  const double rt = dtype_rtol(out_dt) + 1e-5;
+  for (int64_t r = 0; r < W; ++r) {
+    const Shard& sh = shards[size_t(r)];
+    Tensor pr(out_dt, {N, sh.cols}), lp(out_dt, {N, sh.cols});
+    for (Tensor* t : {&pr, &lp}) { t->poison(); t->upload(); }
+    so.vocab_start = sh.start;
+    FCE_OK(fce_temp_softmax(h, test_stream(), parts[size_t(r)].dl(), &so, pr.dl(), lp.dl(), nullptr, 0));
+    pr.download();
+    lp.download();
+    for (int64_t i = special ? 3 : 0; i < N; ++i)
+      for (int64_t j = 0; j < sh.cols; ++j) {
+        SCOPED_TRACE(testing::Message() << "shard " << r << " row " << i << " column " << j);
+        if (j >= sh.width) {
+          ASSERT_EQ(pr.get(i, j), 0.0);
+          ASSERT_EQ(lp.get(i, j), -INFINITY);
+          continue;
+        }
+        const double want = double(float(x.get(i, sh.start + j) * float(s))) - lse.get(i);
+        ASSERT_TRUE(close(lp.get(i, j), want, rt, rt * (1 + std::fabs(lse.get(i)))));
+        ASSERT_TRUE(close(pr.get(i, j), std::exp(want), rt, 1e-7));
+        ASSERT_TRUE(close(pr.get(i, j), up.get(i, sh.start + j), rt, 1e-7)) << "unsharded";
+      }
+  }
+}
+
+}  // namespace
+
+TEST(VocabParallel, LogsumexpAndSoftmaxShards) {
+  for (DT dt : {DT::F32, DT::BF16, DT::F16})
+    for (double T : {0.7, 1.0, 2.0}) run_lse_softmax(dt, DT::F32, T, {400, 300}, 5, false);
+  run_lse_softmax(DT::BF16, DT::BF16, 1.0, {1, 700}, 0, false);
+  run_lse_softmax(DT::F32, DT::F32, 1.0, {64, 64, 64}, 3, true);
+  run_lse_softmax(DT::F32, DT::F32, 1.0, {1031}, 0, true);
+}
+
+TEST(VocabParallel, LogsumexpAndSoftmaxValidation) {
+  Handle h;
+  Tensor x(DT::F32, {3, 10}), rec(DT::F32, {3, FCE_LSE_RECORD_FIELDS}), bad(DT::F32, {3, 3}), lse(DT::F32, {3});
+  fill_logits(x, 1.0, false);
+  rec.poison();
+  rec.upload();
+  fce_lse_options_t lo = FCE_LSE_OPTIONS_INIT;
+  EXPECT_EQ(fce_logsumexp_partial(h, test_stream(), x.dl(), &lo, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);  // no shard
+  EXPECT_EQ(fce_logsumexp_partial(h, test_stream(), x.dl(), nullptr, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  lo.vocab_total = 20;
+  lo.vocab_start = 20;
+  EXPECT_EQ(fce_logsumexp_partial(h, test_stream(), x.dl(), &lo, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  lo.vocab_start = 10;
+  EXPECT_EQ(fce_logsumexp_partial(h, test_stream(), x.dl(), &lo, bad.dl()), FCE_STATUS_SHAPE_MISMATCH);
+  rec.download();
+  for (uint8_t b : rec.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
+  EXPECT_EQ(fce_logsumexp(h, test_stream(), x.dl(), &lo, lse.dl(), nullptr, 0), FCE_STATUS_INVALID_ARGUMENT);
+  fce_lse_options_t old = FCE_LSE_OPTIONS_INIT;  // 0.1.0's struct is still taken
+  old.struct_size = uint32_t(offsetof(fce_lse_options_t, vocab_start));
+  FCE_OK(fce_logsumexp(h, test_stream(), x.dl(), &old, lse.dl(), nullptr, 0));
+  Records r(2, 3, 3);
+  EXPECT_EQ(fce_logsumexp_combine(h, test_stream(), &r.dl, lse.dl()), FCE_STATUS_SHAPE_MISMATCH);
+  // The softmax of a shard: one finite temperature > 0, and the whole rows' lse.
+  Tensor pr(DT::F32, {3, 10}), temps(DT::F32, {3});
+  pr.poison();
+  pr.upload();
+  fce_softmax_options_t so = FCE_SOFTMAX_OPTIONS_INIT;
+  so.vocab_total = 20;
+  so.vocab_start = 10;
+  EXPECT_EQ(fce_temp_softmax(h, test_stream(), x.dl(), &so, pr.dl(), nullptr, nullptr, 0), FCE_STATUS_INVALID_ARGUMENT);
+  so.lse = lse.dl();
+  so.temperature = 0.f;
+  EXPECT_EQ(fce_temp_softmax(h, test_stream(), x.dl(), &so, pr.dl(), nullptr, nullptr, 0), FCE_STATUS_NOT_IMPLEMENTED);
+  so.temperature = 1.f;
+  so.temperatures = temps.dl();
+  EXPECT_EQ(fce_temp_softmax(h, test_stream(), x.dl(), &so, pr.dl(), nullptr, nullptr, 0), FCE_STATUS_NOT_IMPLEMENTED);
+  pr.download();
+  for (uint8_t b : pr.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
+  fce_softmax_options_t sold = FCE_SOFTMAX_OPTIONS_INIT;  // 0.1.0's struct is still taken
+  sold.struct_size = uint32_t(offsetof(fce_softmax_options_t, vocab_start));
+  FCE_OK(fce_temp_softmax(h, test_stream(), x.dl(), &sold, pr.dl(), nullptr, nullptr, 0));
+}

@@ -219,7 +219,7 @@ def logsumexp(x, scale, out=None):
     dt, di = dev[2], dev[3]
     if out is None:
         out = torch.empty((x.shape[0],), dtype=torch.float32, device=x.device)
-    o = _LSE_OPTIONS(scale)
+    o = _LSE_OPTIONS(scale, 0, 0)  # no vocabulary shard
     _run("fce_logsumexp", dev, (_dl(0, x, dt, di), o, _dl(1, out, dt, di)), x)
     return out
 
@@ -250,7 +250,7 @@ def temp_softmax(logits, temperature, temperatures, want_probs, want_logprobs, o
         probs = torch.empty(logits.shape, dtype=odt, device=logits.device)
     if want_logprobs and logprobs is None:
         logprobs = torch.empty(logits.shape, dtype=odt, device=logits.device)
-    o = _SOFTMAX_OPTIONS(temperature, _at(1, temperatures, dt, di))
+    o = _SOFTMAX_OPTIONS(temperature, _at(1, temperatures, dt, di), 0, 0, 0)  # no vocabulary shard
     _run("fce_temp_softmax", dev, (_dl(0, logits, dt, di), o, _dl(2, probs if want_probs else None, dt, di),
                                    _dl(3, logprobs if want_logprobs else None, dt, di)), logits)
     return (probs if want_probs else None), (logprobs if want_logprobs else None)
@@ -266,7 +266,7 @@ def kd_loss(student, teacher_logits, topk_ids, topk_logprobs, targets, divergenc
     loss = torch.empty((n,) if reduction == 0 else (), dtype=torch.float32, device=student.device)
     ds = torch.empty_like(student) if want_grad else None
     teacher = _KD_TEACHER(_at(1, teacher_logits, dt, di), _at(2, topk_ids, dt, di), _at(3, topk_logprobs, dt, di))
-    o = _KD_OPTIONS(divergence, beta, temperature, 1 if scale_by_t2 else 0, topk_norm, reduction, ignore_index)
+    o = _KD_OPTIONS(divergence, beta, temperature, 1 if scale_by_t2 else 0, topk_norm, reduction, ignore_index, 0, 0)
     out = _KD_OUTPUTS(_at(5, loss, dt, di), _at(6, ds, dt, di), 0)
     _run("fce_kd_loss", dev, (_dl(0, student, dt, di), teacher, _dl(4, targets, dt, di), o, out), student)
     return loss, ds

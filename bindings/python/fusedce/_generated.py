@@ -179,6 +179,8 @@ fce_status_t fce_cross_entropy_fwd_vp_workspace_size(fce_handle_t handle, fce_co
 typedef struct fce_lse_options {
   uint32_t struct_size;
   float scale;
+  int64_t vocab_start;
+  int64_t vocab_total;
 } fce_lse_options_t;
 fce_status_t fce_lse_options_init(fce_lse_options_t* options, size_t struct_size);
 fce_status_t fce_logsumexp(fce_handle_t handle, fce_stream_t stream, const DLTensor* x,
@@ -187,10 +189,17 @@ fce_status_t fce_logsumexp(fce_handle_t handle, fce_stream_t stream, const DLTen
 fce_status_t fce_logsumexp_workspace_size(fce_handle_t handle, const DLTensor* x,
                                                   const fce_lse_options_t* options, const DLTensor* lse,
                                                   size_t* bytes);
+fce_status_t fce_logsumexp_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* x,
+                                           const fce_lse_options_t* options, DLTensor* records);
+fce_status_t fce_logsumexp_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
+                                           DLTensor* lse);
 typedef struct fce_softmax_options {
   uint32_t struct_size;
   float temperature;
   const DLTensor* temperatures;
+  int64_t vocab_start;
+  int64_t vocab_total;
+  const DLTensor* lse;
 } fce_softmax_options_t;
 fce_status_t fce_softmax_options_init(fce_softmax_options_t* options, size_t struct_size);
 fce_status_t fce_temp_softmax(fce_handle_t handle, fce_stream_t stream, const DLTensor* logits,
@@ -314,6 +323,7 @@ MACROS = {
     'FCE_CE_RECORD_FIELDS_LOSS': 4,
     'FCE_CE_RECORD_FIELDS_ENTROPY': 5,
     'FCE_CE_RECORD_FIELDS_ALL': 7,
+    'FCE_LSE_RECORD_FIELDS': 2,
     'FCE_KD_TEMPERATURE_MIN': 9.999999747378752e-05,
     'FCE_KD_TEMPERATURE_MAX': 100.0,
     'FCE_KD_RECORD_FIELDS': 5,
@@ -367,11 +377,16 @@ INITS = {
     'FCE_LSE_OPTIONS_INIT': ('fce_lse_options_t', {
         'struct_size': 'sizeof',
         'scale': 1.0,
+        'vocab_start': 0,
+        'vocab_total': 0,
     }),
     'FCE_SOFTMAX_OPTIONS_INIT': ('fce_softmax_options_t', {
         'struct_size': 'sizeof',
         'temperature': 1.0,
         'temperatures': None,
+        'vocab_start': 0,
+        'vocab_total': 0,
+        'lse': None,
     }),
     'FCE_KD_OPTIONS_INIT': ('fce_kd_options_t', {
         'struct_size': 'sizeof',

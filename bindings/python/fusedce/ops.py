@@ -349,12 +349,42 @@ def logsumexp(x, *, scale=_LSE["scale"], out=None, handle=None, stream=None, wor
     return out
 
 
+LSE_RECORD_FIELDS = MACROS["FCE_LSE_RECORD_FIELDS"]
+
+
+def logsumexp_partial(x, *, vocab_start, vocab_total, scale=_LSE["scale"], records=None, handle=None, stream=None):
+    """fce_logsumexp_partial: the [N, LSE_RECORD_FIELDS] fp32 records of a vocabulary shard x [N, V_local]
+    (global columns [vocab_start, vocab_start + V_local) of vocab_total; columns past it are padding). Gather
+    every rank's records in rank order ([W, N, K]) for logsumexp_combine."""
+    c = Call(x, handle, stream)
+    out = records if records is not None else c.empty((_rows(x), LSE_RECORD_FIELDS), "float32")
+    o = c.struct("fce_lse_options_t")
+    o.scale = float(scale)
+    o.vocab_start = int(vocab_start)
+    o.vocab_total = int(vocab_total)
+    c.run_plain("fce_logsumexp_partial", c.dl(x), o, c.dl(out, True))
+    return out
+
+
+def logsumexp_combine(records, *, out=None, handle=None, stream=None):
+    """fce_logsumexp_combine: [N] fp32, the logsumexp of whole rows from every shard's records [W, N, K] (rank
+    order); the same bits on every rank."""
+    c = Call(records, handle, stream)
+    out = out if out is not None else c.empty((int(records.shape[1]),), "float32")
+    c.run_plain("fce_logsumexp_combine", c.dl(records), c.dl(out, True))
+    return out
+
+
 def temp_softmax(logits, *, temperature=_SM["temperature"], temperatures=None, probs=True, logprobs=False,
-                 dtype="float32", handle=None, stream=None, workspace=None):
+                 dtype="float32", vocab_start=0, vocab_total=0, lse=None, handle=None, stream=None,
+                 workspace=None):
     """fce_temp_softmax: softmax of each row at a temperature (0 = greedy one-hot). temperatures: an
     optional [N] fp32 per-row override. probs/logprobs: False, True (allocated with `dtype`, "float32"
-    or None for the logits' dtype) or an array (probs=logits works in place). Returns SoftmaxOutput."""
-    if (_lean(logits, handle, stream, workspace) and (temperatures is None or is_torch(temperatures))
+    or None for the logits' dtype) or an array (probs=logits works in place). Returns SoftmaxOutput.
+    A vocabulary shard (vocab_total > 0, logits [N, V_local] the columns from vocab_start): its part of the
+    whole rows' distribution from `lse` [N] fp32, the rows' logsumexp of logits / T (logsumexp_combine of
+    logsumexp_partial with scale 1 / T); one finite temperature > 0 (BackendNotImplementedError otherwise)."""
+    if (not vocab_total and _lean(logits, handle, stream, workspace) and (temperatures is None or is_torch(temperatures))
             and all(isinstance(o, bool) or is_torch(o) for o in (probs, logprobs))):
         odt = None if dtype is None else getattr(_fast.torch, dtype)
         p, lp = _fast.temp_softmax(logits, float(temperature), temperatures, probs is not False, logprobs is not False,
@@ -367,6 +397,9 @@ def temp_softmax(logits, *, temperature=_SM["temperature"], temperatures=None, p
     o = c.struct("fce_softmax_options_t")
     o.temperature = float(temperature)
     o.temperatures = c.dl(None if temperatures is None else c.native(temperatures, "float32"))
+    o.vocab_start = int(vocab_start)
+    o.vocab_total = int(vocab_total)
+    o.lse = c.dl(None if lse is None else c.native(lse, "float32"))
     c.run("fce_temp_softmax", c.dl(logits), o, c.dl(p_a, True), c.dl(lp_a, True), workspace=workspace)
     return SoftmaxOutput(p_a, lp_a)
 

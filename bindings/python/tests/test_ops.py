@@ -108,9 +108,10 @@ def test_init_functions_fill_the_struct_size_given():
     assert p.struct_size == n + 16 and p.beta == 0.5 and p.ignore_index == -100
     raw = ffi.buffer(buf)[:]
     assert raw[n:n + 16] == b"\0" * 16 and raw[n + 16:] == b"\xab" * 8
-    # below the struct, above FCE_MAX_STRUCT_SIZE, or NULL: refused, nothing written
+    # below the struct's first published size (0.1.0's, before vocab_start), above FCE_MAX_STRUCT_SIZE, or NULL:
+    # refused, nothing written
     ffi.memmove(buf, b"\xab" * (n + 24), n + 24)
-    for size in (n - 8, fusedce.MAX_STRUCT_SIZE + 1):
+    for size in (ffi.offsetof("fce_kd_options_t", "vocab_start") - 8, fusedce.MAX_STRUCT_SIZE + 1):
         assert lib.fce_kd_options_init(p, size) == fusedce.STATUS["INVALID_ARGUMENT"]
     assert ffi.buffer(buf)[:] == b"\xab" * (n + 24)
     assert lib.fce_kd_options_init(ffi.NULL, n) == fusedce.STATUS["INVALID_ARGUMENT"]

@@ -212,3 +212,27 @@ def test_nccl_mode_two_gpus():
         assert nan_seen, rank
         assert err < 2e-5, (rank, err)
     assert got[0][-1] == got[1][-1], "the ranks' losses differ"
+
+
+@pytest.mark.parametrize("widths,pad", [([40], 0), ([17, 30], 3)])
+def test_logsumexp_and_softmax_shards(widths, pad):
+    n, v, temp = 6, 47, 0.8
+    x = (rng.standard_normal((n, v)) * 3).astype(np.float32)
+    starts = np.cumsum([0] + widths)[:-1]
+    widths = widths[:-1] + [v - starts[-1]]
+    shards = []
+    for r, (s, w) in enumerate(zip(starts, widths)):
+        part = np.full((n, w + (pad if r == len(widths) - 1 else 0)), np.nan, np.float32)
+        part[:, :w] = x[:, s:s + w]
+        shards.append((int(s), w, part))
+    rec = np.stack([fusedce.logsumexp_partial(p, vocab_start=s, vocab_total=v, scale=1 / temp) for s, _, p in shards])
+    lse = fusedce.logsumexp_combine(rec)
+    np.testing.assert_allclose(lse, fusedce.logsumexp(x, scale=1 / temp), rtol=1e-6, atol=1e-6)
+    whole = fusedce.temp_softmax(x, temperature=temp, logprobs=True)
+    for s, w, part in shards:
+        got = fusedce.temp_softmax(part, temperature=temp, logprobs=True, vocab_start=s, vocab_total=v, lse=lse)
+        np.testing.assert_allclose(got.probs[:, :w], whole.probs[:, s:s + w], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got.logprobs[:, :w], whole.logprobs[:, s:s + w], rtol=1e-5, atol=1e-5)
+        assert (got.probs[:, w:] == 0).all() and (got.logprobs[:, w:] == -np.inf).all()
+    with pytest.raises(NotImplementedError):
+        fusedce.temp_softmax(shards[0][2], temperature=0.0, vocab_start=0, vocab_total=v, lse=lse)

@@ -20,6 +20,7 @@ const FCE_MAX_STRUCT_SIZE = 4096
 const FCE_CE_RECORD_FIELDS_LOSS = 4
 const FCE_CE_RECORD_FIELDS_ENTROPY = 5
 const FCE_CE_RECORD_FIELDS_ALL = 7
+const FCE_LSE_RECORD_FIELDS = 2
 const FCE_KD_TEMPERATURE_MIN = 1.0f-4
 const FCE_KD_TEMPERATURE_MAX = 100.0f0
 const FCE_KD_RECORD_FIELDS = 5
@@ -702,10 +703,17 @@ struct fce_lse_options
     struct_size::UInt32
     # s > 0, finite: lse_i = log sum_j exp(s * x_ij); default 1
     scale::Cfloat
+    # A shard of the vocabulary (since 0.2.0; fce_logsumexp_partial / _combine): the global index of its first
+    #  column; default 0.
+    vocab_start::Int64
+    # The whole vocabulary's size, 0 (default) when x is not a shard. fce_logsumexp refuses a shard.
+    vocab_total::Int64
 end
-@assert sizeof(fce_lse_options) == 8
+@assert sizeof(fce_lse_options) == 24
 @assert fieldoffset(fce_lse_options, 1) == 0
 @assert fieldoffset(fce_lse_options, 2) == 4
+@assert fieldoffset(fce_lse_options, 3) == 8
+@assert fieldoffset(fce_lse_options, 4) == 16
 
 const fce_lse_options_t = fce_lse_options
 
@@ -739,6 +747,28 @@ function fce_logsumexp_workspace_size(handle, x, options, lse, bytes)
 end
 
 """
+The records of a vocabulary shard of x.
+@param x       [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total).
+@param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); scale as for
+               fce_logsumexp.
+@param records [N, FCE_LSE_RECORD_FIELDS] fp32, written.
+@return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard), CUDA_ERROR.
+"""
+function fce_logsumexp_partial(handle, stream, x, options, records)
+    @ccall $(_fptr_fce_logsumexp_partial[])(handle::fce_handle_t, stream::fce_stream_t, x::Ptr{DLTensor}, options::Ptr{fce_lse_options_t}, records::Ptr{DLTensor})::fce_status_t
+end
+
+"""
+The logsumexp of whole rows from every shard's records.
+@param records [W, N, FCE_LSE_RECORD_FIELDS] fp32, contiguous, in rank (vocabulary) order.
+@param lse     [N] fp32, written.
+@return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+"""
+function fce_logsumexp_combine(handle, stream, records, lse)
+    @ccall $(_fptr_fce_logsumexp_combine[])(handle::fce_handle_t, stream::fce_stream_t, records::Ptr{DLTensor}, lse::Ptr{DLTensor})::fce_status_t
+end
+
+"""
 Options of fce_temp_softmax. Initialize with FCE_SOFTMAX_OPTIONS_INIT.
 """
 struct fce_softmax_options
@@ -750,11 +780,24 @@ struct fce_softmax_options
     # Optional per-row temperatures [N] fp32, read on the device. A row whose temperature is negative or
     #  NaN gets NaN in every output element of that row (it cannot be reported without a host sync).
     temperatures::Ptr{DLTensor}
+    # A shard of the vocabulary (since 0.2.0): the global index of its first column; default 0.
+    vocab_start::Int64
+    # The whole vocabulary's size, 0 (default) when the logits are not a shard. With a shard the call writes
+    #  the shard's probabilities of the whole rows from `lse`: p_j = exp(x_j / T - lse), log p_j = x_j / T -
+    #  lse (padding columns: 0 and -inf); T must be finite and > 0 and `temperatures` NULL (else
+    #  FCE_STATUS_NOT_IMPLEMENTED).
+    vocab_total::Int64
+    # With a shard: [N] fp32, the rows' logsumexp of logits / T over the whole vocabulary
+    #  (fce_logsumexp_combine of every shard's fce_logsumexp_partial with scale 1/T); required then.
+    lse::Ptr{DLTensor}
 end
-@assert sizeof(fce_softmax_options) == 16
+@assert sizeof(fce_softmax_options) == 40
 @assert fieldoffset(fce_softmax_options, 1) == 0
 @assert fieldoffset(fce_softmax_options, 2) == 4
 @assert fieldoffset(fce_softmax_options, 3) == 8
+@assert fieldoffset(fce_softmax_options, 4) == 16
+@assert fieldoffset(fce_softmax_options, 5) == 24
+@assert fieldoffset(fce_softmax_options, 6) == 32
 
 const fce_softmax_options_t = fce_softmax_options
 
@@ -1198,11 +1241,16 @@ const FCE_CE_BWD_INPUTS_INIT = fce_ce_bwd_inputs_t(
 
 const FCE_LSE_OPTIONS_INIT = fce_lse_options_t(
     UInt32(sizeof(fce_lse_options_t)),
-    1.0f0)
+    1.0f0,
+    0,
+    0)
 
 const FCE_SOFTMAX_OPTIONS_INIT = fce_softmax_options_t(
     UInt32(sizeof(fce_softmax_options_t)),
     1.0f0,
+    C_NULL,
+    0,
+    0,
     C_NULL)
 
 const FCE_KD_OPTIONS_INIT = fce_kd_options_t(
@@ -1275,6 +1323,8 @@ const _fptr_fce_cross_entropy_fwd_vp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_lse_options_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_logsumexp_partial = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_logsumexp_combine = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_softmax_options_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_temp_softmax = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_temp_softmax_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
@@ -1332,6 +1382,8 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_lse_options_init[] = Libdl.dlsym(lib, :fce_lse_options_init)
     _fptr_fce_logsumexp[] = Libdl.dlsym(lib, :fce_logsumexp)
     _fptr_fce_logsumexp_workspace_size[] = Libdl.dlsym(lib, :fce_logsumexp_workspace_size)
+    _fptr_fce_logsumexp_partial[] = Libdl.dlsym(lib, :fce_logsumexp_partial)
+    _fptr_fce_logsumexp_combine[] = Libdl.dlsym(lib, :fce_logsumexp_combine)
     _fptr_fce_softmax_options_init[] = Libdl.dlsym(lib, :fce_softmax_options_init)
     _fptr_fce_temp_softmax[] = Libdl.dlsym(lib, :fce_temp_softmax)
     _fptr_fce_temp_softmax_workspace_size[] = Libdl.dlsym(lib, :fce_temp_softmax_workspace_size)
@@ -1386,6 +1438,8 @@ const FUNCTIONS = (
     :fce_lse_options_init,
     :fce_logsumexp,
     :fce_logsumexp_workspace_size,
+    :fce_logsumexp_partial,
+    :fce_logsumexp_combine,
     :fce_softmax_options_init,
     :fce_temp_softmax,
     :fce_temp_softmax_workspace_size,

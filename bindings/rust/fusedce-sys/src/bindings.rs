@@ -10,6 +10,7 @@ pub const FCE_MAX_STRUCT_SIZE: u32 = 4096;
 pub const FCE_CE_RECORD_FIELDS_LOSS: u32 = 4;
 pub const FCE_CE_RECORD_FIELDS_ENTROPY: u32 = 5;
 pub const FCE_CE_RECORD_FIELDS_ALL: u32 = 7;
+pub const FCE_LSE_RECORD_FIELDS: u32 = 2;
 pub const FCE_KD_TEMPERATURE_MIN: f64 = 0.0001;
 pub const FCE_KD_TEMPERATURE_MAX: f64 = 100.0;
 pub const FCE_KD_RECORD_FIELDS: u32 = 5;
@@ -1525,17 +1526,22 @@ pub struct fce_lse_options {
     pub struct_size: u32,
     #[doc = "< s > 0, finite: lse_i = log sum_j exp(s * x_ij); default 1"]
     pub scale: f32,
+    #[doc = " A shard of the vocabulary (since 0.2.0; fce_logsumexp_partial / _combine): the global index of its first"]
+    #[doc = "  column; default 0."]
+    pub vocab_start: i64,
+    #[doc = " The whole vocabulary's size, 0 (default) when x is not a shard. fce_logsumexp refuses a shard."]
+    pub vocab_total: i64,
 }
 #[test]
 fn bindgen_test_layout_fce_lse_options() {
     assert_eq!(
         ::std::mem::size_of::<fce_lse_options>(),
-        8usize,
+        24usize,
         concat!("Size of: ", stringify!(fce_lse_options))
     );
     assert_eq!(
         ::std::mem::align_of::<fce_lse_options>(),
-        4usize,
+        8usize,
         concat!("Alignment of ", stringify!(fce_lse_options))
     );
     fn test_field_struct_size() {
@@ -1572,6 +1578,40 @@ fn bindgen_test_layout_fce_lse_options() {
         );
     }
     test_field_scale();
+    fn test_field_vocab_start() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_lse_options>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).vocab_start) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_lse_options),
+                "::",
+                stringify!(vocab_start)
+            )
+        );
+    }
+    test_field_vocab_start();
+    fn test_field_vocab_total() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_lse_options>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).vocab_total) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_lse_options),
+                "::",
+                stringify!(vocab_total)
+            )
+        );
+    }
+    test_field_vocab_total();
 }
 #[doc = " Options of fce_logsumexp. Initialize with FCE_LSE_OPTIONS_INIT."]
 pub type fce_lse_options_t = fce_lse_options;
@@ -1612,6 +1652,33 @@ extern "C" {
         bytes: *mut usize,
     ) -> fce_status_t;
 }
+extern "C" {
+    #[doc = " The records of a vocabulary shard of x."]
+    #[doc = " @param x       [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total)."]
+    #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); scale as for"]
+    #[doc = "                fce_logsumexp."]
+    #[doc = " @param records [N, FCE_LSE_RECORD_FIELDS] fp32, written."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard), CUDA_ERROR."]
+    pub fn fce_logsumexp_partial(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        x: *const DLTensor,
+        options: *const fce_lse_options_t,
+        records: *mut DLTensor,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " The logsumexp of whole rows from every shard's records."]
+    #[doc = " @param records [W, N, FCE_LSE_RECORD_FIELDS] fp32, contiguous, in rank (vocabulary) order."]
+    #[doc = " @param lse     [N] fp32, written."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR."]
+    pub fn fce_logsumexp_combine(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        records: *const DLTensor,
+        lse: *mut DLTensor,
+    ) -> fce_status_t;
+}
 #[doc = " Options of fce_temp_softmax. Initialize with FCE_SOFTMAX_OPTIONS_INIT."]
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -1624,12 +1691,22 @@ pub struct fce_softmax_options {
     #[doc = " Optional per-row temperatures [N] fp32, read on the device. A row whose temperature is negative or"]
     #[doc = "  NaN gets NaN in every output element of that row (it cannot be reported without a host sync)."]
     pub temperatures: *const DLTensor,
+    #[doc = " A shard of the vocabulary (since 0.2.0): the global index of its first column; default 0."]
+    pub vocab_start: i64,
+    #[doc = " The whole vocabulary's size, 0 (default) when the logits are not a shard. With a shard the call writes"]
+    #[doc = "  the shard's probabilities of the whole rows from `lse`: p_j = exp(x_j / T - lse), log p_j = x_j / T -"]
+    #[doc = "  lse (padding columns: 0 and -inf); T must be finite and > 0 and `temperatures` NULL (else"]
+    #[doc = "  FCE_STATUS_NOT_IMPLEMENTED)."]
+    pub vocab_total: i64,
+    #[doc = " With a shard: [N] fp32, the rows' logsumexp of logits / T over the whole vocabulary"]
+    #[doc = "  (fce_logsumexp_combine of every shard's fce_logsumexp_partial with scale 1/T); required then."]
+    pub lse: *const DLTensor,
 }
 #[test]
 fn bindgen_test_layout_fce_softmax_options() {
     assert_eq!(
         ::std::mem::size_of::<fce_softmax_options>(),
-        16usize,
+        40usize,
         concat!("Size of: ", stringify!(fce_softmax_options))
     );
     assert_eq!(
@@ -1688,6 +1765,57 @@ fn bindgen_test_layout_fce_softmax_options() {
         );
     }
     test_field_temperatures();
+    fn test_field_vocab_start() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_softmax_options>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).vocab_start) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_softmax_options),
+                "::",
+                stringify!(vocab_start)
+            )
+        );
+    }
+    test_field_vocab_start();
+    fn test_field_vocab_total() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_softmax_options>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).vocab_total) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_softmax_options),
+                "::",
+                stringify!(vocab_total)
+            )
+        );
+    }
+    test_field_vocab_total();
+    fn test_field_lse() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_softmax_options>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).lse) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_softmax_options),
+                "::",
+                stringify!(lse)
+            )
+        );
+    }
+    test_field_lse();
 }
 #[doc = " Options of fce_temp_softmax. Initialize with FCE_SOFTMAX_OPTIONS_INIT."]
 pub type fce_softmax_options_t = fce_softmax_options;
