@@ -18,12 +18,14 @@ Layout convention (Julia is column-major, the library row-major): **a C tensor `
 | KD records `[N, 5]`   | `5×N` Float32 matrix (one shard's, `kd_partial`) |
 | KD records `[W, N, 5]`| `5×N×W` Float32 array, shards in rank order (`kd_combine`) |
 | KD row statistics `[N, 5]` | `5×N` Float32 matrix (`kd_combine` → `kd_bwd`) |
+| LSE records `[N, 2]`  | `2×N` Float32 matrix (one shard's, `logsumexp_partial`) |
+| LSE records `[W, N, 2]`| `2×N×W` Float32 array, shards in rank order (`logsumexp_combine`) |
 
 Class indices are 1-based everywhere (targets, `argmax` outputs, top-K ids, `ignore_index`); the
 binding subtracts 1 before calling the library, so `ignore_index = 0` works as well as the default -100.
-The one exception is `vocab_start` (vocabulary-parallel cross-entropy and distillation), an offset rather
-than a class: the number of vocabulary columns before a shard, passed to the library as is (the shard holds
-the 1-based classes `vocab_start+1 : vocab_start+size(logits, 1)`).
+The one exception is `vocab_start` (vocabulary-parallel cross-entropy, distillation, logsumexp and
+temperature softmax), an offset rather than a class: the number of vocabulary columns before a shard, passed
+to the library as is (the shard holds the 1-based classes `vocab_start+1 : vocab_start+size(logits, 1)`).
 Any strided array works as long as its first dimension has unit stride (a view of a padded matrix
 is fine). Element types: `Float32`, `Float16`, any 16-bit type named `BFloat16` (BFloat16s.jl) for
 floating data; `Int32`/`Int64` for indices. Options are keyword arguments whose defaults are the loaded
@@ -41,7 +43,7 @@ const L = LibFusedCE
 
 export Handle, FusedCEError, default_handle, library_path, version, abi_version, build_info,
        cross_entropy, cross_entropy_fwd, cross_entropy_bwd, cross_entropy_record_fields, cross_entropy_partial,
-       cross_entropy_combine, logsumexp, temp_softmax,
+       cross_entropy_combine, logsumexp, logsumexp_partial, logsumexp_combine, temp_softmax,
        kd_loss, kd_loss_topk, kd_partial, kd_combine, kd_bwd,
        linear_cross_entropy, linear_cross_entropy_fwd, linear_cross_entropy_bwd
 
@@ -639,38 +641,128 @@ end
 # Logsumexp and temperature softmax
 # ------------------------------------------------------------------------------------------------
 
+# vocab_start is an offset, passed as is; 0/0 (the library's defaults) = not a shard.
+function _lse_options(scale; vocab_start::Integer = _LSE[].vocab_start, vocab_total::Integer = _LSE[].vocab_total)
+    return _cstruct(L.fce_lse_options_t; scale = Float32(scale), vocab_start = Int64(vocab_start),
+                    vocab_total = Int64(vocab_total))
+end
+
+function _softmax_options(temperature, temperatures::Union{Nothing,Tensor}, lse::Union{Nothing,Tensor};
+                          vocab_start::Integer = _SM[].vocab_start, vocab_total::Integer = _SM[].vocab_total)
+    return _cstruct(L.fce_softmax_options_t; temperature = Float32(temperature), temperatures = _ptr(temperatures),
+                    vocab_start = Int64(vocab_start), vocab_total = Int64(vocab_total), lse = _ptr(lse))
+end
+
 """
     logsumexp(x; scale=1, out=Vector{Float32}(undef, size(x, 2)), handle=default_handle())
 
-`log(sum(exp.(scale .* x[:, n])))` for every column `n` of `x` (`V×N`), in Float32.
+`log(sum(exp.(scale .* x[:, n])))` for every column `n` of `x` (`V×N`), in Float32. The logsumexp of a
+vocabulary shard's whole rows comes from `logsumexp_partial` and `logsumexp_combine`.
 """
 function logsumexp(x::AbstractMatrix; scale::Real = _LSE[].scale, out::AbstractVector = _vecf32(size(x, 2)),
                    handle::Handle = default_handle())
     tx, to = Tensor(x), Tensor(out)
     GC.@preserve tx to begin
-        opts = _cstruct(L.fce_lse_options_t; scale = Float32(scale))
+        opts = _lse_options(scale)
         _check(L.fce_logsumexp(_ptr(handle), C_NULL, _ptr(tx), opts, _ptr(to), C_NULL, 0), :fce_logsumexp)
     end
     return out
 end
 
 """
+    logsumexp_partial(x_shard; vocab_start, vocab_total, scale=1,
+                      records=Matrix{Float32}(undef, 2, N), handle=default_handle())
+
+Step 1 of the vocabulary-parallel logsumexp (`fce_logsumexp_partial`; the header's "Vocabulary-parallel
+logsumexp"): the records of one shard of the vocabulary, a `2×N` Float32 matrix (the C
+`[N, FCE_LSE_RECORD_FIELDS]`, `LibFusedCE.FCE_LSE_RECORD_FIELDS` = 2), written into `records` if given
+(contiguous) and returned. Per column `n`, over the shard's real rows: `m = max(scale .* x[:, n])` (NaN when
+one of them is NaN) and `d = sum(exp.(scale .* x[:, n] .- m))` (1 when `m` is +Inf, 0 when it is -Inf).
+
+- `x_shard`: `V_local×N` (Float32, Float16 or BFloat16; a view with unit stride down columns is fine), the
+  rows `vocab_start+1 : vocab_start+V_local` of the whole `V×N` matrix. The last shard may be padded: rows
+  past `vocab_total` are ignored (they may hold anything, NaN included).
+- `vocab_start` (required): the 0-based offset of the shard, the number of vocabulary rows before it (so
+  `0 ≤ vocab_start < vocab_total`); `vocab_total` (required): V of the whole vocabulary.
+- `scale`: as for `logsumexp` (finite, > 0); `1 / T` gives the lse that `temp_softmax` takes for a shard's
+  probabilities at temperature `T`. Use the same `scale` on every shard.
+
+Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`, `scale`
+not finite and > 0), SHAPE_MISMATCH (records not `2×N`), UNSUPPORTED_DTYPE (x not Float32/Float16/BFloat16,
+records not Float32), UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
+"""
+function logsumexp_partial(x::AbstractMatrix; vocab_start::Integer, vocab_total::Integer,
+                           scale::Real = _LSE[].scale, records::Union{Nothing,AbstractMatrix} = nothing,
+                           handle::Handle = default_handle())
+    rec_a = records === nothing ? Matrix{Float32}(undef, L.FCE_LSE_RECORD_FIELDS, size(x, 2)) : records
+    tx, trec = Tensor(x), Tensor(rec_a)
+    GC.@preserve tx trec begin
+        opts = _lse_options(scale; vocab_start = vocab_start, vocab_total = vocab_total)
+        _check(L.fce_logsumexp_partial(_ptr(handle), C_NULL, _ptr(tx), opts, _ptr(trec)), :fce_logsumexp_partial)
+    end
+    return rec_a
+end
+
+"""
+    logsumexp_combine(records; out=Vector{Float32}(undef, N), handle=default_handle())
+
+Step 3 of the vocabulary-parallel logsumexp (`fce_logsumexp_combine`; the header's "Vocabulary-parallel
+logsumexp"): the logsumexp of the whole columns, what `logsumexp` of the unsharded matrix (with the partials'
+`scale`) returns, from the records of every shard: `M + log(sum_r d_r exp(m_r - M))`, `M = max_r m_r`, in
+Float64 in rank order, rounded once to Float32 (the same bits on every rank). NaN when a record is NaN, +Inf
+when a max is +Inf, -Inf for a column of all -Inf, as `logsumexp` gives them; otherwise it agrees with
+`logsumexp` within the Float32 rounding of the records' sums.
+
+- `records`: `2×N×W` Float32, contiguous (the C `[W, N, FCE_LSE_RECORD_FIELDS]`): the W shards'
+  `logsumexp_partial` results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)` or an
+  all-gather's buffer.
+- `out`: a length-N Float32 vector, written and returned.
+
+Errors: `FusedCEError` SHAPE_MISMATCH (records not `2×N×W`, `out`'s length), UNSUPPORTED_LAYOUT (records
+not contiguous), UNSUPPORTED_DTYPE (not Float32), DEVICE_MISMATCH.
+"""
+function logsumexp_combine(records::AbstractArray{<:Any,3}; out::AbstractVector = _vecf32(size(records, 2)),
+                           handle::Handle = default_handle())
+    trec, to = Tensor(records), Tensor(out)
+    GC.@preserve trec to begin
+        _check(L.fce_logsumexp_combine(_ptr(handle), C_NULL, _ptr(trec), _ptr(to)), :fce_logsumexp_combine)
+    end
+    return out
+end
+
+"""
     temp_softmax(logits; temperature=1, temperatures=nothing, probs=true, logprobs=false,
-                 eltype=Float32, handle=default_handle())
+                 eltype=Float32, vocab_start=0, vocab_total=0, lse=nothing, handle=default_handle())
 
 Softmax of every column of `logits` (`V×N`) at a temperature (`temperatures`: one per column,
 overriding `temperature`); 0 is greedy (one-hot at the first maximum). `probs`/`logprobs`: `false`,
 `true` (allocated with element type `eltype`: Float32 or the logits' type) or an array (`probs = logits`
 works in place). Returns `(probs, logprobs)`.
+
+Vocabulary shard (`vocab_total > 0`, `fce_temp_softmax` with the header's shard options): `logits` is the
+shard (`V_local×N`, the rows `vocab_start+1 : vocab_start+V_local` of the whole logits; `vocab_start` the
+0-based offset, `0 ≤ vocab_start < vocab_total`) and the result is its rows of the whole columns'
+distribution, from `lse` (a length-N Float32 vector, the whole columns' logsumexp of `logits / temperature`:
+`logsumexp_combine` of every shard's `logsumexp_partial` with `scale = 1 / temperature`):
+`p_j = exp(x_j / temperature - lse)`, `log p_j = x_j / temperature - lse`; padding rows (global class >
+`vocab_total`) get exactly 0 and -Inf. Errors there: `FusedCEError` NOT_IMPLEMENTED (per-column
+`temperatures`, or `temperature` 0 or Inf: one finite temperature > 0 is required), INVALID_ARGUMENT (no
+`lse`; `vocab_start` outside `[0, vocab_total)`), SHAPE_MISMATCH (`lse`'s length), UNSUPPORTED_DTYPE (`lse`
+not Float32). Without a shard `lse` is not read.
+
+Errors in general: `FusedCEError` INVALID_ARGUMENT (`temperature` negative or NaN, neither `probs` nor
+`logprobs`), SHAPE_MISMATCH, UNSUPPORTED_DTYPE, UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
 """
 function temp_softmax(logits::AbstractMatrix; temperature::Real = _SM[].temperature,
                       temperatures::Union{Nothing,AbstractVector} = nothing, probs = true, logprobs = false,
-                      eltype::Type = Float32, handle::Handle = default_handle())
+                      eltype::Type = Float32, vocab_start::Integer = _SM[].vocab_start,
+                      vocab_total::Integer = _SM[].vocab_total, lse::Union{Nothing,AbstractVector} = nothing,
+                      handle::Handle = default_handle())
     p_a = _out(probs, () -> similar(logits, eltype))
     lp_a = _out(logprobs, () -> similar(logits, eltype))
-    tx, tts, tp, tlp = Tensor(logits), _tensor(temperatures), _tensor(p_a), _tensor(lp_a)
-    GC.@preserve tx tts tp tlp begin
-        opts = _cstruct(L.fce_softmax_options_t; temperature = Float32(temperature), temperatures = _ptr(tts))
+    tx, tts, tlse, tp, tlp = Tensor(logits), _tensor(temperatures), _tensor(lse), _tensor(p_a), _tensor(lp_a)
+    GC.@preserve tx tts tlse tp tlp begin
+        opts = _softmax_options(temperature, tts, tlse; vocab_start = vocab_start, vocab_total = vocab_total)
         _check(L.fce_temp_softmax(_ptr(handle), C_NULL, _ptr(tx), opts, _ptr(tp), _ptr(tlp), C_NULL, 0),
                :fce_temp_softmax)
     end

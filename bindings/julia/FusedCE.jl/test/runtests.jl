@@ -540,6 +540,120 @@ end
     @test r.logprobs === nothing
 end
 
+@testset "vocabulary-parallel logsumexp and temperature softmax" begin
+    KL = L.FCE_LSE_RECORD_FIELDS
+    @test KL == 2
+    # the grown option structs: the new fields' defaults are 0/0/NULL, and the builders fill them
+    dl, ds = FusedCE.defaults(L.fce_lse_options_t), FusedCE.defaults(L.fce_softmax_options_t)
+    @test (dl.vocab_start, dl.vocab_total) == (0, 0)
+    @test (ds.vocab_start, ds.vocab_total, ds.lse) == (0, 0, C_NULL)
+    o = FusedCE._lse_options(0.5; vocab_start = 3, vocab_total = 9)[]
+    @test (o.scale, o.vocab_start, o.vocab_total, o.struct_size) == (0.5f0, 3, 9, sizeof(L.fce_lse_options_t))
+    @test FusedCE._lse_options(2.0)[] == L.fce_lse_options_t(sizeof(L.fce_lse_options_t), 2.0f0, 0, 0)
+    # the first published sizes (0.1's structs, which ended before vocab_start) still get the defaults
+    for (T, init, first) in ((L.fce_lse_options_t, L.fce_lse_options_init, 8),
+                             (L.fce_softmax_options_t, L.fce_softmax_options_init, 16))
+        @test Int(fieldoffset(T, findfirst(==(:vocab_start), fieldnames(T)))) == first
+        buf = fill(0xab, sizeof(T) + 8)
+        GC.@preserve buf begin
+            @test init(Ptr{T}(pointer(buf)), first) == L.FCE_STATUS_SUCCESS
+            @test unsafe_load(Ptr{UInt32}(pointer(buf))) == first && all(==(0xab), buf[first+1:end])
+            @test init(Ptr{T}(pointer(buf)), first - 4) == L.FCE_STATUS_INVALID_ARGUMENT
+        end
+    end
+
+    Vs, Ns, Tm = 47, 6, 0.8
+    Xs = randn(Float32, Vs, Ns) .* 3
+    Xs[5, 2] = -Inf32                              # a masked class: probability 0 everywhere
+    ref_lse = FusedCE.logsumexp(Xs; scale = 1 / Tm)
+    ref_sm = FusedCE.temp_softmax(Xs; temperature = Tm, logprobs = true)
+    lse_f64 = [lse64(Float64.(Xs[:, n]) ./ Tm) for n in 1:Ns]
+    @test approx(ref_lse, lse_f64; rtol = 1e-6, atol = 1e-6)
+    # shards: (rows of the V×N matrix, padding rows of NaN after them), in rank order
+    pad(rows, p) = vcat(Xs[rows, :], fill(NaN32, p, Ns))
+    for (name, shards) in ("17 + 30" => ((1:17, 0), (18:47, 0)),
+                           "17 + 30, the last padded by 3 NaN rows" => ((1:17, 0), (18:47, 3)))
+        starts = [first(rows) - 1 for (rows, _) in shards]     # vocab_start: 0-based offset of each shard
+        xs = [pad(rows, p) for (rows, p) in shards]
+        # step 1: each shard's records (scale 1/T), into a poisoned buffer
+        recs = [FusedCE.logsumexp_partial(xs[r]; vocab_start = starts[r], vocab_total = Vs, scale = 1 / Tm,
+                                          records = fill(NaN32, KL, Ns)) for r in eachindex(shards)]
+        @test all(r -> size(r) == (KL, Ns) && eltype(r) == Float32, recs)
+        for (r, (rows, _)) in enumerate(shards), n in 1:Ns     # m = max z, d = sum exp(z - m), z = x / T
+            z = Float64.(Xs[rows, n]) ./ Tm
+            @test approx(recs[r][:, n], [maximum(z), sum(exp.(z .- maximum(z)))]; rtol = 1e-5, atol = 1e-6)
+        end
+        @test FusedCE.logsumexp_partial(xs[1]; vocab_start = starts[1], vocab_total = Vs, scale = 1 / Tm) == recs[1]
+        stacked = cat(recs...; dims = 3)               # 2×N×W, rank order
+        @test size(stacked) == (KL, Ns, length(shards))
+        # step 3: the whole columns' lse, against the unsharded logsumexp and Float64
+        c = FusedCE.logsumexp_combine(stacked)
+        @test c isa Vector{Float32} && length(c) == Ns
+        @test all(isapprox.(c, ref_lse; rtol = 1e-6, atol = 1e-6))
+        @test approx(c, lse_f64; rtol = 1e-6, atol = 1e-6)
+        out = fill(NaN32, Ns)
+        @test FusedCE.logsumexp_combine(stacked; out = out) === out && out == c
+        # each shard's softmax from that lse (poisoned buffers): its rows of the unsharded softmax, the
+        # padding exactly 0 / -Inf
+        for (r, (rows, p)) in enumerate(shards)
+            sm = FusedCE.temp_softmax(xs[r]; temperature = Tm, vocab_start = starts[r], vocab_total = Vs, lse = c,
+                                      probs = fill(NaN32, size(xs[r])), logprobs = fill(NaN32, size(xs[r])))
+            k = length(rows)
+            @test size(sm.probs) == (k + p, Ns) && eltype(sm.probs) == Float32
+            @test all(isapprox.(sm.probs[1:k, :], ref_sm.probs[rows, :]; rtol = 1e-5, atol = 1e-7))
+            @test all(isapprox.(sm.logprobs[1:k, :], ref_sm.logprobs[rows, :]; rtol = 1e-5, atol = 1e-5))
+            @test all(sm.probs[k+1:end, :] .=== 0.0f0) && all(sm.logprobs[k+1:end, :] .== -Inf32)
+            p > 0 && @test size(sm.probs, 1) > k
+            # one output alone, allocated
+            lp = FusedCE.temp_softmax(xs[r]; temperature = Tm, vocab_start = starts[r], vocab_total = Vs, lse = c,
+                                      probs = false, logprobs = true)
+            @test lp.probs === nothing && lp.logprobs == sm.logprobs
+        end
+        # the shards' probabilities make up whole distributions
+        full = vcat([FusedCE.temp_softmax(xs[r]; temperature = Tm, vocab_start = starts[r], vocab_total = Vs,
+                                          lse = c).probs[1:length(rows), :] for (r, (rows, _)) in enumerate(shards)]...)
+        @test all(isapprox.(sum(Float64.(full); dims = 1), 1; atol = 1e-5))
+    end
+    # a padded shard given as a view, Int32-free: only its first rows are real
+    big = vcat(Xs[18:47, :], fill(NaN32, 3, Ns), randn(Float32, 2, Ns))
+    @test FusedCE.logsumexp_partial(view(big, 1:33, :); vocab_start = 17, vocab_total = Vs, scale = 1 / Tm) ==
+          FusedCE.logsumexp_partial(big[1:33, :]; vocab_start = 17, vocab_total = Vs, scale = 1 / Tm)
+    # errors
+    function status_of(f)
+        try
+            f()
+        catch e
+            e isa FusedCEError || rethrow()
+            return e.name
+        end
+        return "no error"
+    end
+    s1, s2 = Xs[1:17, :], vcat(Xs[18:47, :], fill(NaN32, 3, Ns))
+    c = FusedCE.logsumexp_combine(cat(FusedCE.logsumexp_partial(s1; vocab_start = 0, vocab_total = Vs, scale = 1 / Tm),
+                                      FusedCE.logsumexp_partial(s2; vocab_start = 17, vocab_total = Vs, scale = 1 / Tm);
+                                      dims = 3))
+    shard_sm(; kw...) = FusedCE.temp_softmax(s2; temperature = Tm, vocab_start = 17, vocab_total = Vs, lse = c, kw...)
+    @test status_of(() -> shard_sm()) == "no error"
+    @test status_of(() -> shard_sm(temperature = 0)) == "NOT_IMPLEMENTED"
+    @test status_of(() -> shard_sm(temperature = Inf)) == "NOT_IMPLEMENTED"
+    @test status_of(() -> shard_sm(temperatures = fill(Float32(Tm), Ns))) == "NOT_IMPLEMENTED"
+    @test status_of(() -> shard_sm(lse = nothing)) == "INVALID_ARGUMENT"
+    @test status_of(() -> shard_sm(lse = c[1:end-1])) == "SHAPE_MISMATCH"
+    @test status_of(() -> shard_sm(vocab_start = Vs)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.temp_softmax(s1; vocab_start = 3)) == "INVALID_ARGUMENT"   # a start without a shard
+    @test status_of(() -> FusedCE.logsumexp_partial(s1; vocab_start = 0, vocab_total = 0)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.logsumexp_partial(s1; vocab_start = Vs, vocab_total = Vs)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.logsumexp_partial(s1; vocab_start = 0, vocab_total = Vs, scale = 0)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.logsumexp_partial(s1; vocab_start = 0, vocab_total = Vs,
+                                                    records = zeros(Float32, KL + 1, Ns))) == "SHAPE_MISMATCH"
+    recs = cat(FusedCE.logsumexp_partial(s1; vocab_start = 0, vocab_total = Vs),
+               FusedCE.logsumexp_partial(s2; vocab_start = 17, vocab_total = Vs); dims = 3)
+    @test status_of(() -> FusedCE.logsumexp_combine(recs[1:1, :, :])) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.logsumexp_combine(recs; out = zeros(Float32, Ns + 1))) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.logsumexp_combine(view(recs, :, 1:2:Ns, :))) == "UNSUPPORTED_LAYOUT"
+    @test_throws UndefKeywordError FusedCE.logsumexp_partial(s1; vocab_total = Vs)
+end
+
 S = randn(Float32, V, N) .* 2
 Tt = randn(Float32, V, N) .* 2
 kt = rand(1:V, N); kt[4] = -100

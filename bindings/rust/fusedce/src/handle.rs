@@ -653,7 +653,13 @@ impl Handle {
     /// row taken first. A row of all −inf gives −inf; NaN propagates.
     ///
     /// * `x`: `[N, V]` fp32, bf16 or fp16, N, V >= 1.
+    /// * `options`: [`LseOptions::scale`]; [`LseOptions::vocab_total`] must be 0 (a shard goes through
+    ///   [`Handle::logsumexp_partial`] and [`Handle::logsumexp_combine`]).
     /// * `lse`: `[N]` fp32.
+    ///
+    /// Errors: `INVALID_ARGUMENT` (scale not finite and > 0, options with `vocab_total` set),
+    /// `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`,
+    /// `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     pub fn logsumexp(&self, x: &TensorRef<'_>, options: &LseOptions, lse: &mut TensorMut<'_>) -> Result<()> {
         self.lse_impl(x, options, lse, Call::Run)
     }
@@ -692,6 +698,69 @@ impl Handle {
         check(st)
     }
 
+    /// The records of one vocabulary shard of x (`fce_logsumexp_partial`): step 1 of vocabulary-parallel
+    /// logsumexp, whose steps are (the header's "Vocabulary-parallel logsumexp"):
+    ///
+    /// 1. each rank: `logsumexp_partial` on its shard → records `[N, LSE_RECORD_FIELDS]` (2);
+    /// 2. the caller gathers every rank's records in rank (vocabulary) order into `[W, N, 2]` (an
+    ///    all-gather; the library does no communication);
+    /// 3. each rank: [`Handle::logsumexp_combine`] → the lse of the whole rows, the same bits on every
+    ///    rank;
+    /// 4. optionally, each rank: [`Handle::temp_softmax`] of its shard with that lse
+    ///    ([`SoftmaxOptions::lse`]; partials with [`LseOptions::scale`] 1/T) → its columns of the rows'
+    ///    probabilities and log-probabilities.
+    ///
+    /// * `x`: `[N, V_local]` fp32, bf16 or fp16, V_local >= 1: global columns
+    ///   `[options.vocab_start, options.vocab_start + V_local)`; those at or past `options.vocab_total`
+    ///   are padding and never read.
+    /// * `options`: [`LseOptions::vocab_start`] and [`LseOptions::vocab_total`] required
+    ///   (0 <= vocab_start < vocab_total); [`LseOptions::scale`] s as for [`Handle::logsumexp`], the same
+    ///   on every rank.
+    /// * `records`: `[N, LSE_RECORD_FIELDS]` fp32 ([`crate::LSE_RECORD_FIELDS`]), written. Per row, over
+    ///   the shard's real columns: 0 m = max s·x_j (NaN when one is NaN), 1 Σ exp(s·x_j − m) (1 when m is
+    ///   +inf, 0 when it is −inf).
+    ///
+    /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total)`, scale
+    /// not finite and > 0), `SHAPE_MISMATCH` (records not `[N, 2]`), `UNSUPPORTED_DTYPE`,
+    /// `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `CUDA_ERROR`.
+    pub fn logsumexp_partial(
+        &self,
+        x: &TensorRef<'_>,
+        options: &LseOptions,
+        records: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let xd = x.as_dl();
+        let o = options.to_raw();
+        let mut r = records.as_dl();
+        // SAFETY: as in ce_fwd.
+        let st = unsafe { sys::fce_logsumexp_partial(self.as_raw(), self.stream, &xd, &o, &mut r) };
+        check(st)
+    }
+
+    /// The logsumexp of whole rows from the records of every shard (`fce_logsumexp_combine`): step 3 of
+    /// [`Handle::logsumexp_partial`]'s recipe. With M the largest of the records' maxima m_r and d_r
+    /// their sums, `lse = M + log Σ_r d_r·exp(m_r − M)`, merged in fp64 in rank order (no float
+    /// all-reduce), so the result is bitwise reproducible and the same on every rank. It is what
+    /// [`Handle::logsumexp`] gives for the unsharded rows: NaN when a record is NaN, +inf when a max is
+    /// +inf, −inf for rows of all −inf, otherwise the same value within the fp32 rounding of the records'
+    /// sums. No options (the partial calls applied the scale) and no workspace.
+    ///
+    /// * `records`: `[W, N, LSE_RECORD_FIELDS]` fp32, contiguous (e.g. [`TensorRef::new`] with shape
+    ///   `[w, n, 2]`): the records of ranks 0..W from [`Handle::logsumexp_partial`], in rank (vocabulary)
+    ///   order.
+    /// * `lse`: `[N]` fp32, written.
+    ///
+    /// Errors: `SHAPE_MISMATCH` (records not `[W >= 1, N, 2]`, lse not `[N]`), `UNSUPPORTED_DTYPE`,
+    /// `UNSUPPORTED_LAYOUT` (records not contiguous), `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`,
+    /// `CUDA_ERROR`.
+    pub fn logsumexp_combine(&self, records: &TensorRef<'_>, lse: &mut TensorMut<'_>) -> Result<()> {
+        let r = records.as_dl();
+        let mut l = lse.as_dl();
+        // SAFETY: as in ce_fwd.
+        let st = unsafe { sys::fce_logsumexp_combine(self.as_raw(), self.stream, &r, &mut l) };
+        check(st)
+    }
+
     /// Temperature softmax for sampling: `p_j = exp((x_j − max x)/T) / Σ_k exp((x_k − max x)/T)`.
     /// T = 0 is greedy (one-hot at the argmax, lowest index on ties; log-probabilities 0 there and
     /// −inf elsewhere). −inf logits get probability 0; a row of all −inf, or with a NaN, gives NaN.
@@ -699,6 +768,20 @@ impl Handle {
     /// * `logits`: `[N, V]` fp32, bf16 or fp16.
     /// * `probs`, `logprobs`: optional `[N, V]`, fp32 or the logits' dtype; at least one is required
     ///   (`INVALID_ARGUMENT` otherwise). Log-probabilities are in nats.
+    ///
+    /// A vocabulary shard ([`SoftmaxOptions::vocab_total`] > 0): `logits` `[N, V_local]` are global
+    /// columns `[vocab_start, vocab_start + V_local)` (those at or past `vocab_total` are padding, never
+    /// read) and the call writes the shard's columns of the whole rows' distribution from
+    /// [`SoftmaxOptions::lse`] (`[N]` fp32, the rows' logsumexp of logits/T: [`Handle::logsumexp_combine`]
+    /// of every shard's [`Handle::logsumexp_partial`] with [`LseOptions::scale`] 1/T):
+    /// `p_j = exp(x_j/T − lse)`, `log p_j = x_j/T − lse`; padding columns get 0 and −inf. No workspace
+    /// is needed then.
+    ///
+    /// Errors: `INVALID_ARGUMENT` (no output, a temperature negative or NaN, vocab_start outside
+    /// `[0, vocab_total)`, a shard without [`SoftmaxOptions::lse`]), `NOT_IMPLEMENTED` (a shard with
+    /// per-row temperatures, T = 0 or T = +inf), `SHAPE_MISMATCH` (also `temperatures` or `lse` not
+    /// `[N]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`,
+    /// `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     pub fn temp_softmax(
         &self,
         logits: &TensorRef<'_>,
@@ -732,7 +815,8 @@ impl Handle {
     ) -> Result<()> {
         let l = logits.as_dl();
         let temps = dl(&options.temperatures);
-        let o = options.to_raw(temps.as_ref());
+        let lse = dl(&options.lse);
+        let o = options.to_raw(temps.as_ref(), lse.as_ref());
         let mut p = probs.map(|p| p.as_dl());
         let mut lp = logprobs.map(|p| p.as_dl());
         // SAFETY: as in ce_fwd.

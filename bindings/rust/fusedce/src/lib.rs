@@ -1,13 +1,13 @@
 //! Safe Rust API of libfusedce: fused kernels for the losses at the end of a language model —
 //! cross-entropy (forward, fused or separate backward, with the entropy's gradient too, or over a
-//! vocabulary split across ranks), logsumexp, temperature softmax, knowledge distillation (full or top-K
-//! teacher, or over a vocabulary split across ranks) and linear cross-entropy (the LM-head GEMM fused with
-//! the loss), on CPU or CUDA.
+//! vocabulary split across ranks), logsumexp and temperature softmax (of whole rows, or over a vocabulary
+//! split across ranks), knowledge distillation (full or top-K teacher, or over a vocabulary split across
+//! ranks) and linear cross-entropy (the LM-head GEMM fused with the loss), on CPU or CUDA.
 //!
 //! * [`Handle`]: one per device, freed on drop; `Send`, not `Sync`. One method per op.
 //! * [`TensorRef`] / [`TensorMut`]: views of Rust slices (or, behind `unsafe`, raw device memory)
 //!   that become DLPack tensors for the duration of a call. Shapes are `[]`, `[n]` or `[rows, cols]`
-//!   (and `[W, N, K]` for the records of vocabulary-parallel cross-entropy and distillation).
+//!   (and `[W, N, K]` for the records of vocabulary-parallel cross-entropy, logsumexp and distillation).
 //! * Option structs ([`CeOptions`], [`KdOptions`], ...) whose `Default` is the loaded library's, from its
 //!   `fce_*_init` functions (the header's `*_INIT` values); every C struct handed to the library is
 //!   filled by those functions first, with `struct_size` = these bindings' `size_of`.
@@ -70,6 +70,9 @@ pub const MAX_STRUCT_SIZE: usize = sys::FCE_MAX_STRUCT_SIZE as usize;
 pub const KD_TEMPERATURE_MIN: f32 = sys::FCE_KD_TEMPERATURE_MIN as f32;
 /// `FCE_KD_TEMPERATURE_MAX` (100): upper end of [`KdOptions::temperature`]'s domain, inclusive.
 pub const KD_TEMPERATURE_MAX: f32 = sys::FCE_KD_TEMPERATURE_MAX as f32;
+/// `FCE_LSE_RECORD_FIELDS` (2): the fp32 fields per row of a vocabulary shard's logsumexp record
+/// ([`Handle::logsumexp_partial`] writes `[N, 2]`, [`Handle::logsumexp_combine`] reads `[W, N, 2]`).
+pub const LSE_RECORD_FIELDS: usize = sys::FCE_LSE_RECORD_FIELDS as usize;
 /// `FCE_KD_RECORD_FIELDS` (5): the fp32 fields per row of a vocabulary shard's distillation record
 /// ([`Handle::kd_partial`] writes `[N, 5]`, [`Handle::kd_combine`] reads `[W, N, 5]`).
 pub const KD_RECORD_FIELDS: usize = sys::FCE_KD_RECORD_FIELDS as usize;

@@ -343,18 +343,34 @@ impl<'a> CeBwdInputs<'a> {
     }
 }
 
-/// Options of [`crate::Handle::logsumexp`] (`fce_lse_options_t`); the default is the library's
-/// `fce_lse_options_init` (`FCE_LSE_OPTIONS_INIT`).
+/// Options of [`crate::Handle::logsumexp`] and of vocabulary-parallel logsumexp (`fce_lse_options_t`); the
+/// default is the library's `fce_lse_options_init` (`FCE_LSE_OPTIONS_INIT`).
+///
+/// Vocabulary-parallel logsumexp (the header's "Vocabulary-parallel logsumexp"): when x holds columns
+/// `[vocab_start, vocab_start + V_local)` of a vocabulary of `vocab_total` (one rank's shard, possibly
+/// padded past `vocab_total`), set [`LseOptions::vocab_start`] and [`LseOptions::vocab_total`] and use
+/// [`crate::Handle::logsumexp_partial`] and [`crate::Handle::logsumexp_combine`]; the lse is then that of
+/// the whole rows. [`crate::Handle::logsumexp`] refuses options with `vocab_total` set
+/// (`INVALID_ARGUMENT`).
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct LseOptions {
-    /// s > 0, finite: lse_i = log Σ_j exp(s·x_ij); default 1.
+    /// s > 0, finite: lse_i = log Σ_j exp(s·x_ij); default 1. With scale 1/T the combined lse is the one
+    /// a shard's [`crate::Handle::temp_softmax`] takes ([`SoftmaxOptions::lse`]).
     pub scale: f32,
+    /// Vocabulary-parallel calls: the global index of the shard's first column, in `[0, vocab_total)`;
+    /// default 0 (and it must be 0 when `vocab_total` is 0). Since 0.2.0.
+    pub vocab_start: i64,
+    /// Vocabulary-parallel calls: V of the whole vocabulary (columns of a shard at or past it are
+    /// padding, never read); default 0 = not sharded. Required by [`crate::Handle::logsumexp_partial`],
+    /// refused by [`crate::Handle::logsumexp`]. Since 0.2.0.
+    pub vocab_total: i64,
 }
 
 impl Default for LseOptions {
     /// The library's defaults (`fce_lse_options_init`).
     fn default() -> Self {
-        LseOptions { scale: raw::init::<sys::fce_lse_options_t>().scale }
+        let d = raw::init::<sys::fce_lse_options_t>();
+        LseOptions { scale: d.scale, vocab_start: d.vocab_start, vocab_total: d.vocab_total }
     }
 }
 
@@ -368,28 +384,67 @@ impl LseOptions {
         self.scale = s;
         self
     }
+    /// Sets [`LseOptions::vocab_start`].
+    pub fn vocab_start(mut self, start: i64) -> Self {
+        self.vocab_start = start;
+        self
+    }
+    /// Sets [`LseOptions::vocab_total`].
+    pub fn vocab_total(mut self, total: i64) -> Self {
+        self.vocab_total = total;
+        self
+    }
     pub(crate) fn to_raw(self) -> sys::fce_lse_options_t {
         let mut r = raw::init::<sys::fce_lse_options_t>();
         r.scale = self.scale;
+        r.vocab_start = self.vocab_start;
+        r.vocab_total = self.vocab_total;
         r
     }
 }
 
 /// Options of [`crate::Handle::temp_softmax`] (`fce_softmax_options_t`); the default is the library's
 /// `fce_softmax_options_init` (`FCE_SOFTMAX_OPTIONS_INIT`).
+///
+/// A vocabulary shard (the header's `fce_softmax_options_t.vocab_total`): when the logits are columns
+/// `[vocab_start, vocab_start + V_local)` of a vocabulary of `vocab_total` (one rank's shard, possibly
+/// padded past `vocab_total`), set [`SoftmaxOptions::vocab_start`], [`SoftmaxOptions::vocab_total`] and
+/// [`SoftmaxOptions::lse`]; the call then writes the shard's columns of the whole rows' distribution from
+/// that lse: p_j = exp(x_j/T − lse), log p_j = x_j/T − lse, padding columns 0 and −inf. One finite
+/// temperature T > 0 only: per-row `temperatures`, T = 0 and T = +inf are `NOT_IMPLEMENTED` there.
 #[derive(Copy, Clone, Debug)]
 pub struct SoftmaxOptions<'a> {
     /// Temperature T of every row when `temperatures` is None: >= 0 and not NaN; 0 is greedy (one-hot
-    /// at the argmax), +inf the uniform distribution over finite logits. Default 1.
+    /// at the argmax), +inf the uniform distribution over finite logits. Default 1. With a shard: finite
+    /// and > 0 (`NOT_IMPLEMENTED` otherwise).
     pub temperature: f32,
-    /// Optional per-row temperatures `[N]` fp32; a negative or NaN one makes that row NaN.
+    /// Optional per-row temperatures `[N]` fp32; a negative or NaN one makes that row NaN. Not with a
+    /// shard (`NOT_IMPLEMENTED`).
     pub temperatures: Option<TensorRef<'a>>,
+    /// A vocabulary shard: the global index of the logits' first column, in `[0, vocab_total)`; default 0
+    /// (and it must be 0 when `vocab_total` is 0). Since 0.2.0.
+    pub vocab_start: i64,
+    /// A vocabulary shard: V of the whole vocabulary (columns at or past it are padding, never read:
+    /// probability 0, log-probability −inf); default 0 = the logits are whole rows. Since 0.2.0.
+    pub vocab_total: i64,
+    /// With a shard (required then, `INVALID_ARGUMENT` when None): `[N]` fp32, the rows' logsumexp of
+    /// logits/T over the whole vocabulary, i.e. [`crate::Handle::logsumexp_combine`] of every shard's
+    /// [`crate::Handle::logsumexp_partial`] with [`LseOptions::scale`] 1/T. Not read without a shard.
+    /// Since 0.2.0 (`fce_softmax_options_t.lse`).
+    pub lse: Option<TensorRef<'a>>,
 }
 
 impl Default for SoftmaxOptions<'_> {
     /// The library's defaults (`fce_softmax_options_init`).
     fn default() -> Self {
-        SoftmaxOptions { temperature: raw::init::<sys::fce_softmax_options_t>().temperature, temperatures: None }
+        let d = raw::init::<sys::fce_softmax_options_t>();
+        SoftmaxOptions {
+            temperature: d.temperature,
+            temperatures: None,
+            vocab_start: d.vocab_start,
+            vocab_total: d.vocab_total,
+            lse: None,
+        }
     }
 }
 
@@ -408,11 +463,36 @@ impl<'a> SoftmaxOptions<'a> {
         self.temperatures = Some(t);
         self
     }
-    pub(crate) fn to_raw(self, temps: Option<&sys::DLTensor>) -> sys::fce_softmax_options_t {
+    /// Sets [`SoftmaxOptions::vocab_start`].
+    pub fn vocab_start(mut self, start: i64) -> Self {
+        self.vocab_start = start;
+        self
+    }
+    /// Sets [`SoftmaxOptions::vocab_total`].
+    pub fn vocab_total(mut self, total: i64) -> Self {
+        self.vocab_total = total;
+        self
+    }
+    /// Sets [`SoftmaxOptions::lse`] (`[N]` fp32, the whole rows' logsumexp of logits/T).
+    pub fn lse(mut self, lse: TensorRef<'a>) -> Self {
+        self.lse = Some(lse);
+        self
+    }
+    /// The C struct (filled by `fce_softmax_options_init`, then these fields), with `temperatures` and
+    /// `lse` pointing at `temps` and `lse` (NULL when None). They must be the DLTensors of
+    /// `self.temperatures` and `self.lse` and outlive the use of the result.
+    pub(crate) fn to_raw(
+        self,
+        temps: Option<&sys::DLTensor>,
+        lse: Option<&sys::DLTensor>,
+    ) -> sys::fce_softmax_options_t {
         let mut r = raw::init::<sys::fce_softmax_options_t>();
         let o = &mut r;
         o.temperature = self.temperature;
         o.temperatures = temps.map_or(ptr::null(), |t| t as *const sys::DLTensor);
+        o.vocab_start = self.vocab_start;
+        o.vocab_total = self.vocab_total;
+        o.lse = lse.map_or(ptr::null(), |t| t as *const sys::DLTensor);
         r
     }
 }

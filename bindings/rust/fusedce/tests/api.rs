@@ -407,9 +407,13 @@ fn option_defaults_come_from_the_init_functions() {
             0
         )
     );
-    assert_eq!(LseOptions::default().scale, 1.0);
+    let l = LseOptions::default();
+    assert_eq!((l.scale, l.vocab_start, l.vocab_total), (1.0, 0, 0));
     let s = SoftmaxOptions::default();
-    assert_eq!((s.temperature, s.temperatures.is_none()), (1.0, true));
+    assert_eq!(
+        (s.temperature, s.temperatures.is_none(), s.vocab_start, s.vocab_total, s.lse.is_none()),
+        (1.0, true, 0, 0, true)
+    );
 }
 
 #[test]
@@ -434,9 +438,11 @@ fn raw_init_functions_match_the_header() {
     // FCE_CE_BWD_INPUTS_INIT: every pointer NULL.
     let bi = size_of_init!(fce_ce_bwd_inputs_t, fce_ce_bwd_inputs_init);
     assert!(bi.lse.is_null() && bi.grad_loss.is_null() && bi.entropy.is_null() && bi.grad_entropy.is_null());
-    assert_eq!(size_of_init!(fce_lse_options_t, fce_lse_options_init).scale, 1.0);
+    let lo = size_of_init!(fce_lse_options_t, fce_lse_options_init);
+    assert!(lo.scale == 1.0 && lo.vocab_start == 0 && lo.vocab_total == 0);
     let sm = size_of_init!(fce_softmax_options_t, fce_softmax_options_init);
     assert!(sm.temperature == 1.0 && sm.temperatures.is_null());
+    assert!(sm.vocab_start == 0 && sm.vocab_total == 0 && sm.lse.is_null());
     let kd = size_of_init!(fce_kd_options_t, fce_kd_options_init);
     assert!(kd.beta == 0.5 && kd.temperature == 1.0 && kd.scale_by_t2 == 0);
     assert!(kd.vocab_start == 0 && kd.vocab_total == 0);
