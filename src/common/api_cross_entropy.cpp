@@ -22,18 +22,9 @@ CeOpts read_ce_options(const fce_ce_options_t* options, Validator& val, int64_t 
   o.z_loss_scale = p.z_loss_scale;
   o.softcap = p.softcap;
   o.logit_scale = p.logit_scale;
-  FCE_CHECK(p.vocab_total >= 0, FCE_STATUS_INVALID_ARGUMENT, "options->vocab_total %lld is negative",
-            (long long)p.vocab_total);
-  if (p.vocab_total == 0) {
-    FCE_CHECK(p.vocab_start == 0, FCE_STATUS_INVALID_ARGUMENT,
-              "options->vocab_start is %lld without a vocab_total (0: not sharded)", (long long)p.vocab_start);
-  } else {
-    FCE_CHECK(p.vocab_start >= 0 && p.vocab_start < p.vocab_total, FCE_STATUS_INVALID_ARGUMENT,
-              "options->vocab_start %lld is outside [0, vocab_total = %lld)", (long long)p.vocab_start,
-              (long long)p.vocab_total);
-    o.vocab_start = p.vocab_start;
-    o.vocab_total = p.vocab_total;
-  }
+  check_vocab_shard(p.vocab_start, p.vocab_total);
+  o.vocab_start = p.vocab_start;
+  o.vocab_total = p.vocab_total;
   const int64_t VW = o.sharded() ? o.vocab_total : V;  // class weights cover the whole vocabulary
   if (p.class_weights) {
     o.class_weights = val.vector(p.class_weights, "options->class_weights", kF32);

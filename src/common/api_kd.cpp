@@ -18,11 +18,7 @@ KdOpts read_kd_options(const fce_kd_options_t* options) {
             FCE_STATUS_INVALID_ARGUMENT, "options->topk_norm %d is not an fce_kd_topk_norm_t", o.topk_norm);
   FCE_CHECK(o.reduction >= FCE_REDUCTION_NONE && o.reduction <= FCE_REDUCTION_MEAN, FCE_STATUS_INVALID_ARGUMENT,
             "options->reduction %d is not an fce_reduction_t", o.reduction);
-  FCE_CHECK(o.vocab_total >= 0 && o.vocab_start >= 0 && (o.vocab_total == 0 ? o.vocab_start == 0
-                                                                              : o.vocab_start < o.vocab_total),
-            FCE_STATUS_INVALID_ARGUMENT,
-            "options->vocab_start %lld and vocab_total %lld: a shard needs 0 <= vocab_start < vocab_total (both 0 "
-            "without one)", (long long)o.vocab_start, (long long)o.vocab_total);
+  check_vocab_shard(o.vocab_start, o.vocab_total);
   KdOpts r;
   r.divergence = o.divergence;
   r.beta = o.beta;

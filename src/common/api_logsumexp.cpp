@@ -9,11 +9,7 @@ fce_lse_options_t read_lse_options(const fce_lse_options_t* options) {
   const fce_lse_options_t o = checked_struct(options, "options");
   FCE_CHECK(finite(o.scale) && o.scale > 0.f, FCE_STATUS_INVALID_ARGUMENT,
             "options->scale %g must be finite and > 0", o.scale);
-  FCE_CHECK(o.vocab_total >= 0 && o.vocab_start >= 0 &&
-                (o.vocab_total == 0 ? o.vocab_start == 0 : o.vocab_start < o.vocab_total),
-            FCE_STATUS_INVALID_ARGUMENT,
-            "options->vocab_start %lld and vocab_total %lld: a shard needs 0 <= vocab_start < vocab_total (both 0 "
-            "without one)", (long long)o.vocab_start, (long long)o.vocab_total);
+  check_vocab_shard(o.vocab_start, o.vocab_total);
   return o;
 }
 

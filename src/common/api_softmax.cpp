@@ -33,11 +33,7 @@ SoftmaxProblem softmax_problem(fce_handle* h, const DLTensor* logits, const fce_
                 "options->temperature %g must be >= 0 (0 = greedy)", o.temperature);
       p.temperature = o.temperature;
     }
-    FCE_CHECK(o.vocab_total >= 0 && o.vocab_start >= 0 &&
-                  (o.vocab_total == 0 ? o.vocab_start == 0 : o.vocab_start < o.vocab_total),
-              FCE_STATUS_INVALID_ARGUMENT,
-              "options->vocab_start %lld and vocab_total %lld: a shard needs 0 <= vocab_start < vocab_total (both 0 "
-              "without one)", (long long)o.vocab_start, (long long)o.vocab_total);
+    check_vocab_shard(o.vocab_start, o.vocab_total);
     if (o.vocab_total > 0) {  // a shard: the probabilities of whole rows from their lse
       FCE_CHECK(!o.temperatures && std::isfinite(o.temperature) && o.temperature > 0.f,
                 FCE_STATUS_NOT_IMPLEMENTED,

@@ -126,6 +126,10 @@ void read_fused_dlogits(Validator& val, const fce_ce_outputs_t& out, CeProblem& 
 // records hold int32 indices).
 CeOpts sharded_options(Validator& val, const fce_ce_options_t* options, int64_t V, const char* fn);
 
+// A vocabulary shard's options->vocab_start and vocab_total: 0 <= vocab_start < vocab_total, or both 0 (no
+// shard).
+void check_vocab_shard(int64_t vocab_start, int64_t vocab_total);
+
 // Every rank's records of a vocabulary-parallel combine: a contiguous [W, N, K] fp32 tensor with K one of
 // `widths` (W, N >= 1), as the [W * N, K] matrix it is (an input).
 Mat read_gathered_records(Validator& val, const DLTensor* records, std::initializer_list<int64_t> widths, int64_t* W,

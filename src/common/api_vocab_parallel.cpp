@@ -17,6 +17,19 @@ CeOpts fce::sharded_options(Validator& val, const fce_ce_options_t* options, int
   return o;
 }
 
+void fce::check_vocab_shard(int64_t vocab_start, int64_t vocab_total) {
+  FCE_CHECK(vocab_total >= 0, FCE_STATUS_INVALID_ARGUMENT, "options->vocab_total %lld is negative",
+            (long long)vocab_total);
+  if (vocab_total == 0) {
+    FCE_CHECK(vocab_start == 0, FCE_STATUS_INVALID_ARGUMENT,
+              "options->vocab_start is %lld without a vocab_total (0: not sharded)", (long long)vocab_start);
+  } else {
+    FCE_CHECK(vocab_start >= 0 && vocab_start < vocab_total, FCE_STATUS_INVALID_ARGUMENT,
+              "options->vocab_start %lld is outside [0, vocab_total = %lld)", (long long)vocab_start,
+              (long long)vocab_total);
+  }
+}
+
 Mat fce::read_gathered_records(Validator& val, const DLTensor* records, std::initializer_list<int64_t> widths,
                                int64_t* W_out, int64_t* N_out) {
   FCE_CHECK(records != nullptr, FCE_STATUS_INVALID_ARGUMENT, "records is NULL");

@@ -158,9 +158,9 @@ fn sharded_lse_and_softmax_match_the_unsharded_calls() {
         // 0 / -inf (the outputs start at UNWRITTEN so that unwritten elements show).
         let lse_t = TensorRef::vector(&lse);
         let mut total = vec![0f64; n];
-        for r in 0..w {
+        for (r, shard) in xs.iter().enumerate() {
             let (st, wd, c) = (lay.starts[r], lay.widths[r], lay.cols(r));
-            let logits = TensorRef::matrix(&xs[r], n, c).unwrap();
+            let logits = TensorRef::matrix(shard, n, c).unwrap();
             let opts = SoftmaxOptions::new().temperature(t).vocab_start(st as i64).vocab_total(v as i64).lse(lse_t);
             let mut p = vec![UNWRITTEN; n * c];
             let mut lp = vec![UNWRITTEN; n * c];
