@@ -929,12 +929,45 @@ void fuzz_cross_entropy(Env& e, fce_handle_t h0, bool backward) {
   }
 }
 
+// A shard's (vocab_start, vocab_total) around V, mostly valid; `ok` false when not.
+void fuzz_shard(Env& e, const Dims& d, int64_t* start, int64_t* total, bool* ok) {
+  *total = e.coin(90) ? d.V + e.fdp.ConsumeIntegralInRange<int64_t>(-d.V + 1, 3 * d.V) : e.fdp.ConsumeIntegral<int64_t>();
+  *start = e.coin(90) ? e.fdp.ConsumeIntegralInRange<int64_t>(0, std::max<int64_t>(*total, 1) - 1)
+                      : e.fdp.ConsumeIntegral<int64_t>();
+  if (!(*total > 0 && *start >= 0 && *start < *total)) *ok = false;
+}
+
+// Logsumexp: whole rows, or a shard's records (fce_logsumexp_partial), or their combine.
 void fuzz_logsumexp(Env& e, fce_handle_t h0) {
   const Dims d = fuzz_dims(e);
   bool ok = true;
   fce_handle_t h = pick_handle(e, h0, &ok);
   fce_lse_options_t ov = FCE_LSE_OPTIONS_INIT;
   if (e.coin(40)) ov.scale = e.coin(60) ? e.fdp.ConsumeFloatingPointInRange(0.01f, 4.f) : e.fuzz_float();
+  const int mode = e.fdp.ConsumeIntegralInRange(0, 3);  // 0-1 whole rows, 2 partial, 3 combine
+  if (mode == 3) {
+    const int64_t W = e.fdp.ConsumeIntegralInRange<int64_t>(1, 3);
+    const int rec = e.add("records", Role::In, F32, {W, d.N, FCE_LSE_RECORD_FIELDS});
+    const int lse = e.coin(97) ? e.add("lse", Role::Out, F32, {d.N}) : (ok = false, -1);
+    e.place();
+    e.fill(d.V);
+    run(e, "fce_logsumexp_combine", [&](void*, size_t) { return fce_logsumexp_combine(h, nullptr, e.t(rec), e.t(lse)); },
+        nullptr, ok && e.clean);
+    return;
+  }
+  if (mode == 2) {
+    fuzz_shard(e, d, &ov.vocab_start, &ov.vocab_total, &ok);
+    if (!(std::isfinite(ov.scale) && ov.scale > 0)) ok = false;
+    const int x = e.add("x", Role::In, fkind(e), {d.N, d.V});
+    const int rec = e.add("records", Role::Out, F32, {d.N, FCE_LSE_RECORD_FIELDS});
+    e.place();
+    e.fill(d.V);
+    Opt<fce_lse_options_t> opt = make_opt(e, ov, &ok);
+    const fce_lse_options_t* op = e.coin(3) ? (ok = false, nullptr) : opt.get();
+    run(e, "fce_logsumexp_partial", [&](void*, size_t) { return fce_logsumexp_partial(h, nullptr, e.t(x), op, e.t(rec)); },
+        nullptr, ok && e.clean);
+    return;
+  }
   const bool use_opts = e.coin(80);
   if (use_opts && !(std::isfinite(ov.scale) && ov.scale > 0)) ok = false;
   const int x = e.add("x", Role::In, fkind(e), {d.N, d.V});
@@ -960,6 +993,13 @@ void fuzz_softmax(Env& e, fce_handle_t h0) {
   const bool use_opts = e.coin(85);
   const int temps = use_opts && e.coin(30) ? e.add("temperatures", Role::In, F32, {d.N}) : -1;
   if (use_opts && temps < 0 && !(!std::isnan(ov.temperature) && ov.temperature >= 0)) ok = false;
+  int lse = -1;
+  if (use_opts && e.coin(25)) {  // a vocabulary shard: one finite temperature > 0 and the rows' lse
+    fuzz_shard(e, d, &ov.vocab_start, &ov.vocab_total, &ok);
+    if (temps >= 0 || !(std::isfinite(ov.temperature) && ov.temperature > 0)) ok = false;
+    if (e.coin(95)) lse = e.add("lse", Role::In, F32, {d.N});
+    else ok = false;
+  }
   const int pmode = e.fdp.ConsumeIntegralInRange(0, 3);  // 0 probs, 1 logprobs, 2 both, 3 neither
   int probs = -1, logp = -1;
   if (pmode == 0 || pmode == 2) probs = e.add("probs", Role::Out, e.coin(50) ? F32 : lk, {d.N, d.V}, logits);
@@ -969,6 +1009,7 @@ void fuzz_softmax(Env& e, fce_handle_t h0) {
   e.fill(d.V);
   fce_softmax_options_t o = ov;
   o.temperatures = e.t(temps);
+  o.lse = e.t(lse);
   Opt<fce_softmax_options_t> opt = make_opt(e, o, &ok);
   fce_softmax_options_t* op = use_opts ? opt.get() : nullptr;
   run(e, "fce_temp_softmax",
@@ -1050,14 +1091,11 @@ void fuzz_kd_vp(Env& e, fce_handle_t h0) {
   if (e.coin(40)) ov.temperature = e.coin(70) ? e.fdp.ConsumeFloatingPointInRange(0.1f, 5.f) : e.fuzz_float();
   if (e.coin(30)) ov.scale_by_t2 = e.fdp.ConsumeIntegral<int32_t>();
   if (e.coin(40)) ov.reduction = e.coin(90) ? e.fdp.ConsumeIntegralInRange(0, 2) : e.fdp.ConsumeIntegral<int32_t>();
-  ov.vocab_total = e.coin(90) ? d.V + e.fdp.ConsumeIntegralInRange<int64_t>(-d.V + 1, 3 * d.V) : 0;
-  ov.vocab_start = e.coin(90) ? e.fdp.ConsumeIntegralInRange<int64_t>(0, std::max<int64_t>(ov.vocab_total - 1, 0))
-                              : e.fdp.ConsumeIntegral<int64_t>();
+  fuzz_shard(e, d, &ov.vocab_start, &ov.vocab_total, &ok);
   const int div = ov.divergence == 2 && ov.beta == 0.f ? 0 : ov.divergence == 2 && ov.beta == 1.f ? 1 : ov.divergence;
   if (!(div == 0 || div == 1)) ok = false;  // JSD: not implemented; others invalid
   if (!(ov.temperature >= FCE_KD_TEMPERATURE_MIN && ov.temperature <= FCE_KD_TEMPERATURE_MAX)) ok = false;
   if (!(ov.reduction >= 0 && ov.reduction <= 2)) ok = false;
-  if (!(ov.vocab_total > 0 && ov.vocab_start >= 0 && ov.vocab_start < ov.vocab_total)) ok = false;
   const int mode = e.fdp.ConsumeIntegralInRange(0, 2);  // 0 partial, 1 bwd, 2 combine
   const Kind sk = fkind(e);
   const int64_t W = e.fdp.ConsumeIntegralInRange<int64_t>(1, 3);

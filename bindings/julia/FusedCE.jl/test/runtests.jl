@@ -603,7 +603,6 @@ end
             @test all(isapprox.(sm.probs[1:k, :], ref_sm.probs[rows, :]; rtol = 1e-5, atol = 1e-7))
             @test all(isapprox.(sm.logprobs[1:k, :], ref_sm.logprobs[rows, :]; rtol = 1e-5, atol = 1e-5))
             @test all(sm.probs[k+1:end, :] .=== 0.0f0) && all(sm.logprobs[k+1:end, :] .== -Inf32)
-            p > 0 && @test size(sm.probs, 1) > k
             # one output alone, allocated
             lp = FusedCE.temp_softmax(xs[r]; temperature = Tm, vocab_start = starts[r], vocab_total = Vs, lse = c,
                                       probs = false, logprobs = true)
@@ -614,7 +613,7 @@ end
                                           lse = c).probs[1:length(rows), :] for (r, (rows, _)) in enumerate(shards)]...)
         @test all(isapprox.(sum(Float64.(full); dims = 1), 1; atol = 1e-5))
     end
-    # a padded shard given as a view, Int32-free: only its first rows are real
+    # a padded shard given as a view of a larger matrix
     big = vcat(Xs[18:47, :], fill(NaN32, 3, Ns), randn(Float32, 2, Ns))
     @test FusedCE.logsumexp_partial(view(big, 1:33, :); vocab_start = 17, vocab_total = Vs, scale = 1 / Tm) ==
           FusedCE.logsumexp_partial(big[1:33, :]; vocab_start = 17, vocab_total = Vs, scale = 1 / Tm)
