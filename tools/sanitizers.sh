@@ -59,7 +59,7 @@ run_asan() {
 # same code paths run under memcheck in the other tests of each file (every op, dtype, option, in-place and
 # padded layouts, top-K, chunked linear CE); ASan runs everything. The contract's numerics tests (offsets to
 # 1e4, huge logits, subnormal caps, OpenBLAS thread counts) are covered there too: 10+ minutes under memcheck.
-VALGRIND_FILTER=${VALGRIND_FILTER:--CrossEntropy.ShapesDtypesReductions:CrossEntropy.ManyRowsFusedGradient:Logsumexp.ShapesAndDtypes:KdLoss.LargeVocabularies:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:Logsumexp.FewAlignedRowsWithPartialLastVector:TempSoftmax.FewAlignedRowsWithPartialLastVector:TempSoftmax.ManyLongAlignedRows:TempSoftmax.FewRowsProbabilitiesOnly:TempSoftmax.ManyRowsProbabilitiesOnly:LinearCrossEntropy.QueriedWorkspace:Contract.KdInvariantToACommonLogitOffset:Contract.SoftmaxHugeLogitsAtInfiniteAndHugeTemperatures:Contract.CrossEntropySubnormalSoftcap:Contract.LinearCrossEntropyIndependentOfThreadCounts}
+VALGRIND_FILTER=${VALGRIND_FILTER:--CrossEntropy.ShapesDtypesReductions:CrossEntropy.ManyRowsFusedGradient:Logsumexp.ShapesAndDtypes:KdLoss.LargeVocabularies:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:Logsumexp.FewAlignedRowsWithPartialLastVector:TempSoftmax.FewAlignedRowsWithPartialLastVector:TempSoftmax.ManyLongAlignedRows:TempSoftmax.FewRowsProbabilitiesOnly:TempSoftmax.ManyRowsProbabilitiesOnly:LinearCrossEntropy.QueriedWorkspace:Contract.KdInvariantToACommonLogitOffset:Contract.SoftmaxHugeLogitsAtInfiniteAndHugeTemperatures:Contract.CrossEntropySubnormalSoftcap:Contract.LinearCrossEntropyIndependentOfThreadCounts:KdVocabParallel.ManyRowsLongShards}
 
 run_valgrind() {
   need valgrind ninja meson python3
