@@ -970,6 +970,10 @@ FCE_API fce_status_t fce_linear_cross_entropy_fwd_workspace_size(
 /**
  * Linear cross-entropy backward from a saved lse: recomputes each chunk's logits and writes the gradients
  * requested in `outputs` (dhidden, dweight, dbias; loss/lse/z_loss/argmax/entropy must be NULL here).
+ * With a vocabulary shard in the options (vocab_total set; "Vocabulary-parallel linear cross-entropy"
+ * below), weight and bias are the shard's rows, lse (and saved_entropy) the whole rows' from
+ * fce_cross_entropy_combine, dweight and dbias the shard's, and dhidden must be fp32: this shard's part of
+ * the sum over ranks.
  * @param lse       [N] fp32 from the forward with the same options.
  * `outputs->grad_loss` is the upstream gradient (NULL = 1); `outputs->grad_entropy`, with
  * `outputs->saved_entropy` (the forward's entropy), adds the entropy's gradient.
@@ -985,6 +989,82 @@ FCE_API fce_status_t fce_linear_cross_entropy_bwd_workspace_size(
     fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
     const DLTensor* targets, const DLTensor* lse, const fce_ce_options_t* options,
     const fce_linear_ce_outputs_t* outputs, size_t* bytes);
+
+/* Vocabulary-parallel linear cross-entropy ---------------------------------------------------------- */
+/*
+ * The LM head split by rows of the vocabulary (rank r holds weight rows [vocab_start_r, vocab_start_r +
+ * V_r), possibly padded past vocab_total; hidden and targets whole on every rank). The logits of a shard
+ * are its columns of hidden @ weight^T (+ bias), rounded to the inputs' dtype as in the unsharded call, so
+ * the records are cross-entropy records (fce_cross_entropy_partial's) and the combine is
+ * fce_cross_entropy_combine:
+ *   1. each rank: fce_linear_cross_entropy_partial -> records [N, K] fp32 of its shard's logits;
+ *   2. the caller all-gathers the records in rank order ([W, N, K]);
+ *   3. each rank: fce_cross_entropy_combine -> loss, lse, z_loss, argmax, entropy of the whole rows;
+ *   4. each rank: fce_linear_cross_entropy_bwd with the shard's options and the combined lse -> the
+ *      shard's dweight [V_r, H] and dbias (complete: they depend on this shard's columns only), and this
+ *      shard's part of dhidden, fp32 [N, H]; the caller sums the W parts in fp32 (an all-reduce) and
+ *      rounds once.
+ * This recomputes the shard's logits in step 4 (8*N*H*V_r flops in all). fce_linear_cross_entropy_fwd_vp
+ * (NCCL mode) exchanges the records chunk by chunk instead and forms the gradients from the logits it
+ * already holds (6*N*H*V_r). Padding rows of the weight (past vocab_total) are never read; their dweight
+ * and dbias rows are written 0 (left as they are with FCE_LINEAR_CE_ACCUMULATE).
+ */
+
+/**
+ * The cross-entropy records of a shard's logits (hidden @ weight^T + bias), in token chunks as
+ * fce_linear_cross_entropy_fwd.
+ * @param hidden  [N,H] fp32, bf16 or fp16, the whole batch (the same on every rank).
+ * @param weight  [V,H] this rank's rows of the weight (V >= 1, possibly padded past vocab_total), hidden's dtype.
+ * @param bias    optional [V], this rank's part of the bias, hidden's dtype.
+ * @param targets [N] int32 or int64, global indices.
+ * @param options vocab_start and vocab_total required; the other options as for the unsharded call.
+ * @param records [N,K] fp32, written; K one of FCE_CE_RECORD_FIELDS_* (the entropy and argmax need the
+ *                wider records, as for fce_cross_entropy_combine).
+ * @param workspace as fce_linear_cross_entropy_fwd's (fce_linear_cross_entropy_partial_workspace_size).
+ * @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT without a shard in the options),
+ *         WORKSPACE_TOO_SMALL, BLAS_ERROR, CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_linear_cross_entropy_partial(fce_handle_t handle, fce_stream_t stream,
+                                                      const DLTensor* hidden, const DLTensor* weight,
+                                                      const DLTensor* bias, const DLTensor* targets,
+                                                      const fce_ce_options_t* options, DLTensor* records,
+                                                      void* workspace, size_t workspace_bytes);
+/** Workspace bytes fce_linear_cross_entropy_partial uses by default (same validation). */
+FCE_API fce_status_t fce_linear_cross_entropy_partial_workspace_size(
+    fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
+    const DLTensor* targets, const fce_ce_options_t* options, const DLTensor* records, size_t* bytes);
+
+/**
+ * Vocabulary-parallel linear cross-entropy over NCCL, one call per rank (CUDA): in each token chunk, the
+ * shard's logits (a cuBLAS GEMM), their records, an all-gather of the chunk's records on `stream`, the
+ * combine in rank order (every rank gets the same bits, equal to a one-device emulation of the same
+ * shards through fce_linear_cross_entropy_partial and fce_cross_entropy_combine), and with gradients the
+ * chunk's dlogits from the combined lse, in place, then the dhidden and dweight GEMMs. dhidden is the sum of
+ * every rank's part, formed in fp32 by one all-reduce at the end of the call and rounded once to its dtype.
+ * @param comm    from fce_comm_create, on the handle's device.
+ * @param hidden, weight, bias, targets as for fce_linear_cross_entropy_partial.
+ * @param options vocab_start (this rank's first row) and vocab_total required; the same on every rank
+ *                otherwise.
+ * @param outputs as for fce_linear_cross_entropy_fwd: loss, lse, z_loss, argmax, entropy of the whole rows;
+ *                dhidden [N,H] (any float dtype: the ranks' sum), dweight [V,H] and dbias [V] (this shard's
+ *                rows); grad_loss, grad_entropy, flags. Every rank passes the same outputs.
+ * @param workspace as everywhere (fce_linear_cross_entropy_fwd_vp_workspace_size; default about 448 MiB):
+ *                the chunk's logits, the records of all ranks for a chunk, and an fp32 [N,H] dhidden when
+ *                the output is not fp32.
+ * @return FCE_STATUS_SUCCESS, the validation statuses, WORKSPACE_TOO_SMALL, COMMUNICATOR_ERROR (a collective
+ *         failed), BLAS_ERROR, CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_linear_cross_entropy_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream,
+                                                     const DLTensor* hidden, const DLTensor* weight,
+                                                     const DLTensor* bias, const DLTensor* targets,
+                                                     const fce_ce_options_t* options,
+                                                     const fce_linear_ce_outputs_t* outputs, void* workspace,
+                                                     size_t workspace_bytes);
+/** Workspace bytes fce_linear_cross_entropy_fwd_vp uses by default (same validation). */
+FCE_API fce_status_t fce_linear_cross_entropy_fwd_vp_workspace_size(
+    fce_handle_t handle, fce_comm_t comm, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
+    const DLTensor* targets, const fce_ce_options_t* options, const fce_linear_ce_outputs_t* outputs,
+    size_t* bytes);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Upstream gradients after the fact                                                                */

@@ -1,4 +1,5 @@
 #include "common/api_util.hpp"
+#include "common/comm.hpp"
 
 using namespace fce;
 
@@ -11,9 +12,13 @@ Mat grad_output(Validator& val, DLTensor* t, const char* name, int64_t rows, int
   return m;
 }
 
-LinearCeProblem linear_ce_problem(fce_handle* h, const DLTensor* hidden, const DLTensor* weight,
+// The calls: the forward, the backward from a saved lse (a shard's too), a shard's records, NCCL mode.
+enum class Mode { Fwd, Bwd, Partial, Vp };
+
+LinearCeProblem linear_ce_problem(fce_handle* h, Mode mode, const DLTensor* hidden, const DLTensor* weight,
                                   const DLTensor* bias, const DLTensor* targets, const DLTensor* lse,
-                                  const fce_ce_options_t* options, const fce_linear_ce_outputs_t* outputs) {
+                                  const fce_ce_options_t* options, const fce_linear_ce_outputs_t* outputs,
+                                  DLTensor* records = nullptr) {
   Validator val(h->backend, h->device_id);
   LinearCeProblem p;
   p.hidden = val.matrix(hidden, "hidden", kFloats);
@@ -34,9 +39,24 @@ LinearCeProblem linear_ce_problem(fce_handle* h, const DLTensor* hidden, const D
     val.input("bias", p.bias.data, Validator::span(p.bias));
   }
   p.targets = read_targets(val, targets, "targets", N);
-  p.o = read_ce_options(options, val, V);
-  FCE_CHECK(!p.o.sharded(), FCE_STATUS_NOT_IMPLEMENTED,
-            "vocabulary-parallel linear cross-entropy (options->vocab_total set) is not implemented yet");
+  if (mode == Mode::Partial || mode == Mode::Vp) {
+    p.o = sharded_options(val, options, V,
+                          mode == Mode::Partial ? "fce_linear_cross_entropy_partial" : "fce_linear_cross_entropy_fwd_vp");
+  } else {
+    p.o = read_ce_options(options, val, V);
+    FCE_CHECK(mode == Mode::Bwd || !p.o.sharded(), FCE_STATUS_INVALID_ARGUMENT,
+              "options->vocab_total is set: a shard's forward is fce_linear_cross_entropy_partial (then "
+              "fce_cross_entropy_combine), or fce_linear_cross_entropy_fwd_vp over NCCL");
+  }
+  if (mode == Mode::Partial) {
+    p.records = val.matrix(records, "records", kF32);
+    FCE_CHECK(p.records.rows == N && ce_record_width_ok(p.records.cols), FCE_STATUS_SHAPE_MISMATCH,
+              "records has shape [%lld, %lld]; expected [%lld, K] with K = %lld, %lld or %lld (the record widths)",
+              (long long)p.records.rows, (long long)p.records.cols, (long long)N, (long long)kCeRecordLoss,
+              (long long)kCeRecordEntropy, (long long)kCeRecordFields);
+    val.output("records", p.records.data, Validator::span(p.records));
+    return p;
+  }
   const fce_linear_ce_outputs_t out = checked_struct(outputs, "outputs");
   const bool bwd = lse != nullptr;
   if (bwd) {
@@ -53,6 +73,16 @@ LinearCeProblem linear_ce_problem(fce_handle* h, const DLTensor* hidden, const D
                                          out.entropy, !bwd);
   take_stat_outputs(p, s);
   if (out.dhidden) p.dhidden = grad_output(val, out.dhidden, "outputs->dhidden", N, H);
+  FCE_CHECK(mode != Mode::Bwd || !p.o.sharded() || !p.dhidden || p.dhidden.dtype == DType::F32,
+            FCE_STATUS_UNSUPPORTED_DTYPE,
+            "outputs->dhidden is %s: a shard's dhidden is its part of a sum over ranks and must be float32 (sum "
+            "the parts in fp32, then round once)", dtype_name(p.dhidden.dtype));
+  if (mode == Mode::Vp) {
+    FCE_CHECK(h->backend == Backend::CUDA, FCE_STATUS_INVALID_ARGUMENT, "NCCL mode needs a CUDA handle");
+    p.records_width = out.argmax ? kCeRecordFields
+                      : out.entropy || out.grad_entropy ? kCeRecordEntropy
+                                                        : kCeRecordLoss;
+  }
   if (out.dweight) p.dweight = grad_output(val, out.dweight, "outputs->dweight", V, H);
   if (out.dbias) {
     FCE_CHECK(bias != nullptr, FCE_STATUS_INVALID_ARGUMENT, "outputs->dbias is set but there is no bias");
@@ -80,8 +110,16 @@ LinearCeProblem linear_ce_problem(fce_handle* h, const DLTensor* hidden, const D
   return p;
 }
 
-size_t lce_need(fce_handle* h, const LinearCeProblem& p, bool minimum) {
-  return h->backend == Backend::CPU ? cpu::linear_ce_workspace(p, minimum) : cuda::linear_ce_workspace(h, p, minimum);
+size_t lce_need(fce_handle* h, const LinearCeProblem& p, bool minimum, int64_t ranks = 0) {
+  if (h->backend == Backend::CPU) return cpu::linear_ce_workspace(p, minimum);
+  return ranks ? cuda::linear_ce_vp_workspace(h, p, ranks, minimum) : cuda::linear_ce_workspace(h, p, minimum);
+}
+
+fce_comm* checked_comm(fce_handle* h, fce_comm_t comm) {
+  FCE_CHECK(comm != nullptr, FCE_STATUS_INVALID_ARGUMENT, "comm is NULL");
+  FCE_CHECK(comm->device == h->device_id, FCE_STATUS_DEVICE_MISMATCH,
+            "the communicator is on device %d, the handle on device %d", comm->device, h->device_id);
+  return comm;
 }
 
 void lce_run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, void* ws, size_t ws_bytes) {
@@ -103,7 +141,7 @@ FCE_API fce_status_t fce_linear_cross_entropy_fwd(fce_handle_t handle, fce_strea
                                                   size_t workspace_bytes) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
-    lce_run(h, stream, linear_ce_problem(h, hidden, weight, bias, targets, nullptr, options, outputs), workspace,
+    lce_run(h, stream, linear_ce_problem(h, Mode::Fwd, hidden, weight, bias, targets, nullptr, options, outputs), workspace,
             workspace_bytes);
   });
 }
@@ -114,7 +152,7 @@ FCE_API fce_status_t fce_linear_cross_entropy_fwd_workspace_size(
     size_t* bytes) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
-    write_size(bytes, lce_need(h, linear_ce_problem(h, hidden, weight, bias, targets, nullptr, options, outputs), false));
+    write_size(bytes, lce_need(h, linear_ce_problem(h, Mode::Fwd, hidden, weight, bias, targets, nullptr, options, outputs), false));
   });
 }
 
@@ -127,7 +165,7 @@ FCE_API fce_status_t fce_linear_cross_entropy_bwd(fce_handle_t handle, fce_strea
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     FCE_CHECK(lse != nullptr, FCE_STATUS_INVALID_ARGUMENT, "lse is NULL");
-    lce_run(h, stream, linear_ce_problem(h, hidden, weight, bias, targets, lse, options, outputs), workspace,
+    lce_run(h, stream, linear_ce_problem(h, Mode::Bwd, hidden, weight, bias, targets, lse, options, outputs), workspace,
             workspace_bytes);
   });
 }
@@ -139,7 +177,61 @@ FCE_API fce_status_t fce_linear_cross_entropy_bwd_workspace_size(
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     FCE_CHECK(lse != nullptr, FCE_STATUS_INVALID_ARGUMENT, "lse is NULL");
-    write_size(bytes, lce_need(h, linear_ce_problem(h, hidden, weight, bias, targets, lse, options, outputs), false));
+    write_size(bytes, lce_need(h, linear_ce_problem(h, Mode::Bwd, hidden, weight, bias, targets, lse, options, outputs), false));
+  });
+}
+
+FCE_API fce_status_t fce_linear_cross_entropy_partial(fce_handle_t handle, fce_stream_t stream,
+                                                      const DLTensor* hidden, const DLTensor* weight,
+                                                      const DLTensor* bias, const DLTensor* targets,
+                                                      const fce_ce_options_t* options, DLTensor* records,
+                                                      void* workspace, size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    lce_run(h, stream,
+            linear_ce_problem(h, Mode::Partial, hidden, weight, bias, targets, nullptr, options, nullptr, records),
+            workspace, workspace_bytes);
+  });
+}
+
+FCE_API fce_status_t fce_linear_cross_entropy_partial_workspace_size(
+    fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
+    const DLTensor* targets, const fce_ce_options_t* options, const DLTensor* records, size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    write_size(bytes, lce_need(h,
+                               linear_ce_problem(h, Mode::Partial, hidden, weight, bias, targets, nullptr, options,
+                                                 nullptr, const_cast<DLTensor*>(records)),
+                               false));
+  });
+}
+
+FCE_API fce_status_t fce_linear_cross_entropy_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream,
+                                                     const DLTensor* hidden, const DLTensor* weight,
+                                                     const DLTensor* bias, const DLTensor* targets,
+                                                     const fce_ce_options_t* options,
+                                                     const fce_linear_ce_outputs_t* outputs, void* workspace,
+                                                     size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const fce_comm* c = checked_comm(h, comm);
+    const LinearCeProblem p = linear_ce_problem(h, Mode::Vp, hidden, weight, bias, targets, nullptr, options, outputs);
+    const Workspace w = resolve_workspace(h, workspace, workspace_bytes,
+                                          lce_need(h, p, workspace != nullptr, c->size), stream);
+    cuda::linear_ce_vp(h, c, stream, p, w);
+  });
+}
+
+FCE_API fce_status_t fce_linear_cross_entropy_fwd_vp_workspace_size(
+    fce_handle_t handle, fce_comm_t comm, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
+    const DLTensor* targets, const fce_ce_options_t* options, const fce_linear_ce_outputs_t* outputs,
+    size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const fce_comm* c = checked_comm(h, comm);
+    write_size(bytes, lce_need(h,
+                               linear_ce_problem(h, Mode::Vp, hidden, weight, bias, targets, nullptr, options, outputs),
+                               false, c->size));
   });
 }
 

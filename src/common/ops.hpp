@@ -7,6 +7,7 @@
 #include "fusedce/fusedce.h"
 
 struct fce_handle;
+struct fce_comm;
 
 namespace fce {
 
@@ -160,7 +161,16 @@ struct LinearCeProblem {
   Vec saved_lse;      // backward only
   Vec saved_entropy;  // backward with grad_entropy only
   bool accumulate = false;  // FCE_LINEAR_CE_ACCUMULATE: add into dhidden, dweight, dbias
+  // A vocabulary shard (o.sharded()): the partial's records [N, K] (the call writes only these), or, in
+  // NCCL mode, the width of the records it exchanges.
+  Mat records;
+  int64_t records_width = 0;
   bool wants_grad() const { return dhidden || dweight || dbias; }
+  // The weight's rows inside the vocabulary (a shard's padding rows are never read).
+  int64_t real_rows() const {
+    const int64_t V = weight.rows, left = o.vocab_total - o.vocab_start;
+    return o.sharded() && left < V ? left : V;
+  }
 };
 
 // x[i, :] *= factor (scalar or [N]), rows with factor 1 untouched (fce_scale_rows).
@@ -214,6 +224,9 @@ void lse_combine(fce_handle*, fce_stream_t, const LseCombineProblem&);
 void softmax_shard(fce_handle*, fce_stream_t, const SoftmaxProblem&);
 size_t linear_ce_workspace(fce_handle*, const LinearCeProblem&, bool minimum);
 void linear_ce(fce_handle*, fce_stream_t, const LinearCeProblem&, Workspace);
+// NCCL mode over `ranks` ranks (fce_linear_cross_entropy_fwd_vp).
+size_t linear_ce_vp_workspace(fce_handle*, const LinearCeProblem&, int64_t ranks, bool minimum);
+void linear_ce_vp(fce_handle*, const fce_comm*, fce_stream_t, const LinearCeProblem&, Workspace);
 void scale_rows(fce_handle*, fce_stream_t, const ScaleProblem&);
 
 // Device management (src/cuda/device.cpp, or stubs without CUDA).

@@ -47,7 +47,8 @@ size_t linear_ce_workspace(const LinearCeProblem& p, bool minimum) {
 }
 
 void linear_ce(const LinearCeProblem& p, Workspace ws) {
-  const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows;
+  // A vocabulary shard's padding rows of the weight are never read: V is the real rows from here on.
+  const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.real_rows();
   // BLAS takes 32-bit sizes and leading dimensions.
   for (int64_t d : {N, H, V, p.hidden.ld, p.weight.ld, p.dhidden ? p.dhidden.ld : 0, p.dweight ? p.dweight.ld : 0})
     FCE_CHECK(d <= INT32_MAX, FCE_STATUS_UNSUPPORTED_LAYOUT,
@@ -59,8 +60,9 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
   FCE_CHECK(lay.total <= ws.bytes, FCE_STATUS_WORKSPACE_TOO_SMALL, "workspace of %zu bytes is below the %zu needed",
             ws.bytes, lay.total);
 
-  const CeContext c(p.o, V);
-  const bool bwd = static_cast<bool>(p.saved_lse), grad = p.wants_grad();
+  const CeContext c(p.o, p.o.sharded() ? p.o.vocab_total : V);
+  const float* cw = c.weights() ? c.weights() + p.o.vocab_start : nullptr;  // the shard's class weights
+  const bool bwd = static_cast<bool>(p.saved_lse), grad = p.wants_grad(), partial = static_cast<bool>(p.records);
   const double denom = (grad || p.o.reduction == FCE_REDUCTION_MEAN) ? c.mean_denominator(p.targets) : 0.0;
 
   // fp32 views of the weight and of the weight-gradient accumulator.
@@ -117,6 +119,8 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
         lse = load_f32(p.saved_lse, i);
         if (p.grad_entropy) Hr = load_f32(p.saved_entropy, i);
         simd::transform(c.tf, x, V, x);
+      } else if (partial) {
+        continue;  // the chunk's records below
       } else {
         const CeRow cr = ce_row_forward(c, x, x, t, static_cast<bool>(p.argmax));  // z overwrites x in place
         lse = cr.lse;
@@ -132,11 +136,24 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
         }
       }
       if (grad) {
-        ce_row_grad(c, x, lse, t, c.grad_scale(p.grad_loss, i, denom), entropy_grad(p.grad_entropy, i, Hr),
-                    x);  // dlogits in place
+        const int64_t tl = t >= p.o.vocab_start && t < p.o.vocab_start + V ? t - p.o.vocab_start : -1;
+        ce_row_grad(c, x, V, cw, lse, t, p.o.sharded() ? tl : t, c.grad_scale(p.grad_loss, i, denom),
+                    entropy_grad(p.grad_entropy, i, Hr), x);  // dlogits in place
         if (p.hidden.dtype != DType::F32)  // and in the inputs' dtype, the backward GEMMs' operand
           for (int64_t j = 0; j < V; ++j) x[j] = round_to(p.hidden.dtype, x[j]);
       }
+    }
+    if (partial) {
+      CePartialProblem part;
+      part.logits = Mat{reinterpret_cast<char*>(L), DType::F32, rows, V, V};
+      part.targets = p.targets;
+      part.targets.data += size_t(r0) * dtype_size(p.targets.dtype);
+      part.targets.n = rows;
+      part.o = p.o;
+      part.records = p.records;
+      part.records.data += size_t(r0) * size_t(p.records.ld) * 4;
+      part.records.rows = rows;
+      ce_partial(part);
     }
     if (!grad) continue;
     if (p.dhidden) {
@@ -168,8 +185,15 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
     for (int64_t v = 0; v < V; ++v) store_row(p.dweight, v, dW + size_t(v * H));
   if (db)
     for (int64_t v = 0; v < V; ++v) store(p.dbias.data + dtype_size(p.dbias.dtype) * size_t(v), p.dbias.dtype, db[v]);
+  if (!p.accumulate) {  // a shard's padding rows: 0
+    const std::vector<float> zeros(size_t(H), 0.f);
+    if (p.dweight)
+      for (int64_t v = V; v < p.weight.rows; ++v) store_row(p.dweight, v, zeros.data());
+    if (p.dbias)
+      for (int64_t v = V; v < p.weight.rows; ++v) store(p.dbias.data + dtype_size(p.dbias.dtype) * size_t(v), p.dbias.dtype, 0.f);
+  }
 
-  if (!bwd) reduce_losses(p.o.reduction, row_loss, row_zl, denom, p.loss, p.z_loss);
+  if (!bwd && !partial) reduce_losses(p.o.reduction, row_loss, row_zl, denom, p.loss, p.z_loss);
 }
 
 }  // namespace fce::cpu

@@ -51,5 +51,10 @@ void ce_finalize(cudaStream_t s, const float* loss_rows, const float* zl_rows, i
                  const double* prep, float* loss, float* zloss, const CeDenominator* den = nullptr,
                  bool dependent = false);
 
+// The combine's per-row outputs of p's rows (vocab_parallel.cu's kernel, no reduction): losses into loss_rows
+// (and zl_rows), p.lse, p.entropy, p.argmax; prep from ce_prep over the call's targets and vocab_total when
+// ce_needs_prep.
+void ce_combine_rows(cudaStream_t s, const CeCombineProblem& p, const double* prep, float* loss_rows,
+                     float* zl_rows);
 
 }  // namespace fce::cuda

@@ -4,8 +4,12 @@
 // its dweight into the dweight output (the GEMM's fp32 compute, beta = 1: rounded once per chunk, no
 // accumulator). 6*N*H*V flops with gradients, 2*N*H*V without; no [N,V] tensor ever exists. Logits in
 // the inputs' dtype (as torch.nn.functional.linear) halve the chunk's bytes, so chunks are twice as long.
+// A vocabulary shard runs the same loop over its real weight rows: the partial writes each chunk's records;
+// the backward forms dlogits from the whole rows' lse (CeParams col0, vt); NCCL mode gathers and combines
+// each chunk's records before its gradient, and sums the ranks' fp32 dhidden once at the end.
 #include <algorithm>
 
+#include "common/comm.hpp"
 #include "cuda/blas.hpp"
 #include "cuda/ce_internal.hpp"
 #include "cuda/common.cuh"
@@ -40,33 +44,46 @@ int64_t chunk_rows(int64_t N, int64_t max_rows) {
   return C;
 }
 
-// Workspace: fixed part (prep, row losses, the fp32 dbias accumulator, split-row scratch) then the chunk
-// buffer.
+// Workspace: fixed part (prep, row losses, the fp32 dbias accumulator, split-row scratch; in NCCL mode the
+// whole rows' lse and entropy when the caller keeps neither, and an fp32 dhidden for the ranks' sum) then
+// the per-chunk part (the chunk's logits; in NCCL mode its records and every rank's).
 struct LceLayout {
   double* prep = nullptr;
   float *row_loss = nullptr, *row_zl = nullptr, *db_acc = nullptr;
+  float *lse = nullptr, *entropy = nullptr, *dh32 = nullptr;  // NCCL mode
+  float *rec = nullptr, *gathered = nullptr;                  // NCCL mode: [C, K] and [W, C, K]
   char* logits = nullptr;  // [C, ldl] in the inputs' dtype; dlogits overwrite it in place
   void* rows = nullptr;
   size_t total = 0;
   int64_t C = 0;  // rows per chunk
 
-  LceLayout(fce_handle* h, const LinearCeProblem& p, void* base, size_t bytes_or_zero, bool minimum) {
-    const int64_t N = p.hidden.rows, V = p.weight.rows;
-    const bool grad = p.wants_grad(), reduced = !p.saved_lse && p.o.reduction != FCE_REDUCTION_NONE;
-    const size_t per_row = size_t(padded(V)) * dtype_size(p.hidden.dtype);
+  // ranks > 0: NCCL mode over that many ranks.
+  LceLayout(fce_handle* h, const LinearCeProblem& p, void* base, size_t bytes_or_zero, bool minimum,
+            int64_t ranks = 0) {
+    const int64_t N = p.hidden.rows, V = p.real_rows(), K = p.records_width;
+    const bool grad = p.wants_grad(), vp = ranks > 0;
+    const bool reduced = !p.saved_lse && !p.records && p.o.reduction != FCE_REDUCTION_NONE;
+    const size_t per_row = size_t(padded(V)) * dtype_size(p.hidden.dtype) + (vp ? size_t(K) * 4 * size_t(ranks + 1) : 0);
     auto carve = [&](void* at, int64_t C_) {
       Carver c(at);
       prep = ce_needs_prep(p.o) ? c.take<double>(2) : nullptr;
       row_loss = reduced ? c.take<float>(size_t(N)) : nullptr;
       row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
       db_acc = p.dbias ? c.take<float>(size_t(V)) : nullptr;
+      lse = vp && !p.lse ? c.take<float>(size_t(N)) : nullptr;
+      entropy = vp && p.grad_entropy && !p.entropy ? c.take<float>(size_t(N)) : nullptr;
+      dh32 = vp && p.dhidden && (p.dhidden.dtype != DType::F32 || p.accumulate || p.dhidden.ld != p.hidden.cols)
+                 ? c.take<float>(size_t(N) * size_t(p.hidden.cols))
+                 : nullptr;
       // The rows' scratch (split rows) for a full chunk and for the shorter last one, which may split
       // where a full chunk does not.
       const int64_t full = std::max<int64_t>(C_, 1), last = N % full;
-      const bool b = static_cast<bool>(p.saved_lse);
+      const bool b = static_cast<bool>(p.saved_lse) || vp;
       rows = c.take<char>(std::max(ce_rows_workspace(h, full, V, grad, b),
                                    last ? ce_rows_workspace(h, last, V, grad, b) : size_t(0)));
-      logits = c.take<char>(size_t(C_) * per_row);
+      rec = vp ? c.take<float>(size_t(C_) * size_t(K)) : nullptr;
+      gathered = vp ? c.take<float>(size_t(C_) * size_t(K) * size_t(ranks)) : nullptr;
+      logits = c.take<char>(size_t(C_) * size_t(padded(V)) * dtype_size(p.hidden.dtype));
       return c.used;
     };
     const size_t fixed = carve(nullptr, 1) - per_row;
@@ -120,33 +137,37 @@ void convert(cudaStream_t s, const float* in, int64_t rows, int64_t cols, int64_
   check_launch("convert kernel");
 }
 
-}  // namespace
+// The chunk's statistics step between its logits GEMM and its gradient GEMMs. NCCL mode: the records, their
+// all-gather, the combine of the chunk's rows.
+struct VpStep {
+  const fce_comm* comm;
+  int64_t K;
+};
 
-size_t linear_ce_workspace(fce_handle* h, const LinearCeProblem& p, bool minimum) {
-  return LceLayout(h, p, nullptr, 0, minimum).total;
-}
-
-void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace w) {
+void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace w, const VpStep* vp) {
   DeviceGuard guard(h->device_id);
   const cudaStream_t s = stream_of(stream);
-  const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.weight.rows, ldl = padded(V);
+  // A vocabulary shard's padding rows of the weight are never read: V is the real rows from here on.
+  const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.real_rows(), ldl = padded(V);
   const DType dt = p.hidden.dtype;
   FCE_CHECK(!p.dhidden || p.dhidden.dtype == dt || p.dhidden.dtype == DType::F32, FCE_STATUS_NOT_IMPLEMENTED,
             "on CUDA, dhidden must be float32 or hidden's dtype (%s)", dtype_name(dt));
   for (int64_t d : {N, H, V, p.hidden.ld, p.weight.ld, p.dhidden ? p.dhidden.ld : 0, p.dweight ? p.dweight.ld : 0})
     FCE_CHECK(d <= INT32_MAX, FCE_STATUS_UNSUPPORTED_LAYOUT,
               "extents and row strides beyond 2^31 - 1 elements are not supported by the cuBLAS path");
-  const LceLayout lay(h, p, w.ptr, w.bytes, false);
+  const int64_t W = vp ? vp->comm->size : 0;
+  const LceLayout lay(h, p, w.ptr, w.bytes, false, W);
   const CublasApi& api = cublas();
   cublasHandle_t blas = cublas_handle(h, s);
   const cudaDataType ct = cuda_type(dt);
   const float one = 1.f, zero = 0.f;
-  const bool grad = p.wants_grad(), bwd = static_cast<bool>(p.saved_lse);
+  const bool grad = p.wants_grad(), bwd = static_cast<bool>(p.saved_lse), partial = static_cast<bool>(p.records);
   const bool none = p.o.reduction == FCE_REDUCTION_NONE;
   const size_t es = dtype_size(dt);
   const bool t64 = p.targets.dtype == DType::I64;
+  const size_t ts = t64 ? 8 : 4;
 
-  if (lay.prep) ce_prep(s, p.o, p.targets.data, t64, N, V, lay.prep);
+  if (lay.prep) ce_prep(s, p.o, p.targets.data, t64, N, p.o.sharded() ? p.o.vocab_total : V, lay.prep);
   // The chunk buffer's row padding is never written by the GEMMs but may be read by their vector loads.
   if (ldl > V)
     check(cudaMemset2DAsync(lay.logits + size_t(V) * es, size_t(ldl) * es, 0, size_t(ldl - V) * es,
@@ -156,6 +177,14 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
   void* dw = p.dweight ? static_cast<void*>(p.dweight.data) : nullptr;
   const int64_t lddw = p.dweight ? p.dweight.ld : 0;
   const cudaDataType dwt = p.dweight ? cuda_type(p.dweight.dtype) : CUDA_R_32F;
+  // dhidden's GEMM target: the output, or in NCCL mode the fp32 sum of the ranks' parts.
+  char* dh_base = lay.dh32 ? reinterpret_cast<char*>(lay.dh32) : p.dhidden ? p.dhidden.data : nullptr;
+  const int64_t lddh = lay.dh32 ? H : p.dhidden ? p.dhidden.ld : 0;
+  const DType dht = lay.dh32 ? DType::F32 : p.dhidden ? p.dhidden.dtype : dt;
+  const bool dh_add = p.accumulate && !lay.dh32;
+  // NCCL mode's whole-row statistics, per row of the call.
+  float* lse_rows = vp ? (p.lse ? reinterpret_cast<float*>(p.lse.data) : lay.lse) : nullptr;
+  float* ent_rows = vp ? (p.entropy ? reinterpret_cast<float*>(p.entropy.data) : lay.entropy) : nullptr;
 
   for (int64_t r0 = 0; r0 < N; r0 += lay.C) {
     const int64_t rows = std::min(lay.C, N - r0);
@@ -176,17 +205,49 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
                            int(p.weight.ld), hid, ct, int(p.hidden.ld), &beta, lay.logits, ct, int(ldl),
                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                "logits GEMM");
+    Vec targets = p.targets;
+    targets.data += size_t(r0) * ts;
+    targets.n = rows;
+    if (partial || vp) {  // the chunk's records
+      CePartialProblem part;
+      part.logits = Mat{lay.logits, dt, rows, V, ldl};
+      part.targets = targets;
+      part.o = p.o;
+      part.records = partial ? p.records : Mat{reinterpret_cast<char*>(lay.rec), DType::F32, rows, vp->K, vp->K};
+      if (partial) {
+        part.records.data += size_t(r0) * size_t(p.records.ld) * 4;
+        part.records.rows = rows;
+      }
+      ce_partial(h, stream, part);
+      if (partial) continue;
+      comm_all_gather(vp->comm, stream, lay.rec, lay.gathered, size_t(rows) * size_t(vp->K));
+      CeCombineProblem comb;
+      comb.records = Mat{reinterpret_cast<char*>(lay.gathered), DType::F32, W * rows, vp->K, vp->K};
+      comb.W = W;
+      comb.targets = targets;
+      comb.o = p.o;
+      comb.lse = Vec{reinterpret_cast<char*>(lse_rows + r0), DType::F32, rows, false};
+      if (ent_rows) comb.entropy = Vec{reinterpret_cast<char*>(ent_rows + r0), DType::F32, rows, false};
+      if (p.argmax) comb.argmax = Vec{p.argmax.data + size_t(r0) * dtype_size(p.argmax.dtype), p.argmax.dtype, rows, false};
+      float* lr = (none ? reinterpret_cast<float*>(p.loss.data) : lay.row_loss) + r0;
+      float* zr = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) + r0 : nullptr) : lay.row_zl + r0;
+      ce_combine_rows(s, comb, lay.prep, lr, zr);
+      if (!grad) continue;
+    }
     CeRows r{};
     r.x = lay.logits;
     r.xt = dt;
     r.ld = ldl;
     r.N = rows;
     r.V = V;
-    r.targets = p.targets.data + size_t(r0) * (t64 ? 8 : 4);
+    r.targets = targets.data;
     r.t64 = t64;
     r.o = &p.o;
     r.prep = lay.prep;
-    if (!bwd) {
+    if (vp) {
+      r.saved_lse = lse_rows + r0;
+      if (p.grad_entropy) r.saved_entropy = ent_rows + r0;
+    } else if (!bwd) {
       r.loss_rows = (none ? reinterpret_cast<float*>(p.loss.data) : lay.row_loss) + r0;
       r.zl_rows = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) + r0 : nullptr) : lay.row_zl + r0;
       r.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) + r0 : nullptr;
@@ -195,6 +256,7 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
       r.a64 = p.argmax && p.argmax.dtype == DType::I64;
     } else {
       r.saved_lse = reinterpret_cast<const float*>(p.saved_lse.data) + r0;
+      r.saved_entropy = p.saved_entropy ? reinterpret_cast<const float*>(p.saved_entropy.data) + r0 : nullptr;
     }
     if (grad) {
       r.dx = lay.logits;
@@ -205,17 +267,15 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
       r.ge_scalar = p.grad_entropy && p.grad_entropy.scalar;
       r.grad_entropy =
           p.grad_entropy ? reinterpret_cast<const float*>(p.grad_entropy.data) + (r.ge_scalar ? 0 : r0) : nullptr;
-      r.saved_entropy = p.saved_entropy ? reinterpret_cast<const float*>(p.saved_entropy.data) + r0 : nullptr;
     }
     ce_rows(h, s, r, lay.rows);
     if (!grad) continue;
-    if (p.dhidden) {
+    if (dh_base) {
       // dhidden (col-major H x rows) = W (H x V, col-major view of [V,H]) * dl (V x rows)
-      char* dh = p.dhidden.data + size_t(r0) * size_t(p.dhidden.ld) * dtype_size(p.dhidden.dtype);
+      char* dh = dh_base + size_t(r0) * size_t(lddh) * dtype_size(dht);
       check_blas(api.gemm_ex(blas, CUBLAS_OP_N, CUBLAS_OP_N, int(H), int(rows), int(V), &one, p.weight.data, ct,
-                             int(p.weight.ld), lay.logits, ct, int(ldl), p.accumulate ? &one : &zero, dh,
-                             cuda_type(p.dhidden.dtype),
-                             int(p.dhidden.ld), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                             int(p.weight.ld), lay.logits, ct, int(ldl), dh_add ? &one : &zero, dh, cuda_type(dht),
+                             int(lddh), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "dhidden GEMM");
     }
     if (dw) {
@@ -236,9 +296,46 @@ void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Wor
     }
   }
   if (lay.db_acc) convert(s, lay.db_acc, 1, V, V, p.dbias.data, p.dbias.dtype, V, p.accumulate);
-  if (!bwd && !none)
+  // A shard's padding rows of dweight and dbias: 0 (left as they are when accumulating).
+  const int64_t pad = p.weight.rows - V;
+  if (grad && pad > 0 && !p.accumulate) {
+    if (p.dweight) {
+      const size_t e = dtype_size(p.dweight.dtype);
+      check(cudaMemset2DAsync(p.dweight.data + size_t(V) * size_t(lddw) * e, size_t(lddw) * e, 0, size_t(H) * e,
+                              size_t(pad), s),
+            "cudaMemset2DAsync");
+    }
+    if (p.dbias)
+      check(cudaMemsetAsync(p.dbias.data + size_t(V) * dtype_size(p.dbias.dtype), 0,
+                            size_t(pad) * dtype_size(p.dbias.dtype), s),
+            "cudaMemsetAsync");
+  }
+  if (vp && dh_base) {  // the ranks' parts summed in fp32, rounded once
+    comm_all_reduce_sum(vp->comm, stream, dh_base, size_t(N) * size_t(H));
+    if (lay.dh32) convert(s, lay.dh32, N, H, H, p.dhidden.data, p.dhidden.dtype, p.dhidden.ld, p.accumulate);
+  }
+  if (!bwd && !partial && !none)
     ce_finalize(s, lay.row_loss, lay.row_zl, N, p.o.reduction, lay.prep, reinterpret_cast<float*>(p.loss.data),
                 p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);
+}
+
+}  // namespace
+
+size_t linear_ce_workspace(fce_handle* h, const LinearCeProblem& p, bool minimum) {
+  return LceLayout(h, p, nullptr, 0, minimum).total;
+}
+
+void linear_ce(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace w) {
+  run(h, stream, p, w, nullptr);
+}
+
+size_t linear_ce_vp_workspace(fce_handle* h, const LinearCeProblem& p, int64_t ranks, bool minimum) {
+  return LceLayout(h, p, nullptr, 0, minimum, ranks).total;
+}
+
+void linear_ce_vp(fce_handle* h, const fce_comm* c, fce_stream_t stream, const LinearCeProblem& p, Workspace w) {
+  const VpStep step{c, p.records_width};
+  run(h, stream, p, w, &step);
 }
 
 }  // namespace fce::cuda

@@ -33,6 +33,7 @@ const NcclApi& nccl() {
     }
     try {
       bind(lib, api.all_gather, "ncclAllGather");
+      bind(lib, api.all_reduce, "ncclAllReduce");
       bind(lib, api.comm_count, "ncclCommCount");
       bind(lib, api.comm_user_rank, "ncclCommUserRank");
       bind(lib, api.comm_cu_device, "ncclCommCuDevice");
@@ -78,6 +79,12 @@ void comm_init(fce_comm* c, ncclComm* comm) {
 void comm_all_gather(const fce_comm* c, fce_stream_t stream, const void* send, void* recv, size_t count) {
   check_nccl(nccl().all_gather(send, recv, count, kNcclFloat32, c->nccl, reinterpret_cast<cudaStream_t>(stream)),
              c->nccl, "ncclAllGather");
+}
+
+void comm_all_reduce_sum(const fce_comm* c, fce_stream_t stream, void* data, size_t count) {
+  check_nccl(nccl().all_reduce(data, data, count, kNcclFloat32, kNcclSum, c->nccl,
+                               reinterpret_cast<cudaStream_t>(stream)),
+             c->nccl, "ncclAllReduce");
 }
 
 }  // namespace fce::cuda

@@ -57,5 +57,12 @@ void comm_init(fce_comm*, struct ncclComm*) {
 void comm_all_gather(const fce_comm*, fce_stream_t, const void*, void*, size_t) {
   raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
 }
+void comm_all_reduce_sum(const fce_comm*, fce_stream_t, void*, size_t) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
+size_t linear_ce_vp_workspace(fce_handle*, const LinearCeProblem&, int64_t, bool) { return 0; }
+void linear_ce_vp(fce_handle*, const fce_comm*, fce_stream_t, const LinearCeProblem&, Workspace) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
 
 }  // namespace fce::cuda

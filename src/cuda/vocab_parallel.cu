@@ -204,6 +204,25 @@ void ce_partial(fce_handle* h, fce_stream_t stream, const CePartialProblem& p) {
 
 size_t ce_combine_workspace(fce_handle*, const CeCombineProblem& p) { return CombineWorkspace(p, nullptr).bytes; }
 
+void ce_combine_rows(cudaStream_t s, const CeCombineProblem& p, const double* prep, float* loss_rows,
+                     float* zl_rows) {
+  const int64_t N = p.targets.n;
+  VpArgs a = args_of(p.o, p.targets);
+  a.N = N;
+  a.W = p.W;
+  a.K = p.records.cols;
+  a.rec = reinterpret_cast<float*>(const_cast<char*>(p.records.data));
+  a.prep = prep;
+  a.loss_rows = loss_rows;
+  a.zl_rows = zl_rows;
+  a.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) : nullptr;
+  a.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) : nullptr;
+  a.argmax = p.argmax ? p.argmax.data : nullptr;
+  a.a64 = p.argmax && p.argmax.dtype == DType::I64;
+  vp_combine_kernel<<<unsigned((N + 127) / 128), 128, 0, s>>>(a);
+  check_launch("vocabulary-parallel combine kernel");
+}
+
 void ce_combine(fce_handle* h, fce_stream_t stream, const CeCombineProblem& p, Workspace w) {
   DeviceGuard guard(h->device_id);
   const cudaStream_t s = stream_of(stream);
@@ -211,21 +230,9 @@ void ce_combine(fce_handle* h, fce_stream_t stream, const CeCombineProblem& p, W
   const int64_t N = p.targets.n;
   const bool t64 = p.targets.dtype == DType::I64;
   if (ws.prep) ce_prep(s, p.o, p.targets.data, t64, N, p.o.vocab_total, ws.prep);
-  VpArgs a = args_of(p.o, p.targets);
-  a.N = N;
-  a.W = p.W;
-  a.K = p.records.cols;
-  a.rec = reinterpret_cast<float*>(const_cast<char*>(p.records.data));
-  a.prep = ws.prep;
   const bool none = p.o.reduction == FCE_REDUCTION_NONE;
-  a.loss_rows = none ? reinterpret_cast<float*>(p.loss.data) : ws.loss_rows;
-  a.zl_rows = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr) : ws.zl_rows;
-  a.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) : nullptr;
-  a.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) : nullptr;
-  a.argmax = p.argmax ? p.argmax.data : nullptr;
-  a.a64 = p.argmax && p.argmax.dtype == DType::I64;
-  vp_combine_kernel<<<unsigned((N + 127) / 128), 128, 0, s>>>(a);
-  check_launch("vocabulary-parallel combine kernel");
+  ce_combine_rows(s, p, ws.prep, none ? reinterpret_cast<float*>(p.loss.data) : ws.loss_rows,
+                  none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr) : ws.zl_rows);
   if (!none)
     ce_finalize(s, ws.loss_rows, ws.zl_rows, N, p.o.reduction, ws.prep, reinterpret_cast<float*>(p.loss.data),
                 p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);

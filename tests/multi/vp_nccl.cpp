@@ -17,6 +17,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -33,6 +34,7 @@ struct Nccl {
   int (*comm_init_rank)(ncclComm**, int, NcclId, int);
   int (*comm_destroy)(ncclComm*);
   int (*all_gather)(const void*, void*, size_t, int, ncclComm*, cudaStream_t);
+  int (*all_reduce)(const void*, void*, size_t, int, int, ncclComm*, cudaStream_t);
 };
 
 int g_fail = 0, g_rank = 0;
@@ -387,6 +389,147 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
   std::printf("rank %d: %s: ok\n", g_rank, name);
 }
 
+// Vocabulary-parallel linear cross-entropy in NCCL mode (fce_linear_cross_entropy_fwd_vp: the LM head split by
+// rows, each token chunk's records all-gathered inside the call, dhidden all-reduced in fp32) against the
+// one-device emulation: every shard's fce_linear_cross_entropy_partial, fce_cross_entropy_combine, every
+// shard's fce_linear_cross_entropy_bwd with an fp32 dhidden summed on the host in rank order and rounded once.
+// N fits one token chunk in both, so their GEMMs have the same shapes: the same bits (2 ranks: NCCL's sum of
+// two parts is the rank-order sum).
+void linear_case(const Case& c, int64_t H, int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st) {
+  const Split s{c.V, W, (c.V + W - 1) / W};
+  std::mt19937_64 g(uint64_t(c.N * 31 + c.V + H));
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const size_t es = c.bf16 ? 2 : 4;
+  const DLDataType xt = c.bf16 ? kBF16 : kF32;
+  auto store = [&](std::vector<uint8_t>& out, size_t i, float v) {
+    if (c.bf16) {
+      const uint16_t b = to_bf16(v);
+      std::memcpy(out.data() + i * 2, &b, 2);
+    } else {
+      std::memcpy(out.data() + i * 4, &v, 4);
+    }
+  };
+  std::vector<uint8_t> hid(size_t(c.N * H) * es);
+  for (size_t i = 0; i < size_t(c.N * H); ++i) store(hid, i, nd(g));
+  std::vector<float> wfull(size_t(c.V * H));
+  for (auto& v : wfull) v = 0.5f * nd(g);
+  auto shard_w = [&](int64_t r) {  // rows of shard r, padding rows NaN (never read)
+    std::vector<uint8_t> out(size_t(s.width * H) * es);
+    for (int64_t v = 0; v < s.width; ++v)
+      for (int64_t k = 0; k < H; ++k)
+        store(out, size_t(v * H + k), s.start(r) + v < c.V ? wfull[size_t((s.start(r) + v) * H + k)] : NAN);
+    return out;
+  };
+  std::vector<int64_t> t(size_t(c.N));
+  for (int64_t i = 0; i < c.N; ++i) t[size_t(i)] = i % 7 == 2 ? -100 : int64_t(g() % uint64_t(c.V));
+  Buf hidden({c.N, H}, xt, dev), weight({s.width, H}, xt, dev), targets({c.N}, kI64, dev);
+  hidden.upload(hid.data());
+  weight.upload(shard_w(g_rank).data());
+  targets.upload(t.data());
+  const fce_ce_options_t o = options_of(c, s, g_rank);
+  const fce_stream_t fs = reinterpret_cast<fce_stream_t>(st);
+  const bool none = c.reduction == FCE_REDUCTION_NONE;
+  const std::vector<int64_t> lshape = none ? std::vector<int64_t>{c.N} : std::vector<int64_t>{};
+
+  // NCCL mode.
+  Buf loss(lshape, kF32, dev), lse({c.N}, kF32, dev), ent({c.N}, kF32, dev), am({c.N}, kI64, dev),
+      dh({c.N, H}, xt, dev), dw({s.width, H}, xt, dev);
+  for (Buf* b : {&loss, &lse, &ent, &am, &dh, &dw}) b->poison();
+  fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
+  out.loss = &loss.t;
+  out.lse = &lse.t;
+  out.entropy = &ent.t;
+  out.argmax = &am.t;
+  out.dhidden = &dh.t;
+  out.dweight = &dw.t;
+  ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hidden.t, &weight.t, nullptr, &targets.t, &o, &out, nullptr, 0),
+     "fce_linear_cross_entropy_fwd_vp");
+  ck(cudaStreamSynchronize(st), "sync");
+
+  // The emulation.
+  Buf recs({int64_t(W), c.N, 7}, kF32, dev);
+  std::vector<float> dsum(size_t(c.N * H), 0.f);
+  std::vector<uint8_t> dw_ref;
+  Buf eloss(lshape, kF32, dev), else_lse({c.N}, kF32, dev), eent({c.N}, kF32, dev), eam({c.N}, kI64, dev);
+  for (Buf* b : {&eloss, &else_lse, &eent, &eam}) b->poison();
+  std::vector<std::unique_ptr<Buf>> shards;
+  for (int r = 0; r < W; ++r) {
+    shards.push_back(std::make_unique<Buf>(std::vector<int64_t>{s.width, H}, xt, dev));
+    shards.back()->upload(shard_w(r).data());
+    const fce_ce_options_t orr = options_of(c, s, r);
+    DLTensor view = recs.t;
+    int64_t vshape[2] = {c.N, 7};
+    view.ndim = 2;
+    view.shape = vshape;
+    view.byte_offset = uint64_t(r) * uint64_t(c.N) * 7 * 4;
+    ok(fce_linear_cross_entropy_partial(h, fs, &hidden.t, &shards.back()->t, nullptr, &targets.t, &orr, &view,
+                                        nullptr, 0),
+       "fce_linear_cross_entropy_partial");
+  }
+  fce_ce_outputs_t eo = FCE_CE_OUTPUTS_INIT;
+  eo.loss = &eloss.t;
+  eo.lse = &else_lse.t;
+  eo.entropy = &eent.t;
+  eo.argmax = &eam.t;
+  ok(fce_cross_entropy_combine(h, fs, &recs.t, &targets.t, &o, &eo, nullptr, 0), "fce_cross_entropy_combine");
+  for (int r = 0; r < W; ++r) {
+    const fce_ce_options_t orr = options_of(c, s, r);
+    Buf dhr({c.N, H}, kF32, dev), dwr({s.width, H}, xt, dev);
+    fce_linear_ce_outputs_t ob = FCE_LINEAR_CE_OUTPUTS_INIT;
+    ob.dhidden = &dhr.t;
+    ob.dweight = &dwr.t;
+    ok(fce_linear_cross_entropy_bwd(h, fs, &hidden.t, &shards[size_t(r)]->t, nullptr, &targets.t, &else_lse.t, &orr, &ob,
+                                    nullptr, 0),
+       "fce_linear_cross_entropy_bwd");
+    ck(cudaStreamSynchronize(st), "sync");
+    const auto part = dhr.download();
+    for (size_t i = 0; i < dsum.size(); ++i) {
+      float v;
+      std::memcpy(&v, part.data() + i * 4, 4);
+      dsum[i] = r == 0 ? v : dsum[i] + v;
+    }
+    if (r == g_rank) dw_ref = dwr.download();
+  }
+  std::vector<uint8_t> dh_ref(size_t(c.N * H) * es);
+  for (size_t i = 0; i < dsum.size(); ++i) store(dh_ref, i, dsum[i]);
+  char name[160];
+  std::snprintf(name, sizeof name, "linear N=%lld H=%lld V=%lld %s reduction=%d smoothing=%g zloss=%g",
+                (long long)c.N, (long long)H, (long long)c.V, c.bf16 ? "bf16" : "fp32", c.reduction, c.smoothing,
+                c.zloss);
+  CHECK(loss.download() == eloss.download() && lse.download() == else_lse.download() &&
+            ent.download() == eent.download() && am.download() == eam.download(),
+        "%s: the loss, lse, entropy or argmax differ from the emulation", name);
+  CHECK(dw.download() == dw_ref, "%s: dweight differs from the emulation's", name);
+  CHECK(dh.download() == dh_ref, "%s: dhidden differs from the emulation's rank-order sum", name);
+
+  // A CUDA graph of the call, with the caller's workspace.
+  size_t wsb = 0;
+  ok(fce_linear_cross_entropy_fwd_vp_workspace_size(h, comm, &hidden.t, &weight.t, nullptr, &targets.t, &o, &out, &wsb),
+     "workspace size");
+  void* ws = nullptr;
+  ck(cudaMalloc(&ws, wsb ? wsb : 1), "cudaMalloc");
+  const auto eager_dh = dh.download(), eager_lse = lse.download();
+  dh.poison();
+  lse.poison();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+  const fce_status_t cs =
+      fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hidden.t, &weight.t, nullptr, &targets.t, &o, &out, ws, wsb);
+  ck(cudaStreamEndCapture(st, &graph), "end capture");
+  CHECK(cs == FCE_STATUS_SUCCESS, "%s: capture: %s", name, fce_last_error_message());
+  if (cs == FCE_STATUS_SUCCESS) {
+    ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    for (int k = 0; k < 2; ++k) ck(cudaGraphLaunch(exec, st), "graph launch");
+    ck(cudaStreamSynchronize(st), "sync");
+    CHECK(dh.download() == eager_dh && lse.download() == eager_lse, "%s: the graph's replay differs", name);
+    cudaGraphExecDestroy(exec);
+  }
+  cudaGraphDestroy(graph);
+  cudaFree(ws);
+  std::printf("rank %d: %s: ok\n", g_rank, name);
+}
+
 void validation(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st) {
   const Case c{4, 1000, false, FCE_REDUCTION_NONE, 0.f, 0.f, false};
   const Split s{c.V, W, (c.V + W - 1) / W};
@@ -598,6 +741,82 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
     const float tg2 = time([&] { ok(fce_cross_entropy_fwd(h, fs, &x.t, &t.t, nullptr, &grad, nullptr, 0), "fwd"); });
     std::printf("| rank %d | one GPU | N=%lld V=%lld | %.3f | %.3f |\n", g_rank, (long long)N, (long long)V, tf, tg2);
   }
+  {  // linear CE, the LM head split by rows (strong): N 8192, H 4096, V 128256, bf16
+    const int64_t NL = 8192, H = 4096, width = (V + W - 1) / W;
+    Buf hid({NL, H}, kBF16, dev), wt({width, H}, kBF16, dev), t({NL}, kI64, dev), loss({}, kF32, dev);
+    Buf dh({NL, H}, kBF16, dev), dw({width, H}, kBF16, dev), dh32({NL, H}, kF32, dev), lse({NL}, kF32, dev);
+    Buf rec({NL, FCE_CE_RECORD_FIELDS_LOSS}, kF32, dev), all({int64_t(W), NL, FCE_CE_RECORD_FIELDS_LOSS}, kF32, dev);
+    uint64_t state = 88172645463325252ull + uint64_t(g_rank);
+    auto fill = [&](Buf& b, float scale) {
+      std::vector<uint16_t> hv(b.bytes / 2);
+      for (auto& v : hv) {
+        state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+        v = to_bf16(scale * (float(state >> 40) / float(1ull << 24) - 0.5f));
+      }
+      b.upload(hv.data());
+    };
+    fill(hid, 4.f);
+    fill(wt, 0.2f);
+    std::vector<int64_t> tt(size_t(NL), 0);
+    for (auto& v : tt) v = int64_t(g() % uint64_t(V));
+    t.upload(tt.data());
+    fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+    o.vocab_start = g_rank * width;
+    o.vocab_total = V;
+    fce_linear_ce_outputs_t fwd = FCE_LINEAR_CE_OUTPUTS_INIT, both = FCE_LINEAR_CE_OUTPUTS_INIT;
+    fwd.loss = both.loss = &loss.t;
+    both.dhidden = &dh.t;
+    both.dweight = &dw.t;
+    const float tf = time([&] {
+      ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &fwd, nullptr, 0), "lce vp");
+    });
+    const float tfb = time([&] {
+      ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &both, nullptr, 0), "lce vp");
+    });
+    // The explicit path: the shard's records, the all-gather, the combine, the shard's backward (recomputing
+    // the logits), the fp32 dhidden all-reduce and its rounding (left out: one more elementwise pass).
+    fce_ce_outputs_t co = FCE_CE_OUTPUTS_INIT;
+    co.loss = &loss.t;
+    co.lse = &lse.t;
+    fce_linear_ce_outputs_t bo = FCE_LINEAR_CE_OUTPUTS_INIT;
+    bo.dhidden = &dh32.t;
+    bo.dweight = &dw.t;
+    const float tx = time([&] {
+      ok(fce_linear_cross_entropy_partial(h, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &rec.t, nullptr, 0), "partial");
+      if (nccl.all_gather(rec.p, all.p, size_t(NL * FCE_CE_RECORD_FIELDS_LOSS), 7, nc, st) != 0) CHECK(false, "ag");
+      ok(fce_cross_entropy_combine(h, fs, &all.t, &t.t, &o, &co, nullptr, 0), "combine");
+      ok(fce_linear_cross_entropy_bwd(h, fs, &hid.t, &wt.t, nullptr, &t.t, &lse.t, &o, &bo, nullptr, 0), "bwd");
+      if (nccl.all_reduce(dh32.p, dh32.p, size_t(NL * H), 7, 0, nc, st) != 0) CHECK(false, "all-reduce");
+    });
+    // One GPU's fused call over the same columns (no exchange): the floor of this design.
+    Buf tl({NL}, kI64, dev);
+    for (auto& v : tt) v = int64_t(g() % uint64_t(width));
+    tl.upload(tt.data());
+    const float t1 = time([&] {
+      ok(fce_linear_cross_entropy_fwd(h, fs, &hid.t, &wt.t, nullptr, &tl.t, nullptr, &both, nullptr, 0), "lce");
+    });
+    size_t lib_bytes = 0, wsb = 0;
+    {
+      ok(fce_linear_cross_entropy_fwd_vp_workspace_size(h, comm, &hid.t, &wt.t, nullptr, &t.t, &o, &both, &wsb), "ws");
+      fce_handle_t h2 = nullptr;
+      ok(fce_handle_create(kDLCUDA, dev, &h2), "handle");
+      ck(cudaDeviceSynchronize(), "sync");
+      size_t f0 = 0, f1 = 0, total = 0;
+      ck(cudaMemGetInfo(&f0, &total), "meminfo");
+      ok(fce_linear_cross_entropy_fwd_vp(h2, comm, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &both, nullptr, 0), "lce vp");
+      ck(cudaDeviceSynchronize(), "sync");
+      ck(cudaMemGetInfo(&f1, &total), "meminfo");
+      lib_bytes = f0 > f1 ? f0 - f1 : 0;
+      fce_handle_destroy(h2);
+    }
+    const double flop = 6.0 * double(NL) * double(H) * double(width);
+    std::printf("| rank %d | linear CE strong, N=%lld H=%lld V_local=%lld | fwd %.3f | fwd+bwd %.3f (%.0f TFLOP/s) |\n",
+                g_rank, (long long)NL, (long long)H, (long long)width, tf, tfb, flop / tfb * 1e-9);
+    std::printf("| rank %d | linear CE steps | explicit partial+all-gather+combine+bwd+all-reduce %.3f; one GPU's fused "
+                "call over the shard's columns %.3f (%.0f TFLOP/s); library memory with workspace NULL %.1f MiB "
+                "(workspace query %.1f MiB) | | |\n",
+                g_rank, tx, t1, flop / t1 * 1e-9, double(lib_bytes) / 1048576.0, double(wsb) / 1048576.0);
+  }
 }
 
 }  // namespace
@@ -626,6 +845,7 @@ int main(int argc, char** argv) {
   nccl.comm_init_rank = reinterpret_cast<decltype(nccl.comm_init_rank)>(dlsym(lib, "ncclCommInitRank"));
   nccl.comm_destroy = reinterpret_cast<decltype(nccl.comm_destroy)>(dlsym(lib, "ncclCommDestroy"));
   nccl.all_gather = reinterpret_cast<decltype(nccl.all_gather)>(dlsym(lib, "ncclAllGather"));
+  nccl.all_reduce = reinterpret_cast<decltype(nccl.all_reduce)>(dlsym(lib, "ncclAllReduce"));
   const int dev = g_rank;
   ck(cudaSetDevice(dev), "cudaSetDevice");
   NcclId id{};
@@ -678,6 +898,12 @@ int main(int argc, char** argv) {
     };
     for (const Case& c : kd_cases)
       for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) kd_case(c, div, W, dev, h, nccl, nc, st);
+    const Case linear_cases[] = {
+        {37, 50021, true, FCE_REDUCTION_NONE, 0.f, 0.f, false},
+        {300, 129920, true, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, false},
+        {64, 7, false, FCE_REDUCTION_SUM, 0.f, 0.f, false},
+    };
+    for (const Case& c : linear_cases) linear_case(c, c.V > 1000 ? 128 : 16, W, dev, h, comm, st);
     validation(W, dev, h, comm, st);
   }
   fce_comm_destroy(comm);

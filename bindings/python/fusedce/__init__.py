@@ -22,7 +22,8 @@ from .ops import (CrossEntropyOutput, KDOutput, LinearCrossEntropyGrads, LinearC
                   cross_entropy, cross_entropy_bwd, cross_entropy_bwd_ex, cross_entropy_combine, cross_entropy_fwd,
                   cross_entropy_partial,
                   cross_entropy_record_fields, kd_bwd, kd_combine, kd_loss, kd_partial, linear_cross_entropy,
-                  linear_cross_entropy_bwd, linear_cross_entropy_fwd, logsumexp, logsumexp_combine,
+                  linear_cross_entropy_bwd, linear_cross_entropy_fwd, linear_cross_entropy_partial, logsumexp,
+                  logsumexp_combine,
                   logsumexp_partial, temp_softmax)
 
 __version__ = HEADER_VERSION
@@ -48,5 +49,6 @@ __all__ = [
     "cross_entropy_record_fields", "default_handle", "defaults", "ffi", "kd_bwd", "kd_combine", "kd_loss",
     "kd_partial",
     "lib", "library_path", "linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_fwd",
+    "linear_cross_entropy_partial",
     "logsumexp", "logsumexp_combine", "logsumexp_partial", "new_struct", "temp_softmax", "version",
 ]

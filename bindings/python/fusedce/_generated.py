@@ -308,6 +308,24 @@ fce_status_t fce_linear_cross_entropy_bwd_workspace_size(
     fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
     const DLTensor* targets, const DLTensor* lse, const fce_ce_options_t* options,
     const fce_linear_ce_outputs_t* outputs, size_t* bytes);
+fce_status_t fce_linear_cross_entropy_partial(fce_handle_t handle, fce_stream_t stream,
+                                                      const DLTensor* hidden, const DLTensor* weight,
+                                                      const DLTensor* bias, const DLTensor* targets,
+                                                      const fce_ce_options_t* options, DLTensor* records,
+                                                      void* workspace, size_t workspace_bytes);
+fce_status_t fce_linear_cross_entropy_partial_workspace_size(
+    fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
+    const DLTensor* targets, const fce_ce_options_t* options, const DLTensor* records, size_t* bytes);
+fce_status_t fce_linear_cross_entropy_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream,
+                                                     const DLTensor* hidden, const DLTensor* weight,
+                                                     const DLTensor* bias, const DLTensor* targets,
+                                                     const fce_ce_options_t* options,
+                                                     const fce_linear_ce_outputs_t* outputs, void* workspace,
+                                                     size_t workspace_bytes);
+fce_status_t fce_linear_cross_entropy_fwd_vp_workspace_size(
+    fce_handle_t handle, fce_comm_t comm, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
+    const DLTensor* targets, const fce_ce_options_t* options, const fce_linear_ce_outputs_t* outputs,
+    size_t* bytes);
 fce_status_t fce_scale_rows(fce_handle_t handle, fce_stream_t stream, DLTensor* x, const DLTensor* factor);
 """
 

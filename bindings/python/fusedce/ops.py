@@ -572,21 +572,26 @@ def linear_cross_entropy_bwd(hidden, weight, targets, lse, *, bias=None, dhidden
                              reduction=_NAME["reduction"][_CE["reduction"]],
                              ignore_index=_CE["ignore_index"], label_smoothing=_CE["label_smoothing"],
                              z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"],
-                             logit_scale=_CE["logit_scale"], class_weights=None, accumulate=False, handle=None,
-                             stream=None, workspace=None):
+                             logit_scale=_CE["logit_scale"], class_weights=None, accumulate=False,
+                             vocab_start=0, vocab_total=0, handle=None, stream=None, workspace=None):
     """fce_linear_cross_entropy_bwd: the gradients asked for (dbias defaults to "if there is a bias"),
     recomputing the logits chunk by chunk from the forward's lse; accumulate=True adds them into the arrays
     given (as linear_cross_entropy_fwd). grad_entropy (a number or [N] fp32) with `entropy` (the forward's
-    entropy output, [N] fp32) adds the entropy's gradient. Returns LinearCrossEntropyGrads."""
+    entropy output, [N] fp32) adds the entropy's gradient. With vocab_total (a shard, as
+    linear_cross_entropy_partial), weight and bias are the shard's rows, lse the combined one, dweight / dbias
+    the shard's, and dhidden fp32 (allocated so for True): this shard's part, to be summed over the ranks in
+    fp32. Returns LinearCrossEntropyGrads."""
     _accumulating(accumulate, dhidden, dweight, dbias)
     c = Call(hidden, handle, stream)
     targets = c.native(targets)
     if dbias is None:
         dbias = bias is not None
-    dh_a = c.output(dhidden, lambda: c.empty_like(hidden))
+    dh_a = c.output(dhidden, lambda: c.empty((_rows(hidden), hidden.shape[1]), "float32") if vocab_total
+                    else c.empty_like(hidden))
     dw_a = c.output(dweight, lambda: c.empty_like(weight))
     db_a = c.output(dbias, lambda: c.empty_like(bias) if bias is not None else _no_bias())
-    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
+                       vocab_start, vocab_total)
     outs = c.struct("fce_linear_ce_outputs_t")
     outs.dhidden = c.dl(dh_a, True)
     outs.dweight = c.dl(dw_a, True)
@@ -599,6 +604,73 @@ def linear_cross_entropy_bwd(hidden, weight, targets, lse, *, bias=None, dhidden
           c.dl(None if bias is None else c.native(bias)), c.dl(targets), c.dl(c.native(lse)), opts, outs,
           workspace=workspace)
     return LinearCrossEntropyGrads(dh_a, dw_a, db_a)
+
+
+def linear_cross_entropy_partial(hidden, weight, targets, *, vocab_start, vocab_total, bias=None,
+                                 reduction=_NAME["reduction"][_CE["reduction"]], ignore_index=_CE["ignore_index"],
+                                 label_smoothing=_CE["label_smoothing"], z_loss_scale=_CE["z_loss_scale"],
+                                 softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None,
+                                 fields=RECORD_FIELDS_ALL, records=None, handle=None, stream=None, workspace=None):
+    """fce_linear_cross_entropy_partial: the [N, K] fp32 cross-entropy records of a vocabulary shard's logits
+    hidden [N, H] @ weight[V_local, H]^T (+ bias [V_local]), where weight holds the LM head's rows [vocab_start,
+    vocab_start + V_local) of a vocabulary of vocab_total (rows past it are padding, never read). Gather every
+    rank's records in rank order ([W, N, K]) for cross_entropy_combine, then linear_cross_entropy_bwd with
+    the shard and the combined lse. fields / records as cross_entropy_partial."""
+    c = Call(hidden, handle, stream)
+    targets = c.native(targets)
+    out = records if records is not None else c.empty((_rows(hidden), int(fields)), "float32")
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
+                       vocab_start, vocab_total)
+    c.run("fce_linear_cross_entropy_partial", c.dl(hidden), c.dl(c.native(weight)),
+          c.dl(None if bias is None else c.native(bias)), c.dl(targets), opts, c.dl(out, True), workspace=workspace)
+    return out
+
+
+def linear_cross_entropy_fwd_vp(hidden, weight, targets, comm, *, vocab_start, vocab_total, bias=None,
+                                reduction=_NAME["reduction"][_CE["reduction"]], ignore_index=_CE["ignore_index"],
+                                label_smoothing=_CE["label_smoothing"], z_loss_scale=_CE["z_loss_scale"],
+                                softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None,
+                                lse=True, z_loss=False, argmax=False, entropy=False, dhidden=False, dweight=False,
+                                dbias=False, grad_loss=None, grad_entropy=None, argmax_dtype="int64",
+                                accumulate=False, stream=None, workspace=None):
+    """fce_linear_cross_entropy_fwd_vp: vocabulary-parallel linear cross-entropy over NCCL (a Communicator),
+    one call per rank: hidden [N, H] and targets [N] (global indices) the same on every rank, weight [V_local, H]
+    (and bias [V_local]) this rank's rows [vocab_start, vocab_start + V_local). Each token chunk's records
+    cross the ranks inside the call; dhidden (True or an array, any float dtype) is the sum over every rank,
+    dweight / dbias this shard's. Returns LinearCrossEntropyOutput of the whole rows, the same bits on every
+    rank. Raises CommunicatorError when NCCL fails."""
+    _accumulating(accumulate, dhidden, dweight, dbias)
+    c = Call(hidden, None, stream)
+    targets = c.native(targets)
+    n = _rows(hidden)
+    loss_a = _loss_buffer(c, reduction, n)
+    lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
+    zl_a = c.output(z_loss, lambda: _loss_buffer(c, reduction, n))
+    am_a = c.output(argmax, lambda: c.empty((n,), argmax_dtype))
+    ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
+    dh_a = c.output(dhidden, lambda: c.empty_like(hidden))
+    dw_a = c.output(dweight, lambda: c.empty_like(weight))
+    db_a = c.output(dbias, lambda: c.empty_like(bias) if bias is not None else _no_bias())
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
+                       vocab_start, vocab_total)
+    outs = c.struct("fce_linear_ce_outputs_t")
+    outs.loss = c.dl(loss_a, True)
+    outs.lse = c.dl(lse_a, True)
+    outs.z_loss = c.dl(zl_a, True)
+    outs.argmax = c.dl(am_a, True)
+    outs.entropy = c.dl(ent_a, True)
+    outs.dhidden = c.dl(dh_a, True)
+    outs.dweight = c.dl(dw_a, True)
+    outs.dbias = c.dl(db_a, True)
+    outs.grad_loss = c.dl(_grad(c, grad_loss))
+    outs.grad_entropy = c.dl(_grad(c, grad_entropy))
+    outs.flags = _ACCUMULATE if accumulate else 0
+    args = (comm.ptr, c.dl(hidden), c.dl(c.native(weight)), c.dl(None if bias is None else c.native(bias)),
+            c.dl(targets), opts, outs)
+    ws, wsb = c.workspace("fce_linear_cross_entropy_fwd_vp_workspace_size", args, workspace)
+    check(lib.fce_linear_cross_entropy_fwd_vp(c.handle.ptr, comm.ptr, c.stream, *args[1:], ws, wsb),
+          "fce_linear_cross_entropy_fwd_vp")
+    return LinearCrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dh_a, dw_a, db_a)
 
 
 _ACCUMULATE = MACROS["FCE_LINEAR_CE_ACCUMULATE"]

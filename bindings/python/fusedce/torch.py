@@ -529,7 +529,7 @@ class KDLoss(torch.nn.Module):
 __all__ = ["CrossEntropyLoss", "CrossEntropyOutput", "KDLoss", "LinearCrossEntropyLoss", "SoftmaxOutput",
            "cross_entropy", "kd_loss", "kd_loss_topk", "linear_cross_entropy", "linear_logprobs_entropy",
            "log_softmax", "logprobs_entropy", "logsumexp", "softmax", "temp_softmax", "vocab_parallel_cross_entropy",
-           "vocab_parallel_kd_loss", "vocab_parallel_logprobs_entropy"]
+           "vocab_parallel_kd_loss", "vocab_parallel_linear_cross_entropy", "vocab_parallel_logprobs_entropy"]
 
 
 # ---- vocabulary-parallel cross-entropy -------------------------------------------------------------
@@ -738,4 +738,86 @@ def vocab_parallel_cross_entropy(logits, target, *, vocab_start=None, vocab_tota
         loss = _VocabParallelCENccl.apply(x, t, comm, kw)
     else:
         loss = _VocabParallelCE.apply(x, t, group, kw)
+    return loss.reshape(target.shape) if red == _REDUCTION_NONE else loss
+
+
+# ---- vocabulary-parallel linear cross-entropy --------------------------------------------------------
+
+class _VocabParallelLinearCE(torch.autograd.Function):
+    """NCCL mode with a reduced loss: one library call forms the loss and every gradient (upstream gradient 1;
+    the backward scales them where it is not, as linear_cross_entropy does). Otherwise: the shard's records,
+    one all-gather, the combine; the backward is the shard's fce_linear_cross_entropy_bwd from the combined lse,
+    its fp32 part of dhidden summed over the group, then rounded once."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, group, comm, kw, need):
+        h, w = hidden.detach(), weight.detach()
+        b = None if bias is None else bias.detach()
+        fused = comm is not None and any(need) and kw["reduction"] != _REDUCTION_NONE
+        if comm is not None:
+            out = _arrays.linear_cross_entropy_fwd_vp(h, w, targets, comm, bias=b, lse=True,
+                                                      dhidden=fused and need[0], dweight=fused and need[1],
+                                                      dbias=fused and need[2], **kw)
+        else:
+            rec = _arrays.linear_cross_entropy_partial(h, w, targets, bias=b, fields=_arrays.RECORD_FIELDS_LOSS, **kw)
+            out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets,
+                                                **{k: v for k, v in kw.items() if k != "vocab_start"})
+        ctx.grads = (out.dhidden, out.dweight, out.dbias) if fused else None
+        ctx.save_for_backward(hidden, weight, bias, targets, out.lse)
+        ctx.group, ctx.kw, ctx.need = group, kw, need
+        return out.loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need = ctx.need
+        if ctx.grads is not None:
+            grads, ctx.grads = ctx.grads, None
+            g = grad.float().reshape(())
+            dh, dw, db = (_arrays.scale_rows(d, g) if d is not None and n else None for d, n in zip(grads, need))
+        else:
+            r = _arrays.linear_cross_entropy_bwd(hidden.detach(), weight.detach(), targets, lse,
+                                                 bias=None if bias is None else bias.detach(), dhidden=need[0],
+                                                 dweight=need[1], dbias=need[2] and bias is not None,
+                                                 grad_loss=grad.float().contiguous(), **ctx.kw)
+            dh, dw, db = r
+            if dh is not None:
+                import torch.distributed as dist
+                if ctx.group is not None or (dist.is_available() and dist.is_initialized()):
+                    dist.all_reduce(dh, group=ctx.group)  # the ranks' fp32 parts
+                dh = dh.to(hidden.dtype)
+        return dh, dw, db, None, None, None, None, None
+
+
+def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, vocab_start=None, vocab_total=None,
+                                        group=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                                        lse_square_scale=0.0, softcap=None, nccl=True):
+    """Cross-entropy of F.linear(hidden, weight, bias) whose LM head is split by rows of the vocabulary across
+    the ranks of a torch.distributed `group` (tensor parallelism: this rank holds weight rows [vocab_start,
+    vocab_start + V_local), and the bias's; hidden and target are the same on every rank), without the logits.
+    Returns the loss of the whole rows (float32), the same bits on every rank; gradients flow to hidden (the
+    sum over the ranks), and to this rank's weight and bias rows.
+
+    hidden: [..., H] fp32/bf16/fp16, CUDA or CPU. weight: [V_local, H], hidden's dtype. target: [...] global
+    class indices. vocab_start / vocab_total: default equal shards in rank order; give them for uneven or padded
+    shards (rows at or past vocab_total are padding, never read). On CUDA with an NCCL group (and nccl=True)
+    the library runs each token chunk's record exchange over the group's NCCL communicator inside one call
+    (fce_linear_cross_entropy_fwd_vp: 6*N*H*V_local flops), and with a reduced loss forms every gradient in
+    that call. Otherwise one all-gather of [N, 4] fp32 records through torch.distributed
+    (fce_linear_cross_entropy_partial, fce_cross_entropy_combine); the backward recomputes the shard's logits
+    (fce_linear_cross_entropy_bwd: 8*N*H*V_local flops in all) and all-reduces dhidden in fp32. Not a
+    torch.library op: torch.compile graph-breaks around it."""
+    v_local = weight.shape[0]
+    vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
+    red = _reduction(reduction)
+    kw = dict(vocab_start=vocab_start, vocab_total=vocab_total, reduction=red, ignore_index=int(ignore_index),
+              label_smoothing=float(label_smoothing), z_loss_scale=float(lse_square_scale),
+              softcap=float(softcap or 0.0))
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = _targets(target).reshape(-1)
+    grad = torch.is_grad_enabled()
+    need = (grad and hidden.requires_grad, grad and weight.requires_grad,
+            grad and bias is not None and bias.requires_grad)
+    comm = _nccl_comm(group, h.device) if nccl else None
+    loss = _VocabParallelLinearCE.apply(h, weight, bias, t, group, comm, kw, need)
     return loss.reshape(target.shape) if red == _REDUCTION_NONE else loss

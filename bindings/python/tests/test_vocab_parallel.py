@@ -43,6 +43,49 @@ def test_shards_match_the_whole_vocabulary(widths, pad, reduction):
         assert (d[:, w:] == 0).all()
 
 
+@pytest.mark.parametrize("widths,pad", [([30, 0], 0), ([11, 20, 0], 4)])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_linear_ce_shards_match_the_whole_head(widths, pad, reduction):
+    """The LM head split by rows: each shard's partial records, combined, then each shard's backward from the
+    combined lse; loss, lse and the gradients against the unsharded linear cross-entropy (fp32)."""
+    n, hdim, v = 13, 24, 61
+    h = rng.standard_normal((n, hdim)).astype(np.float32)
+    w = (rng.standard_normal((v, hdim)) * 0.5).astype(np.float32)
+    b = rng.standard_normal(v).astype(np.float32)
+    t = rng.integers(0, v, n)
+    t[2] = -100
+    opts = dict(reduction=reduction, label_smoothing=0.05, z_loss_scale=1e-3)
+    starts = np.cumsum([0] + widths)[:-1]
+    widths = list(widths[:-1]) + [v - starts[-1]]
+    shards = []
+    for r, (s, k) in enumerate(zip(starts, widths)):
+        rows = k + (pad if r == len(widths) - 1 else 0)
+        ws = np.full((rows, hdim), np.nan, np.float32)  # padding rows: never read
+        bs = np.full(rows, np.nan, np.float32)
+        ws[:k], bs[:k] = w[s:s + k], b[s:s + k]
+        shards.append((int(s), k, ws, bs))
+    rec = np.stack([fusedce.linear_cross_entropy_partial(h, ws, t, bias=bs, vocab_start=s, vocab_total=v, **opts)
+                    for s, _, ws, bs in shards])
+    got = fusedce.cross_entropy_combine(rec, t, vocab_total=v, **opts)
+    whole = fusedce.linear_cross_entropy_fwd(h, w, t, bias=b, dhidden=True, dweight=True, dbias=True, **opts)
+    np.testing.assert_allclose(got.loss, whole.loss, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(got.lse, whole.lse, rtol=2e-5, atol=2e-6)
+    dh = np.zeros((n, hdim), np.float64)
+    for s, k, ws, bs in shards:
+        g = fusedce.linear_cross_entropy_bwd(h, ws, t, got.lse, bias=bs, vocab_start=s, vocab_total=v, **opts)
+        assert g.dhidden.dtype == np.float32
+        dh += g.dhidden
+        np.testing.assert_allclose(g.dweight[:k], whole.dweight[s:s + k], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(g.dbias[:k], whole.dbias[s:s + k], rtol=1e-4, atol=1e-6)
+        assert (g.dweight[k:] == 0).all() and (g.dbias[k:] == 0).all()
+    np.testing.assert_allclose(dh, whole.dhidden, rtol=1e-4, atol=1e-6)
+    with pytest.raises(fusedce.UnsupportedDtypeError, match="float32"):
+        s, _, ws, bs = shards[0]
+        fusedce.linear_cross_entropy_bwd(h.astype(np.float16), ws.astype(np.float16), t, got.lse,
+                                         vocab_start=s, vocab_total=v, dhidden=np.zeros((n, hdim), np.float16),
+                                         dweight=False, **opts)
+
+
 def test_bad_shards_raise():
     x = np.zeros((2, 4), np.float32)
     t = np.array([0, 1])
@@ -110,6 +153,18 @@ def _rank(rank, world, port, shape, widths, results):
         want_grad = x64.grad[..., starts[rank]:starts[rank] + widths[rank]]
         results.put((rank, "kd", float((kd.double() - ref.detach()).abs()), float((mine.grad.double() - want_grad).abs().max()),
                      kd.detach().numpy().tobytes()))
+        # linear cross-entropy: the LM head split by rows; dhidden summed over the ranks
+        hid = torch.randn(s, b, 16, generator=g).requires_grad_()
+        head = torch.randn(v, 16, generator=g) * 0.5
+        wmine = head[starts[rank]:starts[rank] + widths[rank]].clone().requires_grad_()
+        lce = ft.vocab_parallel_linear_cross_entropy(hid, wmine, t, label_smoothing=0.1, **kw)
+        (lce * 0.5).backward()
+        h64, w64 = hid.detach().double().requires_grad_(), head.double().requires_grad_()
+        ref = F.cross_entropy((h64 @ w64.T).reshape(-1, v), t.reshape(-1), label_smoothing=0.1)
+        (ref * 0.5).backward()
+        gerr = max(float((hid.grad.double() - h64.grad).abs().max()),
+                   float((wmine.grad.double() - w64.grad[starts[rank]:starts[rank] + widths[rank]]).abs().max()))
+        results.put((rank, "linear", float((lce.double() - ref.detach()).abs()), gerr, lce.detach().numpy().tobytes()))
     finally:
         dist.destroy_process_group()
 
@@ -117,8 +172,8 @@ def _rank(rank, world, port, shape, widths, results):
 @pytest.mark.parametrize("widths", [[20, 20], [13, 27]])
 def test_torch_distributed_two_ranks(widths):
     """Two processes (gloo, CPU), Megatron's [S, B, V/W] layout: the loss of the whole rows (and the
-    log-probabilities and entropies, and a KD divergence), the same bits on both ranks, and each rank's
-    gradient its columns of PyTorch's float64 gradient."""
+    log-probabilities and entropies, a KD divergence, and linear cross-entropy with the LM head split by rows),
+    the same bits on both ranks, and each rank's gradient its part of PyTorch's float64 gradient."""
     torch = pytest.importorskip("torch")
     import socket
 
@@ -131,14 +186,14 @@ def test_torch_distributed_two_ranks(widths):
     procs = [ctx.Process(target=_rank, args=(r, 2, port, (3, 4, sum(widths)), widths, results)) for r in range(2)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=120) for _ in range(8)]
+    got = [results.get(timeout=120) for _ in range(10)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     by = {}
     for rank, red, loss_err, grad_err, bits in got:
         assert loss_err < 2e-5, (rank, red, loss_err)
-        assert grad_err < (1e-5 if red in ("logprobs_entropy", "kd") else 2e-6), (rank, red, grad_err)
+        assert grad_err < (1e-5 if red in ("logprobs_entropy", "kd", "linear") else 2e-6), (rank, red, grad_err)
         by.setdefault(red, set()).add(bits)
     assert all(len(b) == 1 for b in by.values()), "the ranks' losses differ"
     del torch

@@ -1166,6 +1166,10 @@ end
 """
 Linear cross-entropy backward from a saved lse: recomputes each chunk's logits and writes the gradients
 requested in `outputs` (dhidden, dweight, dbias; loss/lse/z_loss/argmax/entropy must be NULL here).
+With a vocabulary shard in the options (vocab_total set; "Vocabulary-parallel linear cross-entropy"
+below), weight and bias are the shard's rows, lse (and saved_entropy) the whole rows' from
+fce_cross_entropy_combine, dweight and dbias the shard's, and dhidden must be fp32: this shard's part of
+the sum over ranks.
 @param lse       [N] fp32 from the forward with the same options.
 `outputs->grad_loss` is the upstream gradient (NULL = 1); `outputs->grad_entropy`, with
 `outputs->saved_entropy` (the forward's entropy), adds the entropy's gradient.
@@ -1179,6 +1183,62 @@ Workspace bytes fce_linear_cross_entropy_bwd needs (as the forward's query).
 """
 function fce_linear_cross_entropy_bwd_workspace_size(handle, hidden, weight, bias, targets, lse, options, outputs, bytes)
     @ccall $(_fptr_fce_linear_cross_entropy_bwd_workspace_size[])(handle::fce_handle_t, hidden::Ptr{DLTensor}, weight::Ptr{DLTensor}, bias::Ptr{DLTensor}, targets::Ptr{DLTensor}, lse::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_linear_ce_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+"""
+The cross-entropy records of a shard's logits (hidden @ weight^T + bias), in token chunks as
+fce_linear_cross_entropy_fwd.
+@param hidden  [N,H] fp32, bf16 or fp16, the whole batch (the same on every rank).
+@param weight  [V,H] this rank's rows of the weight (V >= 1, possibly padded past vocab_total), hidden's dtype.
+@param bias    optional [V], this rank's part of the bias, hidden's dtype.
+@param targets [N] int32 or int64, global indices.
+@param options vocab_start and vocab_total required; the other options as for the unsharded call.
+@param records [N,K] fp32, written; K one of FCE_CE_RECORD_FIELDS_* (the entropy and argmax need the
+               wider records, as for fce_cross_entropy_combine).
+@param workspace as fce_linear_cross_entropy_fwd's (fce_linear_cross_entropy_partial_workspace_size).
+@return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT without a shard in the options),
+        WORKSPACE_TOO_SMALL, BLAS_ERROR, CUDA_ERROR.
+"""
+function fce_linear_cross_entropy_partial(handle, stream, hidden, weight, bias, targets, options, records, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_linear_cross_entropy_partial[])(handle::fce_handle_t, stream::fce_stream_t, hidden::Ptr{DLTensor}, weight::Ptr{DLTensor}, bias::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, records::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_linear_cross_entropy_partial uses by default (same validation).
+"""
+function fce_linear_cross_entropy_partial_workspace_size(handle, hidden, weight, bias, targets, options, records, bytes)
+    @ccall $(_fptr_fce_linear_cross_entropy_partial_workspace_size[])(handle::fce_handle_t, hidden::Ptr{DLTensor}, weight::Ptr{DLTensor}, bias::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, records::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+"""
+Vocabulary-parallel linear cross-entropy over NCCL, one call per rank (CUDA): in each token chunk, the
+shard's logits (a cuBLAS GEMM), their records, an all-gather of the chunk's records on `stream`, the
+combine in rank order (every rank gets the same bits, equal to a one-device emulation of the same
+shards through fce_linear_cross_entropy_partial and fce_cross_entropy_combine), and with gradients the
+chunk's dlogits from the combined lse, in place, then the dhidden and dweight GEMMs. dhidden is the sum of
+every rank's part, formed in fp32 by one all-reduce at the end of the call and rounded once to its dtype.
+@param comm    from fce_comm_create, on the handle's device.
+@param hidden, weight, bias, targets as for fce_linear_cross_entropy_partial.
+@param options vocab_start (this rank's first row) and vocab_total required; the same on every rank
+               otherwise.
+@param outputs as for fce_linear_cross_entropy_fwd: loss, lse, z_loss, argmax, entropy of the whole rows;
+               dhidden [N,H] (any float dtype: the ranks' sum), dweight [V,H] and dbias [V] (this shard's
+               rows); grad_loss, grad_entropy, flags. Every rank passes the same outputs.
+@param workspace as everywhere (fce_linear_cross_entropy_fwd_vp_workspace_size; default about 448 MiB):
+               the chunk's logits, the records of all ranks for a chunk, and an fp32 [N,H] dhidden when
+               the output is not fp32.
+@return FCE_STATUS_SUCCESS, the validation statuses, WORKSPACE_TOO_SMALL, COMMUNICATOR_ERROR (a collective
+        failed), BLAS_ERROR, CUDA_ERROR.
+"""
+function fce_linear_cross_entropy_fwd_vp(handle, comm, stream, hidden, weight, bias, targets, options, outputs, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_linear_cross_entropy_fwd_vp[])(handle::fce_handle_t, comm::fce_comm_t, stream::fce_stream_t, hidden::Ptr{DLTensor}, weight::Ptr{DLTensor}, bias::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_linear_ce_outputs_t}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_linear_cross_entropy_fwd_vp uses by default (same validation).
+"""
+function fce_linear_cross_entropy_fwd_vp_workspace_size(handle, comm, hidden, weight, bias, targets, options, outputs, bytes)
+    @ccall $(_fptr_fce_linear_cross_entropy_fwd_vp_workspace_size[])(handle::fce_handle_t, comm::fce_comm_t, hidden::Ptr{DLTensor}, weight::Ptr{DLTensor}, bias::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_linear_ce_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t
 end
 
 """
@@ -1343,6 +1403,10 @@ const _fptr_fce_linear_cross_entropy_fwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_fwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_bwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_bwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_linear_cross_entropy_partial = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_linear_cross_entropy_partial_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_linear_cross_entropy_fwd_vp = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_linear_cross_entropy_fwd_vp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_scale_rows = Ref{Ptr{Cvoid}}(C_NULL)
 
 """
@@ -1402,6 +1466,10 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_linear_cross_entropy_fwd_workspace_size[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_fwd_workspace_size)
     _fptr_fce_linear_cross_entropy_bwd[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_bwd)
     _fptr_fce_linear_cross_entropy_bwd_workspace_size[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_bwd_workspace_size)
+    _fptr_fce_linear_cross_entropy_partial[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_partial)
+    _fptr_fce_linear_cross_entropy_partial_workspace_size[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_partial_workspace_size)
+    _fptr_fce_linear_cross_entropy_fwd_vp[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_fwd_vp)
+    _fptr_fce_linear_cross_entropy_fwd_vp_workspace_size[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_fwd_vp_workspace_size)
     _fptr_fce_scale_rows[] = Libdl.dlsym(lib, :fce_scale_rows)
     return nothing
 end
@@ -1458,6 +1526,10 @@ const FUNCTIONS = (
     :fce_linear_cross_entropy_fwd_workspace_size,
     :fce_linear_cross_entropy_bwd,
     :fce_linear_cross_entropy_bwd_workspace_size,
+    :fce_linear_cross_entropy_partial,
+    :fce_linear_cross_entropy_partial_workspace_size,
+    :fce_linear_cross_entropy_fwd_vp,
+    :fce_linear_cross_entropy_fwd_vp_workspace_size,
     :fce_scale_rows,
 )
 

@@ -2793,6 +2793,10 @@ extern "C" {
 extern "C" {
     #[doc = " Linear cross-entropy backward from a saved lse: recomputes each chunk's logits and writes the gradients"]
     #[doc = " requested in `outputs` (dhidden, dweight, dbias; loss/lse/z_loss/argmax/entropy must be NULL here)."]
+    #[doc = " With a vocabulary shard in the options (vocab_total set; \"Vocabulary-parallel linear cross-entropy\""]
+    #[doc = " below), weight and bias are the shard's rows, lse (and saved_entropy) the whole rows' from"]
+    #[doc = " fce_cross_entropy_combine, dweight and dbias the shard's, and dhidden must be fp32: this shard's part of"]
+    #[doc = " the sum over ranks."]
     #[doc = " @param lse       [N] fp32 from the forward with the same options."]
     #[doc = " `outputs->grad_loss` is the upstream gradient (NULL = 1); `outputs->grad_entropy`, with"]
     #[doc = " `outputs->saved_entropy` (the forward's entropy), adds the entropy's gradient."]
@@ -2819,6 +2823,92 @@ extern "C" {
         bias: *const DLTensor,
         targets: *const DLTensor,
         lse: *const DLTensor,
+        options: *const fce_ce_options_t,
+        outputs: *const fce_linear_ce_outputs_t,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " The cross-entropy records of a shard's logits (hidden @ weight^T + bias), in token chunks as"]
+    #[doc = " fce_linear_cross_entropy_fwd."]
+    #[doc = " @param hidden  [N,H] fp32, bf16 or fp16, the whole batch (the same on every rank)."]
+    #[doc = " @param weight  [V,H] this rank's rows of the weight (V >= 1, possibly padded past vocab_total), hidden's dtype."]
+    #[doc = " @param bias    optional [V], this rank's part of the bias, hidden's dtype."]
+    #[doc = " @param targets [N] int32 or int64, global indices."]
+    #[doc = " @param options vocab_start and vocab_total required; the other options as for the unsharded call."]
+    #[doc = " @param records [N,K] fp32, written; K one of FCE_CE_RECORD_FIELDS_* (the entropy and argmax need the"]
+    #[doc = "                wider records, as for fce_cross_entropy_combine)."]
+    #[doc = " @param workspace as fce_linear_cross_entropy_fwd's (fce_linear_cross_entropy_partial_workspace_size)."]
+    #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT without a shard in the options),"]
+    #[doc = "         WORKSPACE_TOO_SMALL, BLAS_ERROR, CUDA_ERROR."]
+    pub fn fce_linear_cross_entropy_partial(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        hidden: *const DLTensor,
+        weight: *const DLTensor,
+        bias: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_ce_options_t,
+        records: *mut DLTensor,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_linear_cross_entropy_partial uses by default (same validation)."]
+    pub fn fce_linear_cross_entropy_partial_workspace_size(
+        handle: fce_handle_t,
+        hidden: *const DLTensor,
+        weight: *const DLTensor,
+        bias: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_ce_options_t,
+        records: *const DLTensor,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Vocabulary-parallel linear cross-entropy over NCCL, one call per rank (CUDA): in each token chunk, the"]
+    #[doc = " shard's logits (a cuBLAS GEMM), their records, an all-gather of the chunk's records on `stream`, the"]
+    #[doc = " combine in rank order (every rank gets the same bits, equal to a one-device emulation of the same"]
+    #[doc = " shards through fce_linear_cross_entropy_partial and fce_cross_entropy_combine), and with gradients the"]
+    #[doc = " chunk's dlogits from the combined lse, in place, then the dhidden and dweight GEMMs. dhidden is the sum of"]
+    #[doc = " every rank's part, formed in fp32 by one all-reduce at the end of the call and rounded once to its dtype."]
+    #[doc = " @param comm    from fce_comm_create, on the handle's device."]
+    #[doc = " @param hidden, weight, bias, targets as for fce_linear_cross_entropy_partial."]
+    #[doc = " @param options vocab_start (this rank's first row) and vocab_total required; the same on every rank"]
+    #[doc = "                otherwise."]
+    #[doc = " @param outputs as for fce_linear_cross_entropy_fwd: loss, lse, z_loss, argmax, entropy of the whole rows;"]
+    #[doc = "                dhidden [N,H] (any float dtype: the ranks' sum), dweight [V,H] and dbias [V] (this shard's"]
+    #[doc = "                rows); grad_loss, grad_entropy, flags. Every rank passes the same outputs."]
+    #[doc = " @param workspace as everywhere (fce_linear_cross_entropy_fwd_vp_workspace_size; default about 448 MiB):"]
+    #[doc = "                the chunk's logits, the records of all ranks for a chunk, and an fp32 [N,H] dhidden when"]
+    #[doc = "                the output is not fp32."]
+    #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses, WORKSPACE_TOO_SMALL, COMMUNICATOR_ERROR (a collective"]
+    #[doc = "         failed), BLAS_ERROR, CUDA_ERROR."]
+    pub fn fce_linear_cross_entropy_fwd_vp(
+        handle: fce_handle_t,
+        comm: fce_comm_t,
+        stream: fce_stream_t,
+        hidden: *const DLTensor,
+        weight: *const DLTensor,
+        bias: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_ce_options_t,
+        outputs: *const fce_linear_ce_outputs_t,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_linear_cross_entropy_fwd_vp uses by default (same validation)."]
+    pub fn fce_linear_cross_entropy_fwd_vp_workspace_size(
+        handle: fce_handle_t,
+        comm: fce_comm_t,
+        hidden: *const DLTensor,
+        weight: *const DLTensor,
+        bias: *const DLTensor,
+        targets: *const DLTensor,
         options: *const fce_ce_options_t,
         outputs: *const fce_linear_ce_outputs_t,
         bytes: *mut usize,
