@@ -5,10 +5,14 @@ after an L2 flush, median of 20, for
   - fusedce with the records' all-gather through torch.distributed (nccl=False),
   - Liger-Kernel's LigerVocabParallelCEFunction (3 all-reduces, an fp32 buffer), when installed,
   - Megatron's algorithm in plain PyTorch (all-reduce MAX, SUM of sum-exp, SUM of the target logit),
-and, on one GPU, fusedce's fused cross-entropy over the whole [N, V] for scale. Prints a markdown table
-(rank 0) and writes --json FILE.
+and, on one GPU, fusedce's fused cross-entropy over the whole [N, V] for scale. With --linear H: linear
+cross-entropy with the LM head [V, H] split by rows instead (strong scaling, forward + backward with dhidden
+and dweight): fusedce NCCL mode (fusedce.torch.vocab_parallel_linear_cross_entropy), its all-gather path,
+and Megatron's layers in plain PyTorch (a column-parallel linear whose input gradient is all-reduced, then
+the algorithm above); the peak counts PyTorch's allocator and, for fusedce, the library's own workspace
+(cudaMemGetInfo around the first call). Prints a markdown table (rank 0) and writes --json FILE.
 
-    python3 benchmarks/bench_vp.py [--world 2] [--n 8192] [--v 128256] [--json FILE]
+    python3 benchmarks/bench_vp.py [--world 2] [--n 8192] [--v 128256] [--linear 4096] [--json FILE]
 """
 import argparse
 import json
@@ -54,6 +58,57 @@ def megatron_ce(x, t, group, vocab_start):
     return F.apply(x, t)
 
 
+def linear_rows(rank, world, args, dev, g, timed):
+    """Linear cross-entropy, the head split by rows (strong scaling), forward + backward (dhidden, dweight)."""
+    import torch
+    import torch.distributed as dist
+
+    import fusedce.torch as ft
+    n, v, hd = args.n, args.v, args.linear
+    vl = -(-v // world)
+    start = rank * vl
+    hidden = (torch.randn(n, hd, device=dev, generator=g)).to(torch.bfloat16)
+    weight = (torch.randn(vl, hd, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device=dev, generator=torch.Generator(device=dev).manual_seed(2))
+
+    class CopyToTP(torch.autograd.Function):  # Megatron's copy_to_tensor_model_parallel_region
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, gr):
+            gr = gr.contiguous()
+            dist.all_reduce(gr)
+            return gr
+
+    def step(kind):
+        h = hidden.detach().requires_grad_()
+        w = weight.detach().requires_grad_()
+        if kind.startswith("fusedce"):
+            loss = ft.vocab_parallel_linear_cross_entropy(h, w, t, vocab_start=start, vocab_total=vl * world,
+                                                          nccl=kind == "fusedce NCCL mode")
+        else:
+            loss = megatron_ce(CopyToTP.apply(h) @ w.T, t, None, start).mean()
+        loss.backward()
+
+    out = []
+    for kind in ("fusedce NCCL mode", "fusedce, all-gather by torch.distributed", "Megatron layers, PyTorch"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        free0 = torch.cuda.mem_get_info(dev)[0]
+        step(kind)
+        torch.cuda.synchronize()
+        held = max(0, free0 - torch.cuda.mem_get_info(dev)[0] - (torch.cuda.memory_reserved(dev) - before)) \
+            if kind.startswith("fusedce") else 0
+        ms = timed(lambda: step(kind))
+        peak = (torch.cuda.max_memory_allocated(dev) - before) / 2**20
+        out.append(dict(rank=rank, scaling="linear strong, H=%d" % hd, impl=kind, n=n, v_local=vl, v=vl * world, ms=ms,
+                        peak_mib=peak, library_mib=held / 2**20))
+    return out
+
+
 def rank_main(rank, world, port, args, q):
     import torch
     import torch.distributed as dist
@@ -89,6 +144,12 @@ def rank_main(rank, world, port, args, q):
     rows = []
     n, v = args.n, args.v
     g = torch.Generator(device=dev).manual_seed(1)
+    if args.linear:
+        rows += linear_rows(rank, world, args, dev, g, timed)
+        q.put(rows)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     for scaling in ("strong", "weak"):
         vl = -(-v // world) if scaling == "strong" else v
         vt = vl * world
@@ -140,6 +201,7 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--v", type=int, default=128256)
+    ap.add_argument("--linear", type=int, default=0, help="H: linear cross-entropy instead")
     ap.add_argument("--json")
     args = ap.parse_args()
     import torch
@@ -160,9 +222,11 @@ def main():
     print("| scaling | implementation | rank | N | V local | V | fwd+bwd ms | peak extra MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        peak = "-" if r["peak_mib"] is None else "%.0f" % r["peak_mib"]
+        if r.get("library_mib"):
+            peak += " + %.0f (library)" % r["library_mib"]
         print("| %s | %s | %d | %d | %d | %d | %.3f | %s |" % (r["scaling"], r["impl"], r["rank"], r["n"], r["v_local"],
-                                                          r["v"], r["ms"],
-                                                          "-" if r["peak_mib"] is None else "%.0f" % r["peak_mib"]))
+                                                          r["v"], r["ms"], peak))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(program="bench_vp", device=torch.cuda.get_device_name(0), world=args.world, rows=rows), f,

@@ -58,10 +58,14 @@ for step in $steps; do
         [ $tool = racecheck ] && filter='CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.InfinitiesAndNaN:Logsumexp.FewAligned*:TempSoftmax.PerRowTemperaturesMixedGreedy:TempSoftmax.FewAligned*:TempSoftmax.FewRows*:TempSoftmax.ManyRowsProbabilitiesOnly:TempSoftmax.ManyLongAlignedRows:KdLoss.NegativeInfinityLogitsGiveNoNaN:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.ChunkSizesAgree:LinearCrossEntropy.ShortLastChunkSplits'
         # gpu_gpu_extra: the programmatic dependent launches behind a kernel that lets them launch at once.
         for t in gpu_cross_entropy gpu_logsumexp_softmax gpu_kd gpu_linear_ce gpu_gpu_extra gpu_contract gpu_vocab_parallel \
-                 gpu_entropy_grad gpu_kd_vocab_parallel; do
+                 gpu_entropy_grad gpu_kd_vocab_parallel gpu_linear_ce_vocab_parallel; do
           f=$filter
           [ $t = gpu_vocab_parallel ] && f='*'
           [ $t = gpu_kd_vocab_parallel ] && f='*'
+          [ $t = gpu_linear_ce_vocab_parallel ] && f='*'
+          # initcheck calls the partial's reads of cuBLAS's logits at these small shapes uninitialized, though
+          # the same test with a NaN-poisoned caller workspace passes (docs/lab-notes.md, 2026-11-26)
+          [ $t = gpu_linear_ce_vocab_parallel ] && [ $tool = initcheck ] && f='*:-LinearCeVocabParallel.ShardsDtypesOptions'
           [ $t = gpu_entropy_grad ] && f='*:-EntropyGrad.FiniteDifferences'
           [ $t = gpu_gpu_extra ] && f='GpuPdl.*:GpuContract.*'
           # initcheck makes a stream-ordered allocation wait for the stream: the host-timing test would fail

@@ -38,6 +38,7 @@ const CublasApi& cublas() {
       bind(lib, api.create, "cublasCreate_v2");
       bind(lib, api.destroy, "cublasDestroy_v2");
       bind(lib, api.set_stream, "cublasSetStream_v2");
+      bind(lib, api.set_math_mode, "cublasSetMathMode");
       bind(lib, api.gemm_ex, "cublasGemmEx");
     } catch (const Error& e) {
       error = e.message;
@@ -57,6 +58,10 @@ cublasHandle_t cublas_handle(fce_handle* h, cudaStream_t stream) {
   if (!h->blas) {
     cublasHandle_t b = nullptr;
     check_blas(api.create(&b), "cublasCreate");
+    const cublasStatus_t m =
+        api.set_math_mode(b, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+    if (m != CUBLAS_STATUS_SUCCESS) api.destroy(b);
+    check_blas(m, "cublasSetMathMode");
     h->blas = b;
   }
   cublasHandle_t b = static_cast<cublasHandle_t>(h->blas);

@@ -773,6 +773,17 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
     const float tfb = time([&] {
       ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &both, nullptr, 0), "lce vp");
     });
+    // Where NCCL mode's time goes: dweight alone (no dhidden, no all-reduce), an fp32 dhidden (all-reduced in
+    // place, no rounding pass), and one GPU's forward over the shard's columns.
+    fce_linear_ce_outputs_t dwo = fwd, f32o = both;
+    dwo.dweight = &dw.t;
+    f32o.dhidden = &dh32.t;
+    const float tdw = time([&] {
+      ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &dwo, nullptr, 0), "lce vp");
+    });
+    const float t32 = time([&] {
+      ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &f32o, nullptr, 0), "lce vp");
+    });
     // The explicit path: the shard's records, the all-gather, the combine, the shard's backward (recomputing
     // the logits), the fp32 dhidden all-reduce and its rounding (left out: one more elementwise pass).
     fce_ce_outputs_t co = FCE_CE_OUTPUTS_INIT;
@@ -795,6 +806,9 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
     const float t1 = time([&] {
       ok(fce_linear_cross_entropy_fwd(h, fs, &hid.t, &wt.t, nullptr, &tl.t, nullptr, &both, nullptr, 0), "lce");
     });
+    const float t1f = time([&] {
+      ok(fce_linear_cross_entropy_fwd(h, fs, &hid.t, &wt.t, nullptr, &tl.t, nullptr, &fwd, nullptr, 0), "lce");
+    });
     size_t lib_bytes = 0, wsb = 0;
     {
       ok(fce_linear_cross_entropy_fwd_vp_workspace_size(h, comm, &hid.t, &wt.t, nullptr, &t.t, &o, &both, &wsb), "ws");
@@ -812,10 +826,11 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
     const double flop = 6.0 * double(NL) * double(H) * double(width);
     std::printf("| rank %d | linear CE strong, N=%lld H=%lld V_local=%lld | fwd %.3f | fwd+bwd %.3f (%.0f TFLOP/s) |\n",
                 g_rank, (long long)NL, (long long)H, (long long)width, tf, tfb, flop / tfb * 1e-9);
-    std::printf("| rank %d | linear CE steps | explicit partial+all-gather+combine+bwd+all-reduce %.3f; one GPU's fused "
-                "call over the shard's columns %.3f (%.0f TFLOP/s); library memory with workspace NULL %.1f MiB "
-                "(workspace query %.1f MiB) | | |\n",
-                g_rank, tx, t1, flop / t1 * 1e-9, double(lib_bytes) / 1048576.0, double(wsb) / 1048576.0);
+    std::printf("| rank %d | linear CE steps | explicit partial+all-gather+combine+bwd+all-reduce %.3f; NCCL mode with "
+                "dweight only %.3f, with an fp32 dhidden %.3f; one GPU's fused call over the shard's columns %.3f "
+                "(%.0f TFLOP/s), forward %.3f; library memory with workspace NULL %.1f MiB (workspace query %.1f MiB) | | |\n",
+                g_rank, tx, tdw, t32, t1, flop / t1 * 1e-9, t1f, double(lib_bytes) / 1048576.0,
+                double(wsb) / 1048576.0);
   }
 }
 

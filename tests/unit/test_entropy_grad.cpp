@@ -592,7 +592,8 @@ TEST(EntropyGrad, PeakedEntropyPrecision) {
     FCE_OK(fce_cross_entropy_fwd(h, test_stream(), x.dl(), targets.dl(), &o, &out, nullptr, 0));
     ent.download();
     for (int64_t i = 0; i < N; ++i)
-      EXPECT_NEAR(ent.get(i), ref[size_t(i)], 3e-7 + 1e-4 * ref[size_t(i)]) << "row " << i << " (H = " << ref[size_t(i)] << ")";
+      // a few fp32 ulps of the row's sums (lse - sum p z would miss by the ulp of z_max, ~4e-6)
+      EXPECT_NEAR(ent.get(i), ref[size_t(i)], 5e-7 + 1e-4 * ref[size_t(i)]) << "row " << i << " (H = " << ref[size_t(i)] << ")";
     // two shards, split at V/2 (the peak of some rows in each)
     o.vocab_total = V;
     Tensor rec(DT::F32, {2 * N, K});
@@ -619,6 +620,6 @@ TEST(EntropyGrad, PeakedEntropyPrecision) {
     FCE_OK(fce_cross_entropy_combine(h, test_stream(), &r3, targets.dl(), &o, &out, nullptr, 0));
     ent.download();
     for (int64_t i = 0; i < N; ++i)
-      EXPECT_NEAR(ent.get(i), ref[size_t(i)], 3e-7 + 1e-4 * ref[size_t(i)]) << "combined row " << i;
+      EXPECT_NEAR(ent.get(i), ref[size_t(i)], 5e-7 + 1e-4 * ref[size_t(i)]) << "combined row " << i;
   }
 }

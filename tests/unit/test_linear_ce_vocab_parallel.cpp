@@ -14,7 +14,7 @@ struct Case {
   std::vector<int64_t> widths;  // split_vocabulary's: one entry per shard, the last taking the rest
   int64_t pad = 3;              // padding rows of the last shard
   bool bias = true;
-  int64_t ws_rows = 0;  // > 0: a workspace of that many one-token minimums (several chunks)
+  int64_t ws_rows = 0;  // > 0: a workspace of that many one-token minimums (several chunks); -1: the query's size
 };
 
 void run(const Case& k) {
@@ -79,12 +79,19 @@ void run(const Case& k) {
     o.vocab_start = s.start;
     Tensor wsp;
     size_t wsb = 0;
-    if (k.ws_rows > 0) {
+    if (k.ws_rows != 0) {  // a caller's workspace, poisoned (NaN): every logit the records read is written
       Tensor h1(c.dt, {1, H}), t1(DT::I64, {1}), r1(DT::F32, {1, K});
-      FCE_OK(fce_linear_cross_entropy_partial_workspace_size(h, h1.dl(), wr.dl(), k.bias ? br.dl() : no_bias,
-                                                             t1.dl(), &o, r1.dl(), &wsb));
-      wsb *= size_t(k.ws_rows);
+      if (k.ws_rows > 0) {
+        FCE_OK(fce_linear_cross_entropy_partial_workspace_size(h, h1.dl(), wr.dl(), k.bias ? br.dl() : no_bias,
+                                                               t1.dl(), &o, r1.dl(), &wsb));
+        wsb *= size_t(k.ws_rows);
+      } else {
+        FCE_OK(fce_linear_cross_entropy_partial_workspace_size(h, hidden.dl(), wr.dl(), k.bias ? br.dl() : no_bias,
+                                                               targets.dl(), &o, one.dl(), &wsb));
+      }
       wsp = Tensor(DT::F32, {int64_t(wsb / 4 + 64)});
+      wsp.poison();
+      wsp.upload();
     }
     FCE_OK(fce_linear_cross_entropy_partial(h, test_stream(), hidden.dl(), wr.dl(), k.bias ? br.dl() : no_bias,
                                             targets.dl(), &o, one.dl(), k.ws_rows ? wsp.dl()->data : nullptr, wsb));
@@ -206,6 +213,8 @@ TEST(LinearCeVocabParallel, ShardsDtypesOptions) {
       k.ce.scale = 0.8;
       k.ce.weights = red == FCE_REDUCTION_MEAN;
       k.bias = red == FCE_REDUCTION_NONE;
+      run(k);
+      k.ws_rows = -1;
       run(k);
     }
 }
