@@ -12,6 +12,7 @@ Layout convention (Julia is column-major, the library row-major): **a C tensor `
 | targets `[N]`         | `Vector` of **1-based** class indices            |
 | hidden `[N, H]`       | `H×N` matrix                                     |
 | weight `[V, H]`       | `H×V` matrix (a Flux `Embedding` weight as is; a `Dense(H=>V)` weight needs `permutedims`) |
+| weight shard `[V_local, H]` | `H×V_local` matrix, columns `vocab_start+1 : vocab_start+V_local` of the `H×V` weight (`linear_cross_entropy_partial`) |
 | top-K ids `[N, K]`    | `K×N` matrix of 1-based ids; an id ≤ 0 marks an unused slot |
 | CE records `[N, K]`   | `K×N` Float32 matrix (one shard's, `cross_entropy_partial`) |
 | CE records `[W, N, K]`| `K×N×W` Float32 array, shards in rank order (`cross_entropy_combine`) |
@@ -23,9 +24,10 @@ Layout convention (Julia is column-major, the library row-major): **a C tensor `
 
 Class indices are 1-based everywhere (targets, `argmax` outputs, top-K ids, `ignore_index`); the
 binding subtracts 1 before calling the library, so `ignore_index = 0` works as well as the default -100.
-The one exception is `vocab_start` (vocabulary-parallel cross-entropy, distillation, logsumexp and
-temperature softmax), an offset rather than a class: the number of vocabulary columns before a shard, passed
-to the library as is (the shard holds the 1-based classes `vocab_start+1 : vocab_start+size(logits, 1)`).
+The one exception is `vocab_start` (vocabulary-parallel cross-entropy, linear cross-entropy, distillation,
+logsumexp and temperature softmax), an offset rather than a class: the number of vocabulary columns before a
+shard, passed to the library as is (the shard holds the 1-based classes `vocab_start+1 : vocab_start+size(logits, 1)`,
+or `vocab_start+1 : vocab_start+size(weight, 2)` for a shard of the LM head).
 Any strided array works as long as its first dimension has unit stride (a view of a padded matrix
 is fine). Element types: `Float32`, `Float16`, any 16-bit type named `BFloat16` (BFloat16s.jl) for
 floating data; `Int32`/`Int64` for indices. Options are keyword arguments whose defaults are the loaded
@@ -45,7 +47,7 @@ export Handle, FusedCEError, default_handle, library_path, version, abi_version,
        cross_entropy, cross_entropy_fwd, cross_entropy_bwd, cross_entropy_record_fields, cross_entropy_partial,
        cross_entropy_combine, logsumexp, logsumexp_partial, logsumexp_combine, temp_softmax,
        kd_loss, kd_loss_topk, kd_partial, kd_combine, kd_bwd,
-       linear_cross_entropy, linear_cross_entropy_fwd, linear_cross_entropy_bwd
+       linear_cross_entropy, linear_cross_entropy_fwd, linear_cross_entropy_bwd, linear_cross_entropy_partial
 
 # ------------------------------------------------------------------------------------------------
 # Loading
@@ -1002,14 +1004,16 @@ end
 
 """
     linear_cross_entropy_fwd(hidden, weight, targets; bias=nothing, <cross-entropy options>,
-                             lse=true, z_loss=false, argmax=false, entropy=false,
+                             vocab_start=0, vocab_total=0, lse=true, z_loss=false, argmax=false, entropy=false,
                              dhidden=false, dweight=false, dbias=false, grad_loss=nothing,
                              grad_entropy=nothing, argmax_type=Int64, handle=default_handle())
 
 Cross-entropy of the logits `weight' * hidden (+ bias)` without materializing them: `hidden` is `H×N`,
 `weight` `H×V` (the C `[V,H]`), `bias` a length-V vector, `targets` 1-based. Gradients asked for
 (`true` or an array) are computed in the same call. Returns
-`(loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias)`.
+`(loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias)`. `vocab_start`/`vocab_total` must stay 0
+here (the library refuses a shard, `FusedCEError` INVALID_ARGUMENT): a shard of the LM head goes through
+`linear_cross_entropy_partial`, `cross_entropy_combine` and `linear_cross_entropy_bwd`.
 
 `grad_entropy` (Float32, a number or a length-N vector; only with a gradient output `dhidden`, `dweight`
 or `dbias`, else `FusedCEError` INVALID_ARGUMENT) adds the gradient of `sum(grad_entropy .* entropy)` to
@@ -1023,6 +1027,7 @@ function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix
                                   z_loss_scale::Real = _CE[].z_loss_scale,
                                   softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
                                   class_weights::Union{Nothing,AbstractVector} = nothing,
+                                  vocab_start::Integer = _CE[].vocab_start, vocab_total::Integer = _CE[].vocab_total,
                                   lse = true, z_loss = false, argmax = false, entropy = false,
                                   dhidden = false, dweight = false, dbias = false,
                                   grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
@@ -1042,7 +1047,8 @@ function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix
         _tensor(am_a), _tensor(ent_a), _tensor(dh_a), _tensor(dw_a), _tensor(db_a), _tensor(grad_loss),
         _tensor(grad_entropy)
     GC.@preserve th tw tb tt tcw tloss tlse tzl tam tent tdh tdw tdb tg tge begin
-        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw;
+                           vocab_start = vocab_start, vocab_total = vocab_total)
         outs = _cstruct(L.fce_linear_ce_outputs_t; loss = _ptr(tloss), lse = _ptr(tlse), z_loss = _ptr(tzl),
                         argmax = _ptr(tam), entropy = _ptr(tent), dhidden = _ptr(tdh), dweight = _ptr(tdw),
                         dbias = _ptr(tdb), grad_loss = _ptr(tg), grad_entropy = _ptr(tge))
@@ -1060,15 +1066,32 @@ linear_cross_entropy(hidden::AbstractMatrix, weight::AbstractMatrix, targets::Ab
 
 """
     linear_cross_entropy_bwd(hidden, weight, targets, lse; bias=nothing, <cross-entropy options>,
-                             dhidden=true, dweight=true, dbias=(bias !== nothing), grad_loss=nothing,
-                             grad_entropy=nothing, saved_entropy=nothing, handle=default_handle())
+                             vocab_start=0, vocab_total=0, dhidden=true, dweight=true,
+                             dbias=(bias !== nothing), grad_loss=nothing, grad_entropy=nothing,
+                             saved_entropy=nothing, handle=default_handle())
 
 Gradients of linear cross-entropy from the forward's `lse` (same options), recomputing the logits chunk
-by chunk. Returns `(dhidden, dweight, dbias)`.
+by chunk. Each output is `false` (not computed), `true` (allocated: `dhidden` `H×N` in hidden's element
+type, `dweight` `H×V` and `dbias` length V in weight's and bias') or an array to write into. Returns
+`(dhidden, dweight, dbias)`, `nothing` for those not asked for.
+
+Vocabulary shard (`vocab_total > 0`, step 4 of vocabulary-parallel linear cross-entropy; see
+`linear_cross_entropy_partial`): `weight` (`H×V_local`) and `bias` (length `V_local`) are the shard's, the
+LM head's columns `vocab_start+1 : vocab_start+V_local` (the last shard may be padded past `vocab_total`;
+padding is never read), `targets` are global, `lse` is the one of `cross_entropy_combine` (and
+`saved_entropy` its `entropy`), with the partial calls' options. `dweight` and `dbias` are then the shard's
+(complete: they depend on this shard's logits only), 0 in padding columns/entries. `dhidden` is this
+shard's part of the whole `dhidden` and must be Float32 (`FusedCEError` UNSUPPORTED_DTYPE otherwise;
+`dhidden = true` allocates a Float32 `H×N` whatever hidden's element type): sum the parts of every shard
+in Float32 (an all-reduce), then round once.
 
 `grad_entropy` (Float32, a number or a length-N vector) adds the entropy's gradient as in
 `linear_cross_entropy_fwd`; it needs `saved_entropy`, the forward's `entropy` output (length-N Float32,
 same options; `FusedCEError` INVALID_ARGUMENT without it). `saved_entropy` is only read with `grad_entropy`.
+
+Errors: `FusedCEError` INVALID_ARGUMENT (options out of domain, `vocab_start` outside `[0, vocab_total)`),
+SHAPE_MISMATCH (weight's, bias', targets', lse's or an output's size), UNSUPPORTED_DTYPE (weight or bias not
+hidden's element type, lse not Float32, a shard's dhidden not Float32), UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
 """
 function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer},
                                   lse::AbstractVector; bias::Union{Nothing,AbstractVector} = nothing,
@@ -1077,12 +1100,14 @@ function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix
                                   z_loss_scale::Real = _CE[].z_loss_scale,
                                   softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
                                   class_weights::Union{Nothing,AbstractVector} = nothing,
+                                  vocab_start::Integer = _CE[].vocab_start, vocab_total::Integer = _CE[].vocab_total,
                                   dhidden = true, dweight = true, dbias = bias !== nothing,
                                   grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
                                   grad_entropy::Union{Nothing,Real,AbstractArray} = nothing,
                                   saved_entropy::Union{Nothing,AbstractVector} = nothing,
                                   handle::Handle = default_handle())
-    dh_a = _out(dhidden, () -> similar(hidden))
+    # a shard's dhidden is its Float32 part of a sum over the shards
+    dh_a = _out(dhidden, () -> vocab_total > 0 ? similar(hidden, Float32) : similar(hidden))
     dw_a = _out(dweight, () -> similar(weight))
     db_a = _out(dbias, () -> bias === nothing ? throw(ArgumentError("dbias needs a bias")) : similar(bias))
     th, tw, tb, tt, tlse, tcw = Tensor(hidden), Tensor(weight), _tensor(bias), Tensor(_indices0(targets)),
@@ -1091,13 +1116,85 @@ function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix
     # saved_entropy is an input of the backward only with grad_entropy (the library refuses it otherwise)
     tge, tse = grad_entropy === nothing ? (nothing, nothing) : (_tensor(grad_entropy), _tensor(saved_entropy))
     GC.@preserve th tw tb tt tlse tcw tdh tdw tdb tg tge tse begin
-        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw)
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw;
+                           vocab_start = vocab_start, vocab_total = vocab_total)
         outs = _cstruct(L.fce_linear_ce_outputs_t; dhidden = _ptr(tdh), dweight = _ptr(tdw), dbias = _ptr(tdb),
                         grad_loss = _ptr(tg), grad_entropy = _ptr(tge), saved_entropy = _ptr(tse))
         _check(L.fce_linear_cross_entropy_bwd(_ptr(handle), C_NULL, _ptr(th), _ptr(tw), _ptr(tb), _ptr(tt),
                                               _ptr(tlse), opts, outs, C_NULL, 0), :fce_linear_cross_entropy_bwd)
     end
     return (dhidden = dh_a, dweight = dw_a, dbias = db_a)
+end
+
+# ------------------------------------------------------------------------------------------------
+# Vocabulary-parallel linear cross-entropy
+# ------------------------------------------------------------------------------------------------
+
+"""
+    linear_cross_entropy_partial(hidden, weight_shard, targets; vocab_start, vocab_total, bias=nothing,
+                                 reduction=:mean, ignore_index=-100, label_smoothing=0, z_loss_scale=0,
+                                 softcap=0, logit_scale=1, class_weights=nothing,
+                                 records=Matrix{Float32}(undef, K, N), handle=default_handle())
+
+Step 1 of vocabulary-parallel linear cross-entropy (`fce_linear_cross_entropy_partial`; the header's
+"Vocabulary-parallel linear cross-entropy"): the cross-entropy records of one shard of the LM head's
+logits `weight_shard' * hidden (+ bias)`, computed in token chunks as `linear_cross_entropy_fwd` without
+materializing them, a `K×N` Float32 matrix (the C `[N, K]`, `K = cross_entropy_record_fields()`), written
+into `records` if given (contiguous) and returned. They are `cross_entropy_partial`'s records of those
+logits (rounded to the inputs' element type as in the unsharded call), so the steps are:
+
+1. each shard: `linear_cross_entropy_partial` → `K×N` records;
+2. stack every shard's records in rank (vocabulary) order, `K×N×W` (`cat(r1, r2, ...; dims = 3)` or an
+   all-gather's buffer);
+3. `cross_entropy_combine(records, targets; vocab_total, options...)` → loss, lse, z_loss, argmax, entropy
+   of the whole rows (what `linear_cross_entropy_fwd` of the whole LM head gives);
+4. each shard: `linear_cross_entropy_bwd(hidden, weight_shard, targets, combined.lse; vocab_start,
+   vocab_total, dhidden = true, ...)` → the shard's `dweight`/`dbias` and its Float32 part of `dhidden`;
+   sum the parts of every shard (an all-reduce).
+
+- `hidden`: `H×N` (Float32, Float16 or BFloat16), the whole batch (the same for every shard).
+- `weight_shard`: `H×V_local`, hidden's element type: the columns `vocab_start+1 : vocab_start+V_local` of
+  the whole `H×V` weight (the C `[V_local, H]` rows). The last shard may be padded: columns past
+  `vocab_total` are never read (they may hold anything, NaN included).
+- `bias`: optional, length `V_local`, the shard's entries of the bias, hidden's element type.
+- `targets`: length N, Int32/Int64, **global** 1-based classes (`ignore_index` as usual).
+- `vocab_start` (required): the 0-based offset of the shard, the number of vocabulary columns before it (so
+  `0 ≤ vocab_start < vocab_total`); `vocab_total` (required): V of the whole vocabulary.
+- `class_weights`: of the whole vocabulary (length `vocab_total`).
+- `records`: as for `cross_entropy_partial` (a narrower `K` of `LibFusedCE.FCE_CE_RECORD_FIELDS_LOSS` or
+  `FCE_CE_RECORD_FIELDS_ENTROPY` skips the entropy's sums; `cross_entropy_combine` then refuses the outputs
+  that width does not hold). Use one width on every shard.
+
+The workspace is the handle's cached one, as for `linear_cross_entropy_fwd` (its size:
+`LibFusedCE.fce_linear_cross_entropy_partial_workspace_size`). Use the same options on every shard, in
+`cross_entropy_combine` and in the backward. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0,
+`vocab_start` outside `[0, vocab_total)`, options out of domain), SHAPE_MISMATCH (weight's, bias',
+targets', records' size, class weights' length), UNSUPPORTED_DTYPE (weight or bias not hidden's element
+type, records not Float32), UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
+"""
+function linear_cross_entropy_partial(hidden::AbstractMatrix, weight::AbstractMatrix,
+                                      targets::AbstractVector{<:Integer}; vocab_start::Integer, vocab_total::Integer,
+                                      bias::Union{Nothing,AbstractVector} = nothing,
+                                      reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
+                                      label_smoothing::Real = _CE[].label_smoothing,
+                                      z_loss_scale::Real = _CE[].z_loss_scale,
+                                      softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
+                                      class_weights::Union{Nothing,AbstractVector} = nothing,
+                                      records::Union{Nothing,AbstractMatrix} = nothing, handle::Handle = default_handle())
+    th, tw, tb, tt, tcw = Tensor(hidden), Tensor(weight), _tensor(bias), Tensor(_indices0(targets)),
+                          _tensor(class_weights)
+    local rec_a
+    GC.@preserve th tw tb tt tcw begin
+        opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw;
+                           vocab_start = vocab_start, vocab_total = vocab_total)
+        rec_a = records === nothing ? Matrix{Float32}(undef, _record_fields(opts), size(hidden, 2)) : records
+        trec = Tensor(rec_a)
+        GC.@preserve trec begin
+            _check(L.fce_linear_cross_entropy_partial(_ptr(handle), C_NULL, _ptr(th), _ptr(tw), _ptr(tb), _ptr(tt),
+                                                      opts, _ptr(trec), C_NULL, 0), :fce_linear_cross_entropy_partial)
+        end
+    end
+    return rec_a
 end
 
 end # module FusedCE

@@ -956,6 +956,157 @@ end
           "SHAPE_MISMATCH"
 end
 
+@testset "vocabulary-parallel linear cross-entropy $(length(cuts) + 1) shards $(keys(kw))" for
+        cuts in ((15,), (10, 28)),                 # uneven shards of V = 41: 1:15, 16:41 / 1:10, 11:28, 29:41
+        kw in ((;), (reduction = :none, label_smoothing = 0.1, z_loss_scale = 1e-3),
+               (reduction = :sum, softcap = 4.0, logit_scale = 0.8))
+    Nv, Hv, Vv = 7, 12, 41
+    K = FusedCE.cross_entropy_record_fields()
+    hid = randn(Float32, Hv, Nv)
+    W = randn(Float32, Hv, Vv) .* 0.5f0           # H×V: the C [V, H]
+    b = randn(Float32, Vv) .* 0.1f0
+    lt = rand(1:Vv, Nv); lt[3] = -100              # an ignored row
+    lt[5] = Vv                                     # the last class, in the padded shard
+    g = get(kw, :reduction, :mean) === :none ? rand(Float32, Nv) : 0.5f0
+    ref = FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, kw..., z_loss = true, argmax = true, entropy = true,
+                                           dhidden = true, dweight = true, dbias = true, grad_loss = g)
+    # the shards: columns lo:hi of W (vocab_start = lo - 1), the last padded by `pad` columns of NaN
+    los = (1, (c + 1 for c in cuts)...)
+    his = (cuts..., Vv)
+    pad = 2 + length(cuts)
+    Ws = [i == length(los) ? hcat(W[:, los[i]:his[i]], fill(NaN32, Hv, pad)) : W[:, los[i]:his[i]] for i in eachindex(los)]
+    bs = [i == length(los) ? vcat(b[los[i]:his[i]], fill(NaN32, pad)) : b[los[i]:his[i]] for i in eachindex(los)]
+    starts = [lo - 1 for lo in los]
+    recs = [FusedCE.linear_cross_entropy_partial(hid, Ws[i], lt; bias = bs[i], vocab_start = starts[i],
+                                                 vocab_total = Vv, kw...) for i in eachindex(los)]
+    @test all(r -> size(r) == (K, Nv) && eltype(r) == Float32, recs)
+    c = FusedCE.cross_entropy_combine(cat(recs...; dims = 3), lt; vocab_total = Vv, kw..., z_loss = true,
+                                      argmax = true, entropy = true)
+    @test approx(c.loss, ref.loss; rtol = 1e-4, atol = 1e-5)
+    @test approx(c.lse, ref.lse; rtol = 1e-4, atol = 1e-5)
+    @test approx(c.z_loss, ref.z_loss; rtol = 1e-4, atol = 1e-5)
+    @test approx(c.entropy, ref.entropy; rtol = 1e-4, atol = 1e-5)
+    @test c.argmax == ref.argmax
+    # each shard's backward from the combined lse; the Float32 dhidden parts summed
+    grads = [FusedCE.linear_cross_entropy_bwd(hid, Ws[i], lt, c.lse; bias = bs[i], vocab_start = starts[i],
+                                              vocab_total = Vv, kw..., grad_loss = g) for i in eachindex(los)]
+    @test all(d -> eltype(d.dhidden) == Float32 && size(d.dhidden) == (Hv, Nv), grads)
+    dh = sum(d.dhidden for d in grads)
+    @test approx(dh, ref.dhidden; rtol = 1e-4, atol = 1e-5)
+    @test all(dh[:, 3] .== 0)                      # the ignored row
+    for i in eachindex(los)
+        n = his[i] - los[i] + 1
+        @test size(grads[i].dweight) == size(Ws[i]) && size(grads[i].dbias) == size(bs[i])
+        @test approx(grads[i].dweight[:, 1:n], ref.dweight[:, los[i]:his[i]]; rtol = 1e-4, atol = 1e-5)
+        @test approx(grads[i].dbias[1:n], ref.dbias[los[i]:his[i]]; rtol = 1e-4, atol = 1e-5)
+    end
+    @test all(grads[end].dweight[:, end-pad+1:end] .== 0)    # padding: never read, gradient 0
+    @test all(grads[end].dbias[end-pad+1:end] .== 0)
+    # given outputs are written and returned; without a bias
+    dhb, dwb = fill(NaN32, Hv, Nv), fill(NaN32, size(Ws[1])...)
+    d0 = FusedCE.linear_cross_entropy_bwd(hid, Ws[1], lt, c.lse; bias = bs[1], vocab_start = starts[1],
+                                          vocab_total = Vv, kw..., grad_loss = g, dhidden = dhb, dweight = dwb,
+                                          dbias = false)
+    @test d0.dhidden === dhb && d0.dweight === dwb && d0.dbias === nothing
+    @test dhb == grads[1].dhidden && dwb == grads[1].dweight
+    r0 = [FusedCE.linear_cross_entropy_partial(hid, Ws[i], lt; vocab_start = starts[i], vocab_total = Vv, kw...)
+          for i in eachindex(los)]
+    c0 = FusedCE.linear_cross_entropy_fwd(hid, W, lt; kw...)
+    @test approx(FusedCE.cross_entropy_combine(cat(r0...; dims = 3), lt; vocab_total = Vv, kw...).loss, c0.loss;
+                 rtol = 1e-4, atol = 1e-5)
+    # errors: a Float16 dhidden on a shard; a shard's options in the unsharded forward
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_bwd(hid, Ws[1], lt, c.lse; bias = bs[1],
+                                                                 vocab_start = starts[1], vocab_total = Vv, kw...,
+                                                                 grad_loss = g, dhidden = zeros(Float16, Hv, Nv))) ==
+          "UNSUPPORTED_DTYPE"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, kw..., vocab_start = 0,
+                                                                 vocab_total = Vv)) == "INVALID_ARGUMENT"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy(hid, Ws[1], lt; kw..., vocab_start = 0,
+                                                             vocab_total = Vv)) == "INVALID_ARGUMENT"
+end
+
+@testset "vocabulary-parallel linear cross-entropy: records, workspace, Float16, errors" begin
+    Nv, Hv, Vv = 7, 12, 41
+    K = FusedCE.cross_entropy_record_fields()
+    hid = randn(Float32, Hv, Nv)
+    W = randn(Float32, Hv, Vv) .* 0.5f0
+    lt = rand(1:Vv, Nv)
+    W1, W2 = W[:, 1:20], hcat(W[:, 21:41], fill(NaN32, Hv, 3))
+    # the records are cross_entropy_partial's of the shard's logits
+    Z2 = vcat(W[:, 21:41]' * hid, fill(NaN32, 3, Nv))
+    r2 = FusedCE.linear_cross_entropy_partial(hid, W2, lt; vocab_start = 20, vocab_total = Vv)
+    @test approx(r2, FusedCE.cross_entropy_partial(Z2, lt; vocab_start = 20, vocab_total = Vv); rtol = 1e-5, atol = 1e-5)
+    # a caller's records buffer (a narrower width too), Int32 targets, a view of a padded weight
+    buf = fill(NaN32, K, Nv)
+    @test FusedCE.linear_cross_entropy_partial(hid, W2, Int32.(lt); vocab_start = 20, vocab_total = Vv,
+                                               records = buf) === buf
+    @test buf == r2
+    big = hcat(W2, randn(Float32, Hv, 2))
+    @test FusedCE.linear_cross_entropy_partial(hid, view(big, :, 1:24), lt; vocab_start = 20, vocab_total = Vv) == r2
+    nl = L.FCE_CE_RECORD_FIELDS_LOSS
+    rl = FusedCE.linear_cross_entropy_partial(hid, W2, lt; vocab_start = 20, vocab_total = Vv,
+                                              records = Matrix{Float32}(undef, nl, Nv))
+    @test rl == r2[1:nl, :]
+    # the workspace query (the wrappers use the handle's cached workspace, as linear_cross_entropy_fwd),
+    # and a caller's workspace of that size giving the same records
+    h = FusedCE.default_handle()
+    rw = fill(NaN32, K, Nv)
+    th, tw, tt, trw = FusedCE.Tensor(hid), FusedCE.Tensor(W2), FusedCE.Tensor(lt .- 1), FusedCE.Tensor(rw)
+    GC.@preserve th tw tt trw begin
+        opts = FusedCE._ce_options(:mean, -100, 0, 0, 0, 1, nothing; vocab_start = 20, vocab_total = Vv)
+        bytes = Ref{Csize_t}(typemax(Csize_t))
+        @test L.fce_linear_cross_entropy_partial_workspace_size(h.ptr, FusedCE._ptr(th), FusedCE._ptr(tw), C_NULL,
+                                                                FusedCE._ptr(tt), opts, FusedCE._ptr(trw), bytes) ==
+              L.FCE_STATUS_SUCCESS
+        @test 0 < bytes[] < typemax(Csize_t)
+        ws = Vector{UInt8}(undef, bytes[])
+        GC.@preserve ws begin
+            @test L.fce_linear_cross_entropy_partial(h.ptr, C_NULL, FusedCE._ptr(th), FusedCE._ptr(tw), C_NULL,
+                                                     FusedCE._ptr(tt), opts, FusedCE._ptr(trw), pointer(ws),
+                                                     length(ws)) == L.FCE_STATUS_SUCCESS
+        end
+        @test rw == r2
+        unsharded = FusedCE._ce_options(:mean, -100, 0, 0, 0, 1, nothing)
+        @test L.fce_linear_cross_entropy_partial_workspace_size(h.ptr, FusedCE._ptr(th), FusedCE._ptr(tw), C_NULL,
+                                                                FusedCE._ptr(tt), unsharded, FusedCE._ptr(trw),
+                                                                bytes) == L.FCE_STATUS_INVALID_ARGUMENT
+    end
+    # Float16 inputs: dhidden = true allocates the Float32 part; the parts' sum is the unsharded dhidden
+    h16, W16 = Float16.(hid), Float16.(W)
+    ref16 = FusedCE.linear_cross_entropy_fwd(h16, W16, lt; dhidden = true, dweight = true)
+    rs = [FusedCE.linear_cross_entropy_partial(h16, Float16.(W1), lt; vocab_start = 0, vocab_total = Vv),
+          FusedCE.linear_cross_entropy_partial(h16, Float16.(W2), lt; vocab_start = 20, vocab_total = Vv)]
+    c16 = FusedCE.cross_entropy_combine(cat(rs...; dims = 3), lt; vocab_total = Vv)
+    @test approx(c16.loss, ref16.loss; rtol = 1e-4, atol = 1e-5)
+    @test approx(c16.lse, ref16.lse; rtol = 1e-4, atol = 1e-5)
+    d1 = FusedCE.linear_cross_entropy_bwd(h16, Float16.(W1), lt, c16.lse; vocab_start = 0, vocab_total = Vv)
+    d2 = FusedCE.linear_cross_entropy_bwd(h16, Float16.(W2), lt, c16.lse; vocab_start = 20, vocab_total = Vv)
+    @test eltype(d1.dhidden) == Float32 && eltype(d2.dhidden) == Float32
+    @test eltype(d1.dweight) == Float16 && d1.dbias === nothing
+    @test close_to_max(d1.dhidden .+ d2.dhidden, Float64.(ref16.dhidden); rtol = 2e-3)
+    @test close_to_max(hcat(d1.dweight, d2.dweight[:, 1:21]), Float64.(ref16.dweight); rtol = 2e-3)
+    @test all(d2.dweight[:, 22:24] .== 0)
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_bwd(h16, Float16.(W1), lt, c16.lse; vocab_start = 0,
+                                                                 vocab_total = Vv, dhidden = similar(h16))) ==
+          "UNSUPPORTED_DTYPE"
+    # errors
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = 0, vocab_total = 0)) ==
+          "INVALID_ARGUMENT"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = Vv, vocab_total = Vv)) ==
+          "INVALID_ARGUMENT"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, W1, lt[1:end-1]; vocab_start = 0,
+                                                                     vocab_total = Vv)) == "SHAPE_MISMATCH"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, Float16.(W1), lt; vocab_start = 0,
+                                                                     vocab_total = Vv)) == "UNSUPPORTED_DTYPE"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = 0, vocab_total = Vv,
+                                                                     records = zeros(Float32, K, Nv + 1))) ==
+          "SHAPE_MISMATCH"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_bwd(hid, W1, lt, zeros(Float32, Nv); vocab_start = Vv,
+                                                                 vocab_total = Vv)) == "INVALID_ARGUMENT"
+    @test_throws UndefKeywordError FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_total = Vv)
+    @test_throws UndefKeywordError FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = 0)
+end
+
 @testset "bad input raises FusedCEError with the library's message" begin
     function status_of(f)
         try

@@ -565,16 +565,18 @@ impl Handle {
     /// all-reduce), so the result is bitwise reproducible and the same on every rank.
     ///
     /// * `records`: `[W, N, K]` fp32, contiguous (e.g. [`TensorRef::new`] with shape `[w, n, k]`): the
-    ///   `[N, K]` records of ranks 0..W from [`Handle::cross_entropy_partial`], in rank order, which must
-    ///   be vocabulary order (argmax ties go to the lower global index).
+    ///   `[N, K]` records of ranks 0..W from [`Handle::cross_entropy_partial`] (or
+    ///   [`Handle::linear_cross_entropy_partial`]), in rank order, which must be vocabulary order (argmax
+    ///   ties go to the lower global index).
     /// * `targets`: `[N]` i32 or i64, global indices (those given to the partial calls).
     /// * `options`: the partial calls' options ([`CeOptions::vocab_total`] required;
     ///   [`CeOptions::vocab_start`] is not read).
     /// * `outputs`: as for [`Handle::cross_entropy_fwd`] (loss per `options.reduction`; optional lse
-    ///   `[N]` to give each shard's [`Handle::cross_entropy_bwd`], z-loss, argmax `[N]` i32/i64 of global
-    ///   indices, entropy), but `dlogits`, `grad_loss` and `grad_entropy` must be None (the entropy's
-    ///   gradient of a shard comes from [`Handle::cross_entropy_bwd_ex`] with the combined lse and
-    ///   entropy).
+    ///   `[N]` to give each shard's [`Handle::cross_entropy_bwd`] or [`Handle::linear_cross_entropy_bwd`],
+    ///   z-loss, argmax `[N]` i32/i64 of global indices, entropy), but `dlogits`, `grad_loss` and
+    ///   `grad_entropy` must be None (the entropy's gradient of a shard comes from
+    ///   [`Handle::cross_entropy_bwd_ex`], or [`Handle::linear_cross_entropy_bwd`] with
+    ///   [`LinearCeGrads::grad_entropy`], with the combined lse and entropy).
     ///
     /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, `outputs.dlogits`,
     /// `outputs.grad_loss` or `outputs.grad_entropy` set), `SHAPE_MISMATCH` (records not
@@ -1215,6 +1217,8 @@ impl Handle {
     /// * `weight`: `[V, H]`, the hidden's dtype.
     /// * `bias`: optional `[V]`, the hidden's dtype.
     /// * `targets`: `[N]` i32 or i64.
+    /// * `options`: as for [`Handle::cross_entropy_fwd`]; [`CeOptions::vocab_total`] must be 0 (a shard
+    ///   goes through [`Handle::linear_cross_entropy_partial`]).
     /// * `outputs`: see [`LinearCeOutputs`]; with [`LinearCeOutputs::grad_entropy`] (`[N]` or scalar
     ///   fp32, needs a gradient output) the gradients are those of grad_loss·loss + Σ_i grad_entropy_i·H_i:
     ///   with dlogits = grad_loss × d(loss)/d(logits) + grad_entropy × dH/d(logits) (math in
@@ -1222,7 +1226,7 @@ impl Handle {
     ///   Σ_rows dlogits.
     ///
     /// Errors: the validation statuses (`INVALID_ARGUMENT` also for `grad_entropy` without a gradient
-    /// output), `BLAS_ERROR`, `CUDA_ERROR`, `NOT_IMPLEMENTED`.
+    /// output and for options with `vocab_total` set), `BLAS_ERROR`, `CUDA_ERROR`, `NOT_IMPLEMENTED`.
     pub fn linear_cross_entropy_fwd(
         &self,
         hidden: &TensorRef<'_>,
@@ -1264,8 +1268,17 @@ impl Handle {
     /// * `lse`: `[N]` fp32 from [`Handle::linear_cross_entropy_fwd`] with the same `options`.
     /// * Other arguments as the forward.
     ///
+    /// With a vocabulary shard (`options.vocab_total > 0`, step 4 of
+    /// [`Handle::linear_cross_entropy_partial`]'s recipe): `weight` `[V_local, H]` and `bias` `[V_local]` are
+    /// the shard's rows as given to the partial call, `targets` global indices, `lse` (and
+    /// `grads.saved_entropy`) the output of [`Handle::cross_entropy_combine`]; `grads.dweight`
+    /// `[V_local, H]` and `grads.dbias` `[V_local]` are the shard's rows of the unsharded gradients
+    /// (padding rows, at or past vocab_total, get 0), and `grads.dhidden` `[N, H]` must be fp32: this
+    /// shard's part of dhidden, to be summed over the ranks in fp32 and rounded once.
+    ///
     /// Errors as the forward; `INVALID_ARGUMENT` also for `grad_entropy` without `saved_entropy`,
-    /// `SHAPE_MISMATCH` for a `saved_entropy` not `[N]`.
+    /// `SHAPE_MISMATCH` for a `saved_entropy` not `[N]`, `UNSUPPORTED_DTYPE` for a shard's dhidden not
+    /// fp32.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_cross_entropy_bwd(
         &self,
@@ -1379,6 +1392,119 @@ impl Handle {
                     &l.as_dl(),
                     &o,
                     &raw_out,
+                    bytes,
+                ),
+            }
+        };
+        check(st)
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // Vocabulary-parallel linear cross-entropy
+    // ---------------------------------------------------------------------------------------------
+
+    /// The cross-entropy records of one vocabulary shard of the LM head
+    /// (`fce_linear_cross_entropy_partial`): step 1 of vocabulary-parallel linear cross-entropy, whose
+    /// steps are (the header's "Vocabulary-parallel linear cross-entropy"):
+    ///
+    /// 1. each rank: `linear_cross_entropy_partial` on its rows of the weight → records `[N, K]` of its
+    ///    shard's logits;
+    /// 2. the caller gathers every rank's records in rank (vocabulary) order into `[W, N, K]` (an
+    ///    all-gather; the library does no communication);
+    /// 3. each rank: [`Handle::cross_entropy_combine`] → loss, lse, z-loss, argmax and entropy of the
+    ///    whole rows, the same bits on every rank;
+    /// 4. each rank: [`Handle::linear_cross_entropy_bwd`] with the combined lse and the same sharded
+    ///    options → its shard's dweight and dbias (complete: they depend on the shard's logits only) and
+    ///    its part of dhidden, fp32 `[N, H]`; the caller sums the W parts in fp32 (an all-reduce) and
+    ///    rounds once.
+    ///
+    /// Step 4 recomputes the shard's logits (8·N·H·V_local flops in all).
+    ///
+    /// * `hidden`: `[N, H]` fp32, bf16 or fp16, the whole batch (the same on every rank).
+    /// * `weight`: `[V_local, H]`, the hidden's dtype, V_local >= 1: rows
+    ///   `[options.vocab_start, options.vocab_start + V_local)` of the LM head; those at or past
+    ///   `options.vocab_total` are padding and never read.
+    /// * `bias`: optional `[V_local]`, the hidden's dtype: the shard's part of the bias.
+    /// * `targets`: `[N]` i32 or i64, global class indices.
+    /// * `options`: [`CeOptions::vocab_start`] and [`CeOptions::vocab_total`] required
+    ///   (0 <= vocab_start < vocab_total <= 2³¹ − 1); the other options as for
+    ///   [`Handle::linear_cross_entropy_fwd`] (class weights of the whole vocabulary, `[vocab_total]`).
+    /// * `records`: `[N, K]` fp32, written: the records [`Handle::cross_entropy_partial`] writes for the
+    ///   shard's logits, `hidden · weightᵀ (+ bias)` rounded to the inputs' dtype as in
+    ///   [`Handle::linear_cross_entropy_fwd`] (K and the fields there).
+    ///
+    /// Errors: the validation statuses (`INVALID_ARGUMENT` also for options without a shard or a
+    /// vocab_start outside `[0, vocab_total)`; `SHAPE_MISMATCH` for records not `[N, K]`),
+    /// `WORKSPACE_TOO_SMALL`, `BLAS_ERROR`, `CUDA_ERROR`.
+    pub fn linear_cross_entropy_partial(
+        &self,
+        hidden: &TensorRef<'_>,
+        weight: &TensorRef<'_>,
+        bias: Option<&TensorRef<'_>>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        records: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        self.lce_partial(hidden, weight, bias, targets, options, records, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::linear_cross_entropy_partial`] uses by default (same validation); a
+    /// caller's workspace may be smaller, as for [`Handle::linear_cross_entropy_fwd_workspace_size`].
+    pub fn linear_cross_entropy_partial_workspace_size(
+        &self,
+        hidden: &TensorRef<'_>,
+        weight: &TensorRef<'_>,
+        bias: Option<&TensorRef<'_>>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        records: &mut TensorMut<'_>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        self.lce_partial(hidden, weight, bias, targets, options, records, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn lce_partial(
+        &self,
+        hidden: &TensorRef<'_>,
+        weight: &TensorRef<'_>,
+        bias: Option<&TensorRef<'_>>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        records: &mut TensorMut<'_>,
+        call: Call<'_>,
+    ) -> Result<()> {
+        let h = hidden.as_dl();
+        let w = weight.as_dl();
+        let b = bias.map(|b| b.as_dl());
+        let t = targets.as_dl();
+        let cw = dl(&options.class_weights);
+        let o = options.to_raw(cw.as_ref());
+        let mut r = records.as_dl();
+        // SAFETY: as in ce_fwd.
+        let st = unsafe {
+            match call {
+                Call::Run => sys::fce_linear_cross_entropy_partial(
+                    self.as_raw(),
+                    self.stream,
+                    &h,
+                    &w,
+                    cptr(&b),
+                    &t,
+                    &o,
+                    &mut r,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                Call::Query(bytes) => sys::fce_linear_cross_entropy_partial_workspace_size(
+                    self.as_raw(),
+                    &h,
+                    &w,
+                    cptr(&b),
+                    &t,
+                    &o,
+                    &r,
                     bytes,
                 ),
             }

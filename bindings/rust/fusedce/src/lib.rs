@@ -2,7 +2,8 @@
 //! cross-entropy (forward, fused or separate backward, with the entropy's gradient too, or over a
 //! vocabulary split across ranks), logsumexp and temperature softmax (of whole rows, or over a vocabulary
 //! split across ranks), knowledge distillation (full or top-K teacher, or over a vocabulary split across
-//! ranks) and linear cross-entropy (the LM-head GEMM fused with the loss), on CPU or CUDA.
+//! ranks) and linear cross-entropy (the LM-head GEMM fused with the loss, or over an LM head split by
+//! vocabulary rows across ranks), on CPU or CUDA.
 //!
 //! * [`Handle`]: one per device, freed on drop; `Send`, not `Sync`. One method per op.
 //! * [`TensorRef`] / [`TensorMut`]: views of Rust slices (or, behind `unsafe`, raw device memory)
@@ -120,8 +121,8 @@ pub fn check_version() -> std::result::Result<(), VersionMismatch> {
 
 /// `fce_cross_entropy_record_fields`: K, the fp32 fields per row of a vocabulary shard's record, for
 /// these options (7 in this version: see [`Handle::cross_entropy_partial`] for what they hold). Size the
-/// `[N, K]` records of [`Handle::cross_entropy_partial`] and the `[W, N, K]` ones of
-/// [`Handle::cross_entropy_combine`] with it.
+/// `[N, K]` records of [`Handle::cross_entropy_partial`] and [`Handle::linear_cross_entropy_partial`] and
+/// the `[W, N, K]` ones of [`Handle::cross_entropy_combine`] with it.
 ///
 /// Needs no handle. Errors: `INVALID_ARGUMENT` when the library refuses the options struct.
 pub fn cross_entropy_record_fields(options: &CeOptions<'_>) -> Result<usize> {

@@ -101,9 +101,10 @@ impl TopkNorm {
 /// possibly padded past `vocab_total`), set [`CeOptions::vocab_start`] and [`CeOptions::vocab_total`] and
 /// use [`crate::Handle::cross_entropy_partial`], [`crate::Handle::cross_entropy_combine`] and a shard's
 /// [`crate::Handle::cross_entropy_bwd`]; the math above is then over the whole vocabulary (V =
-/// `vocab_total`, targets global indices, `class_weights` of the whole vocabulary). The unsharded
-/// forward refuses options with `vocab_total` set (`INVALID_ARGUMENT`), and linear cross-entropy does not
-/// implement them.
+/// `vocab_total`, targets global indices, `class_weights` of the whole vocabulary). For linear
+/// cross-entropy, when the weight's rows are such a shard: [`crate::Handle::linear_cross_entropy_partial`],
+/// the same combine and a shard's [`crate::Handle::linear_cross_entropy_bwd`]. The unsharded forwards
+/// refuse options with `vocab_total` set (`INVALID_ARGUMENT`).
 ///
 /// `CeOptions::default()` is the loaded library's `fce_ce_options_init` (the header's `FCE_CE_OPTIONS_INIT`).
 #[derive(Copy, Clone, Debug)]
@@ -762,11 +763,12 @@ impl<'a> LinearCeOutputs<'a> {
 /// Gradients written by [`crate::Handle::linear_cross_entropy_bwd`]; at least one is required.
 #[derive(Debug, Default)]
 pub struct LinearCeGrads<'a> {
-    /// Optional `[N, H]` fp32/bf16/fp16.
+    /// Optional `[N, H]` fp32/bf16/fp16; fp32 with a vocabulary shard (its part of the sum over ranks;
+    /// else `UNSUPPORTED_DTYPE`).
     pub dhidden: Option<TensorMut<'a>>,
-    /// Optional `[V, H]` fp32/bf16/fp16.
+    /// Optional `[V, H]` fp32/bf16/fp16; with a vocabulary shard the shard's rows (padding rows 0).
     pub dweight: Option<TensorMut<'a>>,
-    /// Optional `[V]` fp32/bf16/fp16; only with a bias.
+    /// Optional `[V]` fp32/bf16/fp16; only with a bias. With a vocabulary shard the shard's part (padding 0).
     pub dbias: Option<TensorMut<'a>>,
     /// Upstream gradient as in [`CeOutputs::grad_loss`]; default 1.
     pub grad_loss: Option<TensorRef<'a>>,
