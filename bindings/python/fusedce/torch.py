@@ -529,7 +529,8 @@ class KDLoss(torch.nn.Module):
 __all__ = ["CrossEntropyLoss", "CrossEntropyOutput", "KDLoss", "LinearCrossEntropyLoss", "SoftmaxOutput",
            "cross_entropy", "kd_loss", "kd_loss_topk", "linear_cross_entropy", "linear_logprobs_entropy",
            "log_softmax", "logprobs_entropy", "logsumexp", "softmax", "temp_softmax", "vocab_parallel_cross_entropy",
-           "vocab_parallel_kd_loss", "vocab_parallel_linear_cross_entropy", "vocab_parallel_logprobs_entropy"]
+           "vocab_parallel_kd_loss", "vocab_parallel_linear_cross_entropy", "vocab_parallel_logprobs_entropy",
+           "vocab_parallel_logsumexp", "vocab_parallel_softmax"]
 
 
 # ---- vocabulary-parallel cross-entropy -------------------------------------------------------------
@@ -821,3 +822,104 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, vo
     comm = _nccl_comm(group, h.device) if nccl else None
     loss = _VocabParallelLinearCE.apply(h, weight, bias, t, group, comm, kw, need)
     return loss.reshape(target.shape) if red == _REDUCTION_NONE else loss
+
+
+# ---- vocabulary-parallel logsumexp and softmax -------------------------------------------------------
+
+def _whole_lse(x, group, vocab_start, vocab_total, scale):
+    """[N] fp32: the whole rows' logsumexp of scale * x from this shard's records and every rank's."""
+    rec = _arrays.logsumexp_partial(x, vocab_start=vocab_start, vocab_total=vocab_total, scale=scale)
+    return _arrays.logsumexp_combine(_gather_records(rec, group))
+
+
+def _real_columns(x, vocab_start, vocab_total):
+    """The shard's columns inside the vocabulary (the rest is padding)."""
+    return max(0, min(x.shape[-1], vocab_total - vocab_start))
+
+
+class _VocabParallelLse(torch.autograd.Function):
+    """The whole rows' logsumexp: one all-gather of [N, 2] records. Backward: scale * the shard's part of
+    softmax(scale * x) (fce_temp_softmax of the shard at T = 1 / scale from the combined lse)."""
+
+    @staticmethod
+    def forward(ctx, x, group, vocab_start, vocab_total, scale):
+        lse = _whole_lse(x.detach(), group, vocab_start, vocab_total, scale)
+        ctx.save_for_backward(x, lse)
+        ctx.shard = (vocab_start, vocab_total, scale)
+        return lse
+
+    @staticmethod
+    def backward(ctx, g):
+        x, lse = ctx.saved_tensors
+        vs, vt, scale = ctx.shard
+        p = _arrays.temp_softmax(x.detach(), temperature=1.0 / scale, vocab_start=vs, vocab_total=vt, lse=lse).probs
+        return (p * (g.float() * scale).unsqueeze(-1)).to(x.dtype), None, None, None, None
+
+
+def _row_sum_over_ranks(v, group):
+    """[N] fp32: the sum over the group's ranks of each rank's [N] values, in rank order (an all-gather, then a
+    fixed-order sum: the same bits on every rank)."""
+    parts = _gather_records(v.contiguous(), group)
+    total = parts[0].clone()
+    for r in range(1, parts.shape[0]):
+        total += parts[r]
+    return total
+
+
+class _VocabParallelSoftmax(torch.autograd.Function):
+    """A shard's part of softmax(x / T) (or its log) over the whole rows: the lse from one all-gather of
+    records, then fce_temp_softmax of the shard. Backward: the row sums it needs (sum g p, or sum g) summed over
+    the ranks in rank order."""
+
+    @staticmethod
+    def forward(ctx, x, group, vocab_start, vocab_total, temperature, log):
+        lse = _whole_lse(x.detach(), group, vocab_start, vocab_total, 1.0 / temperature)
+        out = _arrays.temp_softmax(x.detach(), temperature=temperature, probs=not log, logprobs=log,
+                                   vocab_start=vocab_start, vocab_total=vocab_total, lse=lse)
+        y = out.logprobs if log else out.probs
+        ctx.save_for_backward(x, y)
+        ctx.shard = (group, vocab_start, vocab_total, temperature, log)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        group, vs, vt, temperature, log = ctx.shard
+        n = _real_columns(x, vs, vt)
+        g = g.float().clone()
+        g[..., n:] = 0  # padding columns are outside the distribution
+        p = y.exp() if log else y
+        dot = _row_sum_over_ranks(g.sum(-1) if log else (g * p).sum(-1), group).unsqueeze(-1)
+        dx = (g - p * dot) if log else p * (g - dot)
+        dx = dx / temperature
+        dx[..., n:] = 0
+        return dx.to(x.dtype), None, None, None, None, None
+
+
+def vocab_parallel_logsumexp(x, *, scale=1.0, vocab_start=None, vocab_total=None, group=None):
+    """torch.logsumexp(scale * x, -1) of rows whose vocabulary is split across the ranks of a torch.distributed
+    `group` (this rank holds global columns [vocab_start, vocab_start + V_local) of each row; equal shards in
+    rank order by default, uneven or padded ones when given). x: [..., V_local] fp32/bf16/fp16, CPU or CUDA.
+    Returns [...] fp32, the same bits on every rank: one all-gather of [N, 2] fp32 records through
+    torch.distributed (fce_logsumexp_partial, fce_logsumexp_combine in rank order). Its gradient flows to this
+    rank's x: scale * the shard's part of softmax(scale * x), which needs scale > 0 (NotImplementedError
+    otherwise, from fce_temp_softmax). Not a torch.library op."""
+    v_local = x.shape[-1]
+    vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
+    lse = _VocabParallelLse.apply(x.reshape(-1, v_local), group, vocab_start, vocab_total, float(scale))
+    return lse.reshape(x.shape[:-1])
+
+
+def vocab_parallel_softmax(logits, temperature=1.0, *, log=False, vocab_start=None, vocab_total=None, group=None):
+    """This rank's columns of softmax(logits / temperature) (log=True: of log_softmax) over rows whose
+    vocabulary is split across the ranks of a torch.distributed `group` (as vocab_parallel_logsumexp). logits:
+    [..., V_local] fp32/bf16/fp16; returns [..., V_local] fp32 (padding columns: probability 0, log-probability
+    -inf), the same distribution on every rank. One all-gather of [N, 2] records (the whole rows' lse), then
+    fce_temp_softmax of the shard; one finite temperature > 0 (NotImplementedError otherwise). Differentiable:
+    the backward all-gathers one [N] fp32 row sum and adds the ranks' parts in rank order. Not a torch.library
+    op."""
+    v_local = logits.shape[-1]
+    vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
+    y = _VocabParallelSoftmax.apply(logits.reshape(-1, v_local), group, vocab_start, vocab_total, float(temperature),
+                                    bool(log))
+    return y.reshape(logits.shape)

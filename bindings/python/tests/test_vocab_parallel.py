@@ -165,6 +165,29 @@ def _rank(rank, world, port, shape, widths, results):
         gerr = max(float((hid.grad.double() - h64.grad).abs().max()),
                    float((wmine.grad.double() - w64.grad[starts[rank]:starts[rank] + widths[rank]]).abs().max()))
         results.put((rank, "linear", float((lce.double() - ref.detach()).abs()), gerr, lce.detach().numpy().tobytes()))
+        # logsumexp at scale 0.8 and softmax / log_softmax at T = 0.7 of the shards; the softmax's upstream
+        # gradient is one [S, B, V] tensor cut like the logits (the objective is the sum over the ranks)
+        sl = slice(starts[rank], starts[rank] + widths[rank])
+        xs = mine.detach().clone().requires_grad_()
+        lse = ft.vocab_parallel_logsumexp(xs, scale=0.8, **kw)
+        u = torch.randn(lse.shape, generator=torch.Generator().manual_seed(8))
+        (lse * u).sum().backward()
+        x64 = x.double().requires_grad_()
+        rl = torch.logsumexp(0.8 * x64, -1)
+        (rl * u.double()).sum().backward()
+        err, gerr = float((lse.double() - rl.detach()).abs().max()), float((xs.grad.double() - x64.grad[..., sl]).abs().max())
+        bits = lse.detach().numpy().tobytes()
+        for log in (False, True):
+            xs = mine.detach().clone().requires_grad_()
+            y = ft.vocab_parallel_softmax(xs, 0.7, log=log, **kw)
+            gfull = torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
+            (y * gfull[..., sl]).sum().backward()
+            x64 = x.double().requires_grad_()
+            ry = (torch.log_softmax if log else torch.softmax)(x64 / 0.7, -1)
+            (ry * gfull.double()).sum().backward()
+            err = max(err, float((y.double() - ry.detach()[..., sl]).abs().max()))
+            gerr = max(gerr, float((xs.grad.double() - x64.grad[..., sl]).abs().max()))
+        results.put((rank, "lse_softmax", err, gerr, bits))
     finally:
         dist.destroy_process_group()
 
@@ -172,7 +195,8 @@ def _rank(rank, world, port, shape, widths, results):
 @pytest.mark.parametrize("widths", [[20, 20], [13, 27]])
 def test_torch_distributed_two_ranks(widths):
     """Two processes (gloo, CPU), Megatron's [S, B, V/W] layout: the loss of the whole rows (and the
-    log-probabilities and entropies, a KD divergence, and linear cross-entropy with the LM head split by rows),
+    log-probabilities and entropies, a KD divergence, linear cross-entropy with the LM head split by rows, and
+    logsumexp and softmax with their gradients),
     the same bits on both ranks, and each rank's gradient its part of PyTorch's float64 gradient."""
     torch = pytest.importorskip("torch")
     import socket
@@ -186,14 +210,14 @@ def test_torch_distributed_two_ranks(widths):
     procs = [ctx.Process(target=_rank, args=(r, 2, port, (3, 4, sum(widths)), widths, results)) for r in range(2)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=120) for _ in range(10)]
+    got = [results.get(timeout=120) for _ in range(12)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     by = {}
     for rank, red, loss_err, grad_err, bits in got:
         assert loss_err < 2e-5, (rank, red, loss_err)
-        assert grad_err < (1e-5 if red in ("logprobs_entropy", "kd", "linear") else 2e-6), (rank, red, grad_err)
+        assert grad_err < (1e-5 if red in ("logprobs_entropy", "kd", "linear", "lse_softmax") else 2e-6), (rank, red, grad_err)
         by.setdefault(red, set()).add(bits)
     assert all(len(b) == 1 for b in by.values()), "the ranks' losses differ"
     del torch
