@@ -2,8 +2,9 @@
 
     python3 benchmarks/plot_vp.py OUT.svg FILE.json
 
-One group of bars per scaling (strong: V split over the ranks; weak: V per rank), one bar per
-implementation: forward + backward per rank in ms (the ranks' mean), the fused one-GPU call as a line.
+One group of bars per scaling (strong: V split over the ranks; weak: V per rank; or --linear's one group),
+one bar per implementation: forward + backward per rank in ms (the ranks' mean), the fused one-GPU call as
+a line.
 """
 import json
 import sys
@@ -27,9 +28,13 @@ def main():
         mean.setdefault((r["scaling"], r["impl"]), []).append(r["ms"])
     fig, ax = plt.subplots(figsize=(8, 3.6))
     width = 0.8 / len(impls)
+    scalings = []
+    for r in rows:
+        if r["scaling"] != "one GPU" and r["scaling"] not in scalings:
+            scalings.append(r["scaling"])
     for i, impl in enumerate(impls):
         xs, ys = [], []
-        for j, sc in enumerate(("strong", "weak")):
+        for j, sc in enumerate(scalings):
             v = mean.get((sc, impl))
             if v:
                 xs.append(j + (i - (len(impls) - 1) / 2) * width)
@@ -41,12 +46,20 @@ def main():
         ax.axhline(sum(one) / len(one), color="gray", ls="--", lw=1,
                    label="fusedce on one GPU, whole V (%.2f ms)" % (sum(one) / len(one)))
     n = rows[0]["n"]
-    ax.set_xticks([0, 1], ["strong: V=%d split over %d" % (next(r["v"] for r in rows if r["scaling"] == "strong"),
-                                                              doc["world"]),
-                           "weak: V=%d per rank" % next(r["v_local"] for r in rows if r["scaling"] == "weak")])
+
+    def label(sc):
+        r = next(r for r in rows if r["scaling"] == sc)
+        if sc == "strong":
+            return "strong: V=%d split over %d" % (r["v"], doc["world"])
+        if sc == "weak":
+            return "weak: V=%d per rank" % r["v_local"]
+        return "%s: V=%d split over %d" % (sc, r["v"], doc["world"])
+
+    ax.set_xticks(list(range(len(scalings))), [label(sc) for sc in scalings])
+    linear = any(sc.startswith("linear") for sc in scalings)
     ax.set_ylabel("forward + backward per rank, ms")
-    ax.set_title("Vocabulary-parallel cross-entropy, N=%d bf16, %s x %d (PyTorch path)" % (n, doc["device"],
-                                                                                          doc["world"]), fontsize=9)
+    ax.set_title("Vocabulary-parallel %scross-entropy, N=%d bf16, %s x %d (PyTorch path)" % (
+        "linear " if linear else "", n, doc["device"], doc["world"]), fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out)
