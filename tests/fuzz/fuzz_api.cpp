@@ -1160,7 +1160,14 @@ void fuzz_linear_ce(Env& e, fce_handle_t h0, bool backward) {
   const int weight = e.add("weight", Role::In, k, {d.V, d.H});
   const int bias = e.coin(40) ? e.add("bias", Role::In, k, {d.V}) : -1;
   const int targets = e.add("targets", Role::In, ikind(e), {d.N});
+  // A vocabulary shard (the weight's rows): the forward refuses it; the backward takes it, with an fp32 dhidden
+  // and class weights of vocab_total.
+  const bool shard = use_opts && e.coin(25);
+  int64_t vs = 0, vt = 0;
+  if (shard) fuzz_shard(e, d, &vs, &vt, &ok);
+  if (shard && !backward) ok = false;
   const int weights = use_opts && e.coin(20) ? e.add("class_weights", Role::In, F32, {d.V}) : -1;
+  if (shard && weights >= 0 && vt != d.V) ok = false;
   const int lse_in = backward ? (e.coin(97) ? e.add("lse", Role::In, F32, {d.N}) : (ok = false, -1)) : -1;
   int loss = -1, lse = -1, zl = -1, amax = -1, ent = -1;
   if (!backward || e.coin(5)) {
@@ -1174,7 +1181,11 @@ void fuzz_linear_ce(Env& e, fce_handle_t h0, bool backward) {
   }
   int dh = -1, dw = -1, db = -1, gl = -1;
   const auto gk = [&] { return e.coin(50) ? F32 : Kind(e.fdp.ConsumeIntegralInRange(0, 2)); };
-  if (e.coin(backward ? 70 : 40)) dh = e.add("dhidden", Role::Out, gk(), {d.N, d.H});
+  if (e.coin(backward ? 70 : 40)) {
+    const Kind dk = gk();
+    dh = e.add("dhidden", Role::Out, dk, {d.N, d.H});
+    if (shard && dk != F32) ok = false;
+  }
   if (e.coin(backward ? 60 : 30)) dw = e.add("dweight", Role::Out, gk(), {d.V, d.H});
   if (e.coin(20)) {
     db = e.add("dbias", Role::Out, gk(), {d.V});
@@ -1195,6 +1206,8 @@ void fuzz_linear_ce(Env& e, fce_handle_t h0, bool backward) {
   e.fill(d.V, {weights});
   fce_ce_options_t o = ov;
   o.class_weights = e.t(weights);
+  o.vocab_start = vs;
+  o.vocab_total = vt;
   Opt<fce_ce_options_t> opt = make_opt(e, o, &ok);
   fce_ce_options_t* op = use_opts ? opt.get() : nullptr;
   fce_linear_ce_outputs_t ou = FCE_LINEAR_CE_OUTPUTS_INIT;
@@ -1223,6 +1236,43 @@ void fuzz_linear_ce(Env& e, fce_handle_t h0, bool backward) {
                                                              e.t(lse_in), op, outp, b);
         },
         ok && e.clean);
+}
+
+// A shard of the LM head's records (fce_linear_cross_entropy_partial).
+void fuzz_linear_partial(Env& e, fce_handle_t h0) {
+  Dims d = fuzz_dims(e);
+  d.V = std::min<int64_t>(d.V, 64);
+  bool ok = true;
+  fce_handle_t h = pick_handle(e, h0, &ok);
+  fce_ce_options_t o = fuzz_ce_options(e, &ok);
+  fuzz_shard(e, d, &o.vocab_start, &o.vocab_total, &ok);
+  if (o.vocab_total > INT32_MAX) ok = false;  // records hold int32 indices
+  const Kind k = fkind(e);
+  const int hidden = e.add("hidden", Role::In, k, {d.N, d.H});
+  const int weight = e.add("weight", Role::In, k, {d.V, d.H});
+  const int bias = e.coin(40) ? e.add("bias", Role::In, k, {d.V}) : -1;
+  const int targets = e.add("targets", Role::In, ikind(e), {d.N});
+  const int weights = e.coin(20) ? e.add("class_weights", Role::In, F32, {d.V}) : -1;
+  if (weights >= 0 && o.vocab_total != d.V) ok = false;
+  int64_t K = e.pick<int64_t>({FCE_CE_RECORD_FIELDS_LOSS, FCE_CE_RECORD_FIELDS_ENTROPY, FCE_CE_RECORD_FIELDS_ALL});
+  if (e.coin(5)) K = e.fdp.ConsumeIntegralInRange<int64_t>(1, 9);
+  if (K != FCE_CE_RECORD_FIELDS_LOSS && K != FCE_CE_RECORD_FIELDS_ENTROPY && K != FCE_CE_RECORD_FIELDS_ALL) ok = false;
+  const int rec = e.add("records", Role::Out, F32, {d.N, K});
+  e.place();
+  e.fill(d.V, {weights});
+  o.class_weights = e.t(weights);
+  Opt<fce_ce_options_t> opt = make_opt(e, o, &ok);
+  const fce_ce_options_t* op = e.coin(3) ? (ok = false, nullptr) : opt.get();
+  run(e, "fce_linear_cross_entropy_partial",
+      [&](void* ws, size_t wb) {
+        return fce_linear_cross_entropy_partial(h, nullptr, e.t(hidden), e.t(weight), e.t(bias), e.t(targets), op,
+                                                e.t(rec), ws, wb);
+      },
+      [&](size_t* b) {
+        return fce_linear_cross_entropy_partial_workspace_size(h, e.t(hidden), e.t(weight), e.t(bias), e.t(targets),
+                                                               op, e.t(rec), b);
+      },
+      ok && e.clean);
 }
 
 // Handles, statuses, version.
@@ -1297,7 +1347,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fce_handle_t h = nullptr;
   if (fce_handle_create(kDLCPU, fdp.ConsumeIntegral<int8_t>(), &h) != FCE_STATUS_SUCCESS || !h)
     die("cannot create a CPU handle");
-  switch (fdp.ConsumeIntegralInRange(0, 9)) {
+  switch (fdp.ConsumeIntegralInRange(0, 10)) {
     case 0: fuzz_cross_entropy(e, h, false); break;
     case 1: fuzz_cross_entropy(e, h, true); break;
     case 2: fuzz_logsumexp(e, h); break;
@@ -1306,6 +1356,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 5: fuzz_linear_ce(e, h, false); break;
     case 6: fuzz_linear_ce(e, h, true); break;
     case 7: fuzz_kd_vp(e, h); break;
+    case 8: fuzz_linear_partial(e, h); break;
     default: fuzz_misc(e); break;
   }
   if (fce_handle_destroy(h) != FCE_STATUS_SUCCESS) die("fce_handle_destroy failed");

@@ -532,9 +532,21 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
     grad_entropy (a number or [N] fp32; with a gradient asked for) adds the entropy's gradient, as
     cross_entropy_fwd's.
     Returns LinearCrossEntropyOutput(loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias)."""
-    _accumulating(accumulate, dhidden, dweight, dbias)
     c = Call(hidden, handle, stream)
     targets = c.native(targets)
+    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
+    outs, result = _lce_outputs(c, hidden, weight, bias, reduction, lse, z_loss, argmax, entropy, dhidden, dweight,
+                                dbias, grad_loss, grad_entropy, argmax_dtype, accumulate)
+    c.run("fce_linear_cross_entropy_fwd", c.dl(hidden), c.dl(c.native(weight)),
+          c.dl(None if bias is None else c.native(bias)), c.dl(targets), opts, outs, workspace=workspace)
+    return result()
+
+
+def _lce_outputs(c, hidden, weight, bias, reduction, lse, z_loss, argmax, entropy, dhidden, dweight, dbias, grad_loss,
+                 grad_entropy, argmax_dtype, accumulate):
+    """The fce_linear_ce_outputs_t of a forward (outputs allocated or taken as given), and a function that returns
+    the LinearCrossEntropyOutput once the call has run."""
+    _accumulating(accumulate, dhidden, dweight, dbias)
     n = _rows(hidden)
     loss_a = _loss_buffer(c, reduction, n)
     lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
@@ -544,7 +556,6 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
     dh_a = c.output(dhidden, lambda: c.empty_like(hidden))
     dw_a = c.output(dweight, lambda: c.empty_like(weight))
     db_a = c.output(dbias, lambda: c.empty_like(bias) if bias is not None else _no_bias())
-    opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights)
     outs = c.struct("fce_linear_ce_outputs_t")
     outs.loss = c.dl(loss_a, True)
     outs.lse = c.dl(lse_a, True)
@@ -557,9 +568,8 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
     outs.grad_loss = c.dl(_grad(c, grad_loss))
     outs.grad_entropy = c.dl(_grad(c, grad_entropy))
     outs.flags = _ACCUMULATE if accumulate else 0
-    c.run("fce_linear_cross_entropy_fwd", c.dl(hidden), c.dl(c.native(weight)),
-          c.dl(None if bias is None else c.native(bias)), c.dl(targets), opts, outs, workspace=workspace)
-    return LinearCrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dh_a, dw_a, db_a)
+    return outs, lambda: LinearCrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dh_a,
+                                                  dw_a, db_a)
 
 
 def linear_cross_entropy(hidden, weight, targets, **kw):
@@ -639,38 +649,18 @@ def linear_cross_entropy_fwd_vp(hidden, weight, targets, comm, *, vocab_start, v
     cross the ranks inside the call; dhidden (True or an array, any float dtype) is the sum over every rank,
     dweight / dbias this shard's. Returns LinearCrossEntropyOutput of the whole rows, the same bits on every
     rank. Raises CommunicatorError when NCCL fails."""
-    _accumulating(accumulate, dhidden, dweight, dbias)
     c = Call(hidden, None, stream)
     targets = c.native(targets)
-    n = _rows(hidden)
-    loss_a = _loss_buffer(c, reduction, n)
-    lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
-    zl_a = c.output(z_loss, lambda: _loss_buffer(c, reduction, n))
-    am_a = c.output(argmax, lambda: c.empty((n,), argmax_dtype))
-    ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
-    dh_a = c.output(dhidden, lambda: c.empty_like(hidden))
-    dw_a = c.output(dweight, lambda: c.empty_like(weight))
-    db_a = c.output(dbias, lambda: c.empty_like(bias) if bias is not None else _no_bias())
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
                        vocab_start, vocab_total)
-    outs = c.struct("fce_linear_ce_outputs_t")
-    outs.loss = c.dl(loss_a, True)
-    outs.lse = c.dl(lse_a, True)
-    outs.z_loss = c.dl(zl_a, True)
-    outs.argmax = c.dl(am_a, True)
-    outs.entropy = c.dl(ent_a, True)
-    outs.dhidden = c.dl(dh_a, True)
-    outs.dweight = c.dl(dw_a, True)
-    outs.dbias = c.dl(db_a, True)
-    outs.grad_loss = c.dl(_grad(c, grad_loss))
-    outs.grad_entropy = c.dl(_grad(c, grad_entropy))
-    outs.flags = _ACCUMULATE if accumulate else 0
+    outs, result = _lce_outputs(c, hidden, weight, bias, reduction, lse, z_loss, argmax, entropy, dhidden, dweight,
+                                dbias, grad_loss, grad_entropy, argmax_dtype, accumulate)
     args = (comm.ptr, c.dl(hidden), c.dl(c.native(weight)), c.dl(None if bias is None else c.native(bias)),
             c.dl(targets), opts, outs)
     ws, wsb = c.workspace("fce_linear_cross_entropy_fwd_vp_workspace_size", args, workspace)
     check(lib.fce_linear_cross_entropy_fwd_vp(c.handle.ptr, comm.ptr, c.stream, *args[1:], ws, wsb),
           "fce_linear_cross_entropy_fwd_vp")
-    return LinearCrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dh_a, dw_a, db_a)
+    return result()
 
 
 _ACCUMULATE = MACROS["FCE_LINEAR_CE_ACCUMULATE"]
