@@ -131,9 +131,13 @@ void run(const Case& k) {
     ASSERT_TRUE(a >= 0 && a < V) << "argmax " << i;
     ASSERT_LE(x[size_t(i * V + ref.amax[size_t(i)])] - x[size_t(i * V + a)], 2 * u * zabs[size_t(i)] / c.scale + 1e-9)
         << "argmax " << i;
-    if (none) ASSERT_TRUE(close(loss.get(i), ref.loss[size_t(i)], 1e-4, row_tol(i))) << "loss " << i;
+    if (none) {
+      ASSERT_TRUE(close(loss.get(i), ref.loss[size_t(i)], 1e-4, row_tol(i))) << "loss " << i;
+    }
   }
-  if (!none) ASSERT_TRUE(close(loss.get(0), ref.total, 1e-4, mean_tol));
+  if (!none) {
+    ASSERT_TRUE(close(loss.get(0), ref.total, 1e-4, mean_tol));
+  }
 
   // Each shard's gradients from the combined lse against the float64 ones of its rows (the test's
   // test_linear_ce bounds: dlogits rounded to the inputs' dtype, the logits' rounding moving p).
