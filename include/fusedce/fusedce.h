@@ -1002,8 +1002,9 @@ FCE_API fce_status_t fce_linear_cross_entropy_bwd_workspace_size(
  *   3. each rank: fce_cross_entropy_combine -> loss, lse, z_loss, argmax, entropy of the whole rows;
  *   4. each rank: fce_linear_cross_entropy_bwd with the shard's options and the combined lse -> the
  *      shard's dweight [V_r, H] and dbias (complete: they depend on this shard's columns only), and this
- *      shard's part of dhidden, fp32 [N, H]; the caller sums the W parts in fp32 (an all-reduce) and
- *      rounds once.
+ *      shard's part of dhidden, fp32 [N, H]; the caller sums the W parts in fp32 and rounds once (in rank
+ *      order for bits that do not depend on the communicator: an all-reduce adds in its ring's or tree's
+ *      order, which beyond two ranks changes with NCCL's algorithm and protocol).
  * This recomputes the shard's logits in step 4 (8*N*H*V_r flops in all). fce_linear_cross_entropy_fwd_vp
  * (NCCL mode) exchanges the records chunk by chunk instead and forms the gradients from the logits it
  * already holds (6*N*H*V_r). Padding rows of the weight (past vocab_total) are never read; their dweight
@@ -1040,7 +1041,10 @@ FCE_API fce_status_t fce_linear_cross_entropy_partial_workspace_size(
  * combine in rank order (every rank gets the same bits, equal to a one-device emulation of the same
  * shards through fce_linear_cross_entropy_partial and fce_cross_entropy_combine), and with gradients the
  * chunk's dlogits from the combined lse, in place, then the dhidden and dweight GEMMs. dhidden is the sum of
- * every rank's part, formed in fp32 by one all-reduce at the end of the call and rounded once to its dtype.
+ * every rank's part, added in fp32 in rank order at the end of the call and rounded once to its dtype: the
+ * same bits on every rank and under any NCCL algorithm or protocol, equal to the emulation's rank-order sum.
+ * Two ranks all-reduce (a + b is the rank-order sum); more all-gather every rank's fp32 part, a piece at a
+ * time, and each adds them in rank order: (W - 1) * N * H * 4 bytes into each rank.
  * @param comm    from fce_comm_create, on the handle's device.
  * @param hidden, weight, bias, targets as for fce_linear_cross_entropy_partial.
  * @param options vocab_start (this rank's first row) and vocab_total required; the same on every rank

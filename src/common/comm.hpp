@@ -2,6 +2,7 @@
 #pragma once
 #include <cstddef>
 
+#include "common/tensor.hpp"
 #include "fusedce/fusedce.h"
 
 struct fce_comm {
@@ -15,8 +16,16 @@ namespace fce::cuda {
 void comm_init(fce_comm* c, struct ncclComm* nccl);
 // All-gather of `count` fp32 values per rank on the stream: recv holds rank r's at r * count.
 void comm_all_gather(const fce_comm* c, fce_stream_t stream, const void* send, void* recv, size_t count);
-// In-place fp32 sum over the ranks (NCCL's order: every rank gets the same bits; with 2 ranks a + b, which is
-// the rank-order sum).
+// In-place fp32 sum over the ranks in NCCL's order (the same bits on every rank; with 2 ranks a + b, the
+// rank-order sum).
 void comm_all_reduce_sum(const fce_comm* c, fce_stream_t stream, void* data, size_t count);
+
+// The sum over the ranks of each rank's fp32 `part` [count], added in rank order (((p0 + p1) + p2) + ...)
+// whatever NCCL's algorithm or protocol: the same bits on every rank (src/cuda/rank_sum.cu). With `out`
+// (contiguous, a float dtype) the sum is rounded once to it and `part` is left as scratch; without, `part`
+// receives the sum. scratch: at least 4 * size bytes of device memory free for the call (more bytes,
+// fewer all-gathers).
+void rank_order_sum(const fce_comm* c, fce_stream_t stream, float* part, size_t count, void* out, DType out_dtype,
+                    void* scratch, size_t scratch_bytes);
 
 }  // namespace fce::cuda

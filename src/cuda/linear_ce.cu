@@ -6,7 +6,7 @@
 // the inputs' dtype (as torch.nn.functional.linear) halve the chunk's bytes, so chunks are twice as long.
 // A vocabulary shard runs the same loop over its real weight rows: the partial writes each chunk's records;
 // the backward forms dlogits from the whole rows' lse (CeParams col0, vt); NCCL mode gathers and combines
-// each chunk's records before its gradient, and sums the ranks' fp32 dhidden once at the end.
+// each chunk's records before its gradient, and sums the ranks' fp32 dhidden once at the end, in rank order.
 #include <algorithm>
 
 #include "common/comm.hpp"
@@ -310,9 +310,13 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
                             size_t(pad) * dtype_size(p.dbias.dtype), s),
             "cudaMemsetAsync");
   }
-  if (vp && dh_base) {  // the ranks' parts summed in fp32, rounded once
-    comm_all_reduce_sum(vp->comm, stream, dh_base, size_t(N) * size_t(H));
-    if (lay.dh32) convert(s, lay.dh32, N, H, H, p.dhidden.data, p.dhidden.dtype, p.dhidden.ld, p.accumulate);
+  if (vp && dh_base) {  // the ranks' parts summed in fp32 in rank order, rounded once; the chunk scratch is free
+    const size_t scratch = size_t(lay.C) * size_t(ldl) * es;
+    const bool direct = lay.dh32 && !p.accumulate && p.dhidden.ld == H;  // each slice rounded straight into it
+    rank_order_sum(vp->comm, stream, reinterpret_cast<float*>(dh_base), size_t(N) * size_t(H),
+                   direct ? p.dhidden.data : nullptr, p.dhidden.dtype, lay.logits, scratch);
+    if (lay.dh32 && !direct)
+      convert(s, lay.dh32, N, H, H, p.dhidden.data, p.dhidden.dtype, p.dhidden.ld, p.accumulate);
   }
   if (!bwd && !partial && !none)
     ce_finalize(s, lay.row_loss, lay.row_zl, N, p.o.reduction, lay.prep, reinterpret_cast<float*>(p.loss.data),

@@ -228,6 +228,19 @@ inline std::vector<Shard> split_vocabulary(int64_t V, const std::vector<int64_t>
   return s;
 }
 
+// Megatron's split of V over W ranks: ceil(V / W) columns each, the last rank's shard short and padded to the
+// same width (as split_vocabulary's widths and pad).
+struct EvenSplit {
+  std::vector<int64_t> widths;
+  int64_t pad;
+};
+inline EvenSplit megatron_split(int64_t V, int64_t W) {
+  const int64_t width = (V + W - 1) / W;
+  EvenSplit e{std::vector<int64_t>(size_t(W), width), 0};
+  e.pad = width * W - V;
+  return e;
+}
+
 // RAII handle on the test target.
 class Handle {
  public:

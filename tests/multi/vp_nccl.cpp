@@ -5,6 +5,7 @@
 // of the call replays to the same bits; validation leaves the outputs untouched. With --bench, the timings
 // of docs/benchmarks.md (CUDA events, median of 20 calls).
 //   vp_nccl RANK WORLD ID_FILE [--bench]      exit 77: fewer GPUs than ranks, or no NCCL
+// With --bench, also one `@result {json}` line per timing for benchmarks/plot_scaling.py.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <unistd.h>
@@ -88,13 +89,23 @@ struct Buf {
   }
   ~Buf() { cudaFree(p); }
   Buf(const Buf&) = delete;
-  void upload(const void* h) { ck(cudaMemcpy(p, h, bytes, cudaMemcpyHostToDevice), "upload"); }
+  // These wait for the device: cudaMemcpy / cudaMemset run on the legacy stream, which the tests'
+  // non-blocking stream neither waits for nor makes wait (a poison landing after the call it precedes, a
+  // download before the call it follows ends).
+  void upload(const void* h) {
+    ck(cudaMemcpy(p, h, bytes, cudaMemcpyHostToDevice), "upload");
+    ck(cudaDeviceSynchronize(), "sync");
+  }
   std::vector<uint8_t> download() const {
+    ck(cudaDeviceSynchronize(), "sync");
     std::vector<uint8_t> h(bytes);
     ck(cudaMemcpy(h.data(), p, bytes, cudaMemcpyDeviceToHost), "download");
     return h;
   }
-  void poison() { ck(cudaMemset(p, 0xff, bytes), "poison"); }
+  void poison() {
+    ck(cudaMemset(p, 0xff, bytes), "poison");
+    ck(cudaDeviceSynchronize(), "sync");
+  }
 };
 
 const DLDataType kF32{kDLFloat, 32, 1}, kBF16{kDLBfloat, 16, 1}, kI64{kDLInt, 64, 1};
@@ -152,6 +163,12 @@ std::vector<uint8_t> shard_bytes(const Case& c, const Split& s, int64_t r, const
   return out;
 }
 
+size_t first_difference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  size_t i = 0;
+  while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+  return i;
+}
+
 fce_ce_options_t options_of(const Case& c, const Split& s, int64_t r) {
   fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
   o.reduction = fce_reduction_t(c.reduction);
@@ -183,6 +200,16 @@ struct Outs {
     o.entropy = &ent.t;
     o.dlogits = grad ? &dl.t : nullptr;
     return o;
+  }
+  // The output holding byte `at` of bytes().
+  const char* which(size_t at) const {
+    const char* names[] = {"loss", "lse", "z_loss", "argmax", "entropy", "dlogits"};
+    const Buf* bufs[] = {&loss, &lse, &zl, &am, &ent, &dl};
+    for (int k = 0; k < 6; ++k) {
+      if (at < bufs[k]->bytes) return names[k];
+      at -= bufs[k]->bytes;
+    }
+    return "none";
   }
   std::vector<uint8_t> bytes() const {
     std::vector<uint8_t> all;
@@ -253,7 +280,8 @@ void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, co
   std::snprintf(name, sizeof name, "N=%lld V=%lld %s reduction=%d smoothing=%g zloss=%g%s%s", (long long)c.N,
                 (long long)c.V, c.bf16 ? "bf16" : "fp32", c.reduction, c.smoothing, c.zloss,
                 c.nan_row ? " NaN row" : "", c.grad_entropy ? " grad_entropy" : "");
-  CHECK(mine == ref, "%s: NCCL mode differs from the one-device emulation", name);
+  CHECK(mine == ref, "%s: NCCL mode differs from the one-device emulation (first at byte %zu of %zu: %s)", name,
+        first_difference(mine, ref), mine.size(), got.which(first_difference(mine, ref)));
 
   // Every rank's outputs, gathered by the test's own NCCL: the same bits everywhere.
   Buf mine_d({int64_t(mine.size())}, DLDataType{kDLUInt, 8, 1}, dev);
@@ -390,11 +418,12 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
 }
 
 // Vocabulary-parallel linear cross-entropy in NCCL mode (fce_linear_cross_entropy_fwd_vp: the LM head split by
-// rows, each token chunk's records all-gathered inside the call, dhidden all-reduced in fp32) against the
-// one-device emulation: every shard's fce_linear_cross_entropy_partial, fce_cross_entropy_combine, every
-// shard's fce_linear_cross_entropy_bwd with an fp32 dhidden summed on the host in rank order and rounded once.
-// N fits one token chunk in both, so their GEMMs have the same shapes: the same bits (2 ranks: NCCL's sum of
-// two parts is the rank-order sum).
+// rows, each token chunk's records all-gathered inside the call, dhidden's fp32 parts summed in rank order)
+// against the one-device emulation: every shard's fce_linear_cross_entropy_partial, fce_cross_entropy_combine,
+// every shard's fce_linear_cross_entropy_bwd with an fp32 dhidden summed on the host in rank order and
+// rounded once. N fits one token chunk in both, so their GEMMs have the same shapes: the same bits, for any
+// number of ranks and NCCL setting. Then FCE_LINEAR_CE_ACCUMULATE (dhidden added into, through the fp32 sum)
+// and a CUDA graph of the call.
 void linear_case(const Case& c, int64_t H, int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st) {
   const Split s{c.V, W, (c.V + W - 1) / W};
   std::mt19937_64 g(uint64_t(c.N * 31 + c.V + H));
@@ -502,6 +531,33 @@ void linear_case(const Case& c, int64_t H, int W, int dev, fce_handle_t h, fce_c
   CHECK(dw.download() == dw_ref, "%s: dweight differs from the emulation's", name);
   CHECK(dh.download() == dh_ref, "%s: dhidden differs from the emulation's rank-order sum", name);
 
+  // Accumulating: dhidden (holding the hidden states' values) + the sum, added in fp32, rounded once.
+  {
+    dh.upload(hid.data());
+    fce_linear_ce_outputs_t acc = FCE_LINEAR_CE_OUTPUTS_INIT;
+    acc.loss = &loss.t;
+    acc.dhidden = &dh.t;
+    acc.flags = FCE_LINEAR_CE_ACCUMULATE;
+    ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hidden.t, &weight.t, nullptr, &targets.t, &o, &acc, nullptr, 0),
+       "fce_linear_cross_entropy_fwd_vp (accumulate)");
+    std::vector<uint8_t> want(dh_ref.size());
+    for (size_t i = 0; i < dsum.size(); ++i) {
+      float prev;
+      if (c.bf16) {
+        uint16_t b;
+        std::memcpy(&b, hid.data() + i * 2, 2);
+        const uint32_t u = uint32_t(b) << 16;
+        std::memcpy(&prev, &u, 4);
+      } else {
+        std::memcpy(&prev, hid.data() + i * 4, 4);
+      }
+      store(want, i, prev + dsum[i]);
+    }
+    CHECK(dh.download() == want, "%s: accumulated dhidden differs from the emulation's", name);
+    ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hidden.t, &weight.t, nullptr, &targets.t, &o, &out, nullptr, 0),
+       "fce_linear_cross_entropy_fwd_vp");
+  }
+
   // A CUDA graph of the call, with the caller's workspace.
   size_t wsb = 0;
   ok(fce_linear_cross_entropy_fwd_vp_workspace_size(h, comm, &hidden.t, &weight.t, nullptr, &targets.t, &o, &out, &wsb),
@@ -567,8 +623,39 @@ float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-// Per-rank timings: forward (loss) and forward + dlogits in place, V split over the ranks (strong) and
-// V_local = V on every rank (weak), next to the one-GPU fused call over V.
+// Random bf16 values in [-scale, scale) from xorshift, tiled from a block of 2^24: a 2 GB buffer fills in a
+// fraction of a second, which a per-element host generator does not (the timings do not depend on values).
+void fill_bf16(Buf& b, float scale, uint64_t seed) {
+  const size_t n = b.bytes / 2, block = std::min<size_t>(n, size_t(1) << 24);
+  std::vector<uint16_t> hv(block);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& v : hv) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    v = to_bf16(scale * (float(x >> 40) / float(1 << 23) - 1.f));
+  }
+  char* p = static_cast<char*>(b.p);
+  ck(cudaMemcpy(p, hv.data(), block * 2, cudaMemcpyHostToDevice), "upload");
+  for (size_t done = block; done < n;) {
+    const size_t m = std::min(done, n - done);
+    ck(cudaMemcpy(p + done * 2, p, m * 2, cudaMemcpyDeviceToDevice), "tile");
+    done += m;
+  }
+  ck(cudaDeviceSynchronize(), "sync");
+}
+
+// One result for benchmarks/plot_scaling.py, which reads these lines from every rank's output (a step takes
+// its slowest rank's time). scaling: strong (V split), weak (V_local = V on every rank) or one (one GPU).
+void result(int W, const char* op, const char* scaling, int64_t N, int64_t v_local, int64_t V, const char* what,
+            double ms) {
+  std::printf("@result {\"ranks\": %d, \"rank\": %d, \"op\": \"%s\", \"scaling\": \"%s\", \"N\": %lld, "
+              "\"V_local\": %lld, \"V\": %lld, \"what\": \"%s\", \"ms\": %.5f}\n",
+              W, g_rank, op, scaling, (long long)N, (long long)v_local, (long long)V, what, ms);
+}
+
+// Per-rank timings (CUDA events after an L2 flush, median of 20): CE forward (loss) and forward + dlogits in
+// place in NCCL mode, KD forward KL through the caller's all-gather, linear CE forward + backward in NCCL
+// mode, each with V split over the ranks (strong) and V_local = V on every rank (weak), next to the one-GPU
+// fused calls over V; the record exchange alone; the steps of each.
 void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, const Nccl& nccl, ncclComm* nc) {
   const int64_t N = 8192, V = 128256;
   const fce_stream_t fs = reinterpret_cast<fce_stream_t>(st);
@@ -594,175 +681,220 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
   std::vector<int64_t> tg(N);
   std::mt19937_64 g(1);
   for (auto& v : tg) v = int64_t(g() % uint64_t(V));
+  const uint64_t seed = uint64_t(g_rank + 1) * 1000;
+  // FCE_VP_BENCH=linear: the linear CE part alone (an A/B of NCCL mode's dhidden sum).
+  const char* only = std::getenv("FCE_VP_BENCH");
+  if (!only || std::strcmp(only, "linear") != 0) {
+    for (int weak = 0; weak < 2; ++weak) {
+      const char* sc = weak ? "weak" : "strong";
+      const int64_t VT = weak ? V * W : V, width = weak ? V : (V + W - 1) / W;
+      Buf x({N, width}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
+      fill_bf16(x, 4.f, seed + uint64_t(weak));
+      std::vector<int64_t> tt(tg);
+      if (weak)
+        for (auto& v : tt) v = int64_t(g() % uint64_t(VT));
+      t.upload(tt.data());
+      fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+      o.vocab_start = g_rank * width;
+      o.vocab_total = VT;
+      fce_ce_outputs_t fwd = FCE_CE_OUTPUTS_INIT, grad = FCE_CE_OUTPUTS_INIT;
+      fwd.loss = grad.loss = &loss.t;
+      grad.dlogits = &x.t;  // in place, as a training step does
+      size_t wsb = 0;
+      ok(fce_cross_entropy_fwd_vp_workspace_size(h, comm, &x.t, &t.t, &o, &grad, &wsb), "ws");
+      Buf ent({N}, kF32, dev), lse({N}, kF32, dev), amax({N}, kI64, dev);
+      fce_ce_outputs_t fe = fwd;  // with the entropy (5-field records) and the argmax (7)
+      fe.entropy = &ent.t;
+      fe.argmax = &amax.t;
+      size_t wse = 0;
+      ok(fce_cross_entropy_fwd_vp_workspace_size(h, comm, &x.t, &t.t, &o, &fe, &wse), "ws");
+      wsb = std::max(wsb, wse);
+      void* ws = nullptr;
+      ck(cudaMalloc(&ws, wsb), "ws");
+      const float tf = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &fwd, ws, wsb), "vp"); });
+      const float tfe = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &fe, ws, wsb), "vp"); });
+      // The steps alone: the shard's records at each width, its gradient from an lse, and a copy of the
+      // shard (a read and a write: the bandwidth of this run).
+      float tp[3];
+      const int64_t widths[3] = {FCE_CE_RECORD_FIELDS_LOSS, FCE_CE_RECORD_FIELDS_ENTROPY, FCE_CE_RECORD_FIELDS_ALL};
+      for (int k = 0; k < 3; ++k) {
+        Buf rec({N, widths[k]}, kF32, dev);
+        tp[k] = time([&] { ok(fce_cross_entropy_partial(h, fs, &x.t, &t.t, &o, &rec.t), "partial"); });
+      }
+      ck(cudaMemset(lse.p, 0, lse.bytes), "memset");
+      Buf dx({N, width}, kBF16, dev);
+      const float tb = time([&] {
+        ok(fce_cross_entropy_bwd(h, fs, &x.t, &t.t, &lse.t, nullptr, &o, &dx.t, ws, wsb), "bwd");
+      });
+      const float tc = time([&] { ck(cudaMemcpyAsync(dx.p, x.p, x.bytes, cudaMemcpyDeviceToDevice, st), "copy"); });
+      // What one pass over the shard would cost (the stretch design: rows kept on chip across the exchange):
+      // the unsharded fused forward + dlogits of the same [N, V_local] columns, into dx.
+      float t1p = 0;
+      {
+        Buf tl({N}, kI64, dev);
+        std::vector<int64_t> tloc(size_t(N), 0);
+        for (int64_t i = 0; i < N; ++i) tloc[size_t(i)] = int64_t(g() % uint64_t(width));
+        tl.upload(tloc.data());
+        fce_ce_outputs_t one = FCE_CE_OUTPUTS_INIT;
+        one.loss = &loss.t;
+        one.dlogits = &dx.t;
+        t1p = time([&] { ok(fce_cross_entropy_fwd(h, fs, &x.t, &tl.t, nullptr, &one, nullptr, 0), "fwd"); });
+      }
+      // The library's own device memory when it takes the workspace itself (cudaMemGetInfo around the first
+      // such call of a fresh handle: the handle keeps its workspace).
+      size_t lib_bytes = 0;
+      {
+        fce_handle_t h2 = nullptr;
+        ok(fce_handle_create(kDLCUDA, dev, &h2), "handle");
+        ck(cudaDeviceSynchronize(), "sync");
+        size_t f0 = 0, f1 = 0, total = 0;
+        ck(cudaMemGetInfo(&f0, &total), "meminfo");
+        ok(fce_cross_entropy_fwd_vp(h2, comm, fs, &x.t, &t.t, &o, &fe, nullptr, 0), "vp");
+        ck(cudaDeviceSynchronize(), "sync");
+        ck(cudaMemGetInfo(&f1, &total), "meminfo");
+        lib_bytes = f0 > f1 ? f0 - f1 : 0;
+        fce_handle_destroy(h2);
+      }
+      // last: the gradient in place changes the logits
+      const float tg2 = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &grad, ws, wsb), "vp"); });
+      cudaFree(ws);
+      std::printf("| rank %d | %s | N=%lld V_local=%lld V=%lld | %.3f | %.3f |\n", g_rank, weak ? "weak" : "strong",
+                  (long long)N, (long long)width, (long long)VT, tf, tg2);
+      std::printf("| rank %d | %s steps | loss+entropy+argmax %.3f; partial K=4/5/7 %.3f / %.3f / %.3f; shard bwd %.3f;"
+                  " copy %.3f (%.0f GB/s); one pass over the shard (unsharded fused call) %.3f; library memory with workspace NULL %.2f MiB (workspace query %.2f MiB) | | |\n",
+                  g_rank, weak ? "weak" : "strong", tfe, tp[0], tp[1], tp[2], tb, tc, 2e-6 * double(x.bytes) / tc, t1p,
+                  double(lib_bytes) / 1048576.0, double(wsb) / 1048576.0);
+      result(W, "ce", sc, N, width, VT, "fwd", tf);
+      result(W, "ce", sc, N, width, VT, "fwd_dlogits", tg2);
+      result(W, "ce", sc, N, width, VT, "partial_k4", tp[0]);
+      result(W, "ce", sc, N, width, VT, "shard_bwd", tb);
+      result(W, "ce", sc, N, width, VT, "copy", tc);
+      result(W, "ce", sc, N, width, VT, "one_pass", t1p);
+    }
+    for (int64_t K : {int64_t(FCE_CE_RECORD_FIELDS_LOSS), int64_t(FCE_CE_RECORD_FIELDS_ALL)}) {
+      // the exchange alone: the all-gather of [N, K] fp32 records
+      Buf mine({N, K}, kF32, dev), all({int64_t(W) * N, K}, kF32, dev);
+      const float ta = time([&] {
+        if (nccl.all_gather(mine.p, all.p, size_t(N * K), 7, nc, st) != 0) CHECK(false, "all-gather failed");
+      });
+      std::printf("| rank %d | all-gather of [N, %lld] records | N=%lld, %d ranks | %.3f | |\n", g_rank, (long long)K,
+                  (long long)N, W, ta);
+      result(W, "exchange", "-", N, K, K, K == FCE_CE_RECORD_FIELDS_LOSS ? "all_gather_k4" : "all_gather_k7", ta);
+    }
+    // KD forward KL, student and teacher both sharded: the records, the all-gather, the combine; 4096 rows
+    // (issue 28's target) and 8192 (the scaling curves), against one GPU's fce_kd_loss over V.
+    for (int64_t NK : {int64_t(4096), int64_t(8192)}) {
+      float t1f = 0;
+      {
+        Buf ws1({NK, V}, kBF16, dev), wt1({NK, V}, kBF16, dev), l1({}, kF32, dev);
+        fill_bf16(ws1, 4.f, seed + 7);
+        fill_bf16(wt1, 4.f, seed + 8);
+        fce_kd_teacher_t t1 = FCE_KD_TEACHER_INIT;
+        t1.logits = &wt1.t;
+        fce_kd_outputs_t o1 = FCE_KD_OUTPUTS_INIT;
+        o1.loss = &l1.t;
+        t1f = time([&] { ok(fce_kd_loss(h, fs, &ws1.t, &t1, nullptr, nullptr, &o1, nullptr, 0), "kd"); });
+      }
+      result(W, "kd", "one", NK, V, V, "fwd", t1f);
+      for (int weak = 0; weak < (NK == 8192 ? 2 : 1); ++weak) {
+        const char* sc = weak ? "weak" : "strong";
+        const int64_t VT = weak ? V * W : V, width = weak ? V : (V + W - 1) / W;
+        Buf xs({NK, width}, kBF16, dev), xt({NK, width}, kBF16, dev), rec({NK, FCE_KD_RECORD_FIELDS}, kF32, dev);
+        Buf all({int64_t(W), NK, FCE_KD_RECORD_FIELDS}, kF32, dev), loss({}, kF32, dev);
+        Buf stats({NK, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), ds({NK, width}, kBF16, dev);
+        fill_bf16(xs, 4.f, seed + 9);
+        fill_bf16(xt, 4.f, seed + 10);
+        fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
+        o.vocab_start = g_rank * width;
+        o.vocab_total = VT;
+        fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+        tt.logits = &xt.t;
+        size_t wsb = 0;
+        ok(fce_kd_combine_workspace_size(h, &all.t, nullptr, &o, &loss.t, &stats.t, &wsb), "ws");
+        void* ws = nullptr;
+        ck(cudaMalloc(&ws, wsb + 256), "ws");
+        const float tp = time([&] { ok(fce_kd_partial(h, fs, &xs.t, &tt, &o, &rec.t), "kd partial"); });
+        const float tf = time([&] {
+          ok(fce_kd_partial(h, fs, &xs.t, &tt, &o, &rec.t), "kd partial");
+          if (nccl.all_gather(rec.p, all.p, size_t(NK) * FCE_KD_RECORD_FIELDS, 7, nc, st) != 0)
+            CHECK(false, "all-gather");
+          ok(fce_kd_combine(h, fs, &all.t, nullptr, &o, &loss.t, &stats.t, ws, wsb + 256), "kd combine");
+        });
+        const float tb = time([&] {
+          ok(fce_kd_bwd(h, fs, &xs.t, &tt, nullptr, &stats.t, &o, nullptr, &ds.t, ws, wsb + 256), "kd bwd");
+        });
+        cudaFree(ws);
+        std::printf("| rank %d | KD forward KL, %s | N=%lld V_local=%lld V=%lld | partial %.3f; partial + all-gather + "
+                    "combine %.3f; shard dstudent %.3f; one GPU fce_kd_loss over V %.3f | |\n", g_rank, sc,
+                    (long long)NK, (long long)width, (long long)VT, tp, tf, tb, t1f);
+        result(W, "kd", sc, NK, width, VT, "fwd", tf);
+        result(W, "kd", sc, NK, width, VT, "partial", tp);
+        result(W, "kd", sc, NK, width, VT, "shard_dstudent", tb);
+      }
+    }
+    {  // one GPU, the whole V, fused forward + dlogits in place
+      Buf x({N, V}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
+      fill_bf16(x, 4.f, seed + 11);
+      t.upload(tg.data());
+      fce_ce_outputs_t fwd = FCE_CE_OUTPUTS_INIT, grad = FCE_CE_OUTPUTS_INIT;
+      fwd.loss = grad.loss = &loss.t;
+      grad.dlogits = &x.t;
+      const float tf = time([&] { ok(fce_cross_entropy_fwd(h, fs, &x.t, &t.t, nullptr, &fwd, nullptr, 0), "fwd"); });
+      const float tg2 = time([&] { ok(fce_cross_entropy_fwd(h, fs, &x.t, &t.t, nullptr, &grad, nullptr, 0), "fwd"); });
+      std::printf("| rank %d | one GPU | N=%lld V=%lld | %.3f | %.3f |\n", g_rank, (long long)N, (long long)V, tf, tg2);
+      result(W, "ce", "one", N, V, V, "fwd", tf);
+      result(W, "ce", "one", N, V, V, "fwd_dlogits", tg2);
+    }
+  }
+  // Linear CE, the LM head split by rows: N 8192, H 4096, bf16; V split (strong) and V_local = V (weak); the
+  // weak shard's columns are one GPU's whole problem, its fused call the baseline of both.
+  const int64_t NL = 8192, H = 4096;
+  Buf hid({NL, H}, kBF16, dev), dh({NL, H}, kBF16, dev), dh32({NL, H}, kF32, dev), lse({NL}, kF32, dev);
+  Buf t({NL}, kI64, dev), loss({}, kF32, dev);
+  fill_bf16(hid, 2.f, seed + 12);
+  {
+    // The device memory that the first call with a dhidden (its sum over the ranks) takes beyond the same call
+    // without, both with a caller's workspace: NCCL makes connections on their first use, with buffers of its
+    // own (grouped ncclSend / ncclRecv, tried for the sum, took 446 MiB on 2 ranks and 1214 MiB on 4).
+    const int64_t width = (V + W - 1) / W;
+    Buf wt({width, H}, kBF16, dev);
+    fill_bf16(wt, 0.1f, seed + 20);
+    std::vector<int64_t> tt(size_t(NL), 0);
+    t.upload(tt.data());
+    fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+    o.vocab_start = g_rank * width;
+    o.vocab_total = V;
+    fce_linear_ce_outputs_t fwd = FCE_LINEAR_CE_OUTPUTS_INIT, both = FCE_LINEAR_CE_OUTPUTS_INIT;
+    fwd.loss = both.loss = &loss.t;
+    both.dhidden = &dh.t;
+    size_t wsb = 0, f0 = 0, f1 = 0, total = 0;
+    ok(fce_linear_cross_entropy_fwd_vp_workspace_size(h, comm, &hid.t, &wt.t, nullptr, &t.t, &o, &both, &wsb), "ws");
+    void* ws = nullptr;
+    ck(cudaMalloc(&ws, wsb), "ws");
+    ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &fwd, ws, wsb), "lce vp");
+    ck(cudaDeviceSynchronize(), "sync");
+    ck(cudaMemGetInfo(&f0, &total), "meminfo");
+    ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &both, ws, wsb), "lce vp");
+    ck(cudaDeviceSynchronize(), "sync");
+    ck(cudaMemGetInfo(&f1, &total), "meminfo");
+    cudaFree(ws);
+    const double mib = f0 > f1 ? double(f0 - f1) / 1048576.0 : 0.0;
+    std::printf("| rank %d | device memory of the first call with dhidden beyond the first without | %.1f MiB "
+                "| |\n", g_rank, mib);
+    result(W, "memory", "strong", NL, width, V, "first_dhidden_sum_mib", mib);
+  }
   for (int weak = 0; weak < 2; ++weak) {
+    const char* sc = weak ? "weak" : "strong";
     const int64_t VT = weak ? V * W : V, width = weak ? V : (V + W - 1) / W;
-    Buf x({N, width}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
-    std::vector<uint16_t> hx(size_t(N * width));
-    std::normal_distribution<float> nd(0.f, 2.f);
-    for (auto& v : hx) v = to_bf16(nd(g));
-    x.upload(hx.data());
-    std::vector<int64_t> tt(tg);
-    if (weak)
-      for (auto& v : tt) v = int64_t(g() % uint64_t(VT));
+    Buf wt({width, H}, kBF16, dev), dw({width, H}, kBF16, dev);
+    Buf rec({NL, FCE_CE_RECORD_FIELDS_LOSS}, kF32, dev), all({int64_t(W), NL, FCE_CE_RECORD_FIELDS_LOSS}, kF32, dev);
+    fill_bf16(wt, 0.1f, seed + 13 + uint64_t(weak));
+    std::vector<int64_t> tt(size_t(NL), 0);
+    for (auto& v : tt) v = int64_t(g() % uint64_t(VT));
     t.upload(tt.data());
     fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
     o.vocab_start = g_rank * width;
     o.vocab_total = VT;
-    fce_ce_outputs_t fwd = FCE_CE_OUTPUTS_INIT, grad = FCE_CE_OUTPUTS_INIT;
-    fwd.loss = grad.loss = &loss.t;
-    grad.dlogits = &x.t;  // in place, as a training step does
-    size_t wsb = 0;
-    ok(fce_cross_entropy_fwd_vp_workspace_size(h, comm, &x.t, &t.t, &o, &grad, &wsb), "ws");
-    Buf ent({N}, kF32, dev), lse({N}, kF32, dev), amax({N}, kI64, dev);
-    fce_ce_outputs_t fe = fwd;  // with the entropy (5-field records) and the argmax (7)
-    fe.entropy = &ent.t;
-    fe.argmax = &amax.t;
-    size_t wse = 0;
-    ok(fce_cross_entropy_fwd_vp_workspace_size(h, comm, &x.t, &t.t, &o, &fe, &wse), "ws");
-    wsb = std::max(wsb, wse);
-    void* ws = nullptr;
-    ck(cudaMalloc(&ws, wsb), "ws");
-    const float tf = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &fwd, ws, wsb), "vp"); });
-    const float tfe = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &fe, ws, wsb), "vp"); });
-    // The steps alone: the shard's records at each width, its gradient from an lse, and a copy of the
-    // shard (a read and a write: the bandwidth of this run).
-    float tp[3];
-    const int64_t widths[3] = {FCE_CE_RECORD_FIELDS_LOSS, FCE_CE_RECORD_FIELDS_ENTROPY, FCE_CE_RECORD_FIELDS_ALL};
-    for (int k = 0; k < 3; ++k) {
-      Buf rec({N, widths[k]}, kF32, dev);
-      tp[k] = time([&] { ok(fce_cross_entropy_partial(h, fs, &x.t, &t.t, &o, &rec.t), "partial"); });
-    }
-    ck(cudaMemset(lse.p, 0, lse.bytes), "memset");
-    Buf dx({N, width}, kBF16, dev);
-    const float tb = time([&] {
-      ok(fce_cross_entropy_bwd(h, fs, &x.t, &t.t, &lse.t, nullptr, &o, &dx.t, ws, wsb), "bwd");
-    });
-    const float tc = time([&] { ck(cudaMemcpyAsync(dx.p, x.p, x.bytes, cudaMemcpyDeviceToDevice, st), "copy"); });
-    // What one pass over the shard would cost (the stretch design: rows kept on chip across the exchange):
-    // the unsharded fused forward + dlogits of the same [N, V_local] columns, into dx.
-    float t1p = 0;
-    {
-      Buf tl({N}, kI64, dev);
-      std::vector<int64_t> tloc(size_t(N), 0);
-      for (int64_t i = 0; i < N; ++i) tloc[size_t(i)] = int64_t(g() % uint64_t(width));
-      tl.upload(tloc.data());
-      fce_ce_outputs_t one = FCE_CE_OUTPUTS_INIT;
-      one.loss = &loss.t;
-      one.dlogits = &dx.t;
-      t1p = time([&] { ok(fce_cross_entropy_fwd(h, fs, &x.t, &tl.t, nullptr, &one, nullptr, 0), "fwd"); });
-    }
-    // The library's own device memory when it takes the workspace itself (cudaMemGetInfo around the first
-    // such call of a fresh handle: the handle keeps its workspace).
-    size_t lib_bytes = 0;
-    {
-      fce_handle_t h2 = nullptr;
-      ok(fce_handle_create(kDLCUDA, dev, &h2), "handle");
-      ck(cudaDeviceSynchronize(), "sync");
-      size_t f0 = 0, f1 = 0, total = 0;
-      ck(cudaMemGetInfo(&f0, &total), "meminfo");
-      ok(fce_cross_entropy_fwd_vp(h2, comm, fs, &x.t, &t.t, &o, &fe, nullptr, 0), "vp");
-      ck(cudaDeviceSynchronize(), "sync");
-      ck(cudaMemGetInfo(&f1, &total), "meminfo");
-      lib_bytes = f0 > f1 ? f0 - f1 : 0;
-      fce_handle_destroy(h2);
-    }
-    // last: the gradient in place changes the logits
-    const float tg2 = time([&] { ok(fce_cross_entropy_fwd_vp(h, comm, fs, &x.t, &t.t, &o, &grad, ws, wsb), "vp"); });
-    cudaFree(ws);
-    std::printf("| rank %d | %s | N=%lld V_local=%lld V=%lld | %.3f | %.3f |\n", g_rank, weak ? "weak" : "strong",
-                (long long)N, (long long)width, (long long)VT, tf, tg2);
-    std::printf("| rank %d | %s steps | loss+entropy+argmax %.3f; partial K=4/5/7 %.3f / %.3f / %.3f; shard bwd %.3f;"
-                " copy %.3f (%.0f GB/s); one pass over the shard (unsharded fused call) %.3f; library memory with workspace NULL %.2f MiB (workspace query %.2f MiB) | | |\n",
-                g_rank, weak ? "weak" : "strong", tfe, tp[0], tp[1], tp[2], tb, tc, 2e-6 * double(x.bytes) / tc, t1p,
-                double(lib_bytes) / 1048576.0, double(wsb) / 1048576.0);
-  }
-  for (int64_t K : {int64_t(FCE_CE_RECORD_FIELDS_LOSS), int64_t(FCE_CE_RECORD_FIELDS_ALL)}) {
-    // the exchange alone: the all-gather of [N, K] fp32 records
-    Buf mine({N, K}, kF32, dev), all({int64_t(W) * N, K}, kF32, dev);
-    const float ta = time([&] {
-      if (nccl.all_gather(mine.p, all.p, size_t(N * K), 7, nc, st) != 0) CHECK(false, "all-gather failed");
-    });
-    std::printf("| rank %d | all-gather of [N, %lld] records | N=%lld, %d ranks | %.3f | |\n", g_rank, (long long)K,
-                (long long)N, W, ta);
-  }
-  {  // KD forward KL, student and teacher both sharded (strong), N = 4096: records, the all-gather, combine
-    const int64_t NK = 4096, width = (V + W - 1) / W;
-    Buf xs({NK, width}, kBF16, dev), xt({NK, width}, kBF16, dev), rec({NK, FCE_KD_RECORD_FIELDS}, kF32, dev);
-    Buf all({int64_t(W), NK, FCE_KD_RECORD_FIELDS}, kF32, dev), loss({}, kF32, dev);
-    Buf stats({NK, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), ds({NK, width}, kBF16, dev);
-    std::vector<uint16_t> hx(size_t(NK * width));
-    std::normal_distribution<float> nd(0.f, 2.f);
-    for (auto& v : hx) v = to_bf16(nd(g));
-    xs.upload(hx.data());
-    for (auto& v : hx) v = to_bf16(nd(g));
-    xt.upload(hx.data());
-    fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
-    o.vocab_start = g_rank * width;
-    o.vocab_total = V;
-    fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
-    tt.logits = &xt.t;
-    size_t wsb = 0;
-    ok(fce_kd_combine_workspace_size(h, &all.t, nullptr, &o, &loss.t, &stats.t, &wsb), "ws");
-    void* ws = nullptr;
-    ck(cudaMalloc(&ws, wsb + 256), "ws");
-    const float tp = time([&] { ok(fce_kd_partial(h, fs, &xs.t, &tt, &o, &rec.t), "kd partial"); });
-    const float tf = time([&] {
-      ok(fce_kd_partial(h, fs, &xs.t, &tt, &o, &rec.t), "kd partial");
-      if (nccl.all_gather(rec.p, all.p, size_t(NK) * FCE_KD_RECORD_FIELDS, 7, nc, st) != 0) CHECK(false, "all-gather");
-      ok(fce_kd_combine(h, fs, &all.t, nullptr, &o, &loss.t, &stats.t, ws, wsb + 256), "kd combine");
-    });
-    const float tb = time([&] {
-      ok(fce_kd_bwd(h, fs, &xs.t, &tt, nullptr, &stats.t, &o, nullptr, &ds.t, ws, wsb + 256), "kd bwd");
-    });
-    cudaFree(ws);
-    Buf ws1({NK, V}, kBF16, dev), wt1({NK, V}, kBF16, dev), l1({}, kF32, dev);
-    ck(cudaMemset(ws1.p, 0, ws1.bytes), "memset");
-    ck(cudaMemset(wt1.p, 0, wt1.bytes), "memset");
-    fce_kd_teacher_t t1 = FCE_KD_TEACHER_INIT;
-    t1.logits = &wt1.t;
-    fce_kd_outputs_t o1 = FCE_KD_OUTPUTS_INIT;
-    o1.loss = &l1.t;
-    const float t1f = time([&] { ok(fce_kd_loss(h, fs, &ws1.t, &t1, nullptr, nullptr, &o1, nullptr, 0), "kd"); });
-    std::printf("| rank %d | KD forward KL, strong | N=%lld V_local=%lld V=%lld | partial %.3f; partial + all-gather + "
-                "combine %.3f; shard dstudent %.3f; one GPU fce_kd_loss over V %.3f | |\n", g_rank, (long long)NK,
-                (long long)width, (long long)V, tp, tf, tb, t1f);
-  }
-  {  // one GPU, the whole V, fused forward + dlogits in place
-    Buf x({N, V}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
-    std::vector<uint16_t> hx(size_t(N * V));
-    std::normal_distribution<float> nd(0.f, 2.f);
-    for (auto& v : hx) v = to_bf16(nd(g));
-    x.upload(hx.data());
-    t.upload(tg.data());
-    fce_ce_outputs_t fwd = FCE_CE_OUTPUTS_INIT, grad = FCE_CE_OUTPUTS_INIT;
-    fwd.loss = grad.loss = &loss.t;
-    grad.dlogits = &x.t;
-    const float tf = time([&] { ok(fce_cross_entropy_fwd(h, fs, &x.t, &t.t, nullptr, &fwd, nullptr, 0), "fwd"); });
-    const float tg2 = time([&] { ok(fce_cross_entropy_fwd(h, fs, &x.t, &t.t, nullptr, &grad, nullptr, 0), "fwd"); });
-    std::printf("| rank %d | one GPU | N=%lld V=%lld | %.3f | %.3f |\n", g_rank, (long long)N, (long long)V, tf, tg2);
-  }
-  {  // linear CE, the LM head split by rows (strong): N 8192, H 4096, V 128256, bf16
-    const int64_t NL = 8192, H = 4096, width = (V + W - 1) / W;
-    Buf hid({NL, H}, kBF16, dev), wt({width, H}, kBF16, dev), t({NL}, kI64, dev), loss({}, kF32, dev);
-    Buf dh({NL, H}, kBF16, dev), dw({width, H}, kBF16, dev), dh32({NL, H}, kF32, dev), lse({NL}, kF32, dev);
-    Buf rec({NL, FCE_CE_RECORD_FIELDS_LOSS}, kF32, dev), all({int64_t(W), NL, FCE_CE_RECORD_FIELDS_LOSS}, kF32, dev);
-    uint64_t state = 88172645463325252ull + uint64_t(g_rank);
-    auto fill = [&](Buf& b, float scale) {
-      std::vector<uint16_t> hv(b.bytes / 2);
-      for (auto& v : hv) {
-        state ^= state << 13, state ^= state >> 7, state ^= state << 17;
-        v = to_bf16(scale * (float(state >> 40) / float(1ull << 24) - 0.5f));
-      }
-      b.upload(hv.data());
-    };
-    fill(hid, 4.f);
-    fill(wt, 0.2f);
-    std::vector<int64_t> tt(size_t(NL), 0);
-    for (auto& v : tt) v = int64_t(g() % uint64_t(V));
-    t.upload(tt.data());
-    fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
-    o.vocab_start = g_rank * width;
-    o.vocab_total = V;
     fce_linear_ce_outputs_t fwd = FCE_LINEAR_CE_OUTPUTS_INIT, both = FCE_LINEAR_CE_OUTPUTS_INIT;
     fwd.loss = both.loss = &loss.t;
     both.dhidden = &dh.t;
@@ -773,8 +905,8 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
     const float tfb = time([&] {
       ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &both, nullptr, 0), "lce vp");
     });
-    // Where NCCL mode's time goes: dweight alone (no dhidden, no all-reduce), an fp32 dhidden (all-reduced in
-    // place, no rounding pass), and one GPU's forward over the shard's columns.
+    // Where NCCL mode's time goes: dweight alone (no dhidden, no sum over the ranks), an fp32 dhidden (summed
+    // in place, no rounding pass).
     fce_linear_ce_outputs_t dwo = fwd, f32o = both;
     dwo.dweight = &dw.t;
     f32o.dhidden = &dh32.t;
@@ -785,7 +917,7 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
       ok(fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hid.t, &wt.t, nullptr, &t.t, &o, &f32o, nullptr, 0), "lce vp");
     });
     // The explicit path: the shard's records, the all-gather, the combine, the shard's backward (recomputing
-    // the logits), the fp32 dhidden all-reduce and its rounding (left out: one more elementwise pass).
+    // the logits) and the fp32 dhidden's sum over the ranks (NCCL's all-reduce here, in its own order).
     fce_ce_outputs_t co = FCE_CE_OUTPUTS_INIT;
     co.loss = &loss.t;
     co.lse = &lse.t;
@@ -799,7 +931,11 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
       ok(fce_linear_cross_entropy_bwd(h, fs, &hid.t, &wt.t, nullptr, &t.t, &lse.t, &o, &bo, nullptr, 0), "bwd");
       if (nccl.all_reduce(dh32.p, dh32.p, size_t(NL * H), 7, 0, nc, st) != 0) CHECK(false, "all-reduce");
     });
-    // One GPU's fused call over the same columns (no exchange): the floor of this design.
+    // The fp32 all-reduce alone, for the share of the exchange.
+    const float tar = time([&] {
+      if (nccl.all_reduce(dh32.p, dh32.p, size_t(NL * H), 7, 0, nc, st) != 0) CHECK(false, "all-reduce");
+    });
+    // One GPU's fused call over the shard's columns (no exchange): the floor of this design.
     Buf tl({NL}, kI64, dev);
     for (auto& v : tt) v = int64_t(g() % uint64_t(width));
     tl.upload(tt.data());
@@ -824,13 +960,26 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
       fce_handle_destroy(h2);
     }
     const double flop = 6.0 * double(NL) * double(H) * double(width);
-    std::printf("| rank %d | linear CE strong, N=%lld H=%lld V_local=%lld | fwd %.3f | fwd+bwd %.3f (%.0f TFLOP/s) |\n",
-                g_rank, (long long)NL, (long long)H, (long long)width, tf, tfb, flop / tfb * 1e-9);
-    std::printf("| rank %d | linear CE steps | explicit partial+all-gather+combine+bwd+all-reduce %.3f; NCCL mode with "
-                "dweight only %.3f, with an fp32 dhidden %.3f; one GPU's fused call over the shard's columns %.3f "
-                "(%.0f TFLOP/s), forward %.3f; library memory with workspace NULL %.1f MiB (workspace query %.1f MiB) | | |\n",
-                g_rank, tx, tdw, t32, t1, flop / t1 * 1e-9, t1f, double(lib_bytes) / 1048576.0,
+    std::printf("| rank %d | linear CE %s, N=%lld H=%lld V_local=%lld | fwd %.3f | fwd+bwd %.3f (%.0f TFLOP/s) |\n",
+                g_rank, sc, (long long)NL, (long long)H, (long long)width, tf, tfb, flop / tfb * 1e-9);
+    std::printf("| rank %d | linear CE %s steps | explicit partial+all-gather+combine+bwd+all-reduce %.3f; NCCL mode "
+                "with dweight only %.3f, with an fp32 dhidden %.3f; fp32 all-reduce of [N, H] %.3f; one GPU's fused "
+                "call over the shard's columns %.3f (%.0f TFLOP/s), forward %.3f; library memory with workspace NULL "
+                "%.1f MiB (workspace query %.1f MiB) | | |\n",
+                g_rank, sc, tx, tdw, t32, tar, t1, flop / t1 * 1e-9, t1f, double(lib_bytes) / 1048576.0,
                 double(wsb) / 1048576.0);
+    result(W, "linear_ce", sc, NL, width, VT, "fwd", tf);
+    result(W, "linear_ce", sc, NL, width, VT, "fwd_bwd", tfb);
+    result(W, "linear_ce", sc, NL, width, VT, "dweight_only", tdw);
+    result(W, "linear_ce", sc, NL, width, VT, "fp32_dhidden", t32);
+    result(W, "linear_ce", sc, NL, width, VT, "explicit", tx);
+    result(W, "linear_ce", sc, NL, width, VT, "fp32_all_reduce", tar);
+    result(W, "linear_ce", sc, NL, width, width, "one_gpu_shard_cols_fwd_bwd", t1);
+    result(W, "linear_ce", sc, NL, width, width, "one_gpu_shard_cols_fwd", t1f);
+    if (weak) {  // the weak shard's columns are V: one GPU's whole problem
+      result(W, "linear_ce", "one", NL, V, V, "fwd_bwd", t1);
+      result(W, "linear_ce", "one", NL, V, V, "fwd", t1f);
+    }
   }
 }
 
@@ -845,8 +994,12 @@ int main(int argc, char** argv) {
   const int W = std::atoi(argv[2]);
   const std::string id_file = argv[3];
   const bool do_bench = argc > 4 && std::strcmp(argv[4], "--bench") == 0;
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // the ranks share one log: whole lines
+  // FCE_VP_SHARE_GPUS=1: more ranks than GPUs, rank r on GPU r % count (NCCL may refuse two ranks on one GPU).
+  const char* share = std::getenv("FCE_VP_SHARE_GPUS");
+  const bool shared = share && std::strcmp(share, "1") == 0;
   int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < W) {
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1 || (ndev < W && !shared)) {
     std::printf("rank %d: %d GPU(s) for %d ranks: skipped\n", g_rank, ndev, W);
     return 77;
   }
@@ -861,7 +1014,7 @@ int main(int argc, char** argv) {
   nccl.comm_destroy = reinterpret_cast<decltype(nccl.comm_destroy)>(dlsym(lib, "ncclCommDestroy"));
   nccl.all_gather = reinterpret_cast<decltype(nccl.all_gather)>(dlsym(lib, "ncclAllGather"));
   nccl.all_reduce = reinterpret_cast<decltype(nccl.all_reduce)>(dlsym(lib, "ncclAllReduce"));
-  const int dev = g_rank;
+  const int dev = g_rank % ndev;
   ck(cudaSetDevice(dev), "cudaSetDevice");
   NcclId id{};
   if (g_rank == 0) {
@@ -901,7 +1054,8 @@ int main(int argc, char** argv) {
         {37, 50021, false, FCE_REDUCTION_MEAN, 0.f, 0.f, false},
         {300, 129920, true, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, false},
         {300, 129920, true, FCE_REDUCTION_NONE, 0.f, 0.f, true},
-        {64, 7, false, FCE_REDUCTION_SUM, 0.f, 0.f, false},  // shards of 4 and 3 columns
+        {64, 7, false, FCE_REDUCTION_SUM, 0.f, 0.f, false},  // shards of 4 and 3 columns (2 ranks)
+        {37, 151936, true, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, true},  // Qwen's V: uneven over 3 or 7 ranks
         {300, 129920, true, FCE_REDUCTION_NONE, 0.f, 0.f, false, true},
         {37, 50021, false, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, true, true},
     };
@@ -910,6 +1064,7 @@ int main(int argc, char** argv) {
         {37, 50021, false, FCE_REDUCTION_NONE, 0.f, 0.f, true},
         {300, 129920, true, FCE_REDUCTION_MEAN, 0.f, 0.f, false},
         {64, 7, false, FCE_REDUCTION_SUM, 0.f, 0.f, false},
+        {37, 151936, true, FCE_REDUCTION_NONE, 0.f, 0.f, true},
     };
     for (const Case& c : kd_cases)
       for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) kd_case(c, div, W, dev, h, nccl, nc, st);
@@ -917,6 +1072,7 @@ int main(int argc, char** argv) {
         {37, 50021, true, FCE_REDUCTION_NONE, 0.f, 0.f, false},
         {300, 129920, true, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, false},
         {64, 7, false, FCE_REDUCTION_SUM, 0.f, 0.f, false},
+        {37, 151936, true, FCE_REDUCTION_NONE, 0.f, 0.f, false},
     };
     for (const Case& c : linear_cases) linear_case(c, c.V > 1000 ? 128 : 16, W, dev, h, comm, st);
     validation(W, dev, h, comm, st);

@@ -316,6 +316,20 @@ TEST(KdVocabParallel, ManyRowsLongShards) {  // rows and columns enough for ever
   }
 }
 
+TEST(KdVocabParallel, ManyRanksMegatronSplit) {  // V = 151936 over 3 and 7 ranks, Megatron's split
+  for (int64_t W : {3, 7}) {
+    Case c;
+    c.N = 4;
+    c.V = 151936;
+    c.ds = c.dt = DT::BF16;
+    c.div = W == 3 ? FCE_KD_FORWARD_KL : FCE_KD_REVERSE_KL;
+    const EvenSplit e = megatron_split(c.V, W);
+    c.widths = e.widths;
+    c.pad = e.pad;
+    run(c);
+  }
+}
+
 TEST(KdVocabParallel, Validation) {
   Handle h;
   Tensor s(DT::F32, {3, 10}), t(DT::F32, {3, 10}), rec(DT::F32, {3, FCE_KD_RECORD_FIELDS}), bad(DT::F32, {3, 4});

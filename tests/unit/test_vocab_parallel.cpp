@@ -217,6 +217,27 @@ TEST(VocabParallel, EveryOption) {
   run(k);
 }
 
+// Qwen's V = 151936 over 3 and 7 ranks, Megatron's split (issue 29's uneven shards, checked here on one device).
+TEST(VocabParallel, ManyRanksMegatronSplit) {
+  for (int64_t W : {3, 7}) {
+    for (DT dt : {DT::BF16, DT::F32}) {
+      Case k;
+      k.ce.N = 5;
+      k.ce.V = 151936;
+      k.ce.dt = dt;
+      k.ce.reduction = dt == DT::BF16 ? FCE_REDUCTION_NONE : FCE_REDUCTION_MEAN;
+      k.ce.eps = 0.1;
+      k.ce.zq = 1e-4;
+      const EvenSplit e = megatron_split(k.ce.V, W);
+      k.widths = e.widths;
+      k.pad = e.pad;
+      k.nan_row = dt == DT::BF16;
+      SCOPED_TRACE(testing::Message() << dt_name(dt) << " over " << W << " ranks, pad " << e.pad);
+      run(k);
+    }
+  }
+}
+
 TEST(VocabParallel, NaNOutOfRangeAndAllIgnored) {
   Case k;
   k.ce.N = 6;

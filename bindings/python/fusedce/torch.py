@@ -783,11 +783,36 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                                                  grad_loss=grad.float().contiguous(), **ctx.kw)
             dh, dw, db = r
             if dh is not None:
-                import torch.distributed as dist
-                if ctx.group is not None or (dist.is_available() and dist.is_initialized()):
-                    dist.all_reduce(dh, group=ctx.group)  # the ranks' fp32 parts
-                dh = dh.to(hidden.dtype)
+                dh = _sum_over_ranks(dh, ctx.group, hidden.dtype)  # the ranks' fp32 parts
         return dh, dw, db, None, None, None, None, None
+
+
+def _sum_over_ranks(x, group, dtype):
+    """The sum over the group's ranks of each rank's fp32 x, added in rank order (((x_0 + x_1) + x_2) + ...),
+    rounded once to dtype: the same bits on every rank, under any NCCL setting, and as the library's NCCL mode
+    (fce_linear_cross_entropy_fwd_vp). Two ranks all-reduce (a + b whatever the order); more all-gather the
+    parts, 64 Mi elements at a time, and add them in rank order, as an all-reduce (its ring's or tree's
+    order) would not. A lone process (no process group) returns x rounded."""
+    import torch.distributed as dist
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return x.to(dtype)
+    world = dist.get_world_size(group)
+    if world <= 2:
+        if world == 2:
+            dist.all_reduce(x, group=group)
+        return x.to(dtype)
+    flat = x.reshape(-1)
+    out = torch.empty(flat.shape, dtype=dtype, device=x.device)
+    step = max(1, (64 << 20) // world)
+    for off in range(0, flat.numel(), step):
+        piece = flat[off:off + step].contiguous()
+        parts = [torch.empty_like(piece) for _ in range(world)]
+        dist.all_gather(parts, piece, group=group)
+        total = parts[0]
+        for r in range(1, world):
+            total += parts[r]
+        out[off:off + step] = total
+    return out.view(x.shape)
 
 
 def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, vocab_start=None, vocab_total=None,
@@ -806,7 +831,8 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, vo
     (fce_linear_cross_entropy_fwd_vp: 6*N*H*V_local flops), and with a reduced loss forms every gradient in
     that call. Otherwise one all-gather of [N, 4] fp32 records through torch.distributed
     (fce_linear_cross_entropy_partial, fce_cross_entropy_combine); the backward recomputes the shard's logits
-    (fce_linear_cross_entropy_bwd: 8*N*H*V_local flops in all) and all-reduces dhidden in fp32. Not a
+    (fce_linear_cross_entropy_bwd: 8*N*H*V_local flops in all) and sums dhidden's fp32 parts in rank order.
+    Both paths give dhidden the same bits on every rank and under any NCCL setting. Not a
     torch.library op: torch.compile graph-breaks around it."""
     v_local = weight.shape[0]
     vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)

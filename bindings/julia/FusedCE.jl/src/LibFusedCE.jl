@@ -1216,7 +1216,10 @@ shard's logits (a cuBLAS GEMM), their records, an all-gather of the chunk's reco
 combine in rank order (every rank gets the same bits, equal to a one-device emulation of the same
 shards through fce_linear_cross_entropy_partial and fce_cross_entropy_combine), and with gradients the
 chunk's dlogits from the combined lse, in place, then the dhidden and dweight GEMMs. dhidden is the sum of
-every rank's part, formed in fp32 by one all-reduce at the end of the call and rounded once to its dtype.
+every rank's part, added in fp32 in rank order at the end of the call and rounded once to its dtype: the
+same bits on every rank and under any NCCL algorithm or protocol, equal to the emulation's rank-order sum.
+Two ranks all-reduce (a + b is the rank-order sum); more all-gather every rank's fp32 part, a piece at a
+time, and each adds them in rank order: (W - 1) * N * H * 4 bytes into each rank.
 @param comm    from fce_comm_create, on the handle's device.
 @param hidden, weight, bias, targets as for fce_linear_cross_entropy_partial.
 @param options vocab_start (this rank's first row) and vocab_total required; the same on every rank
