@@ -31,13 +31,7 @@ void run_case(const CeCase& c) {
   }
   targets.upload();
   std::vector<double> w;
-  Tensor weights;
-  if (c.weights) {
-    weights = Tensor(DT::F32, {V});
-    std::uniform_real_distribution<double> u(0.1, 2.0);
-    for (int64_t j = 0; j < V; ++j) { weights.set(j, u(rng())); w.push_back(weights.get(j)); }
-    weights.upload();
-  }
+  Tensor weights = class_weights(c, V, w);
   std::vector<double> gup;
   Tensor grad_loss;
   if (c.grad_mode == 2) {

@@ -77,44 +77,19 @@ void run_case(const LceCase& lc) {
   FCE_OK(fce_linear_cross_entropy_fwd(h, test_stream(), hidden.dl(), weight.dl(), b, targets.dl(), &o, &out,
                                       lc.ws_rows ? ws.dl()->data : nullptr, ws_bytes));
   for (Tensor* t : {&loss, &lse, &dh, &dw, &db}) t->download();
-  // The contract rounds logits to the inputs' dtype (as torch's linear does): each moves by at most
-  // u*|x|, so a row's loss and lse by a few u*s*max|x| (s the logit scale).
-  const double u = c.dt == DT::BF16 ? 1.0 / 256 : c.dt == DT::F16 ? 1.0 / 2048 : 1e-6;
-  std::vector<double> zabs(N, 0.0);
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t v = 0; v < V; ++v) zabs[i] = std::max(zabs[i], std::fabs(x[size_t(i * V + v)]) * c.scale);
-  auto row_tol = [&](int64_t i) { return 1e-4 + 3 * u * zabs[i] * (1 + 2 * c.zq * std::fabs(ref.lse[i])); };
+  // The logits rounded to the inputs' dtype: the bounds of ce_reference.hpp's linear_ce_grads.
+  const double u = logit_roundoff(c.dt);
+  const std::vector<double> zabs = scaled_row_max(c, x, N, V);
+  auto row_tol = [&](int64_t i) { return linear_row_tol(c, ref, u, zabs, i); };
   double mean_tol = 0;
   for (int64_t i = 0; i < N; ++i) mean_tol = std::max(mean_tol, row_tol(i));
   for (int64_t i = 0; i < N; ++i) ASSERT_TRUE(close(lse.get(i), ref.lse[i], 1e-5, row_tol(i))) << "lse " << i;
   if (none) for (int64_t i = 0; i < N; ++i) ASSERT_TRUE(close(loss.get(i), ref.loss[i], 1e-4, row_tol(i))) << "loss " << i;
   else ASSERT_TRUE(close(loss.get(0), ref.total, 1e-4, mean_tol));
 
-  // Reference gradients, and the sums of |terms| that bound the error: dlogits rounded to the inputs'
-  // dtype (|err| <= u * sum |dl| |w|), the logits' rounding moving each p by up to 2*u*s*max|x|*p and, with
-  // a soft-cap, the cap's derivative s*sech^2(s*x/c) by up to 2*u*(s/c)*|tanh(s*x/c)*x| of itself (without
-  // that term a bf16 case failed ~1 run in 15 on an H100 and 2 in 300 in a float64 simulation of the
-  // rounding; with it the worst of those 300 is 0.67 of the tolerance).
-  std::vector<double> rdh(size_t(N * H), 0), rdw(size_t(V * H), 0), rdb(size_t(V), 0);
-  std::vector<double> adh(size_t(N * H), 0), adw(size_t(V * H), 0), adb(size_t(V), 0);
-  const double gs = c.reduction == FCE_REDUCTION_MEAN ? (ref.denom > 0 ? 1.0 / ref.denom : 0.0) : 1.0;
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t v = 0; v < V; ++v) {
-      const double g = ref.grad[size_t(i * V + v)];
-      const double xv = x[size_t(i * V + v)];
-      const double z = c.cap > 0 ? c.cap * std::tanh(c.scale * xv / c.cap) : c.scale * xv;
-      const double pv = tg[i] == -100 ? 0.0 : std::exp(z - ref.lse[i]);
-      const double dcap = c.cap > 0 ? 2 * (c.scale / c.cap) * std::fabs(std::tanh(c.scale * xv / c.cap) * xv) : 0.0;
-      const double err = std::fabs(g) * (1 + dcap) + 2 * zabs[i] * pv * gs;  // per unit of u
-      rdb[v] += g;
-      adb[v] += err;
-      for (int64_t k = 0; k < H; ++k) {
-        rdh[size_t(i * H + k)] += g * wv[size_t(v * H + k)];
-        adh[size_t(i * H + k)] += err * std::fabs(wv[size_t(v * H + k)]);
-        rdw[size_t(v * H + k)] += g * hv[size_t(i * H + k)];
-        adw[size_t(v * H + k)] += err * std::fabs(hv[size_t(i * H + k)]);
-      }
-    }
+  // Reference gradients, and the sums of |terms| that bound the error.
+  const LinearCeGrads rg = linear_ce_grads(c, ref, x, tg, hv, wv, zabs, N, V, H, 0, V);
+  const std::vector<double> &rdh = rg.dh, &adh = rg.adh, &rdw = rg.dw, &adw = rg.adw, &rdb = rg.db, &adb = rg.adb;
   auto check = [&](const Tensor& t, const std::vector<double>& want, const std::vector<double>& abs_sum, int64_t rows,
                    int64_t cols, const char* what, double per_chunk = 0) {
     double mx = 0;

@@ -38,13 +38,7 @@ void run(const Case& k) {
   }
   targets.upload();
   std::vector<double> w;
-  Tensor weights;
-  if (c.weights) {
-    weights = Tensor(DT::F32, {V});
-    std::uniform_real_distribution<double> u(0.1, 2.0);
-    for (int64_t j = 0; j < V; ++j) { weights.set(j, u(rng())); w.push_back(weights.get(j)); }
-    weights.upload();
-  }
+  Tensor weights = class_weights(c, V, w);
   const std::vector<double> hv = values(hidden), wv = values(weight);
   std::vector<double> x(size_t(N * V));
   for (int64_t i = 0; i < N; ++i)
@@ -115,12 +109,10 @@ void run(const Case& k) {
   FCE_OK(fce_cross_entropy_combine(h, test_stream(), &rec.dl, targets.dl(), &o, &out, nullptr, 0));
   for (Tensor* t : {&loss, &lse, &ent, &amax}) t->download();
 
-  // The logits are rounded to the inputs' dtype (the contract): each moves by at most u*|x|.
-  const double u = c.dt == DT::BF16 ? 1.0 / 256 : c.dt == DT::F16 ? 1.0 / 2048 : 1e-6;
-  std::vector<double> zabs(size_t(N), 0.0);
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t v = 0; v < V; ++v) zabs[size_t(i)] = std::max(zabs[size_t(i)], std::fabs(x[size_t(i * V + v)]) * c.scale);
-  auto row_tol = [&](int64_t i) { return 1e-4 + 3 * u * zabs[size_t(i)] * (1 + 2 * c.zq * std::fabs(ref.lse[size_t(i)])); };
+  // The logits rounded to the inputs' dtype: the bounds of ce_reference.hpp's linear_ce_grads.
+  const double u = logit_roundoff(c.dt);
+  const std::vector<double> zabs = scaled_row_max(c, x, N, V);
+  auto row_tol = [&](int64_t i) { return linear_row_tol(c, ref, u, zabs, i); };
   double mean_tol = 0;
   for (int64_t i = 0; i < N; ++i) mean_tol = std::max(mean_tol, row_tol(i));
   for (int64_t i = 0; i < N; ++i) {
@@ -139,9 +131,8 @@ void run(const Case& k) {
     ASSERT_TRUE(close(loss.get(0), ref.total, 1e-4, mean_tol));
   }
 
-  // Each shard's gradients from the combined lse against the float64 ones of its rows (the test's
-  // test_linear_ce bounds: dlogits rounded to the inputs' dtype, the logits' rounding moving p).
-  const double gs = c.reduction == FCE_REDUCTION_MEAN ? (ref.denom > 0 ? 1.0 / ref.denom : 0.0) : 1.0;
+  // Each shard's gradients from the combined lse against the float64 ones of its rows (linear_ce_grads'
+  // bounds, as test_linear_ce).
   for (int64_t r = 0; r < W; ++r) {
     const Shard& s = shards[size_t(r)];
     SCOPED_TRACE(::testing::Message() << "shard " << r);
@@ -156,25 +147,8 @@ void run(const Case& k) {
                                         k.bias ? bs[size_t(r)].dl() : no_bias, targets.dl(), lse.dl(), &o, &ob,
                                         nullptr, 0));
     for (Tensor* t : {&dh, &dw, &db}) t->download();
-    std::vector<double> rdh(size_t(N * H), 0), adh(size_t(N * H), 0), rdw(size_t(s.width * H), 0),
-        adw(size_t(s.width * H), 0), rdb(size_t(s.width), 0), adb(size_t(s.width), 0);
-    for (int64_t i = 0; i < N; ++i)
-      for (int64_t v = 0; v < s.width; ++v) {
-        const int64_t col = s.start + v;
-        const double g = ref.grad[size_t(i * V + col)], xv = x[size_t(i * V + col)];
-        const double z = c.cap > 0 ? c.cap * std::tanh(c.scale * xv / c.cap) : c.scale * xv;
-        const double pv = tg[size_t(i)] == -100 ? 0.0 : std::exp(z - ref.lse[size_t(i)]);
-        const double dcap = c.cap > 0 ? 2 * (c.scale / c.cap) * std::fabs(std::tanh(c.scale * xv / c.cap) * xv) : 0.0;
-        const double err = std::fabs(g) * (1 + dcap) + 2 * zabs[size_t(i)] * pv * gs;
-        rdb[size_t(v)] += g;
-        adb[size_t(v)] += err;
-        for (int64_t j = 0; j < H; ++j) {
-          rdh[size_t(i * H + j)] += g * wv[size_t(col * H + j)];
-          adh[size_t(i * H + j)] += err * std::fabs(wv[size_t(col * H + j)]);
-          rdw[size_t(v * H + j)] += g * hv[size_t(i * H + j)];
-          adw[size_t(v * H + j)] += err * std::fabs(hv[size_t(i * H + j)]);
-        }
-      }
+    const LinearCeGrads rg = linear_ce_grads(c, ref, x, tg, hv, wv, zabs, N, V, H, s.start, s.width);
+    const std::vector<double> &rdh = rg.dh, &adh = rg.adh, &rdw = rg.dw, &adw = rg.adw, &rdb = rg.db, &adb = rg.adb;
     const double uo = c.dt == DT::BF16 ? 1.0 / 256 : c.dt == DT::F16 ? 1.0 / 2048 : 0.0;  // dweight's rounding
     for (int64_t i = 0; i < N; ++i)
       for (int64_t j = 0; j < H; ++j)

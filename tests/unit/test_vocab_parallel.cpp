@@ -40,13 +40,7 @@ void run(const Case& k) {
   }
   targets.upload();
   std::vector<double> w;
-  Tensor weights;
-  if (c.weights) {
-    weights = Tensor(DT::F32, {V});
-    std::uniform_real_distribution<double> u(0.1, 2.0);
-    for (int64_t j = 0; j < V; ++j) { weights.set(j, u(rng())); w.push_back(weights.get(j)); }
-    weights.upload();
-  }
+  Tensor weights = class_weights(c, V, w);
   std::vector<int64_t> tg_ref = tg;
   if (k.out_of_range) tg_ref[0] = -100;  // the reference cannot index it; row 0 is checked apart
   Ref ref = reference(c, values(full), tg_ref, w, {});
