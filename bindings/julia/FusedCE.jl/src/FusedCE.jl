@@ -1006,7 +1006,7 @@ end
     linear_cross_entropy_fwd(hidden, weight, targets; bias=nothing, <cross-entropy options>,
                              vocab_start=0, vocab_total=0, lse=true, z_loss=false, argmax=false, entropy=false,
                              dhidden=false, dweight=false, dbias=false, grad_loss=nothing,
-                             grad_entropy=nothing, argmax_type=Int64, handle=default_handle())
+                             grad_entropy=nothing, accumulate=false, argmax_type=Int64, handle=default_handle())
 
 Cross-entropy of the logits `weight' * hidden (+ bias)` without materializing them: `hidden` is `H×N`,
 `weight` `H×V` (the C `[V,H]`), `bias` a length-V vector, `targets` 1-based. Gradients asked for
@@ -1019,6 +1019,16 @@ here (the library refuses a shard, `FusedCEError` INVALID_ARGUMENT): a shard of 
 or `dbias`, else `FusedCEError` INVALID_ARGUMENT) adds the gradient of `sum(grad_entropy .* entropy)` to
 them, through the logits' gradient `grad_loss[n] * ∂loss/∂logits[:, n] + grad_entropy[n] * ∂H_n/∂logits[:, n]`
 with `∂H/∂z_j = p_j (μ - z_j)`, `μ = lse - H` (as `cross_entropy_fwd`), every column included.
+
+`accumulate = true` (the library's `FCE_LINEAR_CE_ACCUMULATE`) adds the gradients into the arrays given as
+`dhidden` (`H×N`), `dweight` (`H×V`) and `dbias` (length V) instead of overwriting them: gradient
+accumulation over micro-batches, e.g. into a Float32 `dweight` kept across them. Each is Float32, Float16 or
+BFloat16 (not necessarily hidden's element type); each sum `current + gradient` is formed in Float32 and
+rounded once to the array's element type. The arrays are read as well as written, and returned (the same
+objects). A gradient asked for with `true` would be allocated uninitialized, so with `accumulate = true` it
+is an `ArgumentError`: pass an array (e.g. `zeros`) or `false`. A wrong size is `FusedCEError`
+SHAPE_MISMATCH, another element type UNSUPPORTED_DTYPE, a first dimension without unit stride
+UNSUPPORTED_LAYOUT.
 """
 function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer};
                                   bias::Union{Nothing,AbstractVector} = nothing,
@@ -1031,8 +1041,9 @@ function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix
                                   lse = true, z_loss = false, argmax = false, entropy = false,
                                   dhidden = false, dweight = false, dbias = false,
                                   grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
-                                  grad_entropy::Union{Nothing,Real,AbstractArray} = nothing,
+                                  grad_entropy::Union{Nothing,Real,AbstractArray} = nothing, accumulate::Bool = false,
                                   argmax_type::Type{<:Union{Int32,Int64}} = Int64, handle::Handle = default_handle())
+    _accumulating(accumulate, dhidden, dweight, dbias)
     N = size(hidden, 2)
     loss_a = _loss_buffer(reduction, N)
     lse_a = _out(lse, () -> _vecf32(N))
@@ -1051,7 +1062,8 @@ function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix
                            vocab_start = vocab_start, vocab_total = vocab_total)
         outs = _cstruct(L.fce_linear_ce_outputs_t; loss = _ptr(tloss), lse = _ptr(tlse), z_loss = _ptr(tzl),
                         argmax = _ptr(tam), entropy = _ptr(tent), dhidden = _ptr(tdh), dweight = _ptr(tdw),
-                        dbias = _ptr(tdb), grad_loss = _ptr(tg), grad_entropy = _ptr(tge))
+                        dbias = _ptr(tdb), grad_loss = _ptr(tg), grad_entropy = _ptr(tge),
+                        flags = _lce_flags(accumulate))
         _check(L.fce_linear_cross_entropy_fwd(_ptr(handle), C_NULL, _ptr(th), _ptr(tw), _ptr(tb), _ptr(tt), opts,
                                               outs, C_NULL, 0), :fce_linear_cross_entropy_fwd)
     end
@@ -1068,7 +1080,7 @@ linear_cross_entropy(hidden::AbstractMatrix, weight::AbstractMatrix, targets::Ab
     linear_cross_entropy_bwd(hidden, weight, targets, lse; bias=nothing, <cross-entropy options>,
                              vocab_start=0, vocab_total=0, dhidden=true, dweight=true,
                              dbias=(bias !== nothing), grad_loss=nothing, grad_entropy=nothing,
-                             saved_entropy=nothing, handle=default_handle())
+                             saved_entropy=nothing, accumulate=false, handle=default_handle())
 
 Gradients of linear cross-entropy from the forward's `lse` (same options), recomputing the logits chunk
 by chunk. Each output is `false` (not computed), `true` (allocated: `dhidden` `H×N` in hidden's element
@@ -1089,9 +1101,18 @@ in Float32 (an all-reduce), then round once.
 `linear_cross_entropy_fwd`; it needs `saved_entropy`, the forward's `entropy` output (length-N Float32,
 same options; `FusedCEError` INVALID_ARGUMENT without it). `saved_entropy` is only read with `grad_entropy`.
 
-Errors: `FusedCEError` INVALID_ARGUMENT (options out of domain, `vocab_start` outside `[0, vocab_total)`),
-SHAPE_MISMATCH (weight's, bias', targets', lse's or an output's size), UNSUPPORTED_DTYPE (weight or bias not
-hidden's element type, lse not Float32, a shard's dhidden not Float32), UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
+`accumulate = true` adds the gradients into the arrays given instead of overwriting them, as in
+`linear_cross_entropy_fwd` (Float32 sums rounded once; the arrays returned). Every gradient output must then
+be an array or `false`: one left at its default `true` (`dhidden`, `dweight`, and `dbias` with a bias) is an
+`ArgumentError`, so pass e.g. `dhidden = false` for the ones not accumulated. On a shard the
+Float32 `dhidden` part is added into, and `dweight`'s padding columns and `dbias`' padding entries (past
+`vocab_total`) are left as they are instead of written 0.
+
+Errors: `FusedCEError` INVALID_ARGUMENT (options out of domain, `vocab_start` outside `[0, vocab_total)`, no
+gradient output), SHAPE_MISMATCH (weight's, bias', targets', lse's or an output's size), UNSUPPORTED_DTYPE
+(weight or bias not hidden's element type, lse not Float32, a shard's dhidden not Float32), UNSUPPORTED_LAYOUT,
+DEVICE_MISMATCH; `ArgumentError` for `dbias` without a bias and for `accumulate = true` with a gradient
+output `true`.
 """
 function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer},
                                   lse::AbstractVector; bias::Union{Nothing,AbstractVector} = nothing,
@@ -1104,8 +1125,9 @@ function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix
                                   dhidden = true, dweight = true, dbias = bias !== nothing,
                                   grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
                                   grad_entropy::Union{Nothing,Real,AbstractArray} = nothing,
-                                  saved_entropy::Union{Nothing,AbstractVector} = nothing,
+                                  saved_entropy::Union{Nothing,AbstractVector} = nothing, accumulate::Bool = false,
                                   handle::Handle = default_handle())
+    _accumulating(accumulate, dhidden, dweight, dbias)
     # a shard's dhidden is its Float32 part of a sum over the shards
     dh_a = _out(dhidden, () -> vocab_total > 0 ? similar(hidden, Float32) : similar(hidden))
     dw_a = _out(dweight, () -> similar(weight))
@@ -1119,11 +1141,25 @@ function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix
         opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, tcw;
                            vocab_start = vocab_start, vocab_total = vocab_total)
         outs = _cstruct(L.fce_linear_ce_outputs_t; dhidden = _ptr(tdh), dweight = _ptr(tdw), dbias = _ptr(tdb),
-                        grad_loss = _ptr(tg), grad_entropy = _ptr(tge), saved_entropy = _ptr(tse))
+                        grad_loss = _ptr(tg), grad_entropy = _ptr(tge), saved_entropy = _ptr(tse),
+                        flags = _lce_flags(accumulate))
         _check(L.fce_linear_cross_entropy_bwd(_ptr(handle), C_NULL, _ptr(th), _ptr(tw), _ptr(tb), _ptr(tt),
                                               _ptr(tlse), opts, outs, C_NULL, 0), :fce_linear_cross_entropy_bwd)
     end
     return (dhidden = dh_a, dweight = dw_a, dbias = db_a)
+end
+
+# fce_linear_ce_outputs_t.flags of the `accumulate` keyword
+_lce_flags(accumulate::Bool) = accumulate ? UInt64(L.FCE_LINEAR_CE_ACCUMULATE) : UInt64(0)
+
+# `accumulate = true` adds into arrays the caller gives: a gradient asked for with `true` would be allocated
+# here, uninitialized, and adding into it is never meant. (Sizes and element types are the library's to check.)
+function _accumulating(accumulate::Bool, grads...)
+    if accumulate && any(g -> g === true, grads)
+        throw(ArgumentError("accumulate = true adds into the arrays given as dhidden/dweight/dbias; pass arrays " *
+                            "(e.g. zeros) or false, not true"))
+    end
+    return nothing
 end
 
 # ------------------------------------------------------------------------------------------------

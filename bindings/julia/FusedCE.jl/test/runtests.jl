@@ -956,6 +956,118 @@ end
           "SHAPE_MISMATCH"
 end
 
+# max |a - (start + g)| within rtol of the gradient g, plus the rounding of the sums to Float32 (one per call)
+accumulated(a, start, g; rtol = 2e-5, calls = 1) =
+    maximum(abs.(Float64.(a) .- (Float64.(start) .+ g))) <=
+    rtol * maximum(abs, g) + calls * eps(Float32) * maximum(abs.(Float64.(start) .+ g))
+
+@testset "linear cross-entropy: accumulate (FCE_LINEAR_CE_ACCUMULATE)" begin
+    H, Vl, Nl = 6, 29, 7
+    hid = randn(Float32, H, Nl)
+    W = randn(Float32, H, Vl) .* 0.5f0
+    b = randn(Float32, Vl) .* 0.1f0
+    lt = rand(1:Vl, Nl); lt[4] = -100
+    used = count(!=(-100), lt)
+    # Float64 reference: d(mean loss)/dlogits (V×N), then through the linear layer
+    Z = Float64.(W)' * Float64.(hid) .+ Float64.(b)
+    G = ce_entropy_grad_ref(Z, lt, fill(1 / used, Nl), zeros(Nl))
+    dh_ref, dw_ref, db_ref = Float64.(W) * G, Float64.(hid) * G', vec(sum(G; dims = 2))
+    # known starting values, of the gradients' size and magnitude (not 0: an overwrite must show)
+    known(dims...) = reshape(Float32.(range(-0.5, 0.75; length = prod(dims))), dims...)
+    dh0, dw0, db0 = known(H, Nl), known(H, Vl), known(Vl)
+    @test minimum(abs.(dh0)) > 0 && minimum(abs.(dw0)) > 0 && minimum(abs.(db0)) > 0
+
+    # two accumulating forward calls (two micro-batches): start + 2 × the gradient
+    dh, dw, db = copy(dh0), copy(dw0), copy(db0)
+    for _ in 1:2
+        r = FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, dhidden = dh, dweight = dw, dbias = db,
+                                             accumulate = true)
+        @test r.dhidden === dh && r.dweight === dw && r.dbias === db
+        @test approx(r.loss, ce_ref(Z, lt).loss; rtol = 1e-4, atol = 1e-4)
+    end
+    @test accumulated(dh, dh0, 2 .* dh_ref; calls = 2)
+    @test accumulated(dw, dw0, 2 .* dw_ref; calls = 2)
+    @test accumulated(db, db0, 2 .* db_ref; calls = 2)
+    @test all(dh[:, 4] .== dh0[:, 4])                       # the ignored row adds 0
+    # one of the three only, the others not asked for
+    dw1 = copy(dw0)
+    r1 = FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, dweight = dw1, accumulate = true)
+    @test r1.dweight === dw1 && r1.dhidden === nothing && r1.dbias === nothing
+    @test accumulated(dw1, dw0, dw_ref)
+
+    # without accumulate the same arrays are overwritten
+    dh, dw, db = copy(dh0), copy(dw0), copy(db0)
+    FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, dhidden = dh, dweight = dw, dbias = db)
+    @test close_to_max(dh, dh_ref; rtol = 2e-5)
+    @test close_to_max(dw, dw_ref; rtol = 2e-5)
+    @test close_to_max(db, db_ref; rtol = 2e-5)
+
+    # the backward from the saved lse, with an upstream gradient: start + g × the gradient
+    lse = FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b).lse
+    g = 0.75f0
+    dh, dw, db = copy(dh0), copy(dw0), copy(db0)
+    d = FusedCE.linear_cross_entropy_bwd(hid, W, lt, lse; bias = b, dhidden = dh, dweight = dw, dbias = db,
+                                         grad_loss = g, accumulate = true)
+    @test d.dhidden === dh && d.dweight === dw && d.dbias === db
+    @test accumulated(dh, dh0, g .* dh_ref)
+    @test accumulated(dw, dw0, g .* dw_ref)
+    @test accumulated(db, db0, g .* db_ref)
+    # a second backward adds again
+    FusedCE.linear_cross_entropy_bwd(hid, W, lt, lse; bias = b, dhidden = dh, dweight = dw, dbias = db,
+                                     grad_loss = g, accumulate = true)
+    @test accumulated(dw, dw0, 2g .* dw_ref; calls = 2)
+    # ... and without accumulate overwrites
+    dh, dw, db = copy(dh0), copy(dw0), copy(db0)
+    FusedCE.linear_cross_entropy_bwd(hid, W, lt, lse; bias = b, dhidden = dh, dweight = dw, dbias = db, grad_loss = g)
+    @test close_to_max(dh, g .* dh_ref; rtol = 2e-5)
+    @test close_to_max(dw, g .* dw_ref; rtol = 2e-5)
+    @test close_to_max(db, g .* db_ref; rtol = 2e-5)
+
+    # a shard's backward (columns 16:29 of the LM head, padded by 2): the Float32 dhidden part, dweight and
+    # dbias added into; the padding columns/entries left as they are (written 0 without accumulate)
+    lo, pad = 16, 2
+    Ws = hcat(W[:, lo:Vl], fill(NaN32, H, pad))
+    bs = vcat(b[lo:Vl], fill(NaN32, pad))
+    n = Vl - lo + 1
+    Gs = G[lo:Vl, :]
+    sdw0, sdb0 = known(H, n + pad), known(n + pad)
+    sdh, sdw, sdb = copy(dh0), copy(sdw0), copy(sdb0)
+    FusedCE.linear_cross_entropy_bwd(hid, Ws, lt, lse; bias = bs, vocab_start = lo - 1, vocab_total = Vl,
+                                     dhidden = sdh, dweight = sdw, dbias = sdb, accumulate = true)
+    @test accumulated(sdh, dh0, Float64.(W[:, lo:Vl]) * Gs)
+    @test accumulated(sdw[:, 1:n], sdw0[:, 1:n], Float64.(hid) * Gs')
+    @test accumulated(sdb[1:n], sdb0[1:n], vec(sum(Gs; dims = 2)))
+    @test sdw[:, n+1:end] == sdw0[:, n+1:end] && sdb[n+1:end] == sdb0[n+1:end]
+    FusedCE.linear_cross_entropy_bwd(hid, Ws, lt, lse; bias = bs, vocab_start = lo - 1, vocab_total = Vl,
+                                     dhidden = sdh, dweight = sdw, dbias = sdb)
+    @test all(sdw[:, n+1:end] .== 0) && all(sdb[n+1:end] .== 0)
+    @test close_to_max(sdw[:, 1:n], Float64.(hid) * Gs'; rtol = 2e-5)
+
+    # Float16 inputs into a Float32 dweight (a main_grad): start + the Float32 gradient, rounded once
+    h16, W16 = Float16.(hid), Float16.(W)
+    plain = FusedCE.linear_cross_entropy_fwd(h16, W16, lt; dweight = zeros(Float32, H, Vl)).dweight
+    dw32 = copy(dw0)
+    FusedCE.linear_cross_entropy_fwd(h16, W16, lt; dweight = dw32, accumulate = true)
+    @test maximum(abs.(Float64.(dw32) .- (Float64.(dw0) .+ Float64.(plain)))) <=
+          eps(Float32) * maximum(abs.(Float64.(dw0) .+ Float64.(plain)))
+
+    # errors: `true` (an uninitialized array) with accumulate, the backward's defaults included; the library's
+    # shape check of a given array
+    @test_throws ArgumentError FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, dweight = true, accumulate = true)
+    @test_throws ArgumentError FusedCE.linear_cross_entropy_bwd(hid, W, lt, lse; bias = b, dweight = copy(dw0),
+                                                                accumulate = true)
+    @test_throws ArgumentError FusedCE.linear_cross_entropy_bwd(hid, W, lt, lse; bias = b, dhidden = false,
+                                                                dweight = copy(dw0), accumulate = true)
+    d2 = FusedCE.linear_cross_entropy_bwd(hid, W, lt, lse; bias = b, dhidden = false, dweight = copy(dw0),
+                                          dbias = false, accumulate = true)
+    @test d2.dhidden === nothing && d2.dbias === nothing && accumulated(d2.dweight, dw0, dw_ref)
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_fwd(hid, W, lt; bias = b, dweight = zeros(Float32, H, Vl - 1),
+                                                                 accumulate = true)) == "SHAPE_MISMATCH"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_bwd(hid, W, lt, lse; bias = b, dhidden = false,
+                                                                 dweight = false, dbias = false,
+                                                                 accumulate = true)) == "INVALID_ARGUMENT"
+end
+
 @testset "vocabulary-parallel linear cross-entropy $(length(cuts) + 1) shards $(keys(kw))" for
         cuts in ((15,), (10, 28)),                 # uneven shards of V = 41: 1:15, 16:41 / 1:10, 11:28, 29:41
         kw in ((;), (reduction = :none, label_smoothing = 0.1, z_loss_scale = 1e-3),

@@ -1223,7 +1223,8 @@ impl Handle {
     ///   fp32, needs a gradient output) the gradients are those of grad_loss·loss + Σ_i grad_entropy_i·H_i:
     ///   with dlogits = grad_loss × d(loss)/d(logits) + grad_entropy × dH/d(logits) (math in
     ///   [`CeOutputs::grad_entropy`]), dhidden = dlogits · weight, dweight = dlogitsᵀ · hidden, dbias =
-    ///   Σ_rows dlogits.
+    ///   Σ_rows dlogits. With [`LinearCeOutputs::accumulate`] the gradients are added into `dhidden`,
+    ///   `dweight` and `dbias` as given (each sum formed in fp32, rounded once) instead of written.
     ///
     /// Errors: the validation statuses (`INVALID_ARGUMENT` also for `grad_entropy` without a gradient
     /// output and for options with `vocab_total` set), `BLAS_ERROR`, `CUDA_ERROR`, `NOT_IMPLEMENTED`.
@@ -1263,7 +1264,9 @@ impl Handle {
     /// the gradients requested in `grads` (at least one of dhidden `[N, H]`, dweight `[V, H]`, dbias
     /// `[V]`), times `grads.grad_loss`; with `grads.grad_entropy` (`[N]` or scalar fp32) and
     /// `grads.saved_entropy` (`[N]` fp32, the forward's entropy output) also the entropy's gradient, as
-    /// [`Handle::linear_cross_entropy_fwd`] with [`LinearCeOutputs::grad_entropy`] computes it.
+    /// [`Handle::linear_cross_entropy_fwd`] with [`LinearCeOutputs::grad_entropy`] computes it. With
+    /// [`LinearCeGrads::accumulate`] they are added into the outputs given (each sum formed in fp32,
+    /// rounded once) instead of written.
     ///
     /// * `lse`: `[N]` fp32 from [`Handle::linear_cross_entropy_fwd`] with the same `options`.
     /// * Other arguments as the forward.
@@ -1273,8 +1276,9 @@ impl Handle {
     /// the shard's rows as given to the partial call, `targets` global indices, `lse` (and
     /// `grads.saved_entropy`) the output of [`Handle::cross_entropy_combine`]; `grads.dweight`
     /// `[V_local, H]` and `grads.dbias` `[V_local]` are the shard's rows of the unsharded gradients
-    /// (padding rows, at or past vocab_total, get 0), and `grads.dhidden` `[N, H]` must be fp32: this
-    /// shard's part of dhidden, to be summed over the ranks in fp32 and rounded once.
+    /// (padding rows, at or past vocab_total, get 0; with `grads.accumulate` they are left as they are),
+    /// and `grads.dhidden` `[N, H]` must be fp32: this shard's part of dhidden, to be summed over the
+    /// ranks in fp32 and rounded once.
     ///
     /// Errors as the forward; `INVALID_ARGUMENT` also for `grad_entropy` without `saved_entropy`,
     /// `SHAPE_MISMATCH` for a `saved_entropy` not `[N]`, `UNSUPPORTED_DTYPE` for a shard's dhidden not
@@ -1344,6 +1348,7 @@ impl Handle {
             r.grad_loss = cptr(&out.grad_loss);
             r.grad_entropy = cptr(&out.grad_entropy);
             r.saved_entropy = cptr(&out.saved_entropy);
+            r.flags = out.flags;
         }
         // SAFETY: as in ce_fwd.
         let st = unsafe {
@@ -1556,6 +1561,17 @@ struct RawLce {
     grad_loss: Option<sys::DLTensor>,
     grad_entropy: Option<sys::DLTensor>,
     saved_entropy: Option<sys::DLTensor>,
+    /// `fce_linear_ce_outputs_t.flags` (`FCE_LINEAR_CE_*` bits).
+    flags: u64,
+}
+
+/// The `fce_linear_ce_outputs_t.flags` of an `accumulate` field.
+fn lce_flags(accumulate: bool) -> u64 {
+    if accumulate {
+        u64::from(sys::FCE_LINEAR_CE_ACCUMULATE)
+    } else {
+        0
+    }
 }
 
 impl RawLce {
@@ -1572,6 +1588,7 @@ impl RawLce {
             grad_loss: dl(&o.grad_loss),
             grad_entropy: dl(&o.grad_entropy),
             saved_entropy: None,
+            flags: lce_flags(o.accumulate),
         }
     }
     fn from_grads(g: &mut LinearCeGrads<'_>) -> RawLce {
@@ -1587,6 +1604,7 @@ impl RawLce {
             grad_loss: dl(&g.grad_loss),
             grad_entropy: dl(&g.grad_entropy),
             saved_entropy: dl(&g.saved_entropy),
+            flags: lce_flags(g.accumulate),
         }
     }
 }

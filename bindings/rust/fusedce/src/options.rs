@@ -668,7 +668,8 @@ impl<'a> KdOutputs<'a> {
 }
 
 /// Outputs of [`crate::Handle::linear_cross_entropy_fwd`] (`fce_linear_ce_outputs_t`). Gradients are
-/// written (not accumulated), formed with fp32 accumulation and rounded once to their dtype.
+/// written (added into with [`LinearCeOutputs::accumulate`]), formed with fp32 accumulation and rounded
+/// once to their dtype.
 #[derive(Debug)]
 pub struct LinearCeOutputs<'a> {
     /// Required; as [`CeOutputs::loss`].
@@ -695,6 +696,16 @@ pub struct LinearCeOutputs<'a> {
     /// `INVALID_ARGUMENT`): the gradients then include grad_entropy_i × dH_i/d(logits) chained through
     /// the GEMM. Since 0.2.0 (`fce_linear_ce_outputs_t.grad_entropy`).
     pub grad_entropy: Option<TensorRef<'a>>,
+    /// Add the gradients into the outputs given (`dhidden`, `dweight`, `dbias`) instead of overwriting
+    /// them: gradient accumulation across micro-batches (an fp32 `dweight` as Megatron's main_grad).
+    /// Each sum (current value + this call's gradient) is formed in fp32 and rounded once to the
+    /// output's dtype (a bf16/fp16 `dweight` on CUDA once per token chunk, the first chunk adding into the
+    /// current values); the outputs are then read as well as written. The loss and the statistics
+    /// (`lse`, `z_loss`, `argmax`, `entropy`) are written as without it. Default false
+    /// (`fce_linear_ce_outputs_t.flags` = `FCE_LINEAR_CE_ACCUMULATE` when true). Errors: the call's
+    /// own (see [`crate::Handle::linear_cross_entropy_fwd`]); the flag adds none, and a refused call
+    /// leaves the outputs as they were.
+    pub accumulate: bool,
 }
 
 impl<'a> LinearCeOutputs<'a> {
@@ -711,6 +722,7 @@ impl<'a> LinearCeOutputs<'a> {
             dbias: None,
             grad_loss: None,
             grad_entropy: None,
+            accumulate: false,
         }
     }
     /// Requests [`LinearCeOutputs::lse`].
@@ -758,17 +770,25 @@ impl<'a> LinearCeOutputs<'a> {
         self.grad_entropy = Some(t);
         self
     }
+    /// Sets [`LinearCeOutputs::accumulate`] (add the gradients into the outputs given).
+    pub fn accumulate(mut self, on: bool) -> Self {
+        self.accumulate = on;
+        self
+    }
 }
 
-/// Gradients written by [`crate::Handle::linear_cross_entropy_bwd`]; at least one is required.
+/// Gradients written (added into with [`LinearCeGrads::accumulate`]) by
+/// [`crate::Handle::linear_cross_entropy_bwd`]; at least one is required.
 #[derive(Debug, Default)]
 pub struct LinearCeGrads<'a> {
     /// Optional `[N, H]` fp32/bf16/fp16; fp32 with a vocabulary shard (its part of the sum over ranks;
     /// else `UNSUPPORTED_DTYPE`).
     pub dhidden: Option<TensorMut<'a>>,
-    /// Optional `[V, H]` fp32/bf16/fp16; with a vocabulary shard the shard's rows (padding rows 0).
+    /// Optional `[V, H]` fp32/bf16/fp16; with a vocabulary shard the shard's rows (padding rows 0, left as
+    /// they are with [`LinearCeGrads::accumulate`]).
     pub dweight: Option<TensorMut<'a>>,
-    /// Optional `[V]` fp32/bf16/fp16; only with a bias. With a vocabulary shard the shard's part (padding 0).
+    /// Optional `[V]` fp32/bf16/fp16; only with a bias. With a vocabulary shard the shard's part (padding 0,
+    /// left as it is with [`LinearCeGrads::accumulate`]).
     pub dbias: Option<TensorMut<'a>>,
     /// Upstream gradient as in [`CeOutputs::grad_loss`]; default 1.
     pub grad_loss: Option<TensorRef<'a>>,
@@ -778,6 +798,15 @@ pub struct LinearCeGrads<'a> {
     /// `[N]` fp32, the forward's entropy output ([`LinearCeOutputs::entropy`], same options); read only
     /// with `grad_entropy` (`fce_linear_ce_outputs_t.saved_entropy`). Since 0.2.0.
     pub saved_entropy: Option<TensorRef<'a>>,
+    /// Add the gradients into the outputs given (`dhidden`, `dweight`, `dbias`) instead of overwriting
+    /// them, as [`LinearCeOutputs::accumulate`]: each sum formed in fp32 and rounded once to the
+    /// output's dtype; the outputs are then read as well as written. With a vocabulary shard the padding
+    /// rows of `dweight` and `dbias` (at or past vocab_total) are left as they are instead of written 0,
+    /// and this shard's fp32 part of dhidden is added into `dhidden`. Default false
+    /// (`fce_linear_ce_outputs_t.flags` = `FCE_LINEAR_CE_ACCUMULATE` when true). Errors: the call's
+    /// own (see [`crate::Handle::linear_cross_entropy_bwd`]); the flag adds none, and a refused call
+    /// leaves the outputs as they were.
+    pub accumulate: bool,
 }
 
 impl<'a> LinearCeGrads<'a> {
@@ -814,6 +843,11 @@ impl<'a> LinearCeGrads<'a> {
     /// Sets [`LinearCeGrads::saved_entropy`] (`[N]` fp32, the forward's entropy).
     pub fn saved_entropy(mut self, t: TensorRef<'a>) -> Self {
         self.saved_entropy = Some(t);
+        self
+    }
+    /// Sets [`LinearCeGrads::accumulate`] (add the gradients into the outputs given).
+    pub fn accumulate(mut self, on: bool) -> Self {
+        self.accumulate = on;
         self
     }
 }
