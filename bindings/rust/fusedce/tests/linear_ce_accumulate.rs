@@ -67,14 +67,7 @@ struct Want {
 
 impl Problem {
     fn logits(&self, hid: &[f64], w: &[f64], b: &[f64]) -> Vec<f64> {
-        let (n, hd, v) = (self.n, self.hdim, self.v);
-        let mut out = vec![0.0; n * v];
-        for i in 0..n {
-            for j in 0..v {
-                out[i * v + j] = b[j] + (0..hd).map(|c| hid[i * hd + c] * w[j * hd + c]).sum::<f64>();
-            }
-        }
-        out
+        linear_logits(self.n, self.hdim, self.v, hid, w, b)
     }
     /// g × the mean loss, in float64.
     fn loss(&self, hid: &[f64], w: &[f64], b: &[f64], g: f64) -> f64 {

@@ -33,6 +33,18 @@ pub fn widen(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| v as f64).collect()
 }
 
+/// The logits of linear cross-entropy, `[n, v]`: hidden `[n, hd]` times weight `[v, hd]` transposed, plus
+/// bias `[v]`, in float64.
+pub fn linear_logits(n: usize, hd: usize, v: usize, hid: &[f64], w: &[f64], b: &[f64]) -> Vec<f64> {
+    let mut out = vec![0.0; n * v];
+    for i in 0..n {
+        for j in 0..v {
+            out[i * v + j] = b[j] + (0..hd).map(|c| hid[i * hd + c] * w[j * hd + c]).sum::<f64>();
+        }
+    }
+    out
+}
+
 /// log Σ exp over a slice (max first); -inf for an empty or all -inf slice.
 pub fn logsumexp(z: &[f64]) -> f64 {
     let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
