@@ -23,9 +23,10 @@ void comm_all_reduce_sum(const fce_comm* c, fce_stream_t stream, void* data, siz
 // The sum over the ranks of each rank's fp32 `part` [count], added in rank order (((p0 + p1) + p2) + ...)
 // whatever NCCL's algorithm or protocol: the same bits on every rank (src/cuda/rank_sum.cu). With `out`
 // (contiguous, a float dtype) the sum is rounded once to it and `part` is left as scratch; without, `part`
-// receives the sum. scratch: at least 4 * size bytes of device memory free for the call (more bytes,
-// fewer all-gathers).
+// receives the sum. Beyond two ranks every rank's part is all-gathered `piece` elements at a time (the
+// same piece on every rank) into `scratch`, device memory free for the call of at least 4 * size * piece
+// bytes.
 void rank_order_sum(const fce_comm* c, fce_stream_t stream, float* part, size_t count, void* out, DType out_dtype,
-                    void* scratch, size_t scratch_bytes);
+                    void* scratch, size_t scratch_bytes, size_t piece);
 
 }  // namespace fce::cuda

@@ -46,7 +46,11 @@ int64_t chunk_rows(int64_t N, int64_t max_rows) {
 
 // Workspace: fixed part (prep, row losses, the fp32 dbias accumulator, split-row scratch; in NCCL mode the
 // whole rows' lse and entropy when the caller keeps neither, and an fp32 dhidden for the ranks' sum) then
-// the per-chunk part (the chunk's logits; in NCCL mode its records and every rank's).
+// the per-chunk part (the chunk's logits; in NCCL mode its records and every rank's). NCCL mode exchanges
+// each chunk's records and sums dhidden in pieces, so every rank must cut the same chunks and pieces
+// whatever its shard's width and its workspace's size: both are planned from the even split
+// ceil(vocab_total / ranks) and the default budget, and this rank's workspace then holds its own shard
+// (the chunk's logits region doubles as the sum's scratch once the chunks are done).
 struct LceLayout {
   double* prep = nullptr;
   float *row_loss = nullptr, *row_zl = nullptr, *db_acc = nullptr;
@@ -54,49 +58,66 @@ struct LceLayout {
   float *rec = nullptr, *gathered = nullptr;                  // NCCL mode: [C, K] and [W, C, K]
   char* logits = nullptr;  // [C, ldl] in the inputs' dtype; dlogits overwrite it in place
   void* rows = nullptr;
-  size_t total = 0;
-  int64_t C = 0;  // rows per chunk
+  size_t total = 0, logits_bytes = 0;
+  int64_t C = 0;         // rows per chunk
+  size_t sum_piece = 0;  // NCCL mode: elements of dhidden per all-gather of the ranks' sum
 
   // ranks > 0: NCCL mode over that many ranks.
   LceLayout(fce_handle* h, const LinearCeProblem& p, void* base, size_t bytes_or_zero, bool minimum,
             int64_t ranks = 0) {
-    const int64_t N = p.hidden.rows, V = p.real_rows(), K = p.records_width;
+    const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.real_rows(), K = p.records_width;
     const bool grad = p.wants_grad(), vp = ranks > 0;
     const bool reduced = !p.saved_lse && !p.records && p.o.reduction != FCE_REDUCTION_NONE;
-    const size_t per_row = size_t(padded(V)) * dtype_size(p.hidden.dtype) + (vp ? size_t(K) * 4 * size_t(ranks + 1) : 0);
-    auto carve = [&](void* at, int64_t C_) {
+    const size_t es = dtype_size(p.hidden.dtype);
+    // The width the chunks are planned for: this shard's, or in NCCL mode the even split (every rank's).
+    const int64_t Vp = vp ? (p.o.vocab_total + ranks - 1) / ranks : V;
+    const size_t per_row = size_t(padded(Vp)) * es + (vp ? size_t(K) * 4 * size_t(ranks + 1) : 0);
+    const bool sum = vp && p.dhidden;
+    auto carve = [&](void* at, int64_t C_, int64_t Vc) {
       Carver c(at);
       prep = ce_needs_prep(p.o) ? c.take<double>(2) : nullptr;
       row_loss = reduced ? c.take<float>(size_t(N)) : nullptr;
       row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
-      db_acc = p.dbias ? c.take<float>(size_t(V)) : nullptr;
+      db_acc = p.dbias ? c.take<float>(size_t(Vc)) : nullptr;
       lse = vp && !p.lse ? c.take<float>(size_t(N)) : nullptr;
       entropy = vp && p.grad_entropy && !p.entropy ? c.take<float>(size_t(N)) : nullptr;
-      dh32 = vp && p.dhidden && (p.dhidden.dtype != DType::F32 || p.accumulate || p.dhidden.ld != p.hidden.cols)
-                 ? c.take<float>(size_t(N) * size_t(p.hidden.cols))
+      dh32 = sum && (p.dhidden.dtype != DType::F32 || p.accumulate || p.dhidden.ld != H)
+                 ? c.take<float>(size_t(N) * size_t(H))
                  : nullptr;
       // The rows' scratch (split rows) for a full chunk and for the shorter last one, which may split
       // where a full chunk does not.
       const int64_t full = std::max<int64_t>(C_, 1), last = N % full;
       const bool b = static_cast<bool>(p.saved_lse) || vp;
-      rows = c.take<char>(std::max(ce_rows_workspace(h, full, V, grad, b),
-                                   last ? ce_rows_workspace(h, last, V, grad, b) : size_t(0)));
+      rows = c.take<char>(std::max(ce_rows_workspace(h, full, Vc, grad, b),
+                                   last ? ce_rows_workspace(h, last, Vc, grad, b) : size_t(0)));
       rec = vp ? c.take<float>(size_t(C_) * size_t(K)) : nullptr;
       gathered = vp ? c.take<float>(size_t(C_) * size_t(K) * size_t(ranks)) : nullptr;
-      logits = c.take<char>(size_t(C_) * size_t(padded(V)) * dtype_size(p.hidden.dtype));
+      // The sum's pieces fill the planned chunk's logits: the same on every rank.
+      sum_piece = sum ? std::min(size_t(N) * size_t(H),
+                                 std::max<size_t>(1, size_t(C_) * size_t(padded(Vp)) * es / (4 * size_t(ranks))))
+                      : 0;
+      logits_bytes = std::max(size_t(C_) * size_t(padded(Vc)) * es, sum_piece * 4 * size_t(ranks));
+      logits = c.take<char>(logits_bytes);
       return c.used;
     };
-    const size_t fixed = carve(nullptr, 1) - per_row;
-    const size_t budget = minimum ? 0 : bytes_or_zero ? bytes_or_zero : kDefaultWorkspaceBytes;
+    const size_t fixed = carve(nullptr, 1, Vp) - per_row;
+    const size_t budget = vp || !(minimum || bytes_or_zero) ? kDefaultWorkspaceBytes
+                          : minimum                          ? 0
+                                                             : bytes_or_zero;
     const int64_t max_rows = budget > fixed ? std::min<int64_t>(N, int64_t((budget - fixed) / per_row)) : 0;
     FCE_CHECK(minimum || !bytes_or_zero || max_rows >= 1, FCE_STATUS_WORKSPACE_TOO_SMALL,
               "workspace of %zu bytes holds no token chunk (%zu needed)", bytes_or_zero, fixed + per_row);
     C = chunk_rows(N, std::max<int64_t>(max_rows, 1));
     // The split-row scratch depends on C: shrink C until the final carve fits a caller's workspace.
-    while (bytes_or_zero && C > 1 && carve(nullptr, C) > bytes_or_zero) --C;
-    total = carve(base, C);
-    FCE_CHECK(!bytes_or_zero || total <= bytes_or_zero, FCE_STATUS_WORKSPACE_TOO_SMALL,
-              "workspace of %zu bytes is below the %zu needed", bytes_or_zero, total);
+    while (!vp && bytes_or_zero && C > 1 && carve(nullptr, C, V) > bytes_or_zero) --C;
+    total = carve(base, C, V);
+    if (vp)
+      FCE_CHECK(!bytes_or_zero || total <= bytes_or_zero, FCE_STATUS_WORKSPACE_TOO_SMALL,
+                "workspace of %zu bytes is below the %zu this rank needs (NCCL mode cuts the same token chunks on "
+                "every rank, whatever the workspace)", bytes_or_zero, total);
+    else
+      FCE_CHECK(!bytes_or_zero || total <= bytes_or_zero, FCE_STATUS_WORKSPACE_TOO_SMALL,
+                "workspace of %zu bytes is below the %zu needed", bytes_or_zero, total);
   }
 };
 
@@ -311,10 +332,9 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
             "cudaMemsetAsync");
   }
   if (vp && dh_base) {  // the ranks' parts summed in fp32 in rank order, rounded once; the chunk scratch is free
-    const size_t scratch = size_t(lay.C) * size_t(ldl) * es;
-    const bool direct = lay.dh32 && !p.accumulate && p.dhidden.ld == H;  // each slice rounded straight into it
+    const bool direct = lay.dh32 && !p.accumulate && p.dhidden.ld == H;  // the sum rounded straight into it
     rank_order_sum(vp->comm, stream, reinterpret_cast<float*>(dh_base), size_t(N) * size_t(H),
-                   direct ? p.dhidden.data : nullptr, p.dhidden.dtype, lay.logits, scratch);
+                   direct ? p.dhidden.data : nullptr, p.dhidden.dtype, lay.logits, lay.logits_bytes, lay.sum_piece);
     if (lay.dh32 && !direct)
       convert(s, lay.dh32, N, H, H, p.dhidden.data, p.dhidden.dtype, p.dhidden.ld, p.accumulate);
   }

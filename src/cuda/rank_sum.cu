@@ -1,8 +1,9 @@
 // The ranks' fp32 parts summed in rank order (common/comm.hpp). NCCL's all-reduce adds in its ring's or
 // tree's order: with two ranks that is a + b, the rank-order sum whatever the order, but beyond two it is
 // neither the one-device sum in rank order nor the same from one NCCL algorithm to the next. So two ranks
-// all-reduce; more all-gather every rank's part, a piece at a time into the scratch, and each rank adds
-// the W parts of every element in rank order. That moves (W - 1) parts into each rank where an all-reduce
+// all-reduce; more all-gather every rank's part, a piece at a time into the scratch (the caller's pieces,
+// the same on every rank: NCCL's all-gathers must match), and each rank adds the W parts of every element
+// in rank order. That moves (W - 1) parts into each rank where an all-reduce
 // moves 2 (W - 1) / W, but it uses the communicator's ring only: grouped ncclSend/ncclRecv, which would
 // move an all-reduce's bytes, made NCCL allocate connections of its own on first use (446 MiB on 2 ranks,
 // 1214 MiB on 4, docs/lab-notes.md).
@@ -45,7 +46,7 @@ void launch_sum(cudaStream_t s, const float* gathered, size_t n, int W, float* s
 }  // namespace
 
 void rank_order_sum(const fce_comm* c, fce_stream_t stream, float* part, size_t count, void* out, DType out_dtype,
-                    void* scratch, size_t scratch_bytes) {
+                    void* scratch, size_t scratch_bytes, size_t piece) {
   const int W = c->size;
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   if (W <= 2) {  // a + b: NCCL's order is the rank order
@@ -53,8 +54,8 @@ void rank_order_sum(const fce_comm* c, fce_stream_t stream, float* part, size_t 
     if (out) launch_sum(s, part, count, 1, nullptr, out, out_dtype);
     return;
   }
-  const size_t piece = std::min(count, scratch_bytes / (4 * size_t(W)));
-  FCE_CHECK(piece > 0 || count == 0, FCE_STATUS_INTERNAL_ERROR, "rank_order_sum: %zu bytes of scratch", scratch_bytes);
+  FCE_CHECK((piece > 0 || count == 0) && piece <= scratch_bytes / (4 * size_t(W)), FCE_STATUS_INTERNAL_ERROR,
+            "rank_order_sum: pieces of %zu elements in %zu bytes of scratch", piece, scratch_bytes);
   float* gathered = static_cast<float*>(scratch);
   for (size_t off = 0; off < count; off += piece) {
     const size_t n = std::min(piece, count - off);

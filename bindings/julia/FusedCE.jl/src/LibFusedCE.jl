@@ -1229,7 +1229,10 @@ time, and each adds them in rank order: (W - 1) * N * H * 4 bytes into each rank
                rows); grad_loss, grad_entropy, flags. Every rank passes the same outputs.
 @param workspace as everywhere (fce_linear_cross_entropy_fwd_vp_workspace_size; default about 448 MiB):
                the chunk's logits, the records of all ranks for a chunk, and an fp32 [N,H] dhidden when
-               the output is not fp32.
+               the output is not fp32. Every rank must cut the same token chunks (their records are
+               exchanged), so NCCL mode plans them from vocab_total / ranks and the default size on every
+               rank, whatever the shard's width or the workspace given: a workspace below this rank's
+               query is refused (WORKSPACE_TOO_SMALL), not cut into more chunks.
 @return FCE_STATUS_SUCCESS, the validation statuses, WORKSPACE_TOO_SMALL, COMMUNICATOR_ERROR (a collective
         failed), BLAS_ERROR, CUDA_ERROR.
 """

@@ -2886,7 +2886,10 @@ extern "C" {
     #[doc = "                rows); grad_loss, grad_entropy, flags. Every rank passes the same outputs."]
     #[doc = " @param workspace as everywhere (fce_linear_cross_entropy_fwd_vp_workspace_size; default about 448 MiB):"]
     #[doc = "                the chunk's logits, the records of all ranks for a chunk, and an fp32 [N,H] dhidden when"]
-    #[doc = "                the output is not fp32."]
+    #[doc = "                the output is not fp32. Every rank must cut the same token chunks (their records are"]
+    #[doc = "                exchanged), so NCCL mode plans them from vocab_total / ranks and the default size on every"]
+    #[doc = "                rank, whatever the shard's width or the workspace given: a workspace below this rank's"]
+    #[doc = "                query is refused (WORKSPACE_TOO_SMALL), not cut into more chunks."]
     #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses, WORKSPACE_TOO_SMALL, COMMUNICATOR_ERROR (a collective"]
     #[doc = "         failed), BLAS_ERROR, CUDA_ERROR."]
     pub fn fce_linear_cross_entropy_fwd_vp(
