@@ -791,8 +791,8 @@ def _sum_over_ranks(x, group, dtype):
     """The sum over the group's ranks of each rank's fp32 x, added in rank order (((x_0 + x_1) + x_2) + ...),
     rounded once to dtype: the same bits on every rank, under any NCCL setting, and as the library's NCCL mode
     (fce_linear_cross_entropy_fwd_vp). Two ranks all-reduce (a + b whatever the order); more all-gather the
-    parts, 64 Mi elements at a time, and add them in rank order, as an all-reduce (its ring's or tree's
-    order) would not. A lone process (no process group) returns x rounded."""
+    parts (64 Mi elements of all ranks' at a time) and add them in rank order, as an all-reduce (its ring's
+    or tree's order) would not. A lone process (no process group) returns x rounded."""
     import torch.distributed as dist
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return x.to(dtype)

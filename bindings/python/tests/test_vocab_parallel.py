@@ -260,7 +260,7 @@ def _nccl_rank(rank, world, port, widths, results):
         ref = F.cross_entropy(x.double(), t, reduction="none", label_smoothing=0.1)
         # linear cross-entropy, the head split by rows: NCCL mode (one fce_linear_cross_entropy_fwd_vp forming
         # every gradient) against the all-gather path (records through torch.distributed, the shard's backward,
-        # dhidden all-reduced in fp32); 64 rows are one token chunk in both, so the same bits
+        # dhidden's fp32 parts summed in rank order); 64 rows are one token chunk in both, so the same bits
         hid = (torch.randn(64, 32, generator=g)).to(torch.bfloat16).to(dev)
         head = (torch.randn(v, 32, generator=g) * 0.3).to(torch.bfloat16)
         wmine = head[starts[rank]:starts[rank] + widths[rank]].to(dev)

@@ -1095,7 +1095,8 @@ padding is never read), `targets` are global, `lse` is the one of `cross_entropy
 (complete: they depend on this shard's logits only), 0 in padding columns/entries. `dhidden` is this
 shard's part of the whole `dhidden` and must be Float32 (`FusedCEError` UNSUPPORTED_DTYPE otherwise;
 `dhidden = true` allocates a Float32 `H×N` whatever hidden's element type): sum the parts of every shard
-in Float32 (an all-reduce), then round once.
+in Float32, then round once (in shard order for the same bits whatever the communicator: an all-reduce's
+order is its algorithm's beyond two ranks).
 
 `grad_entropy` (Float32, a number or a length-N vector) adds the entropy's gradient as in
 `linear_cross_entropy_fwd`; it needs `saved_entropy`, the forward's `entropy` output (length-N Float32,
@@ -1186,7 +1187,7 @@ logits (rounded to the inputs' element type as in the unsharded call), so the st
    of the whole rows (what `linear_cross_entropy_fwd` of the whole LM head gives);
 4. each shard: `linear_cross_entropy_bwd(hidden, weight_shard, targets, combined.lse; vocab_start,
    vocab_total, dhidden = true, ...)` → the shard's `dweight`/`dbias` and its Float32 part of `dhidden`;
-   sum the parts of every shard (an all-reduce).
+   sum the parts of every shard in Float32, in shard order, and round once.
 
 - `hidden`: `H×N` (Float32, Float16 or BFloat16), the whole batch (the same for every shard).
 - `weight_shard`: `H×V_local`, hidden's element type: the columns `vocab_start+1 : vocab_start+V_local` of

@@ -1420,8 +1420,9 @@ impl Handle {
     ///    whole rows, the same bits on every rank;
     /// 4. each rank: [`Handle::linear_cross_entropy_bwd`] with the combined lse and the same sharded
     ///    options → its shard's dweight and dbias (complete: they depend on the shard's logits only) and
-    ///    its part of dhidden, fp32 `[N, H]`; the caller sums the W parts in fp32 (an all-reduce) and
-    ///    rounds once.
+    ///    its part of dhidden, fp32 `[N, H]`; the caller sums the W parts in fp32 and rounds once (in rank
+    ///    order for the same bits whatever the communicator: an all-reduce's order is its algorithm's
+    ///    beyond two ranks).
     ///
     /// Step 4 recomputes the shard's logits (8·N·H·V_local flops in all).
     ///
