@@ -32,40 +32,6 @@ fn loss_view(per_row: bool, l: &mut [f32]) -> TensorMut<'_> {
     }
 }
 
-/// A shard layout: each rank's first global column, real width and padding width.
-struct Layout {
-    name: &'static str,
-    starts: Vec<usize>,
-    widths: Vec<usize>,
-    pads: Vec<usize>,
-}
-
-impl Layout {
-    fn new(name: &'static str, widths: &[usize], pads: &[usize]) -> Layout {
-        let mut starts = vec![0usize];
-        for w in &widths[..widths.len() - 1] {
-            starts.push(starts.last().unwrap() + w);
-        }
-        Layout { name, starts, widths: widths.to_vec(), pads: pads.to_vec() }
-    }
-    fn ranks(&self) -> usize {
-        self.widths.len()
-    }
-    fn cols(&self, r: usize) -> usize {
-        self.widths[r] + self.pads[r]
-    }
-    /// Columns [start, start + width) of `x` [N, V], then `pad` NaN columns.
-    fn shard(&self, x: &[f32], n: usize, v: usize, r: usize) -> Vec<f32> {
-        let (s, w, p) = (self.starts[r], self.widths[r], self.pads[r]);
-        let mut m = Vec::with_capacity(n * (w + p));
-        for i in 0..n {
-            m.extend_from_slice(&x[i * v + s..i * v + s + w]);
-            m.extend(std::iter::repeat(f32::NAN).take(p));
-        }
-        m
-    }
-}
-
 /// Marks record / statistic slots that a call left unwritten.
 const UNWRITTEN: f32 = -7.25e30;
 
@@ -138,8 +104,8 @@ fn sharded_kd_matches_the_unsharded_kd_loss() {
                 let what = |x: &str| format!("{} {}: {}", case, lay.name, x);
                 let w = lay.ranks();
                 let shard_opts = |r: usize| base.vocab_start(lay.starts[r] as i64).vocab_total(v as i64);
-                let ss: Vec<Vec<f32>> = (0..w).map(|r| lay.shard(&s, n, v, r)).collect();
-                let ts: Vec<Vec<f32>> = (0..w).map(|r| lay.shard(&te, n, v, r)).collect();
+                let ss: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_cols(&s, n, v, r)).collect();
+                let ts: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_cols(&te, n, v, r)).collect();
 
                 // 1. partial per rank, written straight into its slot of the stacked [W, N, 5] records.
                 let mut records = vec![UNWRITTEN; w * n * k];
@@ -326,8 +292,8 @@ fn sharded_kd_without_targets_or_grad_loss() {
         assert!(loss > 0.05, "{:?}: loss {}", div, loss);
         let w = lay.ranks();
         let opts = |r: usize| base.vocab_start(lay.starts[r] as i64).vocab_total(v as i64);
-        let ss: Vec<Vec<f32>> = (0..w).map(|r| lay.shard(&s, n, v, r)).collect();
-        let ts: Vec<Vec<f32>> = (0..w).map(|r| lay.shard(&te, n, v, r)).collect();
+        let ss: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_cols(&s, n, v, r)).collect();
+        let ts: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_cols(&te, n, v, r)).collect();
         let mut records = vec![0f32; w * n * KD_RECORD_FIELDS];
         for (r, rec) in records.chunks_mut(n * KD_RECORD_FIELDS).enumerate() {
             h.kd_partial(

@@ -37,37 +37,6 @@ fn bits32(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
-/// A split of the weight's rows: each rank's first global row, real rows and padding rows.
-struct Layout {
-    name: &'static str,
-    starts: Vec<usize>,
-    widths: Vec<usize>,
-    pads: Vec<usize>,
-}
-
-impl Layout {
-    fn new(name: &'static str, widths: &[usize], pads: &[usize]) -> Layout {
-        let mut starts = vec![0usize];
-        for w in &widths[..widths.len() - 1] {
-            starts.push(starts.last().unwrap() + w);
-        }
-        Layout { name, starts, widths: widths.to_vec(), pads: pads.to_vec() }
-    }
-    fn ranks(&self) -> usize {
-        self.widths.len()
-    }
-    fn rows(&self, r: usize) -> usize {
-        self.widths[r] + self.pads[r]
-    }
-    /// Rows [start, start + width) of `x` [V, cols], then `pad` rows of `fill`.
-    fn shard<T: Copy>(&self, x: &[T], cols: usize, r: usize, fill: T) -> Vec<T> {
-        let (s, w, p) = (self.starts[r], self.widths[r], self.pads[r]);
-        let mut m = x[s * cols..(s + w) * cols].to_vec();
-        m.extend(std::iter::repeat(fill).take(p * cols));
-        m
-    }
-}
-
 /// Marks record slots that a call left unwritten.
 const UNWRITTEN: f32 = -7.25e30;
 
@@ -195,8 +164,8 @@ fn sharded_linear_ce_matches_the_unsharded_call() {
             let w = lay.ranks();
             assert_eq!(lay.widths.iter().sum::<usize>(), v, "{}", what("the shards cover the vocabulary"));
             let shard_opts = |r: usize| base.vocab_start(lay.starts[r] as i64).vocab_total(v as i64);
-            let ws: Vec<Vec<f32>> = (0..w).map(|r| lay.shard(&weight, hd, r, f32::NAN)).collect();
-            let bs: Vec<Vec<f32>> = (0..w).map(|r| lay.shard(&bias, 1, r, f32::NAN)).collect();
+            let ws: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_rows(&weight, hd, r, f32::NAN)).collect();
+            let bs: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_rows(&bias, 1, r, f32::NAN)).collect();
             let k = fusedce::cross_entropy_record_fields(&shard_opts(0)).unwrap();
             assert_eq!(k, 7);
 
@@ -394,7 +363,7 @@ fn sharded_linear_ce_bf16() {
     let w = lay.ranks();
     let k = fusedce::cross_entropy_record_fields(&base).unwrap();
     let shard_opts = |r: usize| base.vocab_start(lay.starts[r] as i64).vocab_total(v as i64);
-    let ws: Vec<Vec<u16>> = (0..w).map(|r| lay.shard(&wb, hd, r, nan)).collect();
+    let ws: Vec<Vec<u16>> = (0..w).map(|r| lay.shard_rows(&wb, hd, r, nan)).collect();
     let mut records = vec![UNWRITTEN; w * n * k];
     for (r, rec) in records.chunks_mut(n * k).enumerate() {
         h.linear_cross_entropy_partial(

@@ -25,40 +25,6 @@ fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
-/// A shard layout: each rank's first global column, real width and padding width.
-struct Layout {
-    name: &'static str,
-    starts: Vec<usize>,
-    widths: Vec<usize>,
-    pads: Vec<usize>,
-}
-
-impl Layout {
-    fn new(name: &'static str, widths: &[usize], pads: &[usize]) -> Layout {
-        let mut starts = vec![0usize];
-        for w in &widths[..widths.len() - 1] {
-            starts.push(starts.last().unwrap() + w);
-        }
-        Layout { name, starts, widths: widths.to_vec(), pads: pads.to_vec() }
-    }
-    fn ranks(&self) -> usize {
-        self.widths.len()
-    }
-    fn cols(&self, r: usize) -> usize {
-        self.widths[r] + self.pads[r]
-    }
-    /// Columns [start, start + width) of `x` [N, V], then `pad` NaN columns.
-    fn shard(&self, x: &[f32], n: usize, v: usize, r: usize) -> Vec<f32> {
-        let (s, w, p) = (self.starts[r], self.widths[r], self.pads[r]);
-        let mut m = Vec::with_capacity(n * (w + p));
-        for i in 0..n {
-            m.extend_from_slice(&x[i * v + s..i * v + s + w]);
-            m.extend(std::iter::repeat(f32::NAN).take(p));
-        }
-        m
-    }
-}
-
 /// Marks record / output slots that a call left unwritten.
 const UNWRITTEN: f32 = -7.25e30;
 
@@ -117,7 +83,7 @@ fn sharded_lse_and_softmax_match_the_unsharded_calls() {
         let w = lay.ranks();
         let lse_opts =
             |r: usize| LseOptions::new().scale(scale).vocab_start(lay.starts[r] as i64).vocab_total(v as i64);
-        let xs: Vec<Vec<f32>> = (0..w).map(|r| lay.shard(&x, n, v, r)).collect();
+        let xs: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_cols(&x, n, v, r)).collect();
 
         // 1. partial per rank, written straight into its slot of the stacked [W, N, 2] records.
         let mut records = vec![UNWRITTEN; w * n * k];
@@ -243,7 +209,7 @@ fn sharded_lse_special_rows() {
     let mut records = vec![UNWRITTEN; lay.ranks() * n * k];
     for (r, rec) in records.chunks_mut(n * k).enumerate() {
         h.logsumexp_partial(
-            &TensorRef::matrix(&lay.shard(&x, n, v, r), n, lay.cols(r)).unwrap(),
+            &TensorRef::matrix(&lay.shard_cols(&x, n, v, r), n, lay.cols(r)).unwrap(),
             &LseOptions::new().vocab_start(lay.starts[r] as i64).vocab_total(v as i64),
             &mut TensorMut::matrix(rec, n, k).unwrap(),
         )

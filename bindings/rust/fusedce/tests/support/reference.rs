@@ -241,3 +241,49 @@ pub fn kd_row_topk(div: Div, s: &[f64], ids: &[i64], lp: &[f64], t: f64, renorm:
         if renorm { logsumexp(&used.iter().map(|&k| zs[ids[k] as usize]).collect::<Vec<_>>()) } else { logsumexp(&zs) };
     Some(used.iter().enumerate().map(|(u, &k)| kd_term(div, zt[u] - lt, zs[ids[k] as usize] - ls)).sum())
 }
+
+/// A split of the vocabulary over ranks: each rank's first global index, real width and padding width.
+/// `shard_cols` cuts logits `[N, V]` by columns (padding NaN); `shard_rows` cuts a weight `[V, cols]` by rows.
+pub struct Layout {
+    pub name: &'static str,
+    pub starts: Vec<usize>,
+    pub widths: Vec<usize>,
+    pub pads: Vec<usize>,
+}
+
+impl Layout {
+    pub fn new(name: &'static str, widths: &[usize], pads: &[usize]) -> Layout {
+        let mut starts = vec![0usize];
+        for w in &widths[..widths.len() - 1] {
+            starts.push(starts.last().unwrap() + w);
+        }
+        Layout { name, starts, widths: widths.to_vec(), pads: pads.to_vec() }
+    }
+    pub fn ranks(&self) -> usize {
+        self.widths.len()
+    }
+    /// Rank r's shard size, padding included (its columns of the logits, or rows of the weight).
+    pub fn cols(&self, r: usize) -> usize {
+        self.widths[r] + self.pads[r]
+    }
+    pub fn rows(&self, r: usize) -> usize {
+        self.cols(r)
+    }
+    /// Columns [start, start + width) of `x` [N, V], then `pad` NaN columns.
+    pub fn shard_cols(&self, x: &[f32], n: usize, v: usize, r: usize) -> Vec<f32> {
+        let (s, w, p) = (self.starts[r], self.widths[r], self.pads[r]);
+        let mut m = Vec::with_capacity(n * (w + p));
+        for i in 0..n {
+            m.extend_from_slice(&x[i * v + s..i * v + s + w]);
+            m.extend(std::iter::repeat(f32::NAN).take(p));
+        }
+        m
+    }
+    /// Rows [start, start + width) of `x` [V, cols], then `pad` rows of `fill`.
+    pub fn shard_rows<T: Copy>(&self, x: &[T], cols: usize, r: usize, fill: T) -> Vec<T> {
+        let (s, w, p) = (self.starts[r], self.widths[r], self.pads[r]);
+        let mut m = x[s * cols..(s + w) * cols].to_vec();
+        m.extend(std::iter::repeat(fill).take(p * cols));
+        m
+    }
+}
