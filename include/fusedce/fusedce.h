@@ -938,7 +938,8 @@ FCE_API fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs
 
 /**
  * Linear cross-entropy: logits = hidden @ weight^T (+ bias), then cross-entropy with every option of
- * fce_ce_options_t, in token chunks whose size follows from the workspace, never holding [N,V] logits.
+ * fce_ce_options_t, in token chunks of the default workspace's plan (shorter only when a caller's workspace
+ * is smaller), never holding [N,V] logits.
  * The logits are accumulated in fp32 and rounded once to the inputs' dtype, as torch.nn.functional.linear
  * returns them; the cross-entropy statistics are then fp32, and the logits' gradient is likewise rounded to
  * the inputs' dtype before the gradient GEMMs (fp32 accumulation). fp32 inputs stay fp32 throughout.
@@ -960,8 +961,9 @@ FCE_API fce_status_t fce_linear_cross_entropy_fwd(fce_handle_t handle, fce_strea
  *  chunks as long as fit, in equal parts), on the CPU a 256-token chunk in fp32 plus fp32 copies of a
  *  bf16/fp16 weight and dweight. A caller's workspace may be smaller, down to that of one-token chunks for the same
  *  N (not this query at N = 1: a reduced loss also keeps two fp32 values per row);
- *  FCE_STATUS_WORKSPACE_TOO_SMALL's message states the bytes needed. A larger workspace means larger
- *  chunks (fewer passes over dweight). */
+ *  FCE_STATUS_WORKSPACE_TOO_SMALL's message states the bytes needed. A larger workspace changes nothing:
+ *  the chunks (which decide the bits of dweight's sum over them) are the default plan's whatever the
+ *  workspace's size, so a call's results do not depend on it nor on the handle's cached workspace. */
 FCE_API fce_status_t fce_linear_cross_entropy_fwd_workspace_size(
     fce_handle_t handle, const DLTensor* hidden, const DLTensor* weight, const DLTensor* bias,
     const DLTensor* targets, const fce_ce_options_t* options, const fce_linear_ce_outputs_t* outputs,

@@ -53,8 +53,9 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
   for (int64_t d : {N, H, V, p.hidden.ld, p.weight.ld, p.dhidden ? p.dhidden.ld : 0, p.dweight ? p.dweight.ld : 0})
     FCE_CHECK(d <= INT32_MAX, FCE_STATUS_UNSUPPORTED_LAYOUT,
               "extents and row strides beyond 2^31 - 1 elements are not supported by the BLAS path");
-  // The largest chunk the workspace holds (results do not depend on it beyond fp32 rounding).
-  int64_t C = std::min<int64_t>(N, kDefaultChunk * 64);
+  // The default chunk whatever the workspace's size (the handle's cached one varies with its history, and
+  // the chunks decide the bits of dweight's sum); a smaller workspace cuts shorter chunks.
+  int64_t C = std::min<int64_t>(N, kDefaultChunk);
   while (C > 1 && LceLayout(p, C).total > ws.bytes) C = C > 64 ? C / 2 : C - 1;
   const LceLayout lay(p, C);
   FCE_CHECK(lay.total <= ws.bytes, FCE_STATUS_WORKSPACE_TOO_SMALL, "workspace of %zu bytes is below the %zu needed",

@@ -36,6 +36,7 @@ int64_t padded(int64_t V) { return (V + 127) / 128 * 128; }  // 256-byte aligned
 // chunks are long (GEMM tiles), so that no short last chunk pays a whole pass over dweight.
 int64_t chunk_rows(int64_t N, int64_t max_rows) {
   const int64_t chunks = (N + max_rows - 1) / max_rows;
+  if (chunks == 1) return N;
   int64_t C = (N + chunks - 1) / chunks;
   if (C >= 256) {
     const int64_t up = (C + 127) / 128 * 128;
@@ -101,15 +102,20 @@ struct LceLayout {
       return c.used;
     };
     const size_t fixed = carve(nullptr, 1, Vp) - per_row;
-    const size_t budget = vp || !(minimum || bytes_or_zero) ? kDefaultWorkspaceBytes
-                          : minimum                          ? 0
-                                                             : bytes_or_zero;
-    const int64_t max_rows = budget > fixed ? std::min<int64_t>(N, int64_t((budget - fixed) / per_row)) : 0;
-    FCE_CHECK(minimum || !bytes_or_zero || max_rows >= 1, FCE_STATUS_WORKSPACE_TOO_SMALL,
-              "workspace of %zu bytes holds no token chunk (%zu needed)", bytes_or_zero, fixed + per_row);
-    C = chunk_rows(N, std::max<int64_t>(max_rows, 1));
-    // The split-row scratch depends on C: shrink C until the final carve fits a caller's workspace.
-    while (!vp && bytes_or_zero && C > 1 && carve(nullptr, C, V) > bytes_or_zero) --C;
+    auto rows_in = [&](size_t budget) {
+      return budget > fixed ? std::min<int64_t>(N, int64_t((budget - fixed) / per_row)) : int64_t(0);
+    };
+    // The default plan, whatever the workspace given: a call's chunks (so its bits) must not depend on the
+    // size of the handle's cached workspace. Only a caller's workspace too small for it cuts shorter chunks.
+    C = minimum && !vp ? 1 : chunk_rows(N, std::max<int64_t>(rows_in(kDefaultWorkspaceBytes), 1));
+    if (!vp && bytes_or_zero && carve(nullptr, C, V) > bytes_or_zero) {
+      const int64_t max_rows = rows_in(bytes_or_zero);
+      FCE_CHECK(max_rows >= 1, FCE_STATUS_WORKSPACE_TOO_SMALL, "workspace of %zu bytes holds no token chunk (%zu needed)",
+                bytes_or_zero, fixed + per_row);
+      C = chunk_rows(N, max_rows);
+      // The split-row scratch depends on C: shrink C until the final carve fits.
+      while (C > 1 && carve(nullptr, C, V) > bytes_or_zero) --C;
+    }
     total = carve(base, C, V);
     if (vp)
       FCE_CHECK(!bytes_or_zero || total <= bytes_or_zero, FCE_STATUS_WORKSPACE_TOO_SMALL,

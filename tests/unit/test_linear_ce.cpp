@@ -192,6 +192,53 @@ TEST(LinearCrossEntropy, QueriedWorkspace) {
   run_case(lc);
 }
 
+// The token chunks decide the bits of dweight's sum over them, so they must not depend on the workspace's
+// size: a NULL workspace on a fresh handle, a caller's workspace eight times the query, and a NULL workspace
+// after a larger call has grown the handle's cached one give the same bits (300 rows: one chunk on CUDA
+// where the size-dependent plan used to cut 256 + 44, two on the CPU where it used to take all 300).
+TEST(LinearCrossEntropy, BitsDoNotDependOnTheWorkspaceSize) {
+  const int64_t N = 300, H = 64, V = 9001, big = 2000;
+  Tensor hidden(DT::BF16, {big, H}), weight(DT::BF16, {V, H}), targets(DT::I64, {big});
+  fill_logits(hidden, 1.0, false);
+  fill_logits(weight, 0.5, false);
+  for (int64_t i = 0; i < big; ++i) targets.set_int(i, int64_t(rng()() % uint64_t(V)));
+  targets.upload();
+  DLTensor h300 = *hidden.dl(), t300 = *targets.dl();
+  int64_t hs[2] = {N, H}, ts[1] = {N};
+  h300.shape = hs;
+  t300.shape = ts;
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  auto call = [&](fce_handle_t h, DLTensor* hid, DLTensor* tg, int64_t rows, size_t ws_factor) -> std::vector<uint8_t> {
+    Tensor loss(DT::F32, {}), dh(DT::BF16, {rows, H}), dw(DT::BF16, {V, H});
+    for (Tensor* t : {&loss, &dh, &dw}) { t->poison(); t->upload(); }
+    fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
+    out.loss = loss.dl(); out.dhidden = dh.dl(); out.dweight = dw.dl();
+    Tensor ws;
+    size_t bytes = 0;
+    if (ws_factor) {
+      EXPECT_EQ(fce_linear_cross_entropy_fwd_workspace_size(h, hid, weight.dl(), nullptr, tg, &o, &out, &bytes),
+                FCE_STATUS_SUCCESS);
+      bytes *= ws_factor;
+      ws = Tensor(DT::F32, {int64_t(bytes / 4 + 64)});
+    }
+    EXPECT_EQ(fce_linear_cross_entropy_fwd(h, test_stream(), hid, weight.dl(), nullptr, tg, &o, &out,
+                                           ws_factor ? ws.dl()->data : nullptr, bytes),
+              FCE_STATUS_SUCCESS)
+        << fce_last_error_message();
+    std::vector<uint8_t> all;
+    for (Tensor* t : {&loss, &dh, &dw}) {
+      t->download();
+      all.insert(all.end(), t->bytes().begin(), t->bytes().end());
+    }
+    return all;
+  };
+  Handle fresh, caller, grown;
+  const std::vector<uint8_t> want = call(fresh, &h300, &t300, N, 0);
+  EXPECT_TRUE(call(caller, &h300, &t300, N, 8) == want) << "a caller's larger workspace changed the bits";
+  call(grown, hidden.dl(), targets.dl(), big, 0);
+  EXPECT_TRUE(call(grown, &h300, &t300, N, 0) == want) << "the grown cached workspace changed the bits";
+}
+
 // FCE_LINEAR_CE_ACCUMULATE adds the gradients into dhidden, dweight and dbias: the forward (fused) and the
 // backward from the saved lse, fp32 and bf16 gradients, one chunk and many (the bf16 dweight then sums
 // chunk by chunk into the current values). Expected: the current values plus the same call's gradients

@@ -1135,7 +1135,8 @@ end
 
 """
 Linear cross-entropy: logits = hidden @ weight^T (+ bias), then cross-entropy with every option of
-fce_ce_options_t, in token chunks whose size follows from the workspace, never holding [N,V] logits.
+fce_ce_options_t, in token chunks of the default workspace's plan (shorter only when a caller's workspace
+is smaller), never holding [N,V] logits.
 The logits are accumulated in fp32 and rounded once to the inputs' dtype, as torch.nn.functional.linear
 returns them; the cross-entropy statistics are then fp32, and the logits' gradient is likewise rounded to
 the inputs' dtype before the gradient GEMMs (fp32 accumulation). fp32 inputs stay fp32 throughout.
@@ -1156,8 +1157,9 @@ Workspace bytes fce_linear_cross_entropy_fwd uses by default: on CUDA at most ab
  chunks as long as fit, in equal parts), on the CPU a 256-token chunk in fp32 plus fp32 copies of a
  bf16/fp16 weight and dweight. A caller's workspace may be smaller, down to that of one-token chunks for the same
  N (not this query at N = 1: a reduced loss also keeps two fp32 values per row);
- FCE_STATUS_WORKSPACE_TOO_SMALL's message states the bytes needed. A larger workspace means larger
- chunks (fewer passes over dweight).
+ FCE_STATUS_WORKSPACE_TOO_SMALL's message states the bytes needed. A larger workspace changes nothing:
+ the chunks (which decide the bits of dweight's sum over them) are the default plan's whatever the
+ workspace's size, so a call's results do not depend on it nor on the handle's cached workspace.
 """
 function fce_linear_cross_entropy_fwd_workspace_size(handle, hidden, weight, bias, targets, options, outputs, bytes)
     @ccall $(_fptr_fce_linear_cross_entropy_fwd_workspace_size[])(handle::fce_handle_t, hidden::Ptr{DLTensor}, weight::Ptr{DLTensor}, bias::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_linear_ce_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t

@@ -2748,7 +2748,8 @@ extern "C" {
 }
 extern "C" {
     #[doc = " Linear cross-entropy: logits = hidden @ weight^T (+ bias), then cross-entropy with every option of"]
-    #[doc = " fce_ce_options_t, in token chunks whose size follows from the workspace, never holding [N,V] logits."]
+    #[doc = " fce_ce_options_t, in token chunks of the default workspace's plan (shorter only when a caller's workspace"]
+    #[doc = " is smaller), never holding [N,V] logits."]
     #[doc = " The logits are accumulated in fp32 and rounded once to the inputs' dtype, as torch.nn.functional.linear"]
     #[doc = " returns them; the cross-entropy statistics are then fp32, and the logits' gradient is likewise rounded to"]
     #[doc = " the inputs' dtype before the gradient GEMMs (fp32 accumulation). fp32 inputs stay fp32 throughout."]
@@ -2777,8 +2778,9 @@ extern "C" {
     #[doc = "  chunks as long as fit, in equal parts), on the CPU a 256-token chunk in fp32 plus fp32 copies of a"]
     #[doc = "  bf16/fp16 weight and dweight. A caller's workspace may be smaller, down to that of one-token chunks for the same"]
     #[doc = "  N (not this query at N = 1: a reduced loss also keeps two fp32 values per row);"]
-    #[doc = "  FCE_STATUS_WORKSPACE_TOO_SMALL's message states the bytes needed. A larger workspace means larger"]
-    #[doc = "  chunks (fewer passes over dweight)."]
+    #[doc = "  FCE_STATUS_WORKSPACE_TOO_SMALL's message states the bytes needed. A larger workspace changes nothing:"]
+    #[doc = "  the chunks (which decide the bits of dweight's sum over them) are the default plan's whatever the"]
+    #[doc = "  workspace's size, so a call's results do not depend on it nor on the handle's cached workspace."]
     pub fn fce_linear_cross_entropy_fwd_workspace_size(
         handle: fce_handle_t,
         hidden: *const DLTensor,

@@ -1244,7 +1244,8 @@ impl Handle {
     /// Workspace bytes [`Handle::linear_cross_entropy_fwd`] needs for a chunk of the default size. A
     /// caller's workspace may be smaller, down to that of one-token chunks for the same N (not this query
     /// at N = 1: on a GPU a reduced loss also keeps two fp32 values per row); a `WORKSPACE_TOO_SMALL`
-    /// error's message states the bytes needed. A larger workspace means larger chunks.
+    /// error's message states the bytes needed. A larger workspace changes nothing: the chunks (and so
+    /// the bits of the results) are the default plan's whatever the workspace's size.
     pub fn linear_cross_entropy_fwd_workspace_size(
         &self,
         hidden: &TensorRef<'_>,
