@@ -80,7 +80,7 @@ KdProblem kd_problem(fce_handle* h, const DLTensor* student, const fce_kd_teache
 
 // ---- vocabulary-parallel KD ---------------------------------------------------------------------------
 
-// A shard call's options: required, a shard, forward or reverse KL.
+// A shard call's options: required, a shard; JSD at beta 0 or 1 becomes the KL it equals.
 KdOpts kd_shard_options(const fce_kd_options_t* options, const char* fn) {
   FCE_CHECK(options != nullptr, FCE_STATUS_INVALID_ARGUMENT, "options is NULL: %s needs options->vocab_total", fn);
   KdOpts o = read_kd_options(options);
@@ -89,9 +89,6 @@ KdOpts kd_shard_options(const fce_kd_options_t* options, const char* fn) {
   int div = o.divergence;
   if (div == FCE_KD_JSD && o.beta == 0.f) div = FCE_KD_FORWARD_KL;  // KdTerm's convention: exactly KL
   if (div == FCE_KD_JSD && o.beta == 1.f) div = FCE_KD_REVERSE_KL;
-  FCE_CHECK(div != FCE_KD_JSD, FCE_STATUS_NOT_IMPLEMENTED,
-            "%s: JSD over vocabulary shards is not implemented (its mixture needs a second exchange); forward "
-            "and reverse KL are", fn);
   o.divergence = div;
   return o;
 }
@@ -139,12 +136,57 @@ KdCombineProblem kd_combine_problem(fce_handle* h, const DLTensor* records, cons
   p.N = N;
   if (targets) p.targets = read_targets(val, targets, "targets", N);
   p.o = kd_shard_options(options, "fce_kd_combine");
-  CeStatOutputs s = read_ce_stat_outputs(val, p.o.reduction, N, loss, nullptr, nullptr, nullptr, nullptr, true);
-  p.loss = s.loss;
+  if (p.o.mixture()) {
+    FCE_CHECK(loss == nullptr, FCE_STATUS_INVALID_ARGUMENT,
+              "loss is set: JSD's loss over shards needs the mixture, a second exchange (pass loss = NULL here and "
+              "take it from fce_kd_terms_combine)");
+    FCE_CHECK(row_stats != nullptr, FCE_STATUS_INVALID_ARGUMENT,
+              "row_stats is NULL: JSD's first combine gives only the rows' statistics, which "
+              "fce_kd_terms_partial needs");
+  } else {
+    FCE_CHECK(loss != nullptr, FCE_STATUS_INVALID_ARGUMENT,
+              "loss is NULL: the combine of forward and reverse KL gives the loss (only JSD's first combine takes "
+              "none)");
+    p.loss = read_ce_stat_outputs(val, p.o.reduction, N, loss, nullptr, nullptr, nullptr, nullptr, true).loss;
+  }
   if (row_stats) {
     p.row_stats = read_row_stats(val, row_stats, N);
     val.output("row_stats", p.row_stats.data, Validator::span(p.row_stats));
   }
+  return p;
+}
+
+KdTermsPartialProblem kd_terms_partial_problem(fce_handle* h, const DLTensor* student, const fce_kd_teacher_t* teacher,
+                                               const DLTensor* row_stats, const fce_kd_options_t* options,
+                                               DLTensor* records) {
+  Validator val(h->backend, h->device_id);
+  KdTermsPartialProblem p;
+  read_shard_pair(val, student, teacher, p.student, p.teacher, "fce_kd_terms_partial");
+  p.o = kd_shard_options(options, "fce_kd_terms_partial");
+  p.row_stats = read_row_stats(val, row_stats, p.student.rows);
+  val.input("row_stats", p.row_stats.data, Validator::span(p.row_stats));
+  p.records = val.matrix(records, "records", kF32);
+  expect_shape(p.records, "records", p.student.rows, kKdTermsRecordFields);
+  val.output("records", p.records.data, Validator::span(p.records));
+  return p;
+}
+
+KdCombineProblem kd_terms_combine_problem(fce_handle* h, const DLTensor* records, const DLTensor* targets,
+                                          const fce_kd_options_t* options, DLTensor* loss, DLTensor* row_stats) {
+  Validator val(h->backend, h->device_id);
+  KdCombineProblem p;
+  p.terms = true;
+  int64_t W = 0, N = 0;
+  p.records = read_gathered_records(val, records, {kKdTermsRecordFields}, &W, &N);
+  p.W = W;
+  p.N = N;
+  if (targets) p.targets = read_targets(val, targets, "targets", N);
+  p.o = kd_shard_options(options, "fce_kd_terms_combine");
+  p.loss = read_ce_stat_outputs(val, p.o.reduction, N, loss, nullptr, nullptr, nullptr, nullptr, true).loss;
+  FCE_CHECK(row_stats != nullptr, FCE_STATUS_INVALID_ARGUMENT,
+            "row_stats is NULL: fce_kd_terms_combine writes the rows' A (field 4) into fce_kd_combine's statistics");
+  p.row_stats = read_row_stats(val, row_stats, N);
+  val.output("row_stats", p.row_stats.data, Validator::span(p.row_stats));
   return p;
 }
 
@@ -238,6 +280,41 @@ FCE_API fce_status_t fce_kd_combine_workspace_size(fce_handle_t handle, const DL
     write_size(bytes, kd_combine_need(h, kd_combine_problem(h, records, targets, options,
                                                             const_cast<DLTensor*>(loss),
                                                             const_cast<DLTensor*>(row_stats))));
+  });
+}
+
+FCE_API fce_status_t fce_kd_terms_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
+                                          const fce_kd_teacher_t* teacher, const DLTensor* row_stats,
+                                          const fce_kd_options_t* options, DLTensor* records) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const KdTermsPartialProblem p = kd_terms_partial_problem(h, student, teacher, row_stats, options, records);
+    if (h->backend == Backend::CPU) cpu::kd_terms_partial(p);
+    else cuda::kd_terms_partial(h, stream, p);
+  });
+}
+
+FCE_API fce_status_t fce_kd_terms_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
+                                          const DLTensor* targets, const fce_kd_options_t* options, DLTensor* loss,
+                                          DLTensor* row_stats, void* workspace, size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const KdCombineProblem p = kd_terms_combine_problem(h, records, targets, options, loss, row_stats);
+    const Workspace w = resolve_workspace(h, workspace, workspace_bytes, kd_combine_need(h, p), stream);
+    if (h->backend == Backend::CPU) cpu::kd_combine(p);
+    else cuda::kd_combine(h, stream, p, w);
+  });
+}
+
+FCE_API fce_status_t fce_kd_terms_combine_workspace_size(fce_handle_t handle, const DLTensor* records,
+                                                         const DLTensor* targets, const fce_kd_options_t* options,
+                                                         const DLTensor* loss, const DLTensor* row_stats,
+                                                         size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    write_size(bytes, kd_combine_need(h, kd_terms_combine_problem(h, records, targets, options,
+                                                                  const_cast<DLTensor*>(loss),
+                                                                  const_cast<DLTensor*>(row_stats))));
   });
 }
 

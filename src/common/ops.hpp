@@ -105,6 +105,9 @@ struct KdOpts {
   int reduction = FCE_REDUCTION_MEAN;
   int64_t ignore_index = -100;
   int64_t vocab_start = 0, vocab_total = 0;  // a vocabulary shard when vocab_total > 0
+  // JSD strictly between forward and reverse KL (the shard calls map beta 0 and 1 to them): its mixture
+  // needs the rows' normalizers first, so over shards it takes a second exchange (the terms' records).
+  bool mixture() const { return divergence == FCE_KD_JSD; }
   int64_t real_cols(int64_t V) const {  // the shard's columns inside the vocabulary (the rest is padding)
     return vocab_total - vocab_start < V ? vocab_total - vocab_start : V;
   }
@@ -114,18 +117,29 @@ struct KdOpts {
 // combine into whole rows, and a shard's dstudent from the rows' statistics.
 constexpr int64_t kKdRecordFields = 5;    // m_P, sum exp(z_P - m_P), m_Q, sum exp(z_Q - m_Q), cross sum X
 constexpr int64_t kKdRowStatsFields = 5;  // M_s, log D_s, M_t, log D_t, A
+constexpr int64_t kKdTermsRecordFields = 2;  // the shard's sums of the divergence's terms and of a_j
 struct KdPartialProblem {
   Mat student, teacher;
   KdOpts o;
   Mat records;  // [N, kKdRecordFields]
 };
+// The second exchange (JSD's mixture): a shard's sums of the element terms from the rows' statistics.
+struct KdTermsPartialProblem {
+  Mat student, teacher;
+  KdOpts o;
+  Mat row_stats;  // [N, kKdRowStatsFields], fields 0-3 read
+  Mat records;    // [N, kKdTermsRecordFields]
+};
+// fce_kd_combine (records of kKdRecordFields; JSD: no loss, row_stats' A NaN) and fce_kd_terms_combine
+// (records of kKdTermsRecordFields: the loss, and A into row_stats).
 struct KdCombineProblem {
-  Mat records;  // [W * N, kKdRecordFields]: rank r's row i at r * N + i
+  Mat records;  // [W * N, fields]: rank r's row i at r * N + i
   int64_t W = 0, N = 0;
   Vec targets;  // optional
   KdOpts o;
-  Vec loss;
-  Mat row_stats;  // optional [N, kKdRowStatsFields]
+  Vec loss;       // optional for JSD's first combine (absent there)
+  Mat row_stats;  // optional [N, kKdRowStatsFields] (required by the terms' combine: A written)
+  bool terms = false;  // the records are the terms' (fce_kd_terms_combine)
 };
 struct KdBwdProblem {
   Mat student, teacher;
@@ -193,6 +207,7 @@ size_t kd_workspace(const KdProblem&);
 void kd(const KdProblem&, Workspace);
 void kd_partial(const KdPartialProblem&);
 void kd_combine(const KdCombineProblem&);
+void kd_terms_partial(const KdTermsPartialProblem&);
 void kd_bwd(const KdBwdProblem&);
 void lse_partial(const LsePartialProblem&);
 void lse_combine(const LseCombineProblem&);
@@ -217,6 +232,7 @@ void kd(fce_handle*, fce_stream_t, const KdProblem&, Workspace);
 void kd_partial(fce_handle*, fce_stream_t, const KdPartialProblem&);
 size_t kd_combine_workspace(fce_handle*, const KdCombineProblem&);
 void kd_combine(fce_handle*, fce_stream_t, const KdCombineProblem&, Workspace);
+void kd_terms_partial(fce_handle*, fce_stream_t, const KdTermsPartialProblem&);
 size_t kd_bwd_workspace(fce_handle*, const KdBwdProblem&);
 void kd_bwd(fce_handle*, fce_stream_t, const KdBwdProblem&, Workspace);
 void lse_partial(fce_handle*, fce_stream_t, const LsePartialProblem&);

@@ -70,25 +70,38 @@ void kd_combine(const KdCombineProblem& p) {
   const int64_t N = p.N, W = p.W;
   const bool rev = reverse(p.o);
   const float t2 = p.o.scale_by_t2 ? p.o.temperature * p.o.temperature : 1.f;
+  const int64_t stride = int64_t(p.records.ld) * N;
   std::vector<double> row_loss(size_t(N), 0.0);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const float* rec = reinterpret_cast<const float*>(p.records.data) + size_t(i) * size_t(p.records.ld);
-    const KdCombined k = kd_combine_records(rec, W, int64_t(p.records.ld) * N);
-    const bool m = masked(p.targets, p.o, i);
-    const float loss = m ? 0.f : float(k.kl) * t2;
+    float* s = p.row_stats ? reinterpret_cast<float*>(row_ptr_mut(p.row_stats, i)) : nullptr;
+    double kl = 0, asum = 0;
+    if (p.terms) {  // the terms' records: the loss and A summed in rank order
+      for (int64_t r = 0; r < W; ++r) {
+        kl += double(rec[r * stride]);
+        asum += double(rec[r * stride + 1]);
+      }
+      // KL's A as the one-exchange combine forms it (sum q = 1 exactly: identical rows keep a 0 gradient).
+      s[4] = p.o.mixture() ? float(asum) : rev ? float(kl + 1.0) : -1.f;
+    } else {
+      const KdCombined k = kd_combine_records(rec, W, stride);
+      kl = k.kl;
+      if (s) {
+        s[0] = rev ? k.mp : k.mq;  // the student's shift
+        s[1] = rev ? k.logdp : k.logdq;
+        s[2] = rev ? k.mq : k.mp;  // the teacher's
+        s[3] = rev ? k.logdq : k.logdp;
+        // A = sum_j a_j (KdTerm): KL + sum q, or -sum p; JSD's comes from the terms' combine.
+        s[4] = p.o.mixture() ? NAN : rev ? float(k.kl + 1.0) : -1.f;
+      }
+    }
+    if (!p.loss) continue;  // JSD's first combine
+    const float loss = masked(p.targets, p.o, i) ? 0.f : float(kl) * t2;
     row_loss[size_t(i)] = loss;
     if (p.o.reduction == FCE_REDUCTION_NONE) store_f32(p.loss, i, loss);
-    if (p.row_stats) {
-      float* s = reinterpret_cast<float*>(row_ptr_mut(p.row_stats, i));
-      s[0] = rev ? k.mp : k.mq;  // the student's shift
-      s[1] = rev ? k.logdp : k.logdq;
-      s[2] = rev ? k.mq : k.mp;  // the teacher's
-      s[3] = rev ? k.logdq : k.logdp;
-      s[4] = rev ? float(k.kl + 1.0) : -1.f;  // A = sum_j a_j (KdTerm): KL + sum q, or -sum p
-    }
   }
-  if (p.o.reduction != FCE_REDUCTION_NONE) {
+  if (p.loss && p.o.reduction != FCE_REDUCTION_NONE) {
     double sum = 0;
     for (int64_t i = 0; i < N; ++i) sum += row_loss[size_t(i)];
     if (p.o.reduction == FCE_REDUCTION_MEAN) {
@@ -96,6 +109,33 @@ void kd_combine(const KdCombineProblem& p) {
       sum = used > 0 ? sum / double(used) : 0.0;
     }
     store_f32(p.loss, 0, float(sum));
+  }
+}
+
+void kd_terms_partial(const KdTermsPartialProblem& p) {
+  const int64_t N = p.student.rows, V = p.student.cols, n = p.o.real_cols(V);
+  const float inv_t = 1.f / p.o.temperature;
+  const KdTerm term(p.o.divergence, p.o.beta);
+#pragma omp parallel
+  {
+    simd::Row sbuf(V), tbuf(V);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      const float* xs = row_in(p.student, i, sbuf.data());
+      const float* xt = row_in(p.teacher, i, tbuf.data());
+      const float* st = reinterpret_cast<const float*>(row_ptr(p.row_stats, i));
+      double loss = 0, asum = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const float logq = std::fma(xs[j], inv_t, -st[0]) - st[1];
+        const float logp = std::fma(xt[j], inv_t, -st[2]) - st[3];
+        float a = 0.f;
+        loss += double(term(logp, logq, &a));
+        asum += double(a);
+      }
+      float* r = reinterpret_cast<float*>(row_ptr_mut(p.records, i));
+      r[0] = float(loss);
+      r[1] = float(asum);
+    }
   }
 }
 

@@ -1,8 +1,9 @@
 // CUDA vocabulary-parallel knowledge distillation: a shard's records (one block per row: student and
 // teacher streamed together once, each thread keeping the cross statistics of KL(P || Q) online, merged by
 // the block's fixed tree), their combine (one thread per row, math.hpp's kd_combine_records in fp64 in rank
-// order, the CPU's code; SUM/MEAN through kd_finalize_kernel), and a shard's dstudent from the rows'
-// statistics (KdTerm and kd_grad per element, as fce_kd_loss).
+// order, the CPU's code; SUM/MEAN through kd_finalize_kernel), JSD's second exchange (a shard's sums of the
+// element terms, their combine by the same kernel), and a shard's dstudent from the rows' statistics
+// (KdTerm and kd_grad per element, as fce_kd_loss).
 #include "cuda/kd_common.cuh"
 #include "cuda/online_softmax.cuh"
 
@@ -72,8 +73,11 @@ __global__ void __launch_bounds__(kKdThreads) kd_vp_partial_kernel(const KdArgs 
 }
 
 struct CombineArgs {
-  const float* rec;  // [W * N, kKdRecordFields]
+  const float* rec;  // [W * N, kKdRecordFields], or kKdTermsRecordFields with `terms`
   int64_t W, N;
+  bool terms;    // the terms' records: the loss and A summed in rank order
+  bool mixture;  // JSD's first combine: the statistics only, A NaN
+  bool has_loss;
   const void* targets;
   bool tgt64;
   int64_t ignore_index;
@@ -88,25 +92,82 @@ struct CombineArgs {
 __global__ void kd_vp_combine_kernel(const CombineArgs a) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= a.N) return;
-  const KdCombined k = kd_combine_records(a.rec + i * kKdRecordFields, a.W, a.N * kKdRecordFields);
-  const bool masked = a.targets && load_index(a.targets, a.tgt64, i) == a.ignore_index;
-  a.row_loss[i] = masked ? 0.f : float(k.kl) * a.t2;
-  if (a.reduced) a.row_used[i] = !masked;
-  if (a.stats) {
-    float* s = a.stats + i * a.ld_stats;
-    s[0] = a.rev ? k.mp : k.mq;  // the student's shift
-    s[1] = a.rev ? k.logdp : k.logdq;
-    s[2] = a.rev ? k.mq : k.mp;  // the teacher's
-    s[3] = a.rev ? k.logdq : k.logdp;
-    s[4] = a.rev ? float(k.kl + 1.0) : -1.f;  // A = sum_j a_j (KdTerm): KL + sum q, or -sum p
+  float* s = a.stats ? a.stats + i * a.ld_stats : nullptr;
+  double kl = 0;
+  if (a.terms) {
+    double asum = 0;
+    for (int64_t r = 0; r < a.W; ++r) {
+      const float* q = a.rec + (r * a.N + i) * kKdTermsRecordFields;
+      kl += double(q[0]);
+      asum += double(q[1]);
+    }
+    // KL's A as the one-exchange combine forms it (sum q = 1 exactly: identical rows keep a 0 gradient).
+    s[4] = a.mixture ? float(asum) : a.rev ? float(kl + 1.0) : -1.f;
+  } else {
+    const KdCombined k = kd_combine_records(a.rec + i * kKdRecordFields, a.W, a.N * kKdRecordFields);
+    kl = k.kl;
+    if (s) {
+      s[0] = a.rev ? k.mp : k.mq;  // the student's shift
+      s[1] = a.rev ? k.logdp : k.logdq;
+      s[2] = a.rev ? k.mq : k.mp;  // the teacher's
+      s[3] = a.rev ? k.logdq : k.logdp;
+      // A = sum_j a_j (KdTerm): KL + sum q, or -sum p; JSD's comes from the terms' combine.
+      s[4] = a.mixture ? NAN : a.rev ? float(k.kl + 1.0) : -1.f;
+    }
   }
+  if (!a.has_loss) return;
+  const bool masked = a.targets && load_index(a.targets, a.tgt64, i) == a.ignore_index;
+  a.row_loss[i] = masked ? 0.f : float(kl) * a.t2;
+  if (a.reduced) a.row_used[i] = !masked;
+}
+
+// The terms' sums of a block's threads, merged by its fixed tree.
+struct TermsAcc {
+  float l = 0.f, a = 0.f;
+  __device__ TermsAcc() {}
+  __device__ void merge(const TermsAcc& o) {
+    l += o.l;
+    a += o.a;
+  }
+  __device__ TermsAcc shfl_down(unsigned off) const {
+    TermsAcc r;
+    r.l = __shfl_down_sync(0xffffffffu, l, off);
+    r.a = __shfl_down_sync(0xffffffffu, a, off);
+    return r;
+  }
+};
+
+// One block per row: the shard's sums of the element terms L_j and a_j (KdTerm) over its n real columns,
+// from the rows' statistics.
+template <class Ts, class Tt>
+__global__ void __launch_bounds__(kKdThreads) kd_vp_terms_kernel(const KdArgs a, int64_t n, const float* stats,
+                                                                  int64_t ld_stats, float* rec, int64_t ldr) {
+  constexpr int G = kGroup<Ts, Tt>;
+  const int64_t row = blockIdx.x;
+  const Ts* s = static_cast<const Ts*>(a.s) + row * a.lds;
+  const Tt* t = static_cast<const Tt*>(a.t) + row * a.ldt;
+  const float* st = stats + row * ld_stats;
+  const LogProb lq{a.inv_t, st[0], st[1]}, lp{a.inv_t, st[2], st[3]};  // student, teacher
+  const KdTerm term(a.div, a.beta);
+  TermsAcc acc;
+  visit2<Ts, Tt, false>(s, t, nullptr, nullptr, n, [&](float (&vs)[G], float (&vt)[G], int64_t, int cnt) {
+    for (int k = 0; k < cnt; ++k) {
+      float ak;
+      acc.l += term(lp(vt[k]), lq(vs[k]), &ak);
+      acc.a += ak;
+    }
+  });
+  acc = block_reduce(acc, false);
+  if (threadIdx.x != 0) return;
+  rec[row * ldr] = acc.l;
+  rec[row * ldr + 1] = acc.a;
 }
 
 // One block per row: dstudent_j = kd_grad(a_j, q_j, A, scale) over the n real columns, 0 on the padding and
 // on masked rows; a_j as KdTerm forms it (forward KL -p_j, reverse KL q_j (log q_j - log p_j + 1), 0 where
 // q_j = 0) without its loss term. Each thread reads its group before it writes it (in place allowed); a
 // group is stored as 16-byte vectors where dstudent's row is aligned.
-template <class Ts, class Tt, bool kRev>
+template <class Ts, class Tt, int kDiv>
 __global__ void __launch_bounds__(kKdThreads) kd_vp_bwd_kernel(const KdArgs a, int64_t n, const float* stats,
                                                                 int64_t ld_stats) {
   constexpr int G = kGroup<Ts, Tt>, K = kVec<Ts>;
@@ -123,9 +184,13 @@ __global__ void __launch_bounds__(kKdThreads) kd_vp_bwd_kernel(const KdArgs a, i
   const float A = st[4], scale = kd_grad_scale(a, row), inv_t = a.inv_t;
   const LogProb lq{inv_t, st[0], st[1]}, lp{inv_t, st[2], st[3]};  // student, teacher
   const bool vec = (reinterpret_cast<uintptr_t>(ds) & 15u) == 0;
+  const KdTerm term(a.div, a.beta);
   auto grad = [&](float xs, float xt) {
     const float logq = lq(xs), q = fast_exp(logq), logp = lp(xt);
-    const float ak = kRev ? (q == 0.f ? 0.f : q * (logq - logp + 1.f)) : -fast_exp(logp);
+    float ak;
+    if constexpr (kDiv == FCE_KD_REVERSE_KL) ak = q == 0.f ? 0.f : q * (logq - logp + 1.f);
+    else if constexpr (kDiv == FCE_KD_FORWARD_KL) ak = -fast_exp(logp);
+    else term(logp, logq, &ak);  // JSD: (1 - beta) q (log q - log M)
     return kd_grad(ak, q, A, scale);
   };
   visit2<Ts, Tt, false>(s, t, nullptr, nullptr, n, [&](float (&vs)[G], float (&vt)[G], int64_t e, int cnt) {
@@ -167,7 +232,7 @@ struct CombineWorkspace {
   size_t bytes = 0;
   CombineWorkspace(const KdCombineProblem& p, void* base) {
     Carver c(base);
-    if (p.o.reduction != FCE_REDUCTION_NONE) {
+    if (p.loss && p.o.reduction != FCE_REDUCTION_NONE) {
       row_loss = c.take<float>(size_t(p.N));
       row_used = c.take<int>(size_t(p.N));
     }
@@ -195,6 +260,23 @@ void kd_partial(fce_handle* h, fce_stream_t stream, const KdPartialProblem& p) {
   check_launch("vocabulary-parallel KD partial kernel");
 }
 
+void kd_terms_partial(fce_handle* h, fce_stream_t stream, const KdTermsPartialProblem& p) {
+  DeviceGuard guard(h->device_id);
+  const cudaStream_t s = stream_of(stream);
+  const KdArgs a = args_of(p.student, p.teacher, p.o);
+  const int64_t n = p.o.real_cols(p.student.cols);
+  const float* stats = reinterpret_cast<const float*>(p.row_stats.data);
+  float* rec = reinterpret_cast<float*>(p.records.data);
+  dispatch_float(p.student.dtype, [&](auto stag) {
+    dispatch_float(p.teacher.dtype, [&](auto ttag) {
+      using Ts = decltype(stag);
+      using Tt = decltype(ttag);
+      kd_vp_terms_kernel<Ts, Tt><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, stats, p.row_stats.ld, rec, p.records.ld);
+    });
+  });
+  check_launch("vocabulary-parallel KD terms kernel");
+}
+
 size_t kd_combine_workspace(fce_handle*, const KdCombineProblem& p) { return CombineWorkspace(p, nullptr).bytes; }
 
 void kd_combine(fce_handle* h, fce_stream_t stream, const KdCombineProblem& p, Workspace w) {
@@ -209,9 +291,12 @@ void kd_combine(fce_handle* h, fce_stream_t stream, const KdCombineProblem& p, W
   a.tgt64 = p.targets && p.targets.dtype == DType::I64;
   a.ignore_index = p.o.ignore_index;
   a.rev = p.o.divergence == FCE_KD_REVERSE_KL;
-  a.reduced = p.o.reduction != FCE_REDUCTION_NONE;
+  a.terms = p.terms;
+  a.mixture = p.o.mixture();
+  a.has_loss = static_cast<bool>(p.loss);
+  a.reduced = a.has_loss && p.o.reduction != FCE_REDUCTION_NONE;
   a.t2 = p.o.scale_by_t2 ? p.o.temperature * p.o.temperature : 1.f;
-  a.row_loss = a.reduced ? ws.row_loss : reinterpret_cast<float*>(p.loss.data);
+  a.row_loss = a.reduced ? ws.row_loss : a.has_loss ? reinterpret_cast<float*>(p.loss.data) : nullptr;
   a.row_used = ws.row_used;
   a.stats = p.row_stats ? reinterpret_cast<float*>(p.row_stats.data) : nullptr;
   a.ld_stats = p.row_stats ? p.row_stats.ld : 0;
@@ -252,9 +337,11 @@ void kd_bwd(fce_handle* h, fce_stream_t stream, const KdBwdProblem& p, Workspace
       using Ts = decltype(stag);
       using Tt = decltype(ttag);
       if (p.o.divergence == FCE_KD_REVERSE_KL)
-        kd_vp_bwd_kernel<Ts, Tt, true><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, stats, p.row_stats.ld);
+        kd_vp_bwd_kernel<Ts, Tt, FCE_KD_REVERSE_KL><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, stats, p.row_stats.ld);
+      else if (p.o.divergence == FCE_KD_FORWARD_KL)
+        kd_vp_bwd_kernel<Ts, Tt, FCE_KD_FORWARD_KL><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, stats, p.row_stats.ld);
       else
-        kd_vp_bwd_kernel<Ts, Tt, false><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, stats, p.row_stats.ld);
+        kd_vp_bwd_kernel<Ts, Tt, FCE_KD_JSD><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, stats, p.row_stats.ld);
     });
   });
   check_launch("vocabulary-parallel KD backward kernel");

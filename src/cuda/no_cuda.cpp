@@ -36,6 +36,9 @@ void softmax_shard(fce_handle*, fce_stream_t, const SoftmaxProblem&) {
 void kd_partial(fce_handle*, fce_stream_t, const KdPartialProblem&) {
   raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
 }
+void kd_terms_partial(fce_handle*, fce_stream_t, const KdTermsPartialProblem&) {
+  raise(FCE_STATUS_NO_DEVICE, "this libfusedce was built without the CUDA backend");
+}
 size_t linear_ce_workspace(fce_handle*, const LinearCeProblem&, bool) { return 0; }
 size_t ce_combine_workspace(fce_handle*, const CeCombineProblem&) { return 0; }
 void ce_partial(fce_handle*, fce_stream_t, const CePartialProblem&) {

@@ -327,8 +327,9 @@ void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, co
 }
 
 // Vocabulary-parallel KD with the caller's all-gather (the test's own NCCL): fce_kd_partial on this rank's
-// shards of student and teacher, the records all-gathered, fce_kd_combine and fce_kd_bwd; against the
-// one-device emulation (every shard's records on this GPU), bitwise, and the same loss on every rank.
+// shards of student and teacher, the records all-gathered, fce_kd_combine (JSD: then fce_kd_terms_partial,
+// a second all-gather and fce_kd_terms_combine) and fce_kd_bwd; against the one-device emulation (every
+// shard's records on this GPU), bitwise, and the same loss on every rank.
 void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl& nccl, ncclComm* nc,
              cudaStream_t st) {
   const Split s{c.V, W, (c.V + W - 1) / W};
@@ -347,11 +348,14 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
   targets.upload(t.data());
   fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
   o.divergence = div;
+  o.beta = 0.3f;
   o.temperature = 2.f;
+  const bool jsd = div == FCE_KD_JSD;
   o.reduction = fce_reduction_t(c.reduction);
   o.vocab_total = c.V;
   const bool none = c.reduction == FCE_REDUCTION_NONE;
-  auto partial = [&](int64_t r, DLTensor* out) {
+  // Shard r's records (terms: JSD's second records, from the rows' statistics).
+  auto partial = [&](int64_t r, DLTensor* out, const Buf* stats = nullptr) {
     Buf a({c.N, s.width}, xt, dev), b({c.N, s.width}, xt, dev);
     a.upload(shard_bytes(c, s, r, x).data());
     b.upload(shard_bytes(c, s, r, y).data());
@@ -359,12 +363,37 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
     tt.logits = &b.t;
     fce_kd_options_t orr = o;
     orr.vocab_start = s.start(r);
-    ok(fce_kd_partial(h, fs, &a.t, &tt, &orr, out), "fce_kd_partial");
+    if (stats) ok(fce_kd_terms_partial(h, fs, &a.t, &tt, &stats->t, &orr, out), "fce_kd_terms_partial");
+    else ok(fce_kd_partial(h, fs, &a.t, &tt, &orr, out), "fce_kd_partial");
     ck(cudaStreamSynchronize(st), "sync");
   };
+  // Every rank's terms in rank order: this rank's all-gathered, or every shard's on this GPU (the emulation).
+  auto gather_terms = [&](const Buf& stats, Buf& terms, bool emulate) {
+    if (!emulate) {
+      Buf mine({c.N, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev);
+      partial(g_rank, &mine.t, &stats);
+      if (nccl.all_gather(mine.p, terms.p, size_t(c.N) * FCE_KD_TERMS_RECORD_FIELDS, 7, nc, st) != 0)
+        CHECK(false, "KD terms all-gather failed");
+      return;
+    }
+    for (int r = 0; r < W; ++r) {
+      DLTensor view = terms.t;
+      int64_t vshape[2] = {c.N, FCE_KD_TERMS_RECORD_FIELDS};
+      view.ndim = 2;
+      view.shape = vshape;
+      view.byte_offset = uint64_t(r) * uint64_t(c.N) * FCE_KD_TERMS_RECORD_FIELDS * 4;
+      partial(r, &view, &stats);
+    }
+  };
   // rank's path: its records, the all-gather, the combine, its shard's dstudent
-  auto finish = [&](Buf& recs, Buf& loss, Buf& stats, Buf& ds) {
-    ok(fce_kd_combine(h, fs, &recs.t, &targets.t, &o, &loss.t, &stats.t, nullptr, 0), "fce_kd_combine");
+  auto finish = [&](Buf& recs, Buf& loss, Buf& stats, Buf& ds, bool emulate) {
+    ok(fce_kd_combine(h, fs, &recs.t, &targets.t, &o, jsd ? nullptr : &loss.t, &stats.t, nullptr, 0),
+       "fce_kd_combine");
+    if (jsd) {
+      Buf terms({int64_t(W), c.N, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev);
+      gather_terms(stats, terms, emulate);
+      ok(fce_kd_terms_combine(h, fs, &terms.t, &targets.t, &o, &loss.t, &stats.t, nullptr, 0), "fce_kd_terms_combine");
+    }
     Buf a({c.N, s.width}, xt, dev), b({c.N, s.width}, xt, dev);
     a.upload(shard_bytes(c, s, g_rank, x).data());
     b.upload(shard_bytes(c, s, g_rank, y).data());
@@ -381,7 +410,7 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
   if (nccl.all_gather(mine.p, all.p, size_t(c.N) * FCE_KD_RECORD_FIELDS, 7, nc, st) != 0)
     CHECK(false, "KD all-gather failed");
   Buf loss(lshape, kF32, dev), stats({c.N, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), ds({c.N, s.width}, xt, dev);
-  finish(all, loss, stats, ds);
+  finish(all, loss, stats, ds, false);
   Buf emu({int64_t(W), c.N, FCE_KD_RECORD_FIELDS}, kF32, dev);
   for (int r = 0; r < W; ++r) {
     DLTensor view = emu.t;
@@ -392,9 +421,10 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
     partial(r, &view);
   }
   Buf eloss(lshape, kF32, dev), estats({c.N, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), eds({c.N, s.width}, xt, dev);
-  finish(emu, eloss, estats, eds);
+  finish(emu, eloss, estats, eds, true);
   char name[128];
-  std::snprintf(name, sizeof name, "KD %s N=%lld V=%lld %s reduction=%d%s", div == FCE_KD_FORWARD_KL ? "forward" : "reverse",
+  std::snprintf(name, sizeof name, "KD %s N=%lld V=%lld %s reduction=%d%s",
+                div == FCE_KD_FORWARD_KL ? "forward" : div == FCE_KD_REVERSE_KL ? "reverse" : "JSD",
                 (long long)c.N, (long long)c.V, c.bf16 ? "bf16" : "fp32", c.reduction, c.nan_row ? " NaN row" : "");
   CHECK(all.download() == emu.download(), "%s: the gathered records differ from the emulation's", name);
   CHECK(loss.download() == eloss.download() && stats.download() == estats.download() &&
@@ -417,13 +447,6 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
   std::printf("rank %d: %s: ok\n", g_rank, name);
 }
 
-// Vocabulary-parallel linear cross-entropy in NCCL mode (fce_linear_cross_entropy_fwd_vp: the LM head split by
-// rows, each token chunk's records all-gathered inside the call, dhidden's fp32 parts summed in rank order)
-// against the one-device emulation: every shard's fce_linear_cross_entropy_partial, fce_cross_entropy_combine,
-// every shard's fce_linear_cross_entropy_bwd with an fp32 dhidden summed on the host in rank order and
-// rounded once. N fits one token chunk in both, so their GEMMs have the same shapes: the same bits, for any
-// number of ranks and NCCL setting. Then FCE_LINEAR_CE_ACCUMULATE (dhidden added into, through the fp32 sum)
-// and a CUDA graph of the call.
 // Largest |a - b| of two outputs (bf16 or fp32 bytes) over the largest |b|; NaN where their NaNs differ.
 double relative_gap(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, bool bf16) {
   auto at = [bf16](const std::vector<uint8_t>& v, size_t i) {
@@ -451,11 +474,16 @@ double relative_gap(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b
   return top > 0 ? gap / top : gap;
 }
 
-// NCCL mode of linear CE against the one-device emulation (partial on every shard, combine, bwd, the ranks'
-// fp32 dhidden parts summed in rank order). `chunks`: N needs several token chunks, which NCCL mode plans
-// from vocab_total / W on every rank and the emulation's single-shard calls from their own width: their
-// GEMMs may then differ in the last bits, so outputs are compared within bounds, and the ranks' loss, lse,
-// entropy and argmax with each other bitwise.
+// Vocabulary-parallel linear cross-entropy in NCCL mode (fce_linear_cross_entropy_fwd_vp: the LM head split by
+// rows, each token chunk's records all-gathered inside the call, dhidden's fp32 parts summed in rank order)
+// against the one-device emulation: every shard's fce_linear_cross_entropy_partial, fce_cross_entropy_combine,
+// every shard's fce_linear_cross_entropy_bwd with an fp32 dhidden summed on the host in rank order and
+// rounded once. Where N fits one token chunk in both their GEMMs have the same shapes: the same bits, for any
+// number of ranks and NCCL setting. With `chunks`, N needs several token chunks, which NCCL mode plans from
+// vocab_total / W on every rank and the emulation's single-shard calls from their own width: their GEMMs may
+// then differ in the last bits, so outputs are compared within bounds, and the ranks' loss, lse, entropy and
+// argmax with each other bitwise. Then FCE_LINEAR_CE_ACCUMULATE (dhidden added into, through the fp32 sum)
+// and a CUDA graph of the call.
 void linear_case(const Case& c, int64_t H, int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st,
                  const Nccl& nccl, ncclComm* nc, bool chunks = false) {
   const Split s{c.V, W, (c.V + W - 1) / W};
@@ -893,6 +921,55 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
         result(W, "kd", sc, NK, width, VT, "shard_dstudent", tb);
       }
     }
+    {  // KD JSD (beta 0.5), 4096 rows, strong: two exchanges (the records, then the terms), against one GPU
+      const int64_t NK = 4096, width = (V + W - 1) / W;
+      fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
+      o.divergence = FCE_KD_JSD;
+      float t1 = 0;
+      {
+        Buf ws1({NK, V}, kBF16, dev), wt1({NK, V}, kBF16, dev), l1({}, kF32, dev);
+        fill_bf16(ws1, 4.f, seed + 7);
+        fill_bf16(wt1, 4.f, seed + 8);
+        fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+        tt.logits = &wt1.t;
+        fce_kd_outputs_t o1 = FCE_KD_OUTPUTS_INIT;
+        o1.loss = &l1.t;
+        t1 = time([&] { ok(fce_kd_loss(h, fs, &ws1.t, &tt, nullptr, &o, &o1, nullptr, 0), "kd jsd"); });
+      }
+      Buf xs({NK, width}, kBF16, dev), xt({NK, width}, kBF16, dev), rec({NK, FCE_KD_RECORD_FIELDS}, kF32, dev);
+      Buf all({int64_t(W), NK, FCE_KD_RECORD_FIELDS}, kF32, dev), loss({}, kF32, dev);
+      Buf terms({NK, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev), tall({int64_t(W), NK, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev);
+      Buf stats({NK, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), ds({NK, width}, kBF16, dev);
+      fill_bf16(xs, 4.f, seed + 9);
+      fill_bf16(xt, 4.f, seed + 10);
+      o.vocab_start = g_rank * width;
+      o.vocab_total = V;
+      fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+      tt.logits = &xt.t;
+      size_t wsb = 0;
+      ok(fce_kd_terms_combine_workspace_size(h, &tall.t, nullptr, &o, &loss.t, &stats.t, &wsb), "ws");
+      void* ws = nullptr;
+      ck(cudaMalloc(&ws, wsb + 256), "ws");
+      const float tf = time([&] {
+        ok(fce_kd_partial(h, fs, &xs.t, &tt, &o, &rec.t), "kd partial");
+        if (nccl.all_gather(rec.p, all.p, size_t(NK) * FCE_KD_RECORD_FIELDS, 7, nc, st) != 0) CHECK(false, "all-gather");
+        ok(fce_kd_combine(h, fs, &all.t, nullptr, &o, nullptr, &stats.t, ws, wsb + 256), "kd combine");
+        ok(fce_kd_terms_partial(h, fs, &xs.t, &tt, &stats.t, &o, &terms.t), "kd terms");
+        if (nccl.all_gather(terms.p, tall.p, size_t(NK) * FCE_KD_TERMS_RECORD_FIELDS, 7, nc, st) != 0)
+          CHECK(false, "all-gather");
+        ok(fce_kd_terms_combine(h, fs, &tall.t, nullptr, &o, &loss.t, &stats.t, ws, wsb + 256), "kd terms combine");
+      });
+      const float tb = time([&] {
+        ok(fce_kd_bwd(h, fs, &xs.t, &tt, nullptr, &stats.t, &o, nullptr, &ds.t, ws, wsb + 256), "kd bwd");
+      });
+      cudaFree(ws);
+      std::printf("| rank %d | KD JSD, strong | N=%lld V_local=%lld V=%lld | two exchanges (partial, all-gather, "
+                  "combine, terms, all-gather, combine) %.3f; shard dstudent %.3f; one GPU fce_kd_loss over V %.3f | |\n",
+                  g_rank, (long long)NK, (long long)width, (long long)V, tf, tb, t1);
+      result(W, "kd_jsd", "one", NK, V, V, "fwd", t1);
+      result(W, "kd_jsd", "strong", NK, width, V, "fwd", tf);
+      result(W, "kd_jsd", "strong", NK, width, V, "shard_dstudent", tb);
+    }
     {  // one GPU, the whole V, fused forward + dlogits in place
       Buf x({N, V}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
       fill_bf16(x, 4.f, seed + 11);
@@ -1128,7 +1205,7 @@ int main(int argc, char** argv) {
         {37, 151936, true, FCE_REDUCTION_NONE, 0.f, 0.f, true},
     };
     for (const Case& c : kd_cases)
-      for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) kd_case(c, div, W, dev, h, nccl, nc, st);
+      for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD}) kd_case(c, div, W, dev, h, nccl, nc, st);
     const Case linear_cases[] = {
         {37, 50021, true, FCE_REDUCTION_NONE, 0.f, 0.f, false},
         {300, 129920, true, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, false},

@@ -1,7 +1,8 @@
 // Vocabulary-parallel knowledge distillation: student and teacher split into shards (even, uneven, padded),
-// fce_kd_partial per shard, the records concatenated in rank order, fce_kd_combine, and each shard's
-// fce_kd_bwd; against a float64 reference written here (the loss, and the analytic gradient of forward and
-// reverse KL) and against fce_kd_loss of the whole rows.
+// fce_kd_partial per shard, the records concatenated in rank order, fce_kd_combine (JSD, or `terms`: then
+// fce_kd_terms_partial per shard and fce_kd_terms_combine, the second exchange), and each shard's fce_kd_bwd;
+// against a float64 reference written here (the loss, and the analytic gradient of forward KL, reverse KL
+// and JSD) and against fce_kd_loss of the whole rows.
 #include <algorithm>
 
 #include "../common/testing.hpp"
@@ -14,6 +15,8 @@ struct Case {
   int64_t N = 13, V = 1031;  // V prime
   DT ds = DT::F32, dt = DT::F32;  // student and teacher dtypes
   int div = FCE_KD_FORWARD_KL;
+  double beta = 0.5;   // JSD's
+  bool terms = false;  // KL through the terms' second exchange too (JSD always)
   double T = 1.0;
   bool t2 = false;
   int reduction = FCE_REDUCTION_MEAN;
@@ -34,6 +37,8 @@ std::vector<double> log_softmax(const std::vector<double>& z) {
 
 // KL(P || Q) of one row and its gradient in z = student / T (float64): forward KL P = teacher, Q = student,
 // dKL/dz_j = q_j - p_j; reverse KL P = student, dKL/dz_j = q_j (log q_j - log p_j - KL) with q the student.
+// JSD with M = b p + (1 - b) q: b KL(P || M) + (1 - b) KL(Q || M), dJSD/dz_j = (1 - b) q_j (log(q_j / m_j) - S),
+// S = sum_k q_k log(q_k / m_k) (the same cancellation bound, with log m_j for log p_j).
 // cancel: reverse KL's gradient q_j (u_j - KL) / T forms log-ratios u_j of tens at T = 0.5 against a peaked
 // teacher, which fp32 rounds to a few ulps of their size (as test_kd.cpp allows): 16 ulps of q_j (|u_j| + A).
 struct RowRef {
@@ -48,6 +53,27 @@ RowRef reference(const Case& c, const std::vector<double>& s, const std::vector<
   }
   const std::vector<double> lq = log_softmax(zs), lp = log_softmax(zt);  // student q, teacher p
   RowRef r{0.0, std::vector<double>(s.size()), std::vector<double>(s.size(), 0.0)};
+  if (c.div == FCE_KD_JSD) {
+    const double b = c.beta;
+    std::vector<double> lm(s.size());
+    double S = 0, A = 0;
+    for (size_t j = 0; j < s.size(); ++j) {
+      const double p = std::exp(lp[j]), q = std::exp(lq[j]), m = b * p + (1 - b) * q;
+      lm[j] = m > 0 ? std::log(m) : -INFINITY;
+      if (p > 0) r.kl += b * p * (lp[j] - lm[j]);
+      if (q > 0) {
+        r.kl += (1 - b) * q * (lq[j] - lm[j]);
+        S += q * (lq[j] - lm[j]);
+        A += q * std::fabs(lq[j] - lm[j]);
+      }
+    }
+    for (size_t j = 0; j < s.size(); ++j) {
+      const double q = std::exp(lq[j]);
+      r.dz[j] = q > 0 ? (1 - b) * q * (lq[j] - lm[j] - S) : 0.0;
+      if (q > 0) r.cancel[j] = 16 * 0x1p-24 * q * (std::fabs(lq[j] - lm[j]) + A);
+    }
+    return r;
+  }
   for (size_t j = 0; j < s.size(); ++j) {
     const double p = std::exp(lp[j]), q = std::exp(lq[j]);
     if (c.div == FCE_KD_FORWARD_KL) r.kl += p > 0 ? p * (lp[j] - lq[j]) : 0.0;
@@ -68,6 +94,7 @@ RowRef reference(const Case& c, const std::vector<double>& s, const std::vector<
 fce_kd_options_t options_of(const Case& c) {
   fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
   o.divergence = c.div;
+  o.beta = float(c.beta);
   o.temperature = float(c.T);
   o.scale_by_t2 = c.t2;
   o.reduction = c.reduction;
@@ -77,7 +104,8 @@ fce_kd_options_t options_of(const Case& c) {
 void run(const Case& c) {
   SCOPED_TRACE(testing::Message() << "student " << dt_name(c.ds) << " teacher " << dt_name(c.dt) << " div " << c.div
                                   << " T " << c.T << " t2 " << c.t2 << " reduction " << c.reduction << " shards "
-                                  << c.widths.size() << " pad " << c.pad << (c.special ? " special" : ""));
+                                  << c.widths.size() << " pad " << c.pad << (c.special ? " special" : "")
+                                  << " beta " << c.beta << (c.terms ? " terms" : ""));
   const int64_t N = c.N, V = c.V;
   Handle h;
   Tensor st(c.ds, {N, V}), te(c.dt, {N, V});
@@ -94,8 +122,8 @@ void run(const Case& c) {
     targets.set_int(3, 3);
     for (int64_t j = 0; j < V; ++j) te.set(1, j, st.get(1, j));  // identical (the student's dtype rounding)
     // +inf: the student -inf where the teacher has mass (forward), the teacher -inf where the student has
-    // (reverse), in the first shard.
-    if (c.div == FCE_KD_FORWARD_KL) st.set(2, 3, -INFINITY);
+    // (reverse), in the first shard. JSD stays finite there (a row checked as any other).
+    if (c.div != FCE_KD_REVERSE_KL) st.set(2, 3, -INFINITY);
     else te.set(2, 3, -INFINITY);
     st.set(3, shards.back().start + 1, NAN);
     st.upload();
@@ -169,12 +197,52 @@ void run(const Case& c) {
   loss.upload();
   stats.poison();
   stats.upload();
-  FCE_OK(fce_kd_combine(h, test_stream(), &rec.dl, targets.dl(), &o, loss.dl(), stats.dl(), nullptr, 0));
+  const bool terms = c.terms || c.div == FCE_KD_JSD;
+  if (c.div == FCE_KD_JSD) {  // the first combine gives only the statistics; A is NaN until the terms'
+    FCE_OK(fce_kd_combine(h, test_stream(), &rec.dl, targets.dl(), &o, nullptr, stats.dl(), nullptr, 0));
+    stats.download();
+    for (int64_t i = 0; i < N; ++i) ASSERT_TRUE(std::isnan(stats.get(i, 4))) << "row " << i;
+  } else {
+    FCE_OK(fce_kd_combine(h, test_stream(), &rec.dl, targets.dl(), &o, loss.dl(), stats.dl(), nullptr, 0));
+  }
+  if (terms) {  // the second exchange: each shard's sums of the terms, gathered in rank order, combined
+    Tensor one_exchange = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
+    if (c.div != FCE_KD_JSD) {
+      loss.download();
+      std::memcpy(one_exchange.raw(), loss.bytes().data(), loss.bytes().size());
+    }
+    Records trec(W, N, FCE_KD_TERMS_RECORD_FIELDS);
+    for (int64_t r = 0; r < W; ++r) {
+      Tensor one(DT::F32, {N, FCE_KD_TERMS_RECORD_FIELDS});
+      one.poison();
+      one.upload();
+      fce_kd_options_t so = o;
+      so.vocab_start = shards[size_t(r)].start;
+      fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+      tt.logits = tp[size_t(r)].dl();
+      FCE_OK(fce_kd_terms_partial(h, test_stream(), sp[size_t(r)].dl(), &tt, stats.dl(), &so, one.dl()));
+      one.download();
+      std::memcpy(trec.t.raw() + 4 * size_t(r * N * FCE_KD_TERMS_RECORD_FIELDS), one.bytes().data(),
+                  4 * size_t(N * FCE_KD_TERMS_RECORD_FIELDS));
+    }
+    trec.t.upload();
+    loss.poison();
+    loss.upload();
+    FCE_OK(fce_kd_terms_combine(h, test_stream(), &trec.dl, targets.dl(), &o, loss.dl(), stats.dl(), nullptr, 0));
+    if (c.div != FCE_KD_JSD) {  // the same loss both ways, within the records' roundings
+      loss.download();
+      for (int64_t i = 0; i < (none ? N : 1); ++i) {
+        const double a = loss.get(i), b = one_exchange.get(i);
+        if (std::isfinite(b)) EXPECT_TRUE(close(a, b, 2e-5, 2e-6)) << "terms against one exchange, " << i;
+        else EXPECT_TRUE(std::isnan(a) == std::isnan(b) && (std::isnan(a) || a == b)) << a << " vs " << b;
+      }
+    }
+  }
   loss.download();
   stats.download();
 
   const double t2 = c.t2 ? c.T * c.T : 1.0;
-  auto is_special = [&](int64_t i) { return c.special && i >= 1 && i <= 3; };
+  auto is_special = [&](int64_t i) { return c.special && i >= 1 && i <= 3 && (i != 2 || c.div != FCE_KD_JSD); };
   double total = 0;
   for (int64_t i = 0; i < N; ++i) {
     const bool masked = targets.get_int(i) == -100;
@@ -267,18 +335,19 @@ TEST(KdVocabParallel, ShardsDtypesDivergences) {
   };
   const L layouts[] = {{{1031}, 0}, {{400, 300}, 5}, {{1, 700}, 0}, {{64, 64, 64}, 3}};
   for (const L& l : layouts)
-    for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL})
+    for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD})
       for (int red : {FCE_REDUCTION_NONE, FCE_REDUCTION_SUM, FCE_REDUCTION_MEAN}) {
         Case c;
         c.widths = l.widths;
         c.pad = l.pad;
         c.div = div;
         c.reduction = red;
+        c.terms = red == FCE_REDUCTION_SUM;  // KL's loss the second way too
         run(c);
       }
   for (DT ds : {DT::F32, DT::BF16, DT::F16})
     for (DT dt : {DT::F32, DT::BF16})
-      for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) {
+      for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD}) {
         Case c;
         c.ds = ds;
         c.dt = dt;
@@ -290,11 +359,13 @@ TEST(KdVocabParallel, ShardsDtypesDivergences) {
 }
 
 TEST(KdVocabParallel, TemperaturesAndSpecialRows) {
-  for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL})
+  for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD})
     for (double T : {0.5, 1.0, 4.0}) {
       Case c;
       c.div = div;
       c.T = T;
+      c.beta = T == 0.5 ? 0.1 : T == 4.0 ? 0.9 : 0.5;
+      c.terms = div != FCE_KD_JSD && T == 1.0;
       c.reduction = FCE_REDUCTION_NONE;
       c.special = true;
       run(c);
@@ -304,7 +375,7 @@ TEST(KdVocabParallel, TemperaturesAndSpecialRows) {
 }
 
 TEST(KdVocabParallel, ManyRowsLongShards) {  // rows and columns enough for every thread of a GPU block
-  for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) {
+  for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD}) {
     Case c;
     c.N = 40;
     c.V = 20011;
@@ -322,7 +393,7 @@ TEST(KdVocabParallel, ManyRanksMegatronSplit) {  // V = 151936 over 3 and 7 rank
     c.N = 4;
     c.V = 151936;
     c.ds = c.dt = DT::BF16;
-    c.div = W == 3 ? FCE_KD_FORWARD_KL : FCE_KD_REVERSE_KL;
+    c.div = W == 3 ? FCE_KD_JSD : FCE_KD_REVERSE_KL;
     const EvenSplit e = megatron_split(c.V, W);
     c.widths = e.widths;
     c.pad = e.pad;
@@ -347,10 +418,6 @@ TEST(KdVocabParallel, Validation) {
   o.vocab_start = 20;
   EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
   o.vocab_start = 10;
-  o.divergence = FCE_KD_JSD;
-  EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, rec.dl()), FCE_STATUS_NOT_IMPLEMENTED);
-  EXPECT_NE(std::string(fce_last_error_message()).find("JSD"), std::string::npos);
-  o.divergence = FCE_KD_FORWARD_KL;
   EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, bad.dl()), FCE_STATUS_SHAPE_MISMATCH);
   Tensor ids(DT::I64, {3, 2}), lp(DT::F32, {3, 2});
   fce_kd_teacher_t topk = FCE_KD_TEACHER_INIT;
@@ -362,6 +429,8 @@ TEST(KdVocabParallel, Validation) {
   // JSD at beta 0 is forward KL exactly, and runs.
   o.divergence = FCE_KD_JSD;
   o.beta = 0.f;
+  FCE_OK(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, rec.dl()));
+  o.beta = 0.5f;
   FCE_OK(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, rec.dl()));
   // fce_kd_loss refuses a shard.
   Tensor loss(DT::F32, {});
@@ -384,6 +453,34 @@ TEST(KdVocabParallel, Validation) {
   r.shape[2] = FCE_KD_RECORD_FIELDS;
   size_t bytes = 1;
   FCE_OK(fce_kd_combine_workspace_size(h, &r.dl, nullptr, &o, loss.dl(), st.dl(), &bytes));
+  // JSD's first combine: no loss (it needs the terms' exchange), the statistics required.
+  fce_kd_options_t j = o;
+  j.divergence = FCE_KD_JSD;
+  st.poison();
+  st.upload();
+  EXPECT_EQ(fce_kd_combine(h, test_stream(), &r.dl, nullptr, &j, loss.dl(), st.dl(), nullptr, 0),
+            FCE_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fce_last_error_message()).find("fce_kd_terms_combine"), std::string::npos);
+  EXPECT_EQ(fce_kd_combine(h, test_stream(), &r.dl, nullptr, &j, nullptr, nullptr, nullptr, 0),
+            FCE_STATUS_INVALID_ARGUMENT);
+  st.download();
+  for (uint8_t b : st.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
+  // The terms: records [N, 2] per shard, [W, N, 2] gathered; the combine needs the statistics.
+  Tensor trec(DT::F32, {3, FCE_KD_TERMS_RECORD_FIELDS});
+  trec.poison();
+  trec.upload();
+  EXPECT_EQ(fce_kd_terms_partial(h, test_stream(), s.dl(), &tt, st.dl(), &j, rec.dl()), FCE_STATUS_SHAPE_MISMATCH);
+  EXPECT_EQ(fce_kd_terms_partial(h, test_stream(), s.dl(), &tt, st_bad.dl(), &j, trec.dl()),
+            FCE_STATUS_SHAPE_MISMATCH);
+  EXPECT_EQ(fce_kd_terms_partial(h, test_stream(), s.dl(), &topk, st.dl(), &j, trec.dl()), FCE_STATUS_NOT_IMPLEMENTED);
+  trec.download();
+  for (uint8_t b : trec.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
+  Records tr(2, 3, FCE_KD_TERMS_RECORD_FIELDS);
+  EXPECT_EQ(fce_kd_terms_combine(h, test_stream(), &tr.dl, nullptr, &j, loss.dl(), nullptr, nullptr, 0),
+            FCE_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(fce_kd_terms_combine(h, test_stream(), &r.dl, nullptr, &j, loss.dl(), st.dl(), nullptr, 0),
+            FCE_STATUS_SHAPE_MISMATCH);
+  FCE_OK(fce_kd_terms_combine_workspace_size(h, &tr.dl, nullptr, &j, loss.dl(), st.dl(), &bytes));
   // The backward: dstudent of the student's shape and dtype.
   Tensor d16(DT::BF16, {3, 10});
   EXPECT_EQ(fce_kd_bwd(h, test_stream(), s.dl(), &tt, nullptr, st.dl(), &o, nullptr, d16.dl(), nullptr, 0),

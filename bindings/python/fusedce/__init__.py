@@ -21,7 +21,8 @@ from ._lib import (ABI_VERSION, HEADER_VERSION, KD_TEMPERATURE_MAX, KD_TEMPERATU
 from .ops import (CrossEntropyOutput, KDOutput, LinearCrossEntropyGrads, LinearCrossEntropyOutput, SoftmaxOutput,
                   cross_entropy, cross_entropy_bwd, cross_entropy_bwd_ex, cross_entropy_combine, cross_entropy_fwd,
                   cross_entropy_partial,
-                  cross_entropy_record_fields, kd_bwd, kd_combine, kd_loss, kd_partial, linear_cross_entropy,
+                  cross_entropy_record_fields, kd_bwd, kd_combine, kd_loss, kd_needs_terms, kd_partial,
+                  kd_terms_combine, kd_terms_partial, linear_cross_entropy,
                   linear_cross_entropy_bwd, linear_cross_entropy_fwd, linear_cross_entropy_partial, logsumexp,
                   logsumexp_combine,
                   logsumexp_partial, temp_softmax)
@@ -47,7 +48,7 @@ __all__ = [
     "ShapeMismatchError", "SoftmaxOutput", "UnsupportedDtypeError", "UnsupportedLayoutError", "build_info",
     "cross_entropy", "cross_entropy_bwd", "cross_entropy_bwd_ex", "cross_entropy_combine", "cross_entropy_fwd", "cross_entropy_partial",
     "cross_entropy_record_fields", "default_handle", "defaults", "ffi", "kd_bwd", "kd_combine", "kd_loss",
-    "kd_partial",
+    "kd_needs_terms", "kd_partial", "kd_terms_combine", "kd_terms_partial",
     "lib", "library_path", "linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_fwd",
     "linear_cross_entropy_partial",
     "logsumexp", "logsumexp_combine", "logsumexp_partial", "new_struct", "temp_softmax", "version",

@@ -262,6 +262,16 @@ fce_status_t fce_kd_combine(fce_handle_t handle, fce_stream_t stream, const DLTe
 fce_status_t fce_kd_combine_workspace_size(fce_handle_t handle, const DLTensor* records,
                                                    const DLTensor* targets, const fce_kd_options_t* options,
                                                    const DLTensor* loss, const DLTensor* row_stats, size_t* bytes);
+fce_status_t fce_kd_terms_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
+                                          const fce_kd_teacher_t* teacher, const DLTensor* row_stats,
+                                          const fce_kd_options_t* options, DLTensor* records);
+fce_status_t fce_kd_terms_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
+                                          const DLTensor* targets, const fce_kd_options_t* options, DLTensor* loss,
+                                          DLTensor* row_stats, void* workspace, size_t workspace_bytes);
+fce_status_t fce_kd_terms_combine_workspace_size(fce_handle_t handle, const DLTensor* records,
+                                                         const DLTensor* targets, const fce_kd_options_t* options,
+                                                         const DLTensor* loss, const DLTensor* row_stats,
+                                                         size_t* bytes);
 fce_status_t fce_kd_bwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
                                 const fce_kd_teacher_t* teacher, const DLTensor* targets,
                                 const DLTensor* row_stats, const fce_kd_options_t* options,
@@ -346,6 +356,7 @@ MACROS = {
     'FCE_KD_TEMPERATURE_MAX': 100.0,
     'FCE_KD_RECORD_FIELDS': 5,
     'FCE_KD_ROW_STATS_FIELDS': 5,
+    'FCE_KD_TERMS_RECORD_FIELDS': 2,
     'FCE_LINEAR_CE_ACCUMULATE': 1,
 }
 

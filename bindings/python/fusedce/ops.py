@@ -461,58 +461,161 @@ def _full_teacher(c, teacher_logits):
 
 
 # ---- vocabulary-parallel knowledge distillation ---------------------------------------------------
+#
+# The contract and the math are the header's section "Vocabulary-parallel knowledge distillation"
+# (include/fusedce/fusedce.h, at fce_kd_partial / fce_kd_terms_partial); the error bounds are docs/numerics.md's.
+# Forward and reverse KL (and JSD at beta 0 or 1, which are exactly them) take one exchange:
+#     rec = kd_partial(shard)                         # [N, KD_RECORD_FIELDS] per rank
+#     loss, stats = kd_combine(gather(rec))           # gather: [W, N, KD_RECORD_FIELDS], rank order
+#     d = kd_bwd(shard, stats)
+# JSD with 0 < beta < 1 takes two (its mixture M = beta*P_teacher + (1-beta)*P_student needs the rows'
+# normalizers before any term can be formed): kd_combine then returns loss None and the rows' statistics with
+# A (field 4) NaN, and
+#     terms = kd_terms_partial(shard, stats)          # [N, KD_TERMS_RECORD_FIELDS] per rank
+#     loss, stats = kd_terms_combine(gather(terms), stats)   # the loss; A written into stats in place
+# gives the loss and completes the statistics for kd_bwd. The second exchange works for KL too.
 
 KD_RECORD_FIELDS, KD_ROW_STATS_FIELDS = MACROS["FCE_KD_RECORD_FIELDS"], MACROS["FCE_KD_ROW_STATS_FIELDS"]
+KD_TERMS_RECORD_FIELDS = MACROS["FCE_KD_TERMS_RECORD_FIELDS"]
+
+
+def kd_needs_terms(divergence, beta=_KD["beta"]):
+    """True when the divergence over vocabulary shards takes the second exchange (kd_terms_partial /
+    kd_terms_combine): JSD with 0 < beta < 1 after rounding beta to fp32, as the library reads it (JSD at
+    beta 0 or 1 is exactly forward or reverse KL and takes one). kd_combine returns loss None exactly then."""
+    if _enum(_DIVERGENCES, divergence, "divergence") != _DIVERGENCES["jsd"]:
+        return False
+    b = float(ffi.cast("float", float(beta)))
+    return 0.0 < b < 1.0
+
+
+def _targets_or_null(c, targets):
+    return c.dl(None if targets is None else c.native(targets))
 
 
 def kd_partial(student, teacher_logits, *, vocab_start, vocab_total,
-               divergence=_NAME["divergence"][_KD["divergence"]], temperature=_KD["temperature"], records=None,
-               handle=None, stream=None):
-    """fce_kd_partial: the [N, KD_RECORD_FIELDS] fp32 records of a vocabulary shard of student and teacher
-    logits ([N, V_local] each: global columns [vocab_start, vocab_start + V_local) of vocab_total; columns past
-    it are padding). divergence "forward_kl" or "reverse_kl" ("jsd" raises BackendNotImplementedError, a
-    NotImplementedError). Gather every rank's records in rank order ([W, N, K]) for kd_combine."""
+               divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"], temperature=_KD["temperature"],
+               records=None, handle=None, stream=None):
+    """fce_kd_partial: the records of a vocabulary shard of student and teacher logits (step 1).
+
+    student, teacher_logits: [N, V_local] (fp32/bf16/fp16, dtypes may differ), the global columns
+    [vocab_start, vocab_start + V_local) of a vocabulary of vocab_total; columns at or past vocab_total are
+    padding and never read. divergence "forward_kl", "reverse_kl" or "jsd" (weight beta in [0, 1]; JSD's
+    record is forward KL's, P the teacher); temperature T: both distributions are softmax(logits / T). Use the
+    same options on every rank and in every later call of the row.
+    Returns records [N, KD_RECORD_FIELDS] fp32 (into `records` when given): per row over the shard's real
+    columns, with z = logits / T, P the weighting distribution and Q the other: max z_P, sum exp(z_P - max),
+    max z_Q, sum exp(z_Q - max), X = sum exp(z_P - m_P)((z_P - m_P) - (z_Q - m_Q)) (nats). Gather every
+    rank's records in rank order ([W, N, KD_RECORD_FIELDS]) for kd_combine.
+    Raises InvalidArgumentError (no shard: vocab_total 0 or vocab_start outside [0, vocab_total); beta outside
+    [0, 1]; T outside [KD_TEMPERATURE_MIN, KD_TEMPERATURE_MAX]), ShapeMismatchError (student, teacher and
+    records disagree), UnsupportedDtypeError, UnsupportedLayoutError, DeviceMismatchError."""
     c = Call(student, handle, stream)
     out = records if records is not None else c.empty((_rows(student), KD_RECORD_FIELDS), "float32")
-    o = _kd_options(c, divergence, 0.5, temperature, False, "full_vocab", "mean", -100, vocab_start, vocab_total)
+    o = _kd_options(c, divergence, beta, temperature, False, "full_vocab", "mean", -100, vocab_start, vocab_total)
     c.run_plain("fce_kd_partial", c.dl(student), _full_teacher(c, teacher_logits), o, c.dl(out, True))
     return out
 
 
 def kd_combine(records, *, vocab_total, targets=None, divergence=_NAME["divergence"][_KD["divergence"]],
-               temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
+               beta=_KD["beta"], temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
                reduction=_NAME["reduction"][_KD["reduction"]], ignore_index=_KD["ignore_index"], row_stats=True,
                handle=None, stream=None, workspace=None):
-    """fce_kd_combine: the divergence of whole rows from every shard's records [W, N, KD_RECORD_FIELDS]
-    (rank order), with the partial calls' options; rows whose target is ignore_index are masked. Returns
-    (loss, row_stats): loss [N] ("none") or a scalar, and the [N, KD_ROW_STATS_FIELDS] fp32 statistics
-    kd_bwd takes (None with row_stats=False)."""
+    """fce_kd_combine: whole rows from every shard's records (step 3).
+
+    records: [W, N, KD_RECORD_FIELDS] fp32, contiguous, every rank's kd_partial records in rank (vocabulary)
+    order; the options are the partial calls' (vocab_start is not read). targets: optional [N] int32/int64,
+    rows whose target is ignore_index are masked (loss 0, gradient 0; "mean" is batchmean over the others).
+    Returns (loss, row_stats):
+      - loss: the divergence of the whole rows in nats (times T^2 with scale_by_t2), fp32 [N] ("none") or a
+        scalar, what kd_loss of the unsharded rows returns within the fp32 rounding of the records' sums;
+        None when kd_needs_terms(divergence, beta) (JSD with 0 < beta < 1: the loss needs the second exchange,
+        kd_terms_partial and kd_terms_combine);
+      - row_stats: [N, KD_ROW_STATS_FIELDS] fp32, the same bits on every rank (M_student, log D_student,
+        M_teacher, log D_teacher, A), for kd_bwd (and kd_terms_partial); None with row_stats=False. For JSD
+        its A (field 4) is NaN until kd_terms_combine writes it.
+    Raises InvalidArgumentError (options out of domain; JSD with 0 < beta < 1 and row_stats=False: the second
+    exchange needs them), ShapeMismatchError (records not [W, N, KD_RECORD_FIELDS], targets not [N]),
+    UnsupportedDtypeError, UnsupportedLayoutError, DeviceMismatchError."""
     c = Call(records, handle, stream)
     n = int(records.shape[1])
-    loss_a = _loss_buffer(c, reduction, n)
+    loss_a = None if kd_needs_terms(divergence, beta) else _loss_buffer(c, reduction, n)
     stats = c.empty((n, KD_ROW_STATS_FIELDS), "float32") if row_stats else None
-    o = _kd_options(c, divergence, 0.5, temperature, scale_by_t2, "full_vocab", reduction, ignore_index, 0,
+    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, "full_vocab", reduction, ignore_index, 0,
                     vocab_total)
-    c.run("fce_kd_combine", c.dl(records), c.dl(None if targets is None else c.native(targets)), o,
-          c.dl(loss_a, True), c.dl(stats, True), workspace=workspace)
+    c.run("fce_kd_combine", c.dl(records), _targets_or_null(c, targets), o, c.dl(loss_a, True), c.dl(stats, True),
+          workspace=workspace)
     return c.scalar_out(loss_a), stats
 
 
+def kd_terms_partial(student, teacher_logits, row_stats, *, vocab_start, vocab_total,
+                     divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"],
+                     temperature=_KD["temperature"], records=None, handle=None, stream=None):
+    """fce_kd_terms_partial: JSD's second exchange, a shard's sums of the divergence's element terms (step 3a).
+
+    student, teacher_logits: the shard as given to kd_partial; row_stats: [N, KD_ROW_STATS_FIELDS] fp32 from
+    kd_combine (fields 0-3 read: the rows' maxima and log-normalizers); the kd_partial call's options. Works
+    for every divergence (for KL it gives the loss a second way).
+    Returns records [N, KD_TERMS_RECORD_FIELDS] fp32 (into `records` when given): per row over the shard's
+    real columns, 0 sum_j L_j and 1 sum_j a_j, L_j and a_j the element terms of kd_loss from the whole rows'
+    log-probabilities (for JSD with M = beta*p + (1-beta)*q, p the teacher and q the student at temperature T:
+    L_j = beta p_j log(p_j/m_j) + (1-beta) q_j log(q_j/m_j), nats; a_j = (1-beta) q_j log(q_j/m_j)); +inf where
+    a term is, NaN where a logit or a statistic is. Gather every rank's in rank order
+    ([W, N, KD_TERMS_RECORD_FIELDS]) for kd_terms_combine.
+    Raises InvalidArgumentError, ShapeMismatchError (row_stats not [N, KD_ROW_STATS_FIELDS], records not
+    [N, KD_TERMS_RECORD_FIELDS]), UnsupportedDtypeError, UnsupportedLayoutError, DeviceMismatchError."""
+    c = Call(student, handle, stream)
+    out = records if records is not None else c.empty((_rows(student), KD_TERMS_RECORD_FIELDS), "float32")
+    o = _kd_options(c, divergence, beta, temperature, False, "full_vocab", "mean", -100, vocab_start, vocab_total)
+    c.run_plain("fce_kd_terms_partial", c.dl(student), _full_teacher(c, teacher_logits), c.dl(c.native(row_stats)),
+                o, c.dl(out, True))
+    return out
+
+
+def kd_terms_combine(records, row_stats, *, vocab_total, targets=None,
+                     divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"],
+                     temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
+                     reduction=_NAME["reduction"][_KD["reduction"]], ignore_index=_KD["ignore_index"],
+                     handle=None, stream=None, workspace=None):
+    """fce_kd_terms_combine: the loss of whole rows from every shard's terms' records, and the rows' A (3c).
+
+    records: [W, N, KD_TERMS_RECORD_FIELDS] fp32, contiguous, every rank's kd_terms_partial records in rank
+    order; row_stats: kd_combine's [N, KD_ROW_STATS_FIELDS] fp32 array (writable): its field 4 (A = sum_j a_j,
+    the gradient's dL/dz_j = a_j - q_j A) is written in place, the rest kept; targets and options as for
+    kd_combine. The records are added in rank order in fp64: the same bits on every rank.
+    Returns (loss, row_stats): loss = sum_j L_j in nats (times T^2 with scale_by_t2), fp32 [N] ("none", 0 at
+    masked rows) or a scalar ("mean": batchmean over the unmasked rows), what kd_loss of the unsharded rows
+    returns within the fp32 rounding of the records' sums; row_stats the same array, now complete for kd_bwd.
+    Raises InvalidArgumentError (options out of domain; row_stats None), ShapeMismatchError,
+    UnsupportedDtypeError (row_stats not fp32), UnsupportedLayoutError, DeviceMismatchError."""
+    c = Call(records, handle, stream)
+    loss_a = _loss_buffer(c, reduction, int(records.shape[1]))
+    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, "full_vocab", reduction, ignore_index, 0,
+                    vocab_total)
+    c.run("fce_kd_terms_combine", c.dl(records), _targets_or_null(c, targets), o, c.dl(loss_a, True),
+          c.dl(row_stats, True), workspace=workspace)
+    return c.scalar_out(loss_a), row_stats
+
+
 def kd_bwd(student, teacher_logits, row_stats, *, vocab_start, vocab_total, targets=None,
-           divergence=_NAME["divergence"][_KD["divergence"]], temperature=_KD["temperature"],
+           divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"], temperature=_KD["temperature"],
            scale_by_t2=bool(_KD["scale_by_t2"]), reduction=_NAME["reduction"][_KD["reduction"]],
            ignore_index=_KD["ignore_index"], grad_loss=None, dstudent=None, handle=None, stream=None,
            workspace=None):
-    """fce_kd_bwd: this shard's d(loss)/d(student) * grad_loss from kd_combine's row_stats (the same options
-    and targets as the combine); into `dstudent` when given (may be `student`, in place), else a new array in
-    the student's dtype."""
+    """fce_kd_bwd: this shard's d(loss)/d(student) * grad_loss (step 4).
+
+    row_stats: [N, KD_ROW_STATS_FIELDS] fp32 from kd_combine, or for JSD with 0 < beta < 1 after
+    kd_terms_combine has written its A (with A still NaN the gradient is NaN); the same options and targets
+    as the combine. grad_loss: optional fp32 upstream gradient, a scalar, or [N] with reduction "none".
+    Returns dstudent [N, V_local] in the student's dtype (fp32, rounded once; 0 at masked rows and padding
+    columns), into `dstudent` when given (may be `student`, in place). Raises InvalidArgumentError,
+    ShapeMismatchError, UnsupportedDtypeError, UnsupportedLayoutError, DeviceMismatchError."""
     c = Call(student, handle, stream)
     ds_a = dstudent if dstudent is not None else c.empty_like(student)
-    o = _kd_options(c, divergence, 0.5, temperature, scale_by_t2, "full_vocab", reduction, ignore_index,
+    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, "full_vocab", reduction, ignore_index,
                     vocab_start, vocab_total)
-    c.run("fce_kd_bwd", c.dl(student), _full_teacher(c, teacher_logits),
-          c.dl(None if targets is None else c.native(targets)), c.dl(c.native(row_stats)), o,
-          c.dl(_grad(c, grad_loss)), c.dl(ds_a, True), workspace=workspace)
+    c.run("fce_kd_bwd", c.dl(student), _full_teacher(c, teacher_logits), _targets_or_null(c, targets),
+          c.dl(c.native(row_stats)), o, c.dl(_grad(c, grad_loss)), c.dl(ds_a, True), workspace=workspace)
     return ds_a
 
 

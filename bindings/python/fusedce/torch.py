@@ -613,15 +613,20 @@ def _shard_of(v_local, vocab_start, vocab_total, group):
 
 
 class _VocabParallelKD(torch.autograd.Function):
-    """Records of the shard, one all-gather, combine (loss and the rows' statistics); the backward is the
-    shard's fce_kd_bwd from those statistics."""
+    """Records of the shard, one all-gather, combine (loss and the rows' statistics); JSD (0 < beta < 1) then
+    the shard's terms' records from those statistics, a second all-gather, and the terms' combine (the loss,
+    and A into the statistics). The backward is the shard's fce_kd_bwd from the final statistics."""
 
     @staticmethod
     def forward(ctx, student, teacher, targets, group, kw):
-        pkw = {k: kw[k] for k in ("vocab_start", "vocab_total", "divergence", "temperature")}
-        rec = _arrays.kd_partial(student.detach(), teacher, **pkw)
+        pkw = {k: kw[k] for k in ("vocab_start", "vocab_total", "divergence", "beta", "temperature")}
         ckw = {k: v for k, v in kw.items() if k != "vocab_start"}
+        s = student.detach()
+        rec = _arrays.kd_partial(s, teacher, **pkw)
         loss, stats = _arrays.kd_combine(_gather_records(rec, group), targets=targets, **ckw)
+        if loss is None:  # JSD's mixture: the second exchange
+            terms = _arrays.kd_terms_partial(s, teacher, stats, **pkw)
+            loss, stats = _arrays.kd_terms_combine(_gather_records(terms, group), stats, targets=targets, **ckw)
         ctx.save_for_backward(student, teacher, targets, stats)
         ctx.kw = kw
         return loss
@@ -635,25 +640,30 @@ class _VocabParallelKD(torch.autograd.Function):
 
 
 def vocab_parallel_kd_loss(student_logits, teacher_logits, target=None, *, divergence=_KD_DIVERGENCE,
-                           temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
+                           beta=_KD["beta"], temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
                            reduction=_KD_REDUCTION, ignore_index=_KD["ignore_index"], vocab_start=None,
                            vocab_total=None, group=None):
     """kd_loss of student and teacher logits whose vocabulary is split across the ranks of a
     torch.distributed `group` by the same columns (this rank holds global columns [vocab_start, vocab_start +
     V_local) of both; equal shards in rank order by default, uneven or padded ones when given). divergence
-    "forward_kl" or "reverse_kl" (JSD raises NotImplementedError: its mixture needs a second exchange);
-    reduction "mean" is batchmean over rows whose target is not ignore_index. Returns the loss of the whole
-    rows, the same bits on every rank; its gradient flows to this rank's student logits (the teacher gets
-    none).
+    "forward_kl", "reverse_kl" or "jsd" (generalized, weight beta in [0, 1]: 0 is forward KL, 1 reverse KL, as
+    kd_loss); reduction "mean" is batchmean over rows whose target is not ignore_index. Returns the loss of
+    the whole rows, the same bits on every rank; its gradient flows to this rank's student logits (the teacher
+    gets none).
 
-    student_logits / teacher_logits: [..., V_local], fp32/bf16/fp16, CPU or CUDA. Per call: one all-gather of
-    [N, 5] fp32 records through torch.distributed (fce_kd_partial on this rank's shard, fce_kd_combine of every
-    rank's records in rank order: no float all-reduce, so NaN propagates and the result does not depend on
-    the collective's algorithm); the backward is fce_kd_bwd of the shard. Without an initialized process group
-    the call is the one-shard case. Not a torch.library op: torch.compile graph-breaks around it."""
+    student_logits / teacher_logits: [..., V_local], fp32/bf16/fp16, CPU or CUDA. Per call, through
+    torch.distributed: forward and reverse KL (and JSD at beta 0 or 1) take one all-gather of [N, 5] fp32
+    records (fce_kd_partial on this rank's shard, fce_kd_combine of every rank's records in rank order: the
+    loss and the rows' statistics); JSD with 0 < beta < 1 takes two, since its mixture needs the rows'
+    normalizers before any term can be formed: the same first exchange (statistics only), then one of [N, 2]
+    fp32 records (fce_kd_terms_partial of the shard, fce_kd_terms_combine: the loss, and A into the
+    statistics). No float all-reduce, so NaN propagates and the result does not depend on the collective's
+    algorithm. The backward is fce_kd_bwd of the shard from the final statistics (no exchange). Without an
+    initialized process group the call is the one-shard case. Not a torch.library op: torch.compile
+    graph-breaks around it."""
     v_local = student_logits.shape[-1]
     vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
-    kw = dict(vocab_start=vocab_start, vocab_total=vocab_total, divergence=divergence,
+    kw = dict(vocab_start=vocab_start, vocab_total=vocab_total, divergence=divergence, beta=float(beta),
               temperature=float(temperature), scale_by_t2=bool(scale_by_t2), reduction=reduction,
               ignore_index=int(ignore_index))
     x = student_logits.reshape(-1, v_local)

@@ -1,6 +1,7 @@
 """Vocabulary-parallel knowledge distillation through the Python binding (CPU backend): student and teacher
-split into shards, kd_partial per shard, the records stacked in rank order, kd_combine, and each shard's
-kd_bwd, against the unsharded kd_loss and a float64 reference."""
+split into shards, kd_partial per shard, the records stacked in rank order, kd_combine (JSD: then
+kd_terms_partial per shard, stacked, kd_terms_combine), and each shard's kd_bwd, against the unsharded
+kd_loss and a float64 reference."""
 import numpy as np
 import pytest
 
@@ -52,9 +53,181 @@ def test_shards_match_the_whole_vocabulary(widths, pad, divergence, reduction):
         assert (d[:, w:] == 0).all()
 
 
-def test_jsd_and_topk_are_not_implemented():
+def _shards(s, t, widths, pad):
+    """(vocab_start, student shard, teacher shard) per rank; the last shard padded with NaN columns (never read)."""
+    n, v = s.shape
+    starts = np.cumsum([0] + widths)[:-1]
+    widths = widths[:-1] + [v - starts[-1]]
+    out = []
+    for r, (b, w) in enumerate(zip(starts, widths)):
+        cols = w + (pad if r == len(widths) - 1 else 0)
+        ps, pt = np.full((n, cols), np.nan, np.float32), np.full((n, cols), np.nan, np.float32)
+        ps[:, :w], pt[:, :w] = s[:, b:b + w], t[:, b:b + w]
+        out.append((int(b), ps, pt))
+    return out
+
+
+def _jsd_reference(s, t, temp, beta):
+    """float64 per-row JSD b*KL(P||M) + (1-b)*KL(Q||M), M = b*P + (1-b)*Q (P the teacher, Q the student at
+    temperature T), and its gradient in z = s / T: (1-b) q_j (log(q_j/m_j) - S), S = sum_k q_k log(q_k/m_k)."""
+    lq, lp = _log_softmax(s.astype(np.float64) / temp), _log_softmax(t.astype(np.float64) / temp)
+    q, p = np.exp(lq), np.exp(lp)
+    lm = np.log(beta * p + (1 - beta) * q)
+    rows = beta * (p * (lp - lm)).sum(1) + (1 - beta) * (q * (lq - lm)).sum(1)
+    big_s = (q * (lq - lm)).sum(1, keepdims=True)
+    dz = (1 - beta) * q * ((lq - lm) - big_s)
+    return rows, dz, (1 - beta) * big_s[:, 0]
+
+
+@pytest.mark.parametrize("widths,pad", [([53], 3), ([20, 33], 0), ([29, 24], 5), ([1, 25, 27], 4)])
+@pytest.mark.parametrize("beta", [0.3, 0.5, 0.85])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_jsd_shards_match_the_whole_vocabulary(widths, pad, beta, reduction):
+    """JSD's two exchanges: kd_combine gives only the rows' statistics (A NaN), the terms' records give the
+    loss and A; loss and each shard's dstudent against kd_loss of the whole rows and a float64 reference."""
+    n, v, temp = 7, 53, 1.7
+    s = (rng.standard_normal((n, v)) * 2).astype(np.float32)
+    t = (rng.standard_normal((n, v)) * 2).astype(np.float32)
+    s[4] = t[4]  # identical distributions: exactly 0
+    tg = rng.integers(0, v, n)
+    tg[2] = -100
+    opts = dict(divergence="jsd", beta=beta, temperature=temp, scale_by_t2=True, reduction=reduction)
+    pkw = dict(divergence="jsd", beta=beta, temperature=temp)
+    shards = _shards(s, t, widths, pad)
+    assert fusedce.kd_needs_terms("jsd", beta)
+    records = np.stack([fusedce.kd_partial(a, b, vocab_start=st, vocab_total=v, **pkw) for st, a, b in shards])
+    loss, stats = fusedce.kd_combine(records, vocab_total=v, targets=tg, **opts)
+    assert loss is None and stats.shape == (n, fusedce.ops.KD_ROW_STATS_FIELDS)
+    assert np.isnan(stats[:, 4]).all() and np.isfinite(stats[:, :4]).all()
+    terms = []
+    for st, a, b in shards:
+        out = np.full((n, fusedce.ops.KD_TERMS_RECORD_FIELDS), np.nan, np.float32)  # poisoned: fully written
+        assert fusedce.kd_terms_partial(a, b, stats, vocab_start=st, vocab_total=v, records=out, **pkw) is out
+        assert np.isfinite(out).all()
+        terms.append(out)
+    terms = np.stack(terms)
+    assert terms.shape == (len(shards), n, fusedce.ops.KD_TERMS_RECORD_FIELDS)
+    kept = stats[:, :4].copy()
+    loss, stats2 = fusedce.kd_terms_combine(terms, stats, vocab_total=v, targets=tg, **opts)
+    assert stats2 is stats and np.array_equal(stats[:, :4], kept)
+    g = np.linspace(0.5, 1.5, n).astype(np.float32) if reduction == "none" else np.float32(1.3)
+    whole = fusedce.kd_loss(s, t, targets=tg, dstudent=True, grad_loss=g, **opts)
+    np.testing.assert_allclose(np.asarray(loss, np.float64), np.asarray(whole.loss, np.float64), rtol=2e-5,
+                               atol=2e-6)
+    rows, dz, big_a = _jsd_reference(s, t, temp, beta)
+    np.testing.assert_allclose(stats[:, 4], big_a, rtol=2e-5, atol=2e-6)
+    keep = tg != -100
+    rows = np.where(keep, rows * temp * temp, 0.0)
+    count = np.count_nonzero(keep)
+    want = rows if reduction == "none" else rows.sum() / (count if reduction == "mean" else 1)
+    np.testing.assert_allclose(np.asarray(loss, np.float64), want, rtol=2e-5, atol=2e-6)
+    if reduction == "none":
+        assert loss[4] == 0 and loss[2] == 0
+    # d loss / d s = dz / T * T^2 (scale_by_t2) * upstream (/ count for the mean), 0 at masked rows
+    up = g.astype(np.float64)[:, None] if reduction == "none" else float(g) / (count if reduction == "mean" else 1)
+    dwant = np.where(keep[:, None], dz * temp * up, 0.0)
+    for st, a, b in shards:
+        out = np.full(a.shape, np.nan, np.float32)  # poisoned: padding columns must come back 0
+        d = fusedce.kd_bwd(a, b, stats, vocab_start=st, vocab_total=v, targets=tg, grad_loss=g, dstudent=out,
+                           **opts)
+        assert d is out
+        w = min(a.shape[1], v - st)
+        np.testing.assert_allclose(d[:, :w], whole.dstudent[:, st:st + w], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(d[:, :w], dwant[:, st:st + w], rtol=2e-4, atol=1e-6)
+        assert (d[:, w:] == 0).all()
+
+
+@pytest.mark.parametrize("divergence,beta,like", [("jsd", 0.0, "forward_kl"), ("jsd", 1.0, "reverse_kl"),
+                                                  ("forward_kl", 0.5, "forward_kl"),
+                                                  ("reverse_kl", 0.5, "reverse_kl")])
+def test_kl_takes_one_exchange_and_the_terms_agree(divergence, beta, like):
+    """KL (and JSD at beta 0 or 1, exactly KL): kd_combine gives the loss at once; the second exchange gives the
+    same loss and A another way."""
+    n, v, temp = 5, 41, 0.9
+    s = (rng.standard_normal((n, v)) * 2).astype(np.float32)
+    t = (rng.standard_normal((n, v)) * 2).astype(np.float32)
+    opts = dict(divergence=divergence, beta=beta, temperature=temp, reduction="none")
+    pkw = dict(divergence=divergence, beta=beta, temperature=temp)
+    shards = _shards(s, t, [17, 24], 2)
+    assert not fusedce.kd_needs_terms(divergence, beta)
+    rec = np.stack([fusedce.kd_partial(a, b, vocab_start=st, vocab_total=v, **pkw) for st, a, b in shards])
+    loss, stats = fusedce.kd_combine(rec, vocab_total=v, **opts)
+    want = fusedce.kd_loss(s, t, divergence=like, temperature=temp, reduction="none").loss
+    np.testing.assert_allclose(loss, want, rtol=2e-5, atol=2e-6)
+    a_first = stats[:, 4].copy()
+    terms = np.stack([fusedce.kd_terms_partial(a, b, stats, vocab_start=st, vocab_total=v, **pkw)
+                      for st, a, b in shards])
+    loss2, _ = fusedce.kd_terms_combine(terms, stats, vocab_total=v, **opts)
+    np.testing.assert_allclose(loss2, want, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(stats[:, 4], a_first, rtol=2e-5, atol=2e-6)
+
+
+def test_kd_needs_terms_reads_beta_as_fp32():
+    assert fusedce.kd_needs_terms("jsd", 0.5) and fusedce.kd_needs_terms(fusedce.ops._DIVERGENCES["jsd"], 0.5)
+    assert not fusedce.kd_needs_terms("jsd", 1e-50)  # 0 in fp32: forward KL
+    assert not fusedce.kd_needs_terms("jsd", 1 - 1e-10)  # 1 in fp32: reverse KL
+    assert not fusedce.kd_needs_terms("forward_kl", 0.5) and not fusedce.kd_needs_terms("reverse_kl", 0.5)
     x = np.zeros((2, 4), np.float32)
-    with pytest.raises(NotImplementedError, match="JSD"):
-        fusedce.kd_partial(x, x, vocab_start=0, vocab_total=8, divergence="jsd")
+    rec = fusedce.kd_partial(x, x, vocab_start=0, vocab_total=4, divergence="jsd", beta=1e-50)[None]
+    loss, _ = fusedce.kd_combine(rec, vocab_total=4, divergence="jsd", beta=1e-50)
+    assert loss == 0
+
+
+def test_bad_calls_raise():
+    x = np.zeros((2, 4), np.float32)
     with pytest.raises(fusedce.InvalidArgumentError, match="vocab_total"):
         fusedce.kd_partial(x, x, vocab_start=0, vocab_total=0)
+    with pytest.raises(fusedce.InvalidArgumentError, match="beta"):
+        fusedce.kd_partial(x, x, vocab_start=0, vocab_total=8, divergence="jsd", beta=1.5)
+    rec = fusedce.kd_partial(x, x, vocab_start=0, vocab_total=8, divergence="jsd")[None]
+    with pytest.raises(fusedce.InvalidArgumentError, match="row_stats"):
+        fusedce.kd_combine(rec, vocab_total=8, divergence="jsd", row_stats=False)
+    loss, stats = fusedce.kd_combine(rec, vocab_total=8, divergence="jsd")
+    terms = fusedce.kd_terms_partial(x, x, stats, vocab_start=0, vocab_total=8, divergence="jsd")[None]
+    with pytest.raises(fusedce.InvalidArgumentError, match="row_stats"):
+        fusedce.kd_terms_combine(terms, None, vocab_total=8, divergence="jsd")
+    with pytest.raises(fusedce.ShapeMismatchError):
+        fusedce.kd_terms_combine(rec, stats, vocab_total=8, divergence="jsd")  # [W, N, 5], not [W, N, 2]
+    with pytest.raises(fusedce.ShapeMismatchError):
+        fusedce.kd_terms_partial(x, x, stats[:, :4].copy(), vocab_start=0, vocab_total=8, divergence="jsd")
+    # the C contract: a loss in JSD's first combine is refused (the binding passes none)
+    from fusedce._tensor import Call
+    c = Call(rec)
+    o = fusedce.ops._kd_options(c, "jsd", 0.5, 1.0, False, "full_vocab", "mean", -100, 0, 8)
+    loss_a, stats_a = np.zeros((), np.float32), np.zeros((2, 5), np.float32)
+    with pytest.raises(fusedce.InvalidArgumentError, match="loss"):
+        c.run("fce_kd_combine", c.dl(rec), fusedce.ffi.NULL, o, c.dl(loss_a, True), c.dl(stats_a, True))
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_vocab_parallel_jsd_one_process(pad, reduction):
+    """vocab_parallel_kd_loss with JSD without a process group (one shard, padded): the loss and the student's
+    gradient through autograd against kd_loss and torch's float64 JSD."""
+    torch = pytest.importorskip("torch")
+    import fusedce.torch as ft
+    n, v, temp, beta = 6, 37, 1.3, 0.35
+    g = torch.Generator().manual_seed(4)
+    s = torch.randn(2, n // 2, v, generator=g) * 2
+    t = torch.randn(2, n // 2, v, generator=g) * 2
+    tg = torch.randint(0, v, (2, n // 2), generator=g)
+    tg[1, 0] = -100
+    sp = torch.cat([s, torch.full((2, n // 2, pad), float("nan"))], -1).requires_grad_()
+    tp = torch.cat([t, torch.full((2, n // 2, pad), float("nan"))], -1)
+    loss = ft.vocab_parallel_kd_loss(sp, tp, tg, divergence="jsd", beta=beta, temperature=temp, scale_by_t2=True,
+                                     reduction=reduction, vocab_start=0, vocab_total=v)
+    up = torch.rand(loss.shape, generator=g)
+    (loss * up).sum().backward()
+    whole = ft.kd_loss(s, t, tg, divergence="jsd", beta=beta, temperature=temp, scale_by_t2=True, reduction=reduction)
+    torch.testing.assert_close(loss.detach(), whole, rtol=2e-5, atol=2e-6)
+    x64 = s.double().requires_grad_()
+    lq, lp = torch.log_softmax(x64 / temp, -1), torch.log_softmax(t.double() / temp, -1)
+    lm = torch.logaddexp(lp + np.log(beta), lq + np.log(1 - beta))
+    rows = (beta * (lp.exp() * (lp - lm)).sum(-1) + (1 - beta) * (lq.exp() * (lq - lm)).sum(-1)) * temp ** 2
+    keep = tg != -100
+    rows = torch.where(keep, rows, torch.zeros((), dtype=torch.float64))
+    ref = rows if reduction == "none" else rows.sum() / keep.sum()
+    (ref * up.double()).sum().backward()
+    assert float((loss.detach().double() - ref.detach()).abs().max()) < 2e-5
+    assert float((sp.grad[..., :v].double() - x64.grad).abs().max()) < 1e-5
+    assert (sp.grad[..., v:] == 0).all()

@@ -96,6 +96,8 @@ def test_bad_shards_raise():
 
 
 def _rank(rank, world, port, shape, widths, results):
+    import math
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -153,6 +155,21 @@ def _rank(rank, world, port, shape, widths, results):
         want_grad = x64.grad[..., starts[rank]:starts[rank] + widths[rank]]
         results.put((rank, "kd", float((kd.double() - ref.detach()).abs()), float((mine.grad.double() - want_grad).abs().max()),
                      kd.detach().numpy().tobytes()))
+        # JSD (beta 0.3, T = 1.5, per-row losses): two all-gathers (records, then the terms' records)
+        mine.grad = None
+        jsd = ft.vocab_parallel_kd_loss(mine, tmine, t, divergence="jsd", beta=0.3, temperature=1.5,
+                                        scale_by_t2=True, reduction="none", **kw)
+        up = torch.rand(jsd.shape, generator=torch.Generator().manual_seed(6))
+        (jsd * up).sum().backward()
+        x64 = x.double().requires_grad_()
+        lq, lpt = torch.log_softmax(x64 / 1.5, -1), torch.log_softmax(teacher.double() / 1.5, -1)
+        lm = torch.logaddexp(lpt + math.log(0.3), lq + math.log(0.7))
+        rows = (0.3 * (lpt.exp() * (lpt - lm)).sum(-1) + 0.7 * (lq.exp() * (lq - lm)).sum(-1)) * 1.5 ** 2
+        ref = torch.where(t != -100, rows, torch.zeros((), dtype=torch.float64))
+        (ref * up.double()).sum().backward()
+        want_grad = x64.grad[..., starts[rank]:starts[rank] + widths[rank]]
+        results.put((rank, "kd_jsd", float((jsd.detach().double() - ref.detach()).abs().max()),
+                     float((mine.grad.double() - want_grad).abs().max()), jsd.detach().numpy().tobytes()))
         # linear cross-entropy: the LM head split by rows; dhidden summed over the ranks
         hid = torch.randn(s, b, 16, generator=g).requires_grad_()
         head = torch.randn(v, 16, generator=g) * 0.5
@@ -196,9 +213,10 @@ def _rank(rank, world, port, shape, widths, results):
 @pytest.mark.parametrize("widths", [[20, 20], [13, 27], [13, 20, 7]])
 def test_torch_distributed_ranks(widths):
     """Two or three processes (gloo, CPU), Megatron's [S, B, V/W] layout: the loss of the whole rows (and the
-    log-probabilities and entropies, a KD divergence, linear cross-entropy with the LM head split by rows, and
-    logsumexp and softmax with their gradients), the same bits on every rank (linear cross-entropy's dhidden
-    too: a rank-order sum), and each rank's gradient its part of PyTorch's float64 gradient."""
+    log-probabilities and entropies, KD divergences (reverse KL, and JSD with its two all-gathers), linear
+    cross-entropy with the LM head split by rows, and logsumexp and softmax with their gradients), the same bits
+    on every rank (linear cross-entropy's dhidden too: a rank-order sum), and each rank's gradient its part of
+    PyTorch's float64 gradient."""
     torch = pytest.importorskip("torch")
     import socket
 
@@ -213,14 +231,15 @@ def test_torch_distributed_ranks(widths):
              for r in range(world)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=120) for _ in range(6 * world)]
+    got = [results.get(timeout=120) for _ in range(7 * world)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     by = {}
     for rank, red, loss_err, grad_err, bits in got:
         assert loss_err < 2e-5, (rank, red, loss_err)
-        assert grad_err < (1e-5 if red in ("logprobs_entropy", "kd", "linear", "lse_softmax") else 2e-6), (rank, red, grad_err)
+        loose = red in ("logprobs_entropy", "kd", "kd_jsd", "linear", "lse_softmax")
+        assert grad_err < (1e-5 if loose else 2e-6), (rank, red, grad_err)
         by.setdefault(red, set()).add(bits)
     assert all(len(b) == 1 for b in by.values()), "the ranks' losses differ"
     del torch

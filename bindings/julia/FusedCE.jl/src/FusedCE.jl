@@ -18,7 +18,9 @@ Layout convention (Julia is column-major, the library row-major): **a C tensor `
 | CE records `[W, N, K]`| `K×N×W` Float32 array, shards in rank order (`cross_entropy_combine`) |
 | KD records `[N, 5]`   | `5×N` Float32 matrix (one shard's, `kd_partial`) |
 | KD records `[W, N, 5]`| `5×N×W` Float32 array, shards in rank order (`kd_combine`) |
-| KD row statistics `[N, 5]` | `5×N` Float32 matrix (`kd_combine` → `kd_bwd`) |
+| KD row statistics `[N, 5]` | `5×N` Float32 matrix (`kd_combine` → `kd_bwd`; JSD: `kd_combine` → `kd_terms_partial`, `kd_terms_combine` → `kd_bwd`) |
+| KD terms' records `[N, 2]` | `2×N` Float32 matrix (one shard's, `kd_terms_partial`) |
+| KD terms' records `[W, N, 2]` | `2×N×W` Float32 array, shards in rank order (`kd_terms_combine`) |
 | LSE records `[N, 2]`  | `2×N` Float32 matrix (one shard's, `logsumexp_partial`) |
 | LSE records `[W, N, 2]`| `2×N×W` Float32 array, shards in rank order (`logsumexp_combine`) |
 
@@ -46,7 +48,7 @@ const L = LibFusedCE
 export Handle, FusedCEError, default_handle, library_path, version, abi_version, build_info,
        cross_entropy, cross_entropy_fwd, cross_entropy_bwd, cross_entropy_record_fields, cross_entropy_partial,
        cross_entropy_combine, logsumexp, logsumexp_partial, logsumexp_combine, temp_softmax,
-       kd_loss, kd_loss_topk, kd_partial, kd_combine, kd_bwd,
+       kd_loss, kd_loss_topk, kd_partial, kd_combine, kd_bwd, kd_terms_partial, kd_terms_combine,
        linear_cross_entropy, linear_cross_entropy_fwd, linear_cross_entropy_bwd, linear_cross_entropy_partial
 
 # ------------------------------------------------------------------------------------------------
@@ -817,7 +819,7 @@ weight `beta` in [0, 1]). `temperature` must lie in [1e-4, 100] (`LibFusedCE.FCE
 `ignore_index` are masked; `:mean` is batchmean over unmasked columns. `dstudent = true` (or an array) also
 returns the gradient. Returns `(loss, dstudent)`. `vocab_start`/`vocab_total` must stay 0 here (the library
 refuses a shard, `FusedCEError` INVALID_ARGUMENT): a shard's divergence comes from `kd_partial`,
-`kd_combine` and `kd_bwd`.
+`kd_combine` and `kd_bwd` (for `:jsd` also `kd_terms_partial` and `kd_terms_combine`).
 """
 function kd_loss(student::AbstractMatrix, teacher::AbstractMatrix;
                  targets::Union{Nothing,AbstractVector{<:Integer}} = nothing, divergence::Symbol = _def_divergence(),
@@ -879,14 +881,16 @@ over the shard's real columns: `m_P = max z_P`, `Σ exp(z_P - m_P)`, `m_Q`, `Σ 
   library and has no Julia method here).
 - `vocab_start` (required): the 0-based offset of the shard, the number of vocabulary rows before it (so
   `0 ≤ vocab_start < vocab_total`); `vocab_total` (required): V of the whole vocabulary.
-- `divergence`: `:forward_kl` or `:reverse_kl` (`:jsd` is NOT_IMPLEMENTED, its mixture needs a second
-  exchange, except at `beta` 0 or 1 where it is exactly forward or reverse KL); `temperature` in [1e-4, 100]
-  as for `kd_loss`. Use the same options on every shard and in `kd_combine` and `kd_bwd` (the partial
-  reads `divergence`, `beta` and `temperature`; the others are validated only).
+- `divergence`: `:forward_kl`, `:reverse_kl` or `:jsd` (`:jsd` with `0 < beta < 1` writes the
+  forward-KL record, P the teacher, and takes a second exchange after `kd_combine`: `kd_terms_partial`
+  and `kd_terms_combine`; at `beta` 0 or 1 it is exactly forward or reverse KL and takes their steps);
+  `temperature` in [1e-4, 100] as for `kd_loss`. Use the same options on every shard and in `kd_combine`,
+  `kd_terms_partial`, `kd_terms_combine` and `kd_bwd` (the partial reads `divergence`, `beta` and
+  `temperature`; the others are validated only).
 
 Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`,
-options out of domain), NOT_IMPLEMENTED (`:jsd`), SHAPE_MISMATCH (teacher's or records' size),
-UNSUPPORTED_DTYPE, UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
+options out of domain), SHAPE_MISMATCH (teacher's or records' size), UNSUPPORTED_DTYPE, UNSUPPORTED_LAYOUT,
+DEVICE_MISMATCH.
 """
 function kd_partial(student::AbstractMatrix, teacher::AbstractMatrix; vocab_start::Integer, vocab_total::Integer,
                     divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
@@ -906,7 +910,7 @@ end
 
 """
     kd_combine(records; vocab_total, targets=nothing, divergence=:forward_kl, beta=0.5, temperature=1,
-               scale_by_t2=false, reduction=:mean, ignore_index=-100, row_stats=true,
+               scale_by_t2=false, reduction=:mean, ignore_index=-100, loss=true, row_stats=true,
                handle=default_handle())
 
 Step 3 of vocabulary-parallel knowledge distillation (`fce_kd_combine`; the header's "Vocabulary-parallel
@@ -924,33 +928,131 @@ records are merged in rank order in Float64: `KL(P‖Q) = X / D_P - log D_P + lo
   to write into: per column `M_student`, `log D_student`, `M_teacher`, `log D_teacher` (the row's
   log-probabilities are `(z - M) - log D`) and `A` of the gradient `∂L/∂z_j = a_j - q_j A` (`:forward_kl`:
   -1; `:reverse_kl`: KL + 1), for `kd_bwd`.
+- `loss`: `true` (computed) or `false` (the C `loss = NULL`; only for `:jsd` with `0 < beta < 1`, refused
+  for KL). `:jsd` with `0 < beta < 1` needs `loss = false` and `row_stats`: its mixture
+  `M = beta*P_teacher + (1-beta)*P_student` needs the rows' normalizers before any term can be formed, so
+  this step gives only the rows' statistics (`A` NaN), and the loss and `A` come from the second exchange,
+  `kd_terms_partial` then `kd_terms_combine`.
 
 Returns `(loss, row_stats)`: `loss` a Float32 for `:sum`/`:mean`, a length-N vector for `:none` (nats,
-times `temperature^2` with `scale_by_t2`); `row_stats` `nothing` when not asked for. The loss agrees with
-`kd_loss` of the whole rows within the Float32 rounding of the records' sums; masked columns, all-masked
-means, NaN and +Inf losses and identical distributions (exactly 0) as `kd_loss` gives them. Errors:
-`FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, options out of domain), NOT_IMPLEMENTED (`:jsd`),
-SHAPE_MISMATCH (records not `5×N×W`, targets' or row_stats' size), UNSUPPORTED_LAYOUT (records not
-contiguous), UNSUPPORTED_DTYPE, DEVICE_MISMATCH.
+times `temperature^2` with `scale_by_t2`), `nothing` with `loss = false`; `row_stats` `nothing` when not
+asked for. The loss agrees with `kd_loss` of the whole rows within the Float32 rounding of the records'
+sums; masked columns, all-masked means, NaN and +Inf losses and identical distributions (exactly 0) as
+`kd_loss` gives them. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, options out of domain;
+`loss = false` for KL; `:jsd` with `0 < beta < 1` and `loss = true` or `row_stats = false`), SHAPE_MISMATCH (records not
+`5×N×W`, targets' or row_stats' size), UNSUPPORTED_LAYOUT (records not contiguous), UNSUPPORTED_DTYPE,
+DEVICE_MISMATCH; nothing is written on an error.
 """
 function kd_combine(records::AbstractArray{<:Any,3}; vocab_total::Integer,
                     targets::Union{Nothing,AbstractVector{<:Integer}} = nothing,
                     divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
                     temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
                     reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
-                    row_stats = true, handle::Handle = default_handle())
+                    loss::Bool = true, row_stats = true, handle::Handle = default_handle())
     N = size(records, 2)
-    loss_a = _loss_buffer(reduction, N)
+    loss_a = _out(loss, () -> _loss_buffer(reduction, N))
     rs_a = _out(row_stats, () -> Matrix{Float32}(undef, L.FCE_KD_ROW_STATS_FIELDS, N))
     trec, ttg, tloss, trs = Tensor(records), _tensor(targets === nothing ? nothing : _indices0(targets)),
-                            Tensor(loss_a), _tensor(rs_a)
+                            _tensor(loss_a), _tensor(rs_a)
     GC.@preserve trec ttg tloss trs begin
         opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
                            vocab_start = 0, vocab_total = vocab_total)
         _check(L.fce_kd_combine(_ptr(handle), C_NULL, _ptr(trec), _ptr(ttg), opts, _ptr(tloss), _ptr(trs), C_NULL, 0),
                :fce_kd_combine)
     end
-    return (loss = _scalar_or_vec(loss_a), row_stats = rs_a)
+    return (loss = loss_a === nothing ? nothing : _scalar_or_vec(loss_a), row_stats = rs_a)
+end
+
+"""
+    kd_terms_partial(student_shard, teacher_shard, row_stats; vocab_start, vocab_total, divergence=:forward_kl,
+                     beta=0.5, temperature=1, scale_by_t2=false, reduction=:mean, ignore_index=-100,
+                     records=Matrix{Float32}(undef, 2, N), handle=default_handle())
+
+Step 3a of vocabulary-parallel knowledge distillation (`fce_kd_terms_partial`, since 0.2.0; the header's
+"Vocabulary-parallel knowledge distillation" has the math): JSD's second exchange, which works for every
+divergence (for KL it gives `kd_combine`'s loss a second way). From the rows' statistics of `kd_combine`
+(fields 1-4 read: the row's log-probabilities are `(z - M) - log D`, `z = logits / temperature`), the
+shard's sums over its real columns of the element terms of `kd_loss`: a `K×N` Float32 matrix (the C
+`[N, K]`, `K = LibFusedCE.FCE_KD_TERMS_RECORD_FIELDS` = 2), written into `records` if given (contiguous)
+and returned, per column `Σ_j L_j` and `Σ_j a_j` (unscaled: no `temperature^2`, no mean), Float32 from a
+Float64 sum on the CPU, `+Inf` where a term is, NaN where a logit or a statistic is. With `p` the teacher's
+and `q` the student's probabilities and `m = beta*p + (1-beta)*q`:
+- `:jsd` (`0 < beta < 1`): `L_j = beta p_j log(p_j/m_j) + (1-beta) q_j log(q_j/m_j)`,
+  `a_j = (1-beta) q_j log(q_j/m_j)`;
+- `:forward_kl`: `L_j = p_j log(p_j/q_j)`, `a_j = -p_j`;
+- `:reverse_kl`: `L_j = q_j log(q_j/p_j)`, `a_j = q_j log(q_j/p_j) + q_j`
+(a term of zero weight adds 0), so that `∂L/∂z_j = a_j - q_j A` with `A = Σ_j a_j` of the whole row.
+
+- `student_shard`, `teacher_shard`, `vocab_start`, `vocab_total` and the options: those of this shard's
+  `kd_partial` call (`V_local×N`; padding rows past `vocab_total` are ignored).
+- `row_stats`: `5×N` Float32 from `kd_combine` (for `:jsd` its `loss = false` call), the same on every rank.
+
+Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`,
+options out of domain), SHAPE_MISMATCH (teacher's, row_stats' or records' size), UNSUPPORTED_DTYPE,
+UNSUPPORTED_LAYOUT, DEVICE_MISMATCH; nothing is written on an error.
+"""
+function kd_terms_partial(student::AbstractMatrix, teacher::AbstractMatrix, row_stats::AbstractMatrix;
+                          vocab_start::Integer, vocab_total::Integer,
+                          divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
+                          temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                          reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
+                          records::Union{Nothing,AbstractMatrix} = nothing, handle::Handle = default_handle())
+    rec_a = records === nothing ? Matrix{Float32}(undef, L.FCE_KD_TERMS_RECORD_FIELDS, size(student, 2)) : records
+    ts, tt, trs, trec = Tensor(student), Tensor(teacher), Tensor(row_stats), Tensor(rec_a)
+    GC.@preserve ts tt trs trec begin
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
+                           vocab_start = vocab_start, vocab_total = vocab_total)
+        _check(L.fce_kd_terms_partial(_ptr(handle), C_NULL, _ptr(ts), _full_teacher(tt), _ptr(trs), opts, _ptr(trec)),
+               :fce_kd_terms_partial)
+    end
+    return rec_a
+end
+
+"""
+    kd_terms_combine(records, row_stats; vocab_total, targets=nothing, divergence=:forward_kl, beta=0.5,
+                     temperature=1, scale_by_t2=false, reduction=:mean, ignore_index=-100, handle=default_handle())
+
+Step 3c of vocabulary-parallel knowledge distillation (`fce_kd_terms_combine`, since 0.2.0): the loss of the
+whole rows from every shard's `kd_terms_partial` records, added in rank order in Float64, and the rows' `A`
+written into `row_stats` for `kd_bwd`. Per row `loss = Σ L_j` (times `temperature^2` with `scale_by_t2`),
+`A = Σ a_j` (for KL the `A` of `kd_combine`: -1, or KL + 1). For `:jsd` (`M = beta*P + (1-beta)*Q`, P the
+teacher's and Q the student's softmax of `z = logits / temperature`):
+`loss = beta KL(P‖M) + (1-beta) KL(Q‖M)`, and `kd_bwd` then forms
+`∂loss/∂z_j = (1-beta) q_j (log(q_j/m_j) - Σ_k q_k log(q_k/m_k))` (divided by `temperature` for the
+logits, and scaled by the reduction).
+
+- `records`: `2×N×W` Float32, contiguous (the C `[W, N, FCE_KD_TERMS_RECORD_FIELDS]`): the W shards'
+  `kd_terms_partial` results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)`.
+- `row_stats`: the `5×N` Float32 matrix of `kd_combine` (the one given to `kd_terms_partial`), updated in
+  place: field 5 (`A`) written, fields 1-4 kept. Required: `nothing` is refused by the library
+  (INVALID_ARGUMENT).
+- `targets`, `vocab_total` and the other options: those of `kd_combine` (columns whose target equals
+  `ignore_index` are masked: loss 0; `:mean` is batchmean over the unmasked columns).
+
+Returns `(loss, row_stats)`: `loss` a Float32 for `:sum`/`:mean`, a length-N vector for `:none` (nats),
+what `kd_loss` of the whole rows returns within the Float32 rounding of the records' sums (masked
+columns, all-masked means, NaN and +Inf losses and identical distributions, exactly 0, as `kd_loss` gives
+them); `row_stats` the argument. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, options out of
+domain, `row_stats` `nothing`), SHAPE_MISMATCH (records not `2×N×W`, targets' or row_stats' size),
+UNSUPPORTED_LAYOUT (records not contiguous), UNSUPPORTED_DTYPE, DEVICE_MISMATCH; nothing is written on an
+error.
+"""
+function kd_terms_combine(records::AbstractArray{<:Any,3}, row_stats::Union{Nothing,AbstractMatrix};
+                          vocab_total::Integer, targets::Union{Nothing,AbstractVector{<:Integer}} = nothing,
+                          divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
+                          temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                          reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
+                          handle::Handle = default_handle())
+    loss_a = _loss_buffer(reduction, size(records, 2))
+    trec, ttg, tloss, trs = Tensor(records), _tensor(targets === nothing ? nothing : _indices0(targets)),
+                            Tensor(loss_a), _tensor(row_stats)
+    GC.@preserve trec ttg tloss trs begin
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
+                           vocab_start = 0, vocab_total = vocab_total)
+        _check(L.fce_kd_terms_combine(_ptr(handle), C_NULL, _ptr(trec), _ptr(ttg), opts, _ptr(tloss), _ptr(trs),
+                                      C_NULL, 0), :fce_kd_terms_combine)
+    end
+    return (loss = _scalar_or_vec(loss_a), row_stats = row_stats)
 end
 
 """
@@ -959,7 +1061,8 @@ end
            ignore_index=-100, grad_loss=nothing, dstudent=similar(student_shard), handle=default_handle())
 
 Step 4 of vocabulary-parallel knowledge distillation (`fce_kd_bwd`): the shard's columns of
-d(loss)/d(student logits) times `grad_loss`, from `kd_combine`'s `row_stats` (`5×N` Float32), formed in
+d(loss)/d(student logits) times `grad_loss`, from `kd_combine`'s `row_stats` (`5×N` Float32; for `:jsd`
+with `0 < beta < 1` after `kd_terms_combine` has written their `A`), formed in
 Float32 and rounded once to the student's element type: per element `(a_j - q_j A) / temperature` (times
 `temperature^2` with `scale_by_t2`, divided by the unmasked columns for `:mean`), with the log-probabilities
 `(z - M) - log D` of the row statistics and `a_j` the element terms of `kd_loss` (the header's
@@ -974,7 +1077,7 @@ Float32 and rounded once to the student's element type: per element `(a_j - q_j 
 
 Agrees with `kd_loss(...; dstudent = true)` of the whole rows within the Float32 rounding of the records'
 sums. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`,
-options out of domain), NOT_IMPLEMENTED (`:jsd`), SHAPE_MISMATCH (teacher's, targets', row_stats',
+options out of domain), SHAPE_MISMATCH (teacher's, targets', row_stats',
 grad_loss' or dstudent's size), UNSUPPORTED_DTYPE (dstudent not the student's type), UNSUPPORTED_LAYOUT,
 DEVICE_MISMATCH.
 """

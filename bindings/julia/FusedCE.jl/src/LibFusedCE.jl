@@ -25,6 +25,7 @@ const FCE_KD_TEMPERATURE_MIN = 1.0f-4
 const FCE_KD_TEMPERATURE_MAX = 100.0f0
 const FCE_KD_RECORD_FIELDS = 5
 const FCE_KD_ROW_STATS_FIELDS = 5
+const FCE_KD_TERMS_RECORD_FIELDS = 2
 const FCE_LINEAR_CE_ACCUMULATE = 1
 
 # ---- types and functions, in header order ----
@@ -1011,11 +1012,12 @@ end
 The records of a vocabulary shard of student and teacher.
 @param student [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total).
 @param teacher full logits [N,V] (any float dtype); a top-K teacher is NOT_IMPLEMENTED.
-@param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); divergence forward or
-               reverse KL; temperature as for fce_kd_loss; the same options on every rank and call.
+@param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); any divergence (JSD:
+               the forward-KL record, P the teacher); temperature as for fce_kd_loss; the same options on
+               every rank and call.
 @param records [N, FCE_KD_RECORD_FIELDS] fp32, written.
 @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (no shard in the options, options out of domain);
-        NOT_IMPLEMENTED (JSD, top-K teacher); SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
+        NOT_IMPLEMENTED (top-K teacher); SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
         DEVICE_MISMATCH; CUDA_ERROR.
 """
 function fce_kd_partial(handle, stream, student, teacher, options, records)
@@ -1028,9 +1030,12 @@ The divergence of whole rows from every shard's records.
 @param targets   optional [N] int32/int64: rows whose target is options->ignore_index are masked (loss 0).
 @param options   the partial calls' options (vocab_total required; vocab_start is not read).
 @param loss      fp32: [N] with reduction NONE (0 at masked rows), else a scalar (MEAN: batchmean over
-                 the unmasked rows); nats, times T^2 with scale_by_t2.
-@param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: the rows' statistics for fce_kd_bwd.
-@return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+                 the unmasked rows); nats, times T^2 with scale_by_t2. JSD (0 < beta < 1): must be NULL
+                 (the loss comes from fce_kd_terms_combine).
+@param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: the rows' statistics for fce_kd_bwd (JSD:
+                 required, and for fce_kd_terms_partial; its A is NaN until fce_kd_terms_combine).
+@return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a JSD loss or a JSD call
+        without row_stats), CUDA_ERROR.
 """
 function fce_kd_combine(handle, stream, records, targets, options, loss, row_stats, workspace, workspace_bytes)
     @ccall $(_fptr_fce_kd_combine[])(handle::fce_handle_t, stream::fce_stream_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, loss::Ptr{DLTensor}, row_stats::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
@@ -1041,6 +1046,42 @@ Workspace bytes fce_kd_combine needs for these arguments (same validation).
 """
 function fce_kd_combine_workspace_size(handle, records, targets, options, loss, row_stats, bytes)
     @ccall $(_fptr_fce_kd_combine_workspace_size[])(handle::fce_handle_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, loss::Ptr{DLTensor}, row_stats::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+"""
+JSD's second exchange (any divergence works): a shard's sums of the element terms, from the rows'
+statistics (see "Vocabulary-parallel knowledge distillation" above; since 0.2.0).
+@param student   [N,V] the shard's columns, as given to fce_kd_partial.
+@param teacher   full logits [N,V], as given to fce_kd_partial.
+@param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine (fields 0-3 read).
+@param options   the partial call's options.
+@param records   [N, FCE_KD_TERMS_RECORD_FIELDS] fp32, written: 0 sum_j L_j, 1 sum_j a_j over the shard's
+                 real columns (+inf where a term is, NaN where a logit or a statistic is).
+@return FCE_STATUS_SUCCESS; INVALID_ARGUMENT; NOT_IMPLEMENTED (top-K teacher); SHAPE_MISMATCH;
+        UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; CUDA_ERROR.
+"""
+function fce_kd_terms_partial(handle, stream, student, teacher, row_stats, options, records)
+    @ccall $(_fptr_fce_kd_terms_partial[])(handle::fce_handle_t, stream::fce_stream_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, row_stats::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, records::Ptr{DLTensor})::fce_status_t
+end
+
+"""
+The loss of whole rows from every shard's terms' records, and the rows' A (since 0.2.0).
+@param records   [W,N,FCE_KD_TERMS_RECORD_FIELDS] fp32, contiguous: every rank's in rank order.
+@param targets   optional [N] int32/int64, as for fce_kd_combine (masked rows: loss 0).
+@param options   the partial calls' options.
+@param loss      fp32: [N] with reduction NONE, else a scalar, as fce_kd_combine's; nats.
+@param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine: field 4 (A) written, the rest kept.
+@return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT when row_stats is NULL), CUDA_ERROR.
+"""
+function fce_kd_terms_combine(handle, stream, records, targets, options, loss, row_stats, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_kd_terms_combine[])(handle::fce_handle_t, stream::fce_stream_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, loss::Ptr{DLTensor}, row_stats::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_kd_terms_combine needs for these arguments (same validation).
+"""
+function fce_kd_terms_combine_workspace_size(handle, records, targets, options, loss, row_stats, bytes)
+    @ccall $(_fptr_fce_kd_terms_combine_workspace_size[])(handle::fce_handle_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, loss::Ptr{DLTensor}, row_stats::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
 end
 
 """
@@ -1404,6 +1445,9 @@ const _fptr_fce_kd_loss_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_partial = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_combine = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_combine_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_terms_partial = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_terms_combine = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_terms_combine_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_bwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_bwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_ce_outputs_init = Ref{Ptr{Cvoid}}(C_NULL)
@@ -1467,6 +1511,9 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_kd_partial[] = Libdl.dlsym(lib, :fce_kd_partial)
     _fptr_fce_kd_combine[] = Libdl.dlsym(lib, :fce_kd_combine)
     _fptr_fce_kd_combine_workspace_size[] = Libdl.dlsym(lib, :fce_kd_combine_workspace_size)
+    _fptr_fce_kd_terms_partial[] = Libdl.dlsym(lib, :fce_kd_terms_partial)
+    _fptr_fce_kd_terms_combine[] = Libdl.dlsym(lib, :fce_kd_terms_combine)
+    _fptr_fce_kd_terms_combine_workspace_size[] = Libdl.dlsym(lib, :fce_kd_terms_combine_workspace_size)
     _fptr_fce_kd_bwd[] = Libdl.dlsym(lib, :fce_kd_bwd)
     _fptr_fce_kd_bwd_workspace_size[] = Libdl.dlsym(lib, :fce_kd_bwd_workspace_size)
     _fptr_fce_linear_ce_outputs_init[] = Libdl.dlsym(lib, :fce_linear_ce_outputs_init)
@@ -1527,6 +1574,9 @@ const FUNCTIONS = (
     :fce_kd_partial,
     :fce_kd_combine,
     :fce_kd_combine_workspace_size,
+    :fce_kd_terms_partial,
+    :fce_kd_terms_combine,
+    :fce_kd_terms_combine_workspace_size,
     :fce_kd_bwd,
     :fce_kd_bwd_workspace_size,
     :fce_linear_ce_outputs_init,

@@ -726,15 +726,69 @@ end
         ep = exp.(zp .- mp)
         return [mp, sum(ep), mq, sum(exp.(zq .- mq)), sum(ep .* ((zp .- mp) .- (zq .- mq)))]
     end
+    KT = L.FCE_KD_TERMS_RECORD_FIELDS
+    @test KT == 2
+    # JSD strictly between forward and reverse KL: two exchanges
+    mixture(kw) = get(kw, :divergence, :forward_kl) === :jsd && 0 < get(kw, :beta, 0.5) < 1
+    # a shard's terms' record in Float64 (header: sum L_j, sum a_j over its columns), from the whole rows'
+    # log-probabilities lp (teacher) and lq (student) at the shard's columns
+    function kd_terms64(lp, lq, divergence, beta)
+        p, q = exp.(lp), exp.(lq)
+        a = divergence === :forward_kl ? -p :
+            divergence === :reverse_kl ? q .* (lq .- lp) .+ q :
+            (1 - beta) .* q .* (lq .- log.(beta .* p .+ (1 - beta) .* q))
+        return [kd_row_terms(lp, lq, divergence, beta), sum(a)]
+    end
+    # JSD's A and d(loss)/d(student logits) in Float64: with z = logits / T, M = b*P + (1-b)*Q (P the teacher),
+    # S = sum_k q_k log(q_k / m_k), A = (1-b) S and d/dz_j = (1-b) q_j (log(q_j / m_j) - S); divided by T for
+    # the logits, times T^2 with scale_by_t2, 1/(unmasked columns) for :mean, grad_loss; 0 at masked columns
+    function jsd_grad64(X, Y; beta, temperature = 1.0, scale_by_t2 = false, reduction = :mean, targets = nothing,
+                        ignore_index = -100, grad_loss = 1.0, kw...)
+        V, N = size(X)
+        masked = [targets !== nothing && targets[n] == ignore_index for n in 1:N]
+        scale = (scale_by_t2 ? temperature^2 : 1.0) / temperature /
+                (reduction === :mean ? max(count(!, masked), 1) : 1)
+        A, G = zeros(N), zeros(V, N)
+        for n in 1:N
+            lq = logsoftmax64(Float64.(X[:, n]) ./ temperature)
+            lp = logsoftmax64(Float64.(Y[:, n]) ./ temperature)
+            q = exp.(lq)
+            lqm = lq .- log.(beta .* exp.(lp) .+ (1 - beta) .* q)   # log(q_j / m_j)
+            s = sum(q .* lqm)
+            A[n] = (1 - beta) * s
+            g = grad_loss isa AbstractVector ? Float64(grad_loss[n]) : Float64(grad_loss)
+            masked[n] || (G[:, n] = (1 - beta) .* q .* (lqm .- s) .* (scale * g))
+        end
+        return (A = A, dstudent = G)
+    end
+    # the reference checked against central differences of kd_ref once
+    let kwj = (beta = 0.3, temperature = 1.5, scale_by_t2 = true, reduction = :mean, targets = tk)
+        G = fd_grad(X -> kd_ref(X, Tk; divergence = :jsd, kwj...), Float64.(Sk))
+        @test approx(jsd_grad64(Sk, Tk; kwj...).dstudent, G; atol = 1e-7, rtol = 1e-6)
+    end
+    # steps 3 to 3c of whole rows: kd_combine, then for JSD the terms' exchange; (loss, row_stats)
+    function kd_vp_combine(stacked, ss, ts, starts; targets = nothing, kw...)
+        mixture(kw) || return FusedCE.kd_combine(stacked; vocab_total = Vk, targets = targets, kw...)
+        c = FusedCE.kd_combine(stacked; vocab_total = Vk, targets = targets, kw..., loss = false)
+        trecs = [FusedCE.kd_terms_partial(ss[r], ts[r], c.row_stats; vocab_start = starts[r], vocab_total = Vk, kw...)
+                 for r in eachindex(ss)]
+        return FusedCE.kd_terms_combine(cat(trecs...; dims = 3), c.row_stats; vocab_total = Vk, targets = targets,
+                                        kw...)
+    end
     for (name, shards) in layouts, kw in ((divergence = :forward_kl, reduction = :none),
                                           (divergence = :forward_kl, reduction = :mean),
                                           (divergence = :reverse_kl, reduction = :none),
                                           (divergence = :reverse_kl, reduction = :mean),
                                           (divergence = :forward_kl, reduction = :mean, temperature = 2.0,
                                            scale_by_t2 = true),
-                                          (divergence = :reverse_kl, reduction = :none, temperature = 0.7))
+                                          (divergence = :reverse_kl, reduction = :none, temperature = 0.7),
+                                          (divergence = :jsd, beta = 0.5, reduction = :none),
+                                          (divergence = :jsd, beta = 0.2, reduction = :mean, temperature = 2.0,
+                                           scale_by_t2 = true),
+                                          (divergence = :jsd, beta = 0.7, reduction = :sum, temperature = 0.7))
         T = Float64(get(kw, :temperature, 1.0))
-        rev = kw.divergence === :reverse_kl
+        rev = kw.divergence === :reverse_kl            # JSD's record is forward KL's (P the teacher)
+        jsd = mixture(kw)
         starts = [first(rows) - 1 for (rows, _) in shards]     # vocab_start: 0-based offset of each shard
         ss = [pad(Sk, rows, p) for (rows, p) in shards]
         ts = [pad(Tk, rows, p) for (rows, p) in shards]
@@ -753,26 +807,51 @@ end
             g = kw.reduction === :none ? rand(Float32, Nk) .+ 0.5f0 : 1.7f0
             ref = FusedCE.kd_loss(Sk, Tk; targets = targets, dstudent = true, grad_loss = g, kw...)
             @test maximum(abs, ref.dstudent) > 1e-3   # far above the gradient's atol
-            # step 3: the whole rows' loss and statistics (poisoned buffer)
-            c = FusedCE.kd_combine(stacked; vocab_total = Vk, targets = targets, kw..., row_stats = fill(NaN32, KS, Nk))
+            # step 3: the whole rows' loss and statistics (poisoned buffer); JSD: the statistics only, A NaN
+            c = FusedCE.kd_combine(stacked; vocab_total = Vk, targets = targets, kw..., loss = !jsd,
+                                   row_stats = fill(NaN32, KS, Nk))
             @test size(c.row_stats) == (KS, Nk) && eltype(c.row_stats) == Float32
-            @test all(isapprox.(c.loss, ref.loss; rtol = 2e-5, atol = 0))
-            @test approx(c.loss, kd_ref(Sk, Tk; targets = targets, kw...))     # the Float64 reference too
+            jsd && @test c.loss === nothing && all(isnan, c.row_stats[5, :])
+            # step 3a: each shard's terms' records (poisoned buffer), against Float64
+            trecs = [FusedCE.kd_terms_partial(ss[r], ts[r], c.row_stats; vocab_start = starts[r], vocab_total = Vk,
+                                              kw..., records = fill(NaN32, KT, Nk)) for r in eachindex(shards)]
+            @test all(r -> size(r) == (KT, Nk) && eltype(r) == Float32, trecs)
+            for (r, (rows, _)) in enumerate(shards), n in 1:Nk
+                lq = logsoftmax64(Float64.(Sk[:, n]) ./ T)[rows]
+                lp = logsoftmax64(Float64.(Tk[:, n]) ./ T)[rows]
+                @test approx(trecs[r][:, n], kd_terms64(lp, lq, kw.divergence, get(kw, :beta, 0.5)))
+            end
+            # steps 3b-3c: the loss and A into a copy of the statistics, fields 1-4 kept; for KL the loss
+            # and A of step 3 a second way
+            st = copy(c.row_stats)
+            tc = FusedCE.kd_terms_combine(cat(trecs...; dims = 3), st; vocab_total = Vk, targets = targets, kw...)
+            @test tc.row_stats === st && st[1:4, :] == c.row_stats[1:4, :]
+            if !jsd
+                @test approx(tc.loss, c.loss; rtol = 2e-5, atol = 1e-6)
+                @test approx(st[5, :], c.row_stats[5, :]; rtol = 2e-5, atol = 1e-6)
+            end
+            loss, stats = jsd ? (tc.loss, st) : (c.loss, c.row_stats)
+            @test all(isapprox.(loss, ref.loss; rtol = 2e-5, atol = 0))
+            @test approx(loss, kd_ref(Sk, Tk; targets = targets, kw...))     # the Float64 reference too
             unmasked = targets === nothing ? (1:Nk) : [1, 2, 4, 5, 6, 7]
-            kw.reduction === :none && @test c.loss isa Vector{Float32} && all(>(0), c.loss[unmasked])
-            kw.reduction === :mean && @test c.loss isa Float32
-            targets === nothing || kw.reduction !== :none || @test c.loss[3] == 0
-            # row statistics: M + log D is each distribution's lse of z = logits / T; A = -1 (forward KL) or
-            # the row's KL + 1 (reverse KL; unscaled, every row)
-            @test approx(c.row_stats[1, :] .+ c.row_stats[2, :], lse_cols(Sk, T))
-            @test approx(c.row_stats[3, :] .+ c.row_stats[4, :], lse_cols(Tk, T))
-            @test approx(c.row_stats[5, :], rev ? kd_ref(Sk, Tk; divergence = :reverse_kl, temperature = T,
-                                                         reduction = :none) .+ 1 : fill(-1.0, Nk))
-            # step 4: each shard's dstudent (poisoned buffer): its rows of the unsharded gradient, 0 in the padding
+            kw.reduction === :none && @test loss isa Vector{Float32} && all(>(0), loss[unmasked])
+            kw.reduction === :none || @test loss isa Float32
+            targets === nothing || kw.reduction !== :none || @test loss[3] == 0
+            # row statistics: M + log D is each distribution's lse of z = logits / T; A = -1 (forward KL),
+            # the row's KL + 1 (reverse KL) or (1 - beta) sum_k q_k log(q_k / m_k) (JSD; unscaled, every row)
+            @test approx(stats[1, :] .+ stats[2, :], lse_cols(Sk, T))
+            @test approx(stats[3, :] .+ stats[4, :], lse_cols(Tk, T))
+            @test approx(stats[5, :], jsd ? jsd_grad64(Sk, Tk; kw...).A :
+                                      rev ? kd_ref(Sk, Tk; divergence = :reverse_kl, temperature = T,
+                                                   reduction = :none) .+ 1 : fill(-1.0, Nk))
+            ref64 = jsd ? jsd_grad64(Sk, Tk; targets = targets, grad_loss = g, kw...).dstudent : nothing
+            # step 4: each shard's dstudent (poisoned buffer): its rows of the unsharded gradient (JSD: and of
+            # the Float64 one), 0 in the padding
             for (r, (rows, p)) in enumerate(shards)
-                d = FusedCE.kd_bwd(ss[r], ts[r], c.row_stats; vocab_start = starts[r], vocab_total = Vk,
+                d = FusedCE.kd_bwd(ss[r], ts[r], stats; vocab_start = starts[r], vocab_total = Vk,
                                    targets = targets, grad_loss = g, kw..., dstudent = fill(NaN32, size(ss[r])))
                 @test all(isapprox.(d[1:length(rows), :], ref.dstudent[rows, :]; rtol = 1e-4, atol = 1e-6))
+                jsd && @test approx(d[1:length(rows), :], ref64[rows, :]; rtol = 1e-4, atol = 1e-6)
                 @test all(d[length(rows)+1:end, :] .== 0)
                 p > 0 && @test size(d, 1) == length(rows) + p
                 targets === nothing || @test all(d[:, 3] .== 0)
@@ -780,9 +859,13 @@ end
         end
         # grad_loss defaults to 1; the gradient in place, into the student's memory; row_stats not asked for
         ref1 = FusedCE.kd_loss(Sk, Tk; dstudent = true, kw...)
-        c1 = FusedCE.kd_combine(stacked; vocab_total = Vk, kw...)
-        c0 = FusedCE.kd_combine(stacked; vocab_total = Vk, kw..., row_stats = false)
-        @test c0.row_stats === nothing && c0.loss == c1.loss
+        c1 = kd_vp_combine(stacked, ss, ts, starts; kw...)
+        if !jsd
+            c0 = FusedCE.kd_combine(stacked; vocab_total = Vk, kw..., row_stats = false)
+            @test c0.row_stats === nothing && c0.loss == c1.loss
+            # KL's combine needs its loss (only JSD's leaves it to the terms)
+            @test_throws FusedCEError FusedCE.kd_combine(stacked; vocab_total = Vk, kw..., loss = false)
+        end
         r = length(shards)
         rows = shards[r][1]
         d1 = FusedCE.kd_bwd(ss[r], ts[r], c1.row_stats; vocab_start = starts[r], vocab_total = Vk, kw...)
@@ -825,19 +908,105 @@ end
     recs = cat(FusedCE.kd_partial(s1, t1; vocab_start = 0, vocab_total = Vk),
                FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk); dims = 3)
     st = FusedCE.kd_combine(recs; vocab_total = Vk).row_stats
-    # JSD needs a second exchange: NOT_IMPLEMENTED in every step; at beta 0 or 1 it is exactly forward or
-    # reverse KL (the same records)
-    @test kd_status(() -> FusedCE.kd_partial(s1, t1; vocab_start = 0, vocab_total = Vk, divergence = :jsd),
-                    :fce_kd_partial) == "NOT_IMPLEMENTED"
-    @test kd_status(() -> FusedCE.kd_combine(recs; vocab_total = Vk, divergence = :jsd, beta = 0.3),
-                    :fce_kd_combine) == "NOT_IMPLEMENTED"
-    @test kd_status(() -> FusedCE.kd_bwd(s1, t1, st; vocab_start = 0, vocab_total = Vk, divergence = :jsd),
-                    :fce_kd_bwd) == "NOT_IMPLEMENTED"
+    # JSD's record is forward KL's (P the teacher); at beta 0 or 1 JSD is exactly forward or reverse KL (the
+    # same records, a loss in the first combine)
+    @test FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, divergence = :jsd, beta = 0.3) ==
+          recs[:, :, 2]
+    @test FusedCE.kd_combine(recs; vocab_total = Vk, divergence = :jsd, beta = 0).loss ==
+          FusedCE.kd_combine(recs; vocab_total = Vk).loss
     @test FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, divergence = :jsd, beta = 0) ==
           recs[:, :, 2]
     @test FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, divergence = :jsd, beta = 1) ==
           FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, divergence = :reverse_kl)
     @test recs[:, :, 2] != FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, divergence = :reverse_kl)
+    # JSD's first combine gives the statistics only: a loss, or no row_stats, is refused (nothing written)
+    jkw = (divergence = :jsd, beta = 0.3)
+    poison = fill(7.0f0, KS, Nk)
+    @test kd_status(() -> FusedCE.kd_combine(recs; vocab_total = Vk, jkw..., row_stats = poison),
+                    :fce_kd_combine) == "INVALID_ARGUMENT"
+    @test all(==(7.0f0), poison)
+    @test kd_status(() -> FusedCE.kd_combine(recs; vocab_total = Vk, jkw..., loss = false, row_stats = false),
+                    :fce_kd_combine) == "INVALID_ARGUMENT"
+    cj = FusedCE.kd_combine(recs; vocab_total = Vk, jkw..., loss = false)
+    trj = cat(FusedCE.kd_terms_partial(s1, t1, cj.row_stats; vocab_start = 0, vocab_total = Vk, jkw...),
+              FusedCE.kd_terms_partial(s2, t2, cj.row_stats; vocab_start = 20, vocab_total = Vk, jkw...); dims = 3)
+    # the terms' combine: row_stats required; nothing written on failure (A stays NaN)
+    @test kd_status(() -> FusedCE.kd_terms_combine(trj, nothing; vocab_total = Vk, jkw...),
+                    :fce_kd_terms_combine) == "INVALID_ARGUMENT"
+    stj = copy(cj.row_stats)
+    @test kd_status(() -> FusedCE.kd_terms_combine(trj, stj; vocab_total = 0, jkw...), :fce_kd_terms_combine) ==
+          "INVALID_ARGUMENT"
+    @test kd_status(() -> FusedCE.kd_terms_combine(trj, stj; vocab_total = Vk, jkw..., targets = tk[1:end-1]),
+                    :fce_kd_terms_combine) == "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_terms_combine(trj[1:KT-1, :, :], stj; vocab_total = Vk, jkw...),
+                    :fce_kd_terms_combine) == "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_terms_combine(recs, stj; vocab_total = Vk, jkw...),   # step 1's records
+                    :fce_kd_terms_combine) == "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_terms_combine(trj, stj[1:KS-1, :]; vocab_total = Vk, jkw...),
+                    :fce_kd_terms_combine) == "SHAPE_MISMATCH"
+    tpad = zeros(Float32, KT + 1, Nk, 2)
+    tpad[1:KT, :, :] .= trj
+    @test kd_status(() -> FusedCE.kd_terms_combine(view(tpad, 1:KT, :, :), stj; vocab_total = Vk, jkw...),
+                    :fce_kd_terms_combine) == "UNSUPPORTED_LAYOUT"
+    @test isequal(stj, cj.row_stats) && all(isnan, stj[5, :])
+    @test FusedCE.kd_terms_combine(trj, stj; vocab_total = Vk, jkw...).loss ≈
+          FusedCE.kd_loss(Sk, Tk; jkw...).loss rtol = 2e-5
+    @test all(isfinite, stj)
+    # the terms' partial: validation, nothing written
+    tpoison = fill(7.0f0, KT, Nk)
+    tpart(; kw...) = FusedCE.kd_terms_partial(s1, t1, cj.row_stats; vocab_start = 0, vocab_total = Vk, jkw...,
+                                              records = tpoison, kw...)
+    @test kd_status(() -> tpart(vocab_total = 0), :fce_kd_terms_partial) == "INVALID_ARGUMENT"
+    @test kd_status(() -> tpart(vocab_start = Vk), :fce_kd_terms_partial) == "INVALID_ARGUMENT"
+    @test kd_status(() -> tpart(temperature = 0), :fce_kd_terms_partial) == "INVALID_ARGUMENT"
+    @test kd_status(() -> FusedCE.kd_terms_partial(s1, t2, cj.row_stats; vocab_start = 0, vocab_total = Vk, jkw...,
+                                                   records = tpoison), :fce_kd_terms_partial) == "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_terms_partial(s1, t1, cj.row_stats[1:KS-1, :]; vocab_start = 0,
+                                                   vocab_total = Vk, jkw..., records = tpoison),
+                    :fce_kd_terms_partial) == "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_terms_partial(s1, t1, cj.row_stats[:, 1:end-1]; vocab_start = 0,
+                                                   vocab_total = Vk, jkw..., records = tpoison),
+                    :fce_kd_terms_partial) == "SHAPE_MISMATCH"
+    @test all(==(7.0f0), tpoison)
+    @test kd_status(() -> tpart(records = zeros(Float32, KT + 1, Nk)), :fce_kd_terms_partial) == "SHAPE_MISMATCH"
+    @test kd_status(() -> tpart(records = zeros(Float16, KT, Nk)), :fce_kd_terms_partial) == "UNSUPPORTED_DTYPE"
+    @test_throws UndefKeywordError FusedCE.kd_terms_partial(s1, t1, cj.row_stats; vocab_total = Vk)
+    @test_throws UndefKeywordError FusedCE.kd_terms_combine(trj, stj)
+    # raw calls: a top-K teacher over shards stays NOT_IMPLEMENTED (no Julia method takes one), nothing
+    # written; the terms' combine's workspace query, and a caller's workspace of that size
+    h = FusedCE.default_handle()
+    ids, lps = rand(Int64(0):Int64(Vk - 1), 4, Nk), randn(Float32, 4, Nk)
+    rpoison, lw, stw = fill(7.0f0, KR, Nk), fill(NaN32, Nk), copy(cj.row_stats)
+    ts1, tid, tlp, trs, trr, ttr, ttrj, tlw, tstw =
+        FusedCE.Tensor(s1), FusedCE.Tensor(ids), FusedCE.Tensor(lps), FusedCE.Tensor(cj.row_stats),
+        FusedCE.Tensor(rpoison), FusedCE.Tensor(tpoison), FusedCE.Tensor(trj), FusedCE.Tensor(lw), FusedCE.Tensor(stw)
+    GC.@preserve ts1 tid tlp trs trr ttr ttrj tlw tstw begin
+        topk = FusedCE._cstruct(L.fce_kd_teacher_t; topk_ids = FusedCE._ptr(tid), topk_logprobs = FusedCE._ptr(tlp))
+        for div in (:forward_kl, :jsd)
+            opts = FusedCE._kd_options(div, 0.3, 1, false, :full_vocab, :none, -100; vocab_start = 0, vocab_total = Vk)
+            @test L.fce_kd_partial(h.ptr, C_NULL, FusedCE._ptr(ts1), topk, opts, FusedCE._ptr(trr)) ==
+                  L.FCE_STATUS_NOT_IMPLEMENTED
+            @test L.fce_kd_terms_partial(h.ptr, C_NULL, FusedCE._ptr(ts1), topk, FusedCE._ptr(trs), opts,
+                                         FusedCE._ptr(ttr)) == L.FCE_STATUS_NOT_IMPLEMENTED
+        end
+        opts = FusedCE._kd_options(:jsd, 0.3, 1, false, :full_vocab, :none, -100; vocab_start = 0, vocab_total = Vk)
+        bytes = Ref{Csize_t}(typemax(Csize_t))
+        @test L.fce_kd_terms_combine_workspace_size(h.ptr, FusedCE._ptr(ttrj), C_NULL, opts, FusedCE._ptr(tlw),
+                                                    FusedCE._ptr(tstw), bytes) == L.FCE_STATUS_SUCCESS
+        @test bytes[] != typemax(Csize_t)
+        nobytes = Ref{Csize_t}(7)
+        @test L.fce_kd_terms_combine_workspace_size(h.ptr, FusedCE._ptr(ttrj), C_NULL, opts, FusedCE._ptr(tlw),
+                                                    C_NULL, nobytes) == L.FCE_STATUS_INVALID_ARGUMENT
+        @test nobytes[] == 7
+        ws = Vector{UInt8}(undef, max(bytes[], 1))
+        GC.@preserve ws begin
+            @test L.fce_kd_terms_combine(h.ptr, C_NULL, FusedCE._ptr(ttrj), C_NULL, opts, FusedCE._ptr(tlw),
+                                         FusedCE._ptr(tstw), pointer(ws), bytes[]) == L.FCE_STATUS_SUCCESS
+        end
+    end
+    @test all(==(7.0f0), rpoison) && all(==(7.0f0), tpoison)
+    @test lw == FusedCE.kd_terms_combine(trj, copy(cj.row_stats); vocab_total = Vk, jkw..., reduction = :none).loss
+    @test stw == stj
     # no shard in the options, or a vocab_start outside [0, vocab_total)
     @test kd_status(() -> FusedCE.kd_partial(s1, t1; vocab_start = 0, vocab_total = 0), :fce_kd_partial) ==
           "INVALID_ARGUMENT"

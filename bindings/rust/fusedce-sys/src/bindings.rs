@@ -15,6 +15,7 @@ pub const FCE_KD_TEMPERATURE_MIN: f64 = 0.0001;
 pub const FCE_KD_TEMPERATURE_MAX: f64 = 100.0;
 pub const FCE_KD_RECORD_FIELDS: u32 = 5;
 pub const FCE_KD_ROW_STATS_FIELDS: u32 = 5;
+pub const FCE_KD_TERMS_RECORD_FIELDS: u32 = 2;
 pub const FCE_LINEAR_CE_ACCUMULATE: u32 = 1;
 pub const kDLCPU: DLDeviceType = 1;
 pub const kDLCUDA: DLDeviceType = 2;
@@ -2367,11 +2368,12 @@ extern "C" {
     #[doc = " The records of a vocabulary shard of student and teacher."]
     #[doc = " @param student [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total)."]
     #[doc = " @param teacher full logits [N,V] (any float dtype); a top-K teacher is NOT_IMPLEMENTED."]
-    #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); divergence forward or"]
-    #[doc = "                reverse KL; temperature as for fce_kd_loss; the same options on every rank and call."]
+    #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); any divergence (JSD:"]
+    #[doc = "                the forward-KL record, P the teacher); temperature as for fce_kd_loss; the same options on"]
+    #[doc = "                every rank and call."]
     #[doc = " @param records [N, FCE_KD_RECORD_FIELDS] fp32, written."]
     #[doc = " @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (no shard in the options, options out of domain);"]
-    #[doc = "         NOT_IMPLEMENTED (JSD, top-K teacher); SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;"]
+    #[doc = "         NOT_IMPLEMENTED (top-K teacher); SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;"]
     #[doc = "         DEVICE_MISMATCH; CUDA_ERROR."]
     pub fn fce_kd_partial(
         handle: fce_handle_t,
@@ -2388,9 +2390,12 @@ extern "C" {
     #[doc = " @param targets   optional [N] int32/int64: rows whose target is options->ignore_index are masked (loss 0)."]
     #[doc = " @param options   the partial calls' options (vocab_total required; vocab_start is not read)."]
     #[doc = " @param loss      fp32: [N] with reduction NONE (0 at masked rows), else a scalar (MEAN: batchmean over"]
-    #[doc = "                  the unmasked rows); nats, times T^2 with scale_by_t2."]
-    #[doc = " @param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: the rows' statistics for fce_kd_bwd."]
-    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR."]
+    #[doc = "                  the unmasked rows); nats, times T^2 with scale_by_t2. JSD (0 < beta < 1): must be NULL"]
+    #[doc = "                  (the loss comes from fce_kd_terms_combine)."]
+    #[doc = " @param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: the rows' statistics for fce_kd_bwd (JSD:"]
+    #[doc = "                  required, and for fce_kd_terms_partial; its A is NaN until fce_kd_terms_combine)."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a JSD loss or a JSD call"]
+    #[doc = "         without row_stats), CUDA_ERROR."]
     pub fn fce_kd_combine(
         handle: fce_handle_t,
         stream: fce_stream_t,
@@ -2406,6 +2411,59 @@ extern "C" {
 extern "C" {
     #[doc = " Workspace bytes fce_kd_combine needs for these arguments (same validation)."]
     pub fn fce_kd_combine_workspace_size(
+        handle: fce_handle_t,
+        records: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_kd_options_t,
+        loss: *const DLTensor,
+        row_stats: *const DLTensor,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " JSD's second exchange (any divergence works): a shard's sums of the element terms, from the rows'"]
+    #[doc = " statistics (see \"Vocabulary-parallel knowledge distillation\" above; since 0.2.0)."]
+    #[doc = " @param student   [N,V] the shard's columns, as given to fce_kd_partial."]
+    #[doc = " @param teacher   full logits [N,V], as given to fce_kd_partial."]
+    #[doc = " @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine (fields 0-3 read)."]
+    #[doc = " @param options   the partial call's options."]
+    #[doc = " @param records   [N, FCE_KD_TERMS_RECORD_FIELDS] fp32, written: 0 sum_j L_j, 1 sum_j a_j over the shard's"]
+    #[doc = "                  real columns (+inf where a term is, NaN where a logit or a statistic is)."]
+    #[doc = " @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT; NOT_IMPLEMENTED (top-K teacher); SHAPE_MISMATCH;"]
+    #[doc = "         UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; CUDA_ERROR."]
+    pub fn fce_kd_terms_partial(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        student: *const DLTensor,
+        teacher: *const fce_kd_teacher_t,
+        row_stats: *const DLTensor,
+        options: *const fce_kd_options_t,
+        records: *mut DLTensor,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " The loss of whole rows from every shard's terms' records, and the rows' A (since 0.2.0)."]
+    #[doc = " @param records   [W,N,FCE_KD_TERMS_RECORD_FIELDS] fp32, contiguous: every rank's in rank order."]
+    #[doc = " @param targets   optional [N] int32/int64, as for fce_kd_combine (masked rows: loss 0)."]
+    #[doc = " @param options   the partial calls' options."]
+    #[doc = " @param loss      fp32: [N] with reduction NONE, else a scalar, as fce_kd_combine's; nats."]
+    #[doc = " @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine: field 4 (A) written, the rest kept."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT when row_stats is NULL), CUDA_ERROR."]
+    pub fn fce_kd_terms_combine(
+        handle: fce_handle_t,
+        stream: fce_stream_t,
+        records: *const DLTensor,
+        targets: *const DLTensor,
+        options: *const fce_kd_options_t,
+        loss: *mut DLTensor,
+        row_stats: *mut DLTensor,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_kd_terms_combine needs for these arguments (same validation)."]
+    pub fn fce_kd_terms_combine_workspace_size(
         handle: fce_handle_t,
         records: *const DLTensor,
         targets: *const DLTensor,

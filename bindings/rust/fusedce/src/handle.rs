@@ -66,6 +66,14 @@ enum Call<'q> {
     Query(&'q mut usize),
 }
 
+/// Which combine of vocabulary-parallel distillation: `fce_kd_combine` (the records of
+/// `fce_kd_partial`) or `fce_kd_terms_combine` (those of `fce_kd_terms_partial`).
+#[derive(Clone, Copy)]
+enum KdCombine {
+    Records,
+    Terms,
+}
+
 fn dl(t: &Option<TensorRef<'_>>) -> Option<sys::DLTensor> {
     t.as_ref().map(|t| t.as_dl())
 }
@@ -940,18 +948,30 @@ impl Handle {
     ///    returns) and the rows' statistics `[N, KD_ROW_STATS_FIELDS]` (5), the same bits on every rank;
     /// 4. each rank: [`Handle::kd_bwd`] with those statistics → its shard's dstudent (padding columns 0).
     ///
+    /// That is forward and reverse KL (and JSD at β = 0 or 1, exactly those). JSD with 0 < β < 1 takes a
+    /// second exchange, since its mixture M = β·P_teacher + (1 − β)·P_student needs the rows' normalizers
+    /// before any term can be formed; steps 1, 2 and 4 as above, step 3 becomes:
+    ///
+    /// 3. each rank: [`Handle::kd_combine_row_stats`] (no loss) → the rows' statistics, A (field 4) NaN;
+    ///    * 3a. each rank: [`Handle::kd_terms_partial`] → records `[N, KD_TERMS_RECORD_FIELDS]` (2) of
+    ///      its shard;
+    ///    * 3b. the caller gathers those in rank order into `[W, N, 2]` (a second all-gather);
+    ///    * 3c. each rank: [`Handle::kd_terms_combine`] → the loss, and A written into the statistics.
+    ///
+    /// Steps 3a–3c work for forward and reverse KL too (after [`Handle::kd_combine`], which needs a loss
+    /// for them): they give the KL's loss a second way.
+    ///
     /// * `student`: `[N, V_local]` fp32, bf16 or fp16, V_local >= 1: global columns
     ///   `[options.vocab_start, options.vocab_start + V_local)`; those at or past `options.vocab_total`
     ///   are padding and never read.
     /// * `teacher`: [`Teacher::Logits`] `[N, V_local]` (any float dtype), the same columns; a
     ///   [`Teacher::TopK`] teacher is `NOT_IMPLEMENTED`.
     /// * `options`: [`KdOptions::vocab_start`] and [`KdOptions::vocab_total`] required
-    ///   (0 <= vocab_start < vocab_total); divergence [`Divergence::ForwardKl`] or
-    ///   [`Divergence::ReverseKl`]; temperature as for [`Handle::kd_loss`]; the same options on every rank
-    ///   and call.
+    ///   (0 <= vocab_start < vocab_total); any divergence ([`Divergence::Jsd`]: the forward-KL record, P
+    ///   the teacher); temperature as for [`Handle::kd_loss`]; the same options on every rank and call.
     /// * `records`: `[N, KD_RECORD_FIELDS]` fp32 ([`crate::KD_RECORD_FIELDS`]), written. With z = logits / T,
-    ///   P the divergence's weighting distribution (the teacher for forward KL, the student for reverse
-    ///   KL) and Q the other, a row's record holds, over the shard's real columns: 0 m_P = max z_P,
+    ///   P the divergence's weighting distribution (the teacher for forward KL and JSD, the student for
+    ///   reverse KL) and Q the other, a row's record holds, over the shard's real columns: 0 m_P = max z_P,
     ///   1 Σ exp(z_P − m_P), 2 m_Q, 3 Σ exp(z_Q − m_Q), 4 X = Σ exp(z_P − m_P)·((z_P − m_P) − (z_Q − m_Q)),
     ///   terms of zero probability under P adding 0.
     ///
@@ -960,12 +980,11 @@ impl Handle {
     /// (`docs/numerics.md`).
     ///
     /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total)`,
-    /// options out of domain), `NOT_IMPLEMENTED` (JSD, a top-K teacher), `SHAPE_MISMATCH` (teacher not
-    /// the student's shape, records not `[N, 5]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`,
+    /// options out of domain), `NOT_IMPLEMENTED` (a top-K teacher), `SHAPE_MISMATCH` (teacher not the
+    /// student's shape, records not `[N, 5]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`,
     /// `DEVICE_MISMATCH`, `ALIASING`, `CUDA_ERROR`.
     ///
-    /// [`Divergence::ForwardKl`]: crate::Divergence::ForwardKl
-    /// [`Divergence::ReverseKl`]: crate::Divergence::ReverseKl
+    /// [`Divergence::Jsd`]: crate::Divergence::Jsd
     pub fn kd_partial(
         &self,
         student: &TensorRef<'_>,
@@ -998,23 +1017,25 @@ impl Handle {
     ///   [`KdOptions::vocab_start`] is not read).
     /// * `loss`: fp32, `[N]` with [`Reduction::None`] (0 at masked rows), else a scalar
     ///   ([`Reduction::Mean`]: batchmean over the unmasked rows); nats, times T² with
-    ///   [`KdOptions::scale_by_t2`].
+    ///   [`KdOptions::scale_by_t2`]. [`Divergence::Jsd`] with 0 < β < 1 has no loss here
+    ///   (`INVALID_ARGUMENT`): use [`Handle::kd_combine_row_stats`], then the terms' exchange.
     /// * `row_stats`: optional `[N, KD_ROW_STATS_FIELDS]` fp32 ([`crate::KD_ROW_STATS_FIELDS`]), the
-    ///   rows' statistics for [`Handle::kd_bwd`]: 0 M_student, 1 log D_student, 2 M_teacher,
-    ///   3 log D_teacher (a row's log-probabilities are (z − M) − log D), 4 A = Σ_j a_j of the gradient
-    ///   dL/dz_j = a_j − q_j·A (forward KL: −1; reverse KL: KL + 1).
+    ///   rows' statistics for [`Handle::kd_bwd`] (and [`Handle::kd_terms_partial`]): 0 M_student,
+    ///   1 log D_student, 2 M_teacher, 3 log D_teacher (a row's log-probabilities are (z − M) − log D),
+    ///   4 A = Σ_j a_j of the gradient dL/dz_j = a_j − q_j·A (forward KL: −1; reverse KL: KL + 1).
     ///
     /// Math: KL(P ‖ Q) = X / D_P − log D_P + log D_Q over the merged records (see [`Handle::kd_partial`]);
     /// a column where P > 0 and Q = 0 gives +inf; NaN propagates; a row without a finite logit in either
     /// distribution gives NaN, as [`Handle::kd_loss`] does.
     ///
-    /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain),
-    /// `NOT_IMPLEMENTED` (JSD), `SHAPE_MISMATCH` (records not `[W >= 1, N, 5]`, targets not `[N]`,
-    /// loss or row_stats of the wrong shape), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (records not
-    /// contiguous), `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
+    /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain, JSD with
+    /// 0 < β < 1), `SHAPE_MISMATCH` (records not `[W >= 1, N, 5]`, targets not `[N]`, loss or row_stats
+    /// of the wrong shape), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (records not contiguous),
+    /// `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     ///
     /// [`Reduction::None`]: crate::Reduction::None
     /// [`Reduction::Mean`]: crate::Reduction::Mean
+    /// [`Divergence::Jsd`]: crate::Divergence::Jsd
     pub fn kd_combine(
         &self,
         records: &TensorRef<'_>,
@@ -1023,7 +1044,7 @@ impl Handle {
         loss: &mut TensorMut<'_>,
         row_stats: Option<&mut TensorMut<'_>>,
     ) -> Result<()> {
-        self.kd_combine_impl(records, targets, options, loss, row_stats, Call::Run)
+        self.kd_combine_impl(KdCombine::Records, records, targets, options, Some(loss), row_stats, Call::Run)
     }
 
     /// Workspace bytes [`Handle::kd_combine`] needs for these arguments (same validation; 0 on a CPU
@@ -1037,40 +1058,185 @@ impl Handle {
         row_stats: Option<&mut TensorMut<'_>>,
     ) -> Result<usize> {
         let mut bytes = 0usize;
-        self.kd_combine_impl(records, targets, options, loss, row_stats, Call::Query(&mut bytes))?;
+        let call = Call::Query(&mut bytes);
+        self.kd_combine_impl(KdCombine::Records, records, targets, options, Some(loss), row_stats, call)?;
         Ok(bytes)
     }
 
-    fn kd_combine_impl(
+    /// The rows' statistics alone from the records of every shard (`fce_kd_combine` with loss = NULL):
+    /// step 3 of [`Handle::kd_partial`]'s recipe for [`Divergence::Jsd`] with 0 < β < 1, whose loss
+    /// needs the terms' second exchange ([`Handle::kd_terms_partial`], [`Handle::kd_terms_combine`]).
+    /// The same bits on every rank.
+    ///
+    /// * `records`, `targets`, `options`: as for [`Handle::kd_combine`].
+    /// * `row_stats`: `[N, KD_ROW_STATS_FIELDS]` fp32, written: fields 0–3 as [`Handle::kd_combine`]
+    ///   writes them (0 M_student, 1 log D_student, 2 M_teacher, 3 log D_teacher), field 4 (A) NaN until
+    ///   [`Handle::kd_terms_combine`] writes it.
+    ///
+    /// Forward and reverse KL (and JSD at β = 0 or 1) need a loss here: `INVALID_ARGUMENT`; give them
+    /// [`Handle::kd_combine`].
+    ///
+    /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain, a divergence
+    /// other than JSD with 0 < β < 1), `SHAPE_MISMATCH` (records not `[W >= 1, N, 5]`, targets not
+    /// `[N]`, row_stats not `[N, 5]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`,
+    /// `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
+    ///
+    /// [`Divergence::Jsd`]: crate::Divergence::Jsd
+    pub fn kd_combine_row_stats(
+        &self,
+        records: &TensorRef<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        row_stats: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        self.kd_combine_impl(KdCombine::Records, records, targets, options, None, Some(row_stats), Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::kd_combine_row_stats`] needs for these arguments (same validation; 0 on
+    /// a CPU handle).
+    pub fn kd_combine_row_stats_workspace_size(
+        &self,
+        records: &TensorRef<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        row_stats: &mut TensorMut<'_>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        let call = Call::Query(&mut bytes);
+        self.kd_combine_impl(KdCombine::Records, records, targets, options, None, Some(row_stats), call)?;
+        Ok(bytes)
+    }
+
+    /// A shard's sums of the divergence's element terms, from the rows' statistics
+    /// (`fce_kd_terms_partial`): step 3a of [`Handle::kd_partial`]'s recipe, JSD's second exchange (any
+    /// divergence works: for KL it gives the loss a second way). Since 0.2.0.
+    ///
+    /// * `student` `[N, V_local]` fp32, bf16 or fp16 and `teacher` ([`Teacher::Logits`] `[N, V_local]`,
+    ///   any float dtype; `TopK` is `NOT_IMPLEMENTED`): as given to [`Handle::kd_partial`].
+    /// * `row_stats`: `[N, KD_ROW_STATS_FIELDS]` fp32 from [`Handle::kd_combine_row_stats`] (or
+    ///   [`Handle::kd_combine`]); fields 0–3 are read.
+    /// * `options`: the partial call's options (this shard's [`KdOptions::vocab_start`]).
+    /// * `records`: `[N, KD_TERMS_RECORD_FIELDS]` fp32 ([`crate::KD_TERMS_RECORD_FIELDS`]), written: per
+    ///   row, over the shard's real columns, 0 Σ_j L_j and 1 Σ_j a_j, L_j and a_j the element terms of
+    ///   [`Handle::kd_loss`] (the loss's, not times T², and those of the gradient dL/dz_j = a_j − q_j·A)
+    ///   formed from the row's log-probabilities (z − M) − log D of the statistics; +inf where a term
+    ///   is, NaN where a logit or a statistic is.
+    ///
+    /// Math: with z = logits / T, p the teacher's and q the student's probabilities and
+    /// m = β·p + (1 − β)·q (JSD): L_j = β·p_j·log(p_j / m_j) + (1 − β)·q_j·log(q_j / m_j),
+    /// a_j = (1 − β)·q_j·log(q_j / m_j); forward KL: L_j = p_j·log(p_j / q_j), a_j = −p_j; reverse KL:
+    /// L_j = q_j·log(q_j / p_j), a_j = q_j·(log(q_j / p_j) + 1); terms of zero probability add 0. A
+    /// record is the shard's sum rounded to fp32 (the sum formed in fp64 on the CPU; `docs/numerics.md`).
+    ///
+    /// Errors: `INVALID_ARGUMENT` (options without a shard or out of domain), `NOT_IMPLEMENTED` (a top-K
+    /// teacher), `SHAPE_MISMATCH` (teacher not the student's shape, row_stats not `[N, 5]`, records not
+    /// `[N, 2]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `CUDA_ERROR`.
+    pub fn kd_terms_partial(
+        &self,
+        student: &TensorRef<'_>,
+        teacher: &Teacher<'_>,
+        row_stats: &TensorRef<'_>,
+        options: &KdOptions,
+        records: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        let s = student.as_dl();
+        let tt = RawTeacher::new(teacher);
+        let t = tt.to_raw();
+        let rs = row_stats.as_dl();
+        let o = options.to_raw();
+        let mut r = records.as_dl();
+        // SAFETY: as in ce_fwd.
+        let st = unsafe { sys::fce_kd_terms_partial(self.as_raw(), self.stream, &s, &t, &rs, &o, &mut r) };
+        check(st)
+    }
+
+    /// The loss of whole rows from every shard's terms' records, and the rows' A
+    /// (`fce_kd_terms_combine`): step 3c of [`Handle::kd_partial`]'s recipe. The records are added in rank
+    /// order in fp64, so the result is bitwise reproducible and the same on every rank; the loss is what
+    /// [`Handle::kd_loss`] gives for the unsharded rows (masked rows, all-masked means, NaN and +inf
+    /// losses as it gives them) within the fp32 rounding of the records' sums (`docs/numerics.md`).
+    /// Since 0.2.0.
+    ///
+    /// * `records`: `[W, N, KD_TERMS_RECORD_FIELDS]` fp32, contiguous (e.g. [`TensorRef::new`] with shape
+    ///   `[w, n, 2]`): the records of ranks 0..W from [`Handle::kd_terms_partial`], in rank order.
+    /// * `targets`: optional `[N]` i32 or i64, as for [`Handle::kd_combine`] (masked rows: loss 0).
+    /// * `options`: the partial calls' options.
+    /// * `loss`: fp32, `[N]` with [`Reduction::None`] (0 at masked rows), else a scalar
+    ///   ([`Reduction::Mean`]: batchmean over the unmasked rows), as [`Handle::kd_combine`]'s; nats, times
+    ///   T² with [`KdOptions::scale_by_t2`].
+    /// * `row_stats`: `[N, KD_ROW_STATS_FIELDS]` fp32 from [`Handle::kd_combine_row_stats`] (or
+    ///   [`Handle::kd_combine`]): field 4 (A) written, fields 0–3 kept; then the statistics for
+    ///   [`Handle::kd_bwd`]. Required (the C API's NULL is `INVALID_ARGUMENT`).
+    ///
+    /// Math: loss = Σ_j L_j per row, A = Σ_j a_j (for KL, A as [`Handle::kd_combine`] forms it: −1, or
+    /// KL + 1); JSD's gradient is then dL/dz_j = a_j − q_j·A = (1 − β)·q_j·(log(q_j / m_j) − S),
+    /// S = Σ_k q_k·log(q_k / m_k) (the header's "Vocabulary-parallel knowledge distillation").
+    ///
+    /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain),
+    /// `SHAPE_MISMATCH` (records not `[W >= 1, N, 2]`, targets not `[N]`, loss or row_stats of the wrong
+    /// shape), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (records not contiguous), `DEVICE_MISMATCH`,
+    /// `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
+    ///
+    /// [`Reduction::None`]: crate::Reduction::None
+    /// [`Reduction::Mean`]: crate::Reduction::Mean
+    pub fn kd_terms_combine(
         &self,
         records: &TensorRef<'_>,
         targets: Option<&TensorRef<'_>>,
         options: &KdOptions,
         loss: &mut TensorMut<'_>,
+        row_stats: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        self.kd_combine_impl(KdCombine::Terms, records, targets, options, Some(loss), Some(row_stats), Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::kd_terms_combine`] needs for these arguments (same validation; 0 on a
+    /// CPU handle).
+    pub fn kd_terms_combine_workspace_size(
+        &self,
+        records: &TensorRef<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        loss: &mut TensorMut<'_>,
+        row_stats: &mut TensorMut<'_>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        let call = Call::Query(&mut bytes);
+        self.kd_combine_impl(KdCombine::Terms, records, targets, options, Some(loss), Some(row_stats), call)?;
+        Ok(bytes)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn kd_combine_impl(
+        &self,
+        which: KdCombine,
+        records: &TensorRef<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        loss: Option<&mut TensorMut<'_>>,
         row_stats: Option<&mut TensorMut<'_>>,
         call: Call<'_>,
     ) -> Result<()> {
         let r = records.as_dl();
         let tg = targets.map(|t| t.as_dl());
         let o = options.to_raw();
-        let mut l = loss.as_dl();
+        let mut l = loss.map(|t| t.as_dl());
         let mut rs = row_stats.map(|t| t.as_dl());
+        let (h, ws, wsb) = (self.as_raw(), self.workspace, self.workspace_bytes);
         // SAFETY: as in ce_fwd.
         let st = unsafe {
-            match call {
-                Call::Run => sys::fce_kd_combine(
-                    self.as_raw(),
-                    self.stream,
-                    &r,
-                    cptr(&tg),
-                    &o,
-                    &mut l,
-                    mptr(&mut rs),
-                    self.workspace,
-                    self.workspace_bytes,
-                ),
-                Call::Query(bytes) => {
-                    sys::fce_kd_combine_workspace_size(self.as_raw(), &r, cptr(&tg), &o, &l, cptr(&rs), bytes)
+            match (which, call) {
+                (KdCombine::Records, Call::Run) => {
+                    sys::fce_kd_combine(h, self.stream, &r, cptr(&tg), &o, mptr(&mut l), mptr(&mut rs), ws, wsb)
+                }
+                (KdCombine::Records, Call::Query(bytes)) => {
+                    sys::fce_kd_combine_workspace_size(h, &r, cptr(&tg), &o, cptr(&l), cptr(&rs), bytes)
+                }
+                (KdCombine::Terms, Call::Run) => {
+                    sys::fce_kd_terms_combine(h, self.stream, &r, cptr(&tg), &o, mptr(&mut l), mptr(&mut rs), ws, wsb)
+                }
+                (KdCombine::Terms, Call::Query(bytes)) => {
+                    sys::fce_kd_terms_combine_workspace_size(h, &r, cptr(&tg), &o, cptr(&l), cptr(&rs), bytes)
                 }
             }
         };
@@ -1086,7 +1252,9 @@ impl Handle {
     ///   any float dtype; `TopK` is `NOT_IMPLEMENTED`) as given to [`Handle::kd_partial`].
     /// * `targets`: optional `[N]` i32/i64, as given to [`Handle::kd_combine`] (the mean counts the same
     ///   rows).
-    /// * `row_stats`: `[N, KD_ROW_STATS_FIELDS]` fp32 from [`Handle::kd_combine`].
+    /// * `row_stats`: `[N, KD_ROW_STATS_FIELDS]` fp32 from [`Handle::kd_combine`] (JSD with 0 < β < 1:
+    ///   from [`Handle::kd_combine_row_stats`] then [`Handle::kd_terms_combine`], which writes A; before
+    ///   it, A is NaN and so is the gradient).
     /// * `options`: the partial call's options (this shard's [`KdOptions::vocab_start`] and
     ///   [`KdOptions::vocab_total`]).
     /// * `grad_loss`: optional fp32 upstream gradient: a scalar, or `[N]` with [`Reduction::None`];
@@ -1094,13 +1262,14 @@ impl Handle {
     /// * `dstudent`: `[N, V_local]` in the student's dtype.
     ///
     /// Math: with z = student logits / T and q the student's probabilities, dL/dz_j = a_j − q_j·A, A = Σ_j a_j
-    /// from `row_stats` (forward KL: a_j = −p_teacher,j, A = −1; reverse KL: A = KL + 1; the element
-    /// terms of [`Handle::kd_loss`]), chained through 1/T, times T² with [`KdOptions::scale_by_t2`], the
-    /// reduction's factor and grad_loss.
+    /// from `row_stats` (forward KL: a_j = −p_teacher,j, A = −1; reverse KL: A = KL + 1; JSD with
+    /// m = β·p + (1 − β)·q: a_j = (1 − β)·q_j·log(q_j / m_j); the element terms of [`Handle::kd_loss`]),
+    /// chained through 1/T, times T² with [`KdOptions::scale_by_t2`], the reduction's factor and
+    /// grad_loss.
     ///
-    /// Errors: `INVALID_ARGUMENT` (options without a shard or out of domain), `NOT_IMPLEMENTED` (JSD, a
-    /// top-K teacher), `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE` (also a dstudent not of the student's
-    /// dtype), `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
+    /// Errors: `INVALID_ARGUMENT` (options without a shard or out of domain), `NOT_IMPLEMENTED` (a top-K
+    /// teacher), `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE` (also a dstudent not of the student's dtype),
+    /// `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     ///
     /// [`Reduction::None`]: crate::Reduction::None
     #[allow(clippy::too_many_arguments)]

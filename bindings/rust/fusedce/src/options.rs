@@ -509,9 +509,11 @@ impl<'a> SoftmaxOptions<'a> {
 /// of `vocab_total` (one rank's shard, possibly padded past `vocab_total`), set [`KdOptions::vocab_start`]
 /// and [`KdOptions::vocab_total`] and use [`crate::Handle::kd_partial`], [`crate::Handle::kd_combine`]
 /// and [`crate::Handle::kd_bwd`]; the divergence is then that of the whole rows. Forward and reverse KL
-/// only ([`Divergence::Jsd`] is `NOT_IMPLEMENTED` there: the mixture would need a second exchange), full
-/// teacher logits only. [`crate::Handle::kd_loss`] refuses options with `vocab_total` set
-/// (`INVALID_ARGUMENT`).
+/// take one exchange of records; [`Divergence::Jsd`] (0 < β < 1) takes two, its mixture needing the rows'
+/// normalizers first ([`crate::Handle::kd_combine_row_stats`], [`crate::Handle::kd_terms_partial`],
+/// [`crate::Handle::kd_terms_combine`]; the recipe is in [`crate::Handle::kd_partial`]'s docs). Full
+/// teacher logits only (a top-K teacher is `NOT_IMPLEMENTED` there). [`crate::Handle::kd_loss`] refuses
+/// options with `vocab_total` set (`INVALID_ARGUMENT`).
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct KdOptions {
     /// The divergence; default [`Divergence::ForwardKl`].
@@ -623,8 +625,8 @@ impl KdOptions {
 }
 
 /// The teacher of [`crate::Handle::kd_loss`] and of the vocabulary-parallel calls
-/// ([`crate::Handle::kd_partial`], [`crate::Handle::kd_bwd`]: full logits only, `TopK` is
-/// `NOT_IMPLEMENTED` there) (`fce_kd_teacher_t`).
+/// ([`crate::Handle::kd_partial`], [`crate::Handle::kd_terms_partial`], [`crate::Handle::kd_bwd`]: full
+/// logits only, `TopK` is `NOT_IMPLEMENTED` there) (`fce_kd_teacher_t`).
 #[derive(Copy, Clone, Debug)]
 pub enum Teacher<'a> {
     /// Full teacher logits `[N, V]` fp32, bf16 or fp16 (may differ from the student's dtype).
