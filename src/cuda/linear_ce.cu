@@ -32,15 +32,17 @@ cudaDataType cuda_type(DType t) {
 
 int64_t padded(int64_t V) { return (V + 127) / 128 * 128; }  // 256-byte aligned rows
 
-// Rows per chunk for at most `max_rows` (>= 1): the N rows in equal chunks, a multiple of 128 rows where
-// chunks are long (GEMM tiles), so that no short last chunk pays a whole pass over dweight.
+// Rows per chunk for at most `max_rows` (>= 1): all N in one chunk where they fit, else about equal chunks,
+// a multiple of 128 rows where chunks are long (GEMM tiles), of 512 from 1024 rows (the gradient GEMMs,
+// whose inner dimension is the chunk, ran faster at 1536 rows than at 1664: docs/lab-notes.md).
 int64_t chunk_rows(int64_t N, int64_t max_rows) {
   const int64_t chunks = (N + max_rows - 1) / max_rows;
   if (chunks == 1) return N;
   int64_t C = (N + chunks - 1) / chunks;
   if (C >= 256) {
-    const int64_t up = (C + 127) / 128 * 128;
-    C = up <= max_rows ? up : C / 128 * 128;
+    const int64_t g = C >= 1024 ? 512 : 128;
+    const int64_t up = (C + g - 1) / g * g;
+    C = up <= max_rows ? up : C / g * g;
   }
   return C;
 }
