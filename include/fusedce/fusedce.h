@@ -800,22 +800,25 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
 /* Vocabulary-parallel knowledge distillation ------------------------------------------------------ */
 /*
  * Student and teacher logits split across W ranks by the same columns (options->vocab_start and
- * vocab_total as for cross-entropy; uneven and padded shards allowed), full teacher logits (a top-K teacher
- * is FCE_STATUS_NOT_IMPLEMENTED). Forward and reverse KL take one exchange:
+ * vocab_total as for cross-entropy; uneven and padded shards allowed), with the teacher's logits split the
+ * same way, or a top-K teacher ([N, K] global ids and log-probabilities, the same on every rank). Forward and
+ * reverse KL with teacher logits take one exchange:
  *   1. each rank: fce_kd_partial -> records [N, FCE_KD_RECORD_FIELDS] fp32 of its shard;
  *   2. the caller gathers every rank's records in rank order ([W, N, K], one all-gather);
  *   3. each rank: fce_kd_combine -> the loss of the whole rows (what fce_kd_loss returns) and the rows'
  *      statistics [N, FCE_KD_ROW_STATS_FIELDS] for the gradient, the same bits on every rank;
  *   4. each rank: fce_kd_bwd -> its shard's dstudent.
- * JSD (0 < beta < 1; beta 0 and 1 are exactly forward and reverse KL and take the steps above) takes two:
- * its mixture M = beta*P_t + (1-beta)*P_s needs the rows' normalizers before any term can be formed.
- *   3. each rank: fce_kd_combine with loss = NULL -> the rows' statistics, A (field 4) NaN;
+ * JSD (0 < beta < 1; beta 0 and 1 are exactly forward and reverse KL and take the steps above) and a top-K
+ * teacher take two: JSD's mixture M = beta*P_t + (1-beta)*P_s, and a top-K teacher's terms at its K ids, need
+ * the rows' normalizers before any term can be formed.
+ *   3. each rank: fce_kd_combine with loss = NULL -> the rows' statistics, A (field 4) not yet valid;
  *   3a. each rank: fce_kd_terms_partial -> records [N, FCE_KD_TERMS_RECORD_FIELDS] of its shard: the sums over
- *       its columns of the element terms of the divergence and of a_j (as fce_kd_loss forms them);
- *   3b. the caller gathers those in rank order ([W, N, 2], a second all-gather);
+ *       its columns (a top-K teacher: its ids in the shard) of the element terms of the divergence and of a_j
+ *       (as fce_kd_loss forms them);
+ *   3b. the caller gathers those in rank order ([W, N, 3], a second all-gather);
  *   3c. each rank: fce_kd_terms_combine -> the loss, and A into the rows' statistics;
  *   4. each rank: fce_kd_bwd as above.
- * Steps 3a-3c work for every divergence (for KL they give its loss a second way).
+ * Steps 3a-3c work for every divergence (for KL with teacher logits they give its loss a second way).
  * With z = logits / T, P the divergence's weighting distribution (the teacher for forward KL, the student
  * for reverse KL) and Q the other, a record holds, over the shard's real columns: 0 m_P = max z_P,
  * 1 sum exp(z_P - m_P), 2 m_Q, 3 sum exp(z_Q - m_Q), 4 X = sum exp(z_P - m_P) ((z_P - m_P) - (z_Q - m_Q)),
@@ -825,10 +828,17 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
  * either distribution gives NaN, as fce_kd_loss does). Row statistics: 0 M_student, 1 log D_student,
  * 2 M_teacher, 3 log D_teacher (the row's log-probabilities are (z - M) - log D), 4 A = sum_j a_j of the
  * gradient dL/dz_j = a_j - q_j A (forward KL: -1; reverse KL: KL + 1; the element terms of fce_kd_loss).
- * With the terms (JSD), the terms' records hold 0 sum_j L_j and 1 sum_j a_j over the shard's real columns in
- * fp32 from the shard's sum (fp64 on the CPU), L_j and a_j the element terms of fce_kd_loss from the row's
- * log-probabilities above; the terms' combine adds them in rank order in fp64: loss = sum L_j (times T^2 with
- * scale_by_t2), A = sum a_j (for KL, A as fce_kd_combine forms it: -1, or KL + 1). For JSD,
+ * A top-K teacher's record holds the student's max and sum over the shard's real columns (Q's fields for
+ * forward KL and JSD, P's for reverse KL) and those of the student's columns at the teacher's ids in the
+ * shard (the other pair: FCE_KD_TOPK_RENORMALIZE's normalizer), X NaN; its row statistics 2 and 3 are then
+ * the selected columns' M and log D. The teacher's distribution is softmax_K(topk_logprobs / T) over the used
+ * slots, formed by every rank from its own copy. An id >= vocab_total makes the row NaN; a row without a used
+ * slot is masked (loss 0, not counted by the mean, gradient 0).
+ * The terms' records hold 0 sum L_j and 1 sum a_j over the shard's real columns (a top-K teacher: its slots
+ * whose ids fall in the shard) in fp32 from the shard's sum (fp64 on the CPU), L_j and a_j the element terms
+ * of fce_kd_loss from the row's log-probabilities above, and 2 the number of those slots (-1 with teacher
+ * logits); the terms' combine adds them in rank order in fp64: loss = sum L_j (times T^2 with scale_by_t2),
+ * A = sum a_j (for KL with teacher logits, A as fce_kd_combine forms it: -1, or KL + 1). For JSD,
  * dL/dz_j = (1 - beta) q_j (log(q_j / m_j) - sum_k q_k log(q_k / m_k)).
  * Against fce_kd_loss of the whole rows: masked rows, all-masked means, NaN and +inf losses and identical
  * distributions (exactly 0) as it gives them; the loss and dstudent within the fp32 rounding of the records'
@@ -840,19 +850,20 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
 /** Fields of a row's knowledge-distillation statistics (fce_kd_combine, fce_kd_bwd). */
 #define FCE_KD_ROW_STATS_FIELDS 5
 /** Fields of a record of the divergence's terms (fce_kd_terms_partial; since 0.2.0). */
-#define FCE_KD_TERMS_RECORD_FIELDS 2
+#define FCE_KD_TERMS_RECORD_FIELDS 3
 
 /**
  * The records of a vocabulary shard of student and teacher.
  * @param student [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total).
- * @param teacher full logits [N,V] (any float dtype); a top-K teacher is NOT_IMPLEMENTED.
+ * @param teacher full logits [N,V] (any float dtype), the shard's columns; or a top-K teacher: [N,K] ids
+ *                (global vocabulary indices, negative = unused slot) and log-probabilities, the same on
+ *                every rank (its loss then comes from the terms: see above).
  * @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); any divergence (JSD:
- *                the forward-KL record, P the teacher); temperature as for fce_kd_loss; the same options on
- *                every rank and call.
+ *                the forward-KL record, P the teacher); temperature and topk_norm as for fce_kd_loss; the
+ *                same options on every rank and call.
  * @param records [N, FCE_KD_RECORD_FIELDS] fp32, written.
  * @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (no shard in the options, options out of domain);
- *         NOT_IMPLEMENTED (top-K teacher); SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
- *         DEVICE_MISMATCH; CUDA_ERROR.
+ *         SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; CUDA_ERROR.
  */
 FCE_API fce_status_t fce_kd_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
                                     const fce_kd_teacher_t* teacher, const fce_kd_options_t* options,
@@ -864,12 +875,14 @@ FCE_API fce_status_t fce_kd_partial(fce_handle_t handle, fce_stream_t stream, co
  * @param targets   optional [N] int32/int64: rows whose target is options->ignore_index are masked (loss 0).
  * @param options   the partial calls' options (vocab_total required; vocab_start is not read).
  * @param loss      fp32: [N] with reduction NONE (0 at masked rows), else a scalar (MEAN: batchmean over
- *                  the unmasked rows); nats, times T^2 with scale_by_t2. JSD (0 < beta < 1): must be NULL
- *                  (the loss comes from fce_kd_terms_combine).
+ *                  the unmasked rows); nats, times T^2 with scale_by_t2. May be NULL (then row_stats is
+ *                  required); must be NULL for JSD (0 < beta < 1). Records of a top-K teacher give a NaN
+ *                  loss: theirs comes from fce_kd_terms_combine.
  * @param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: the rows' statistics for fce_kd_bwd (JSD:
- *                  required, and for fce_kd_terms_partial; its A is NaN until fce_kd_terms_combine).
- * @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a JSD loss or a JSD call
- *         without row_stats), CUDA_ERROR.
+ *                  required, and for fce_kd_terms_partial; its A is valid after fce_kd_terms_combine for
+ *                  JSD and a top-K teacher).
+ * @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a JSD loss, or a call without
+ *         row_stats that is JSD's or has no loss either), CUDA_ERROR.
  */
 FCE_API fce_status_t fce_kd_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
                                     const DLTensor* targets, const fce_kd_options_t* options, DLTensor* loss,
@@ -880,16 +893,17 @@ FCE_API fce_status_t fce_kd_combine_workspace_size(fce_handle_t handle, const DL
                                                    const DLTensor* loss, const DLTensor* row_stats, size_t* bytes);
 
 /**
- * JSD's second exchange (any divergence works): a shard's sums of the element terms, from the rows'
- * statistics (see "Vocabulary-parallel knowledge distillation" above; since 0.2.0).
+ * The second exchange of JSD and of a top-K teacher (any divergence works): a shard's sums of the element
+ * terms, from the rows' statistics (see "Vocabulary-parallel knowledge distillation" above; since 0.2.0).
  * @param student   [N,V] the shard's columns, as given to fce_kd_partial.
- * @param teacher   full logits [N,V], as given to fce_kd_partial.
+ * @param teacher   as given to fce_kd_partial (the shard's logits, or the top-K teacher).
  * @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine (fields 0-3 read).
  * @param options   the partial call's options.
  * @param records   [N, FCE_KD_TERMS_RECORD_FIELDS] fp32, written: 0 sum_j L_j, 1 sum_j a_j over the shard's
- *                  real columns (+inf where a term is, NaN where a logit or a statistic is).
- * @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT; NOT_IMPLEMENTED (top-K teacher); SHAPE_MISMATCH;
- *         UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; CUDA_ERROR.
+ *                  real columns or top-K slots (+inf where a term is, NaN where a logit or a statistic is, or
+ *                  a top-K id is >= vocab_total), 2 the slots (-1 with teacher logits).
+ * @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT; SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
+ *         DEVICE_MISMATCH; CUDA_ERROR.
  */
 FCE_API fce_status_t fce_kd_terms_partial(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
                                           const fce_kd_teacher_t* teacher, const DLTensor* row_stats,
@@ -898,7 +912,8 @@ FCE_API fce_status_t fce_kd_terms_partial(fce_handle_t handle, fce_stream_t stre
 /**
  * The loss of whole rows from every shard's terms' records, and the rows' A (since 0.2.0).
  * @param records   [W,N,FCE_KD_TERMS_RECORD_FIELDS] fp32, contiguous: every rank's in rank order.
- * @param targets   optional [N] int32/int64, as for fce_kd_combine (masked rows: loss 0).
+ * @param targets   optional [N] int32/int64, as for fce_kd_combine (masked rows: loss 0; so are a top-K
+ *                  teacher's rows without a used slot).
  * @param options   the partial calls' options.
  * @param loss      fp32: [N] with reduction NONE, else a scalar, as fce_kd_combine's; nats.
  * @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine: field 4 (A) written, the rest kept.
@@ -917,13 +932,17 @@ FCE_API fce_status_t fce_kd_terms_combine_workspace_size(fce_handle_t handle, co
  * A shard's dstudent from the rows' statistics: d(loss)/d(student logits) * grad_loss for the shard's columns
  * (fp32, rounded once; 0 at masked rows and padding columns).
  * @param student   [N,V] the shard's columns, as given to fce_kd_partial.
- * @param teacher   full logits [N,V], as given to fce_kd_partial.
+ * @param teacher   as given to fce_kd_partial (the shard's logits, or the top-K teacher: then, as
+ *                  fce_kd_loss, -q_j A over the shard with FCE_KD_TOPK_FULL_VOCAB, 0 with RENORMALIZE, and
+ *                  a_k - q_k A at the ids in the shard).
  * @param targets   optional [N], as given to fce_kd_combine (the mean counts the same rows).
- * @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine.
+ * @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine (JSD and a top-K teacher: after
+ *                  fce_kd_terms_combine).
  * @param options   the partial call's options (vocab_start and vocab_total of this shard).
  * @param grad_loss optional fp32 upstream gradient: a scalar, or [N] with reduction NONE; NULL = 1.
  * @param dstudent  [N,V] in the student's dtype; may be the student's memory (in place).
- * @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+ * @return FCE_STATUS_SUCCESS or the validation statuses; NOT_IMPLEMENTED on CUDA for a top-K teacher of
+ *         K > 8192; CUDA_ERROR.
  */
 FCE_API fce_status_t fce_kd_bwd(fce_handle_t handle, fce_stream_t stream, const DLTensor* student,
                                 const fce_kd_teacher_t* teacher, const DLTensor* targets,

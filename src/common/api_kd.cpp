@@ -93,18 +93,31 @@ KdOpts kd_shard_options(const fce_kd_options_t* options, const char* fn) {
   return o;
 }
 
-// The student shard and the full teacher shard of the same shape.
-void read_shard_pair(Validator& val, const DLTensor* student, const fce_kd_teacher_t* teacher, Mat& s, Mat& t,
-                     const char* fn) {
+// The student shard and its teacher: the full logits' shard of the same shape, or a top-K teacher's [N, K]
+// global ids and log-probabilities.
+void read_shard_pair(Validator& val, const DLTensor* student, const fce_kd_teacher_t* teacher, Mat& s,
+                     KdShardTeacher& t, const char* fn) {
   s = val.matrix(student, "student", kFloats);
   val.input("student", s.data, Validator::span(s));
   const fce_kd_teacher_t tt = checked_struct(teacher, "teacher");
-  FCE_CHECK(!tt.topk_ids && !tt.topk_logprobs, FCE_STATUS_NOT_IMPLEMENTED,
-            "%s: a top-K teacher over vocabulary shards is not implemented (give teacher->logits)", fn);
-  FCE_CHECK(tt.logits != nullptr, FCE_STATUS_INVALID_ARGUMENT, "teacher->logits is NULL");
-  t = val.matrix(tt.logits, "teacher->logits", kFloats);
-  expect_shape(t, "teacher->logits", s.rows, s.cols);
-  val.input("teacher->logits", t.data, Validator::span(t));
+  const bool full = tt.logits != nullptr, topk = tt.topk_ids != nullptr || tt.topk_logprobs != nullptr;
+  FCE_CHECK(full != topk, FCE_STATUS_INVALID_ARGUMENT,
+            "%s: teacher must have either logits or (topk_ids, topk_logprobs), not %s", fn, full ? "both" : "neither");
+  if (full) {
+    t.logits = val.matrix(tt.logits, "teacher->logits", kFloats);
+    expect_shape(t.logits, "teacher->logits", s.rows, s.cols);
+    val.input("teacher->logits", t.logits.data, Validator::span(t.logits));
+    return;
+  }
+  FCE_CHECK(tt.topk_ids && tt.topk_logprobs, FCE_STATUS_INVALID_ARGUMENT,
+            "teacher->topk_ids and teacher->topk_logprobs must both be set");
+  t.topk_ids = val.matrix(tt.topk_ids, "teacher->topk_ids", kInts);
+  t.topk_lp = val.matrix(tt.topk_logprobs, "teacher->topk_logprobs", kF32);
+  FCE_CHECK(t.topk_ids.rows == s.rows, FCE_STATUS_SHAPE_MISMATCH, "teacher->topk_ids has %lld rows; expected N = %lld",
+            (long long)t.topk_ids.rows, (long long)s.rows);
+  expect_shape(t.topk_lp, "teacher->topk_logprobs", s.rows, t.topk_ids.cols);
+  val.input("teacher->topk_ids", t.topk_ids.data, Validator::span(t.topk_ids));
+  val.input("teacher->topk_logprobs", t.topk_lp.data, Validator::span(t.topk_lp));
 }
 
 KdPartialProblem kd_partial_problem(fce_handle* h, const DLTensor* student, const fce_kd_teacher_t* teacher,
@@ -143,11 +156,10 @@ KdCombineProblem kd_combine_problem(fce_handle* h, const DLTensor* records, cons
     FCE_CHECK(row_stats != nullptr, FCE_STATUS_INVALID_ARGUMENT,
               "row_stats is NULL: JSD's first combine gives only the rows' statistics, which "
               "fce_kd_terms_partial needs");
-  } else {
-    FCE_CHECK(loss != nullptr, FCE_STATUS_INVALID_ARGUMENT,
-              "loss is NULL: the combine of forward and reverse KL gives the loss (only JSD's first combine takes "
-              "none)");
+  } else if (loss) {
     p.loss = read_ce_stat_outputs(val, p.o.reduction, N, loss, nullptr, nullptr, nullptr, nullptr, true).loss;
+  } else {  // a top-K teacher's loss comes from the terms
+    FCE_CHECK(row_stats != nullptr, FCE_STATUS_INVALID_ARGUMENT, "loss and row_stats are both NULL: nothing to write");
   }
   if (row_stats) {
     p.row_stats = read_row_stats(val, row_stats, N);
@@ -208,6 +220,9 @@ KdBwdProblem kd_bwd_problem(fce_handle* h, const DLTensor* student, const fce_kd
             "dstudent is %s; it must have the student's dtype %s", dtype_name(p.dstudent.dtype),
             dtype_name(p.student.dtype));
   val.output_allow_exact("dstudent", p.dstudent, p.student, "student");
+  FCE_CHECK(!p.teacher.topk() || h->backend == Backend::CPU || p.teacher.topk_ids.cols <= kKdShardTopkMax,
+            FCE_STATUS_NOT_IMPLEMENTED, "fce_kd_bwd: a top-K teacher of K = %lld over shards on CUDA (at most %lld)",
+            (long long)p.teacher.topk_ids.cols, (long long)kKdShardTopkMax);
   return p;
 }
 

@@ -117,15 +117,26 @@ struct KdOpts {
 // combine into whole rows, and a shard's dstudent from the rows' statistics.
 constexpr int64_t kKdRecordFields = 5;    // m_P, sum exp(z_P - m_P), m_Q, sum exp(z_Q - m_Q), cross sum X
 constexpr int64_t kKdRowStatsFields = 5;  // M_s, log D_s, M_t, log D_t, A
-constexpr int64_t kKdTermsRecordFields = 2;  // the shard's sums of the divergence's terms and of a_j
+constexpr int64_t kKdTermsRecordFields = 3;  // the shard's sums of the terms and of a_j; its top-K slots (-1: dense)
+// The teacher of a shard call: the shard's columns of full logits, or a top-K teacher's [N, K] ids (global
+// vocabulary indices) and log-probabilities, the same on every rank.
+// The largest K of a top-K teacher over shards on CUDA (fce_kd_bwd keeps a row's slot values on chip).
+constexpr int64_t kKdShardTopkMax = 8192;
+struct KdShardTeacher {
+  Mat logits;
+  Mat topk_ids, topk_lp;
+  bool topk() const { return static_cast<bool>(topk_ids); }
+};
 struct KdPartialProblem {
-  Mat student, teacher;
+  Mat student;
+  KdShardTeacher teacher;
   KdOpts o;
   Mat records;  // [N, kKdRecordFields]
 };
 // The second exchange (JSD's mixture): a shard's sums of the element terms from the rows' statistics.
 struct KdTermsPartialProblem {
-  Mat student, teacher;
+  Mat student;
+  KdShardTeacher teacher;
   KdOpts o;
   Mat row_stats;  // [N, kKdRowStatsFields], fields 0-3 read
   Mat records;    // [N, kKdTermsRecordFields]
@@ -142,7 +153,8 @@ struct KdCombineProblem {
   bool terms = false;  // the records are the terms' (fce_kd_terms_combine)
 };
 struct KdBwdProblem {
-  Mat student, teacher;
+  Mat student;
+  KdShardTeacher teacher;
   Vec targets;  // optional
   KdOpts o;
   Mat row_stats;

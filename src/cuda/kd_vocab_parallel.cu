@@ -94,15 +94,20 @@ __global__ void kd_vp_combine_kernel(const CombineArgs a) {
   if (i >= a.N) return;
   float* s = a.stats ? a.stats + i * a.ld_stats : nullptr;
   double kl = 0;
+  bool no_slot = false;
   if (a.terms) {
-    double asum = 0;
+    double asum = 0, slots = 0;
     for (int64_t r = 0; r < a.W; ++r) {
       const float* q = a.rec + (r * a.N + i) * kKdTermsRecordFields;
       kl += double(q[0]);
       asum += double(q[1]);
+      slots += double(q[2]);
     }
-    // KL's A as the one-exchange combine forms it (sum q = 1 exactly: identical rows keep a 0 gradient).
-    s[4] = a.mixture ? float(asum) : a.rev ? float(kl + 1.0) : -1.f;
+    const bool dense = a.rec[i * kKdTermsRecordFields + 2] < 0.f;  // full teacher logits
+    no_slot = !dense && slots == 0;  // a top-K row without a used slot: masked
+    // A dense KL's A as the one-exchange combine forms it (sum q = 1 exactly: identical rows keep a 0
+    // gradient); a top-K teacher's sums its slots' a_k, as fce_kd_loss does.
+    s[4] = a.mixture || !dense ? float(asum) : a.rev ? float(kl + 1.0) : -1.f;
   } else {
     const KdCombined k = kd_combine_records(a.rec + i * kKdRecordFields, a.W, a.N * kKdRecordFields);
     kl = k.kl;
@@ -116,7 +121,7 @@ __global__ void kd_vp_combine_kernel(const CombineArgs a) {
     }
   }
   if (!a.has_loss) return;
-  const bool masked = a.targets && load_index(a.targets, a.tgt64, i) == a.ignore_index;
+  const bool masked = (a.targets && load_index(a.targets, a.tgt64, i) == a.ignore_index) || no_slot;
   a.row_loss[i] = masked ? 0.f : float(kl) * a.t2;
   if (a.reduced) a.row_used[i] = !masked;
 }
@@ -161,6 +166,7 @@ __global__ void __launch_bounds__(kKdThreads) kd_vp_terms_kernel(const KdArgs a,
   if (threadIdx.x != 0) return;
   rec[row * ldr] = acc.l;
   rec[row * ldr + 1] = acc.a;
+  rec[row * ldr + 2] = -1.f;  // dense
 }
 
 // One block per row: dstudent_j = kd_grad(a_j, q_j, A, scale) over the n real columns, 0 on the padding and
@@ -208,12 +214,217 @@ __global__ void __launch_bounds__(kKdThreads) kd_vp_bwd_kernel(const KdArgs a, i
   });
 }
 
-KdArgs args_of(const Mat& student, const Mat& teacher, const KdOpts& o) {
+
+// ---- a top-K teacher over shards -------------------------------------------------------------------------
+
+// Max (of z = x/T, from the raw max as the dense kernels form it) and sum e^(z - max) of a thread's values,
+// merged by the block's fixed tree.
+struct MaxSum {
+  float m = -INFINITY, d = 0.f;
+  __device__ MaxSum() {}
+  __device__ MaxSum(float m_, float d_) : m(m_), d(d_) {}
+  __device__ void add(float raw_max, const float* v, int cnt, float inv_t) {  // a group of raw values
+    const float g = raw_max * inv_t;
+    if (g > m) {
+      d = m == -INFINITY ? 0.f : d * ex2((m - g) * kLog2e);
+      m = g;
+    }
+    if (m == -INFINITY) return;
+    for (int k = 0; k < cnt; ++k) d += ex2(zdiff(v[k], inv_t, m) * kLog2e);
+  }
+  __device__ void merge(const MaxSum& o) {
+    const float M = fmaxf(m, o.m);
+    if (M == -INFINITY || M == INFINITY) {
+      d = (m == M ? d : 0.f) + (o.m == M ? o.d : 0.f);
+    } else {
+      d = (m == -INFINITY ? 0.f : d * ex2((m - M) * kLog2e)) + (o.m == -INFINITY ? 0.f : o.d * ex2((o.m - M) * kLog2e));
+    }
+    m = M;
+  }
+  __device__ MaxSum shfl_down(unsigned off) const {
+    return MaxSum(__shfl_down_sync(0xffffffffu, m, off), __shfl_down_sync(0xffffffffu, d, off));
+  }
+};
+
+struct MaxF {
+  float m = -INFINITY;
+  __device__ MaxF() {}
+  __device__ explicit MaxF(float x) : m(x) {}
+  __device__ void merge(const MaxF& o) { m = fmaxf(m, o.m); }
+  __device__ MaxF shfl_down(unsigned off) const { return MaxF(__shfl_down_sync(0xffffffffu, m, off)); }
+};
+
+// Slot k of a row's top-K teacher: its column in the shard (-1 outside it or unused).
+__device__ __forceinline__ int64_t slot_column(const KdArgs& a, int64_t row, int64_t k, int64_t start, int64_t n) {
+  const int64_t id = load_index(a.ids, a.ids64, row * a.ldi + k);
+  const int64_t c = id - start;
+  return id >= 0 && c >= 0 && c < n ? c : -1;
+}
+
+// The teacher's log-probabilities softmax_K(logprobs / T) over the row's used slots: its shift m and log d
+// (a block's reductions; every thread gets them), and whether the row has a used slot and an id out of the
+// vocabulary.
+struct TopkTeacherRow {
+  float m, logd;
+  bool any, bad;
+  __device__ float logp(const KdArgs& a, int64_t row, int64_t k) const {
+    return __fsub_rn(zdiff(a.lp[row * a.ldlp + k], a.inv_t, m), logd);
+  }
+};
+__device__ TopkTeacherRow topk_teacher_row(const KdArgs& a, int64_t row, int64_t vocab_total) {
+  float rmax = -INFINITY;
+  int any = 0, bad = 0;
+  for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+    const int64_t id = load_index(a.ids, a.ids64, row * a.ldi + k);
+    if (id < 0) continue;
+    any = 1;
+    bad |= id >= vocab_total;
+    rmax = fmaxf(rmax, a.lp[row * a.ldlp + k]);
+  }
+  TopkTeacherRow t;
+  t.any = __syncthreads_or(any) != 0;
+  t.bad = __syncthreads_or(bad) != 0;
+  t.m = block_reduce(MaxF(rmax)).m * a.inv_t;
+  float d = 0.f;
+  for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x)
+    if (load_index(a.ids, a.ids64, row * a.ldi + k) >= 0) d += ex2(zdiff(a.lp[row * a.ldlp + k], a.inv_t, t.m) * kLog2e);
+  t.logd = logf(block_reduce(SumF(d)).s);
+  return t;
+}
+
+// One block per row: the student's max and sum over the shard's n real columns, and over its columns at the
+// teacher's ids (P and Q as the divergence orders them, kRev: the student is P); the cross sum NaN.
+template <class Ts, bool kRev>
+__global__ void __launch_bounds__(kKdThreads) kd_vp_topk_partial_kernel(const KdArgs a, int64_t start, int64_t n,
+                                                                         float* rec, int64_t ldr) {
+  const int64_t row = blockIdx.x;
+  const Ts* s = static_cast<const Ts*>(a.s) + row * a.lds;
+  MaxSum all, sel;
+  row_visit<Ts>(s, 0, n, [&](const float* v, int64_t, int cnt) {
+    float r = -INFINITY;
+    for (int k = 0; k < cnt; ++k) r = fmaxf(r, v[k]);
+    all.add(r, v, cnt, a.inv_t);
+  });
+  for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+    const int64_t c = slot_column(a, row, k, start, n);
+    if (c < 0) continue;
+    const float v = to_float(s[c]);
+    sel.add(v, &v, 1, a.inv_t);
+  }
+  all = block_reduce(all, true);
+  sel = block_reduce(sel, false);
+  if (threadIdx.x != 0) return;
+  float* r = rec + row * ldr;
+  r[0] = kRev ? all.m : sel.m;
+  r[1] = kRev ? all.d : sel.d;
+  r[2] = kRev ? sel.m : all.m;
+  r[3] = kRev ? sel.d : all.d;
+  r[4] = NAN;
+}
+
+// One block per row: the terms at the teacher's ids in the shard (KdTerm), their slots counted; NaN for a row
+// with an id out of the vocabulary.
+template <class Ts>
+__global__ void __launch_bounds__(kKdThreads) kd_vp_topk_terms_kernel(const KdArgs a, int64_t start, int64_t n,
+                                                                       int64_t vocab_total, bool renorm,
+                                                                       const float* stats, int64_t ld_stats,
+                                                                       float* rec, int64_t ldr) {
+  const int64_t row = blockIdx.x;
+  const Ts* s = static_cast<const Ts*>(a.s) + row * a.lds;
+  const float* st = stats + row * ld_stats;
+  const LogProb lq{a.inv_t, renorm ? st[2] : st[0], renorm ? st[3] : st[1]};
+  const KdTerm term(a.div, a.beta);
+  const TopkTeacherRow t = topk_teacher_row(a, row, vocab_total);
+  TermsAcc acc;
+  int slots = 0;
+  for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+    const int64_t c = slot_column(a, row, k, start, n);
+    if (c < 0) continue;
+    ++slots;
+    float ak;
+    acc.l += term(t.logp(a, row, k), lq(to_float(s[c])), &ak);
+    acc.a += ak;
+  }
+  acc = block_reduce(acc, true);
+  const float count = float(block_reduce(SumL(slots)).s);
+  if (threadIdx.x != 0) return;
+  rec[row * ldr] = t.bad ? NAN : acc.l;
+  rec[row * ldr + 1] = t.bad ? NAN : acc.a;
+  rec[row * ldr + 2] = count;
+}
+
+// One block per row: dstudent of a top-K teacher, as fce_kd_loss forms it: a_k - q_k A at the ids in the
+// shard (formed first, into shared memory: dstudent may be the student), -q_j A elsewhere (0 with
+// renormalization); 0 on masked rows and the padding, NaN on a row with an id out of the vocabulary.
+template <class Ts>
+__global__ void __launch_bounds__(kKdThreads) kd_vp_topk_bwd_kernel(const KdArgs a, int64_t start, int64_t n,
+                                                                     int64_t vocab_total, bool renorm,
+                                                                     const float* stats, int64_t ld_stats) {
+  extern __shared__ float slot_val[];  // [K]
+  constexpr int K = kVec<Ts>, G = kGroup<Ts, Ts>;
+  const int64_t row = blockIdx.x;
+  const Ts* s = static_cast<const Ts*>(a.s) + row * a.lds;
+  Ts* ds = static_cast<Ts*>(a.ds) + row * a.ldd;
+  if (a.V > n) fill_slice<Ts>(ds + n, a.V - n, 0.f);
+  const TopkTeacherRow t = topk_teacher_row(a, row, vocab_total);
+  if (target_masked(a, row) || !t.any) {
+    fill_slice<Ts>(ds, n, 0.f);
+    return;
+  }
+  if (t.bad) {
+    fill_slice<Ts>(ds, n, NAN);
+    return;
+  }
+  const float* st = stats + row * ld_stats;
+  const float A = st[4], scale = kd_grad_scale(a, row);
+  const LogProb lq{a.inv_t, st[0], st[1]}, lsel{a.inv_t, st[2], st[3]};
+  const KdTerm term(a.div, a.beta);
+  for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+    const int64_t c = slot_column(a, row, k, start, n);
+    if (c < 0) continue;
+    const float logq = (renorm ? lsel : lq)(to_float(s[c]));
+    float ak;
+    term(t.logp(a, row, k), logq, &ak);
+    const float v = kd_grad(ak, fast_exp(logq), A, 1.f);
+    slot_val[k] = scale == 0.f && isinf(v) ? 0.f : v * scale;
+  }
+  __syncthreads();
+  const bool vec = (reinterpret_cast<uintptr_t>(ds) & 15u) == 0;
+  auto dense = [&](float x) { return renorm ? 0.f : kd_grad(0.f, fast_exp(lq(x)), A, scale); };
+  visit2<Ts, Ts, false>(s, s, nullptr, nullptr, n, [&](float (&vs)[G], float (&)[G], int64_t e, int cnt) {
+    if (cnt == G && vec) {
+#pragma unroll
+      for (int c = 0; c < G / K; ++c) {
+        float v[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[k] = dense(vs[c * K + k]);
+        reinterpret_cast<uint4*>(ds + e)[c] = pack<Ts>(v);
+      }
+      return;
+    }
+    for (int k = 0; k < cnt; ++k) ds[e + k] = from_float<Ts>(dense(vs[k]));
+  });
+  __syncthreads();
+  for (int64_t k = threadIdx.x; k < a.K; k += blockDim.x) {
+    const int64_t c = slot_column(a, row, k, start, n);
+    if (c >= 0) ds[c] = from_float<Ts>(slot_val[k]);
+  }
+}
+
+KdArgs args_of(const Mat& student, const KdShardTeacher& teacher, const KdOpts& o) {
   KdArgs a{};
   a.s = student.data;
   a.lds = student.ld;
-  a.t = teacher.data;
-  a.ldt = teacher.ld;
+  a.t = teacher.logits.data;
+  a.ldt = teacher.logits.ld;
+  if (teacher.topk()) {
+    a.ids = teacher.topk_ids.data;
+    a.ldi = teacher.topk_ids.ld;
+    a.ids64 = teacher.topk_ids.dtype == DType::I64;
+    a.K = teacher.topk_ids.cols;
+    a.lp = reinterpret_cast<const float*>(teacher.topk_lp.data);
+    a.ldlp = teacher.topk_lp.ld;
+  }
   a.ignore_index = o.ignore_index;
   a.reduction = o.reduction;
   a.div = o.divergence;
@@ -249,8 +460,17 @@ void kd_partial(fce_handle* h, fce_stream_t stream, const KdPartialProblem& p) {
   const int64_t n = p.o.real_cols(p.student.cols);
   float* rec = reinterpret_cast<float*>(p.records.data);
   const bool rev = p.o.divergence == FCE_KD_REVERSE_KL;
+  if (p.teacher.topk()) {
+    dispatch_float(p.student.dtype, [&](auto stag) {
+      using Ts = decltype(stag);
+      if (rev) kd_vp_topk_partial_kernel<Ts, true><<<unsigned(a.N), kKdThreads, 0, s>>>(a, p.o.vocab_start, n, rec, p.records.ld);
+      else kd_vp_topk_partial_kernel<Ts, false><<<unsigned(a.N), kKdThreads, 0, s>>>(a, p.o.vocab_start, n, rec, p.records.ld);
+    });
+    check_launch("vocabulary-parallel KD top-K partial kernel");
+    return;
+  }
   dispatch_float(p.student.dtype, [&](auto stag) {
-    dispatch_float(p.teacher.dtype, [&](auto ttag) {
+    dispatch_float(p.teacher.logits.dtype, [&](auto ttag) {
       using Ts = decltype(stag);
       using Tt = decltype(ttag);
       if (rev) kd_vp_partial_kernel<Ts, Tt, true><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, rec, p.records.ld);
@@ -267,8 +487,18 @@ void kd_terms_partial(fce_handle* h, fce_stream_t stream, const KdTermsPartialPr
   const int64_t n = p.o.real_cols(p.student.cols);
   const float* stats = reinterpret_cast<const float*>(p.row_stats.data);
   float* rec = reinterpret_cast<float*>(p.records.data);
+  if (p.teacher.topk()) {
+    const bool renorm = p.o.topk_norm == FCE_KD_TOPK_RENORMALIZE;
+    dispatch_float(p.student.dtype, [&](auto stag) {
+      using Ts = decltype(stag);
+      kd_vp_topk_terms_kernel<Ts><<<unsigned(a.N), kKdThreads, 0, s>>>(a, p.o.vocab_start, n, p.o.vocab_total, renorm,
+                                                                        stats, p.row_stats.ld, rec, p.records.ld);
+    });
+    check_launch("vocabulary-parallel KD top-K terms kernel");
+    return;
+  }
   dispatch_float(p.student.dtype, [&](auto stag) {
-    dispatch_float(p.teacher.dtype, [&](auto ttag) {
+    dispatch_float(p.teacher.logits.dtype, [&](auto ttag) {
       using Ts = decltype(stag);
       using Tt = decltype(ttag);
       kd_vp_terms_kernel<Ts, Tt><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, stats, p.row_stats.ld, rec, p.records.ld);
@@ -332,8 +562,19 @@ void kd_bwd(fce_handle* h, fce_stream_t stream, const KdBwdProblem& p, Workspace
   }
   const int64_t n = p.o.real_cols(p.student.cols);
   const float* stats = reinterpret_cast<const float*>(p.row_stats.data);
+  if (p.teacher.topk()) {
+    const bool renorm = p.o.topk_norm == FCE_KD_TOPK_RENORMALIZE;
+    const size_t smem = size_t(a.K) * sizeof(float);  // at most kKdShardTopkMax (the API's check)
+    dispatch_float(p.student.dtype, [&](auto stag) {
+      using Ts = decltype(stag);
+      kd_vp_topk_bwd_kernel<Ts><<<unsigned(a.N), kKdThreads, smem, s>>>(a, p.o.vocab_start, n, p.o.vocab_total, renorm,
+                                                                        stats, p.row_stats.ld);
+    });
+    check_launch("vocabulary-parallel KD top-K backward kernel");
+    return;
+  }
   dispatch_float(p.student.dtype, [&](auto stag) {
-    dispatch_float(p.teacher.dtype, [&](auto ttag) {
+    dispatch_float(p.teacher.logits.dtype, [&](auto ttag) {
       using Ts = decltype(stag);
       using Tt = decltype(ttag);
       if (p.o.divergence == FCE_KD_REVERSE_KL)

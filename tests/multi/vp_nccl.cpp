@@ -327,11 +327,12 @@ void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, co
 }
 
 // Vocabulary-parallel KD with the caller's all-gather (the test's own NCCL): fce_kd_partial on this rank's
-// shards of student and teacher, the records all-gathered, fce_kd_combine (JSD: then fce_kd_terms_partial,
-// a second all-gather and fce_kd_terms_combine) and fce_kd_bwd; against the one-device emulation (every
-// shard's records on this GPU), bitwise, and the same loss on every rank.
+// shards of student and teacher (or a top-K teacher, topk_norm >= 0), the records all-gathered,
+// fce_kd_combine (JSD and top-K: then fce_kd_terms_partial, a second all-gather and fce_kd_terms_combine) and
+// fce_kd_bwd; against the one-device emulation (every shard's records on this GPU), bitwise, and the same
+// loss on every rank.
 void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl& nccl, ncclComm* nc,
-             cudaStream_t st) {
+             cudaStream_t st, int topk_norm = -1) {
   const Split s{c.V, W, (c.V + W - 1) / W};
   std::vector<float> x, y;
   std::vector<int64_t> t;
@@ -350,17 +351,38 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
   o.divergence = div;
   o.beta = 0.3f;
   o.temperature = 2.f;
-  const bool jsd = div == FCE_KD_JSD;
+  const bool topk = topk_norm >= 0, jsd = div == FCE_KD_JSD, two = jsd || topk;
+  if (topk) o.topk_norm = topk_norm;
   o.reduction = fce_reduction_t(c.reduction);
   o.vocab_total = c.V;
   const bool none = c.reduction == FCE_REDUCTION_NONE;
+  // A top-K teacher (topk_norm >= 0): 33 slots per row, every fourth unused, row 0 without a used slot; the
+  // same on every rank.
+  const int64_t K = 33;
+  Buf ids({c.N, K}, kI64, dev), lps({c.N, K}, kF32, dev);
+  if (topk) {
+    std::vector<int64_t> hid(size_t(c.N * K));
+    std::vector<float> hlp(size_t(c.N * K));
+    for (int64_t i = 0; i < c.N; ++i)
+      for (int64_t k = 0; k < K; ++k) {  // distinct ids in a row (V >= 1000 and not a multiple of 104729)
+        hid[size_t(i * K + k)] = i == 0 || k % 4 == 3 ? -1 : (i * 7919 + k * 104729) % c.V;
+        hlp[size_t(i * K + k)] = -0.25f * float(k % 9) - 0.5f;
+      }
+    ids.upload(hid.data());
+    lps.upload(hlp.data());
+  }
   // Shard r's records (terms: JSD's second records, from the rows' statistics).
   auto partial = [&](int64_t r, DLTensor* out, const Buf* stats = nullptr) {
     Buf a({c.N, s.width}, xt, dev), b({c.N, s.width}, xt, dev);
     a.upload(shard_bytes(c, s, r, x).data());
     b.upload(shard_bytes(c, s, r, y).data());
     fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
-    tt.logits = &b.t;
+    if (topk) {
+      tt.topk_ids = &ids.t;
+      tt.topk_logprobs = &lps.t;
+    } else {
+      tt.logits = &b.t;
+    }
     fce_kd_options_t orr = o;
     orr.vocab_start = s.start(r);
     if (stats) ok(fce_kd_terms_partial(h, fs, &a.t, &tt, &stats->t, &orr, out), "fce_kd_terms_partial");
@@ -387,9 +409,9 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
   };
   // rank's path: its records, the all-gather, the combine, its shard's dstudent
   auto finish = [&](Buf& recs, Buf& loss, Buf& stats, Buf& ds, bool emulate) {
-    ok(fce_kd_combine(h, fs, &recs.t, &targets.t, &o, jsd ? nullptr : &loss.t, &stats.t, nullptr, 0),
+    ok(fce_kd_combine(h, fs, &recs.t, &targets.t, &o, two ? nullptr : &loss.t, &stats.t, nullptr, 0),
        "fce_kd_combine");
-    if (jsd) {
+    if (two) {
       Buf terms({int64_t(W), c.N, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev);
       gather_terms(stats, terms, emulate);
       ok(fce_kd_terms_combine(h, fs, &terms.t, &targets.t, &o, &loss.t, &stats.t, nullptr, 0), "fce_kd_terms_combine");
@@ -398,7 +420,12 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
     a.upload(shard_bytes(c, s, g_rank, x).data());
     b.upload(shard_bytes(c, s, g_rank, y).data());
     fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
-    tt.logits = &b.t;
+    if (topk) {
+      tt.topk_ids = &ids.t;
+      tt.topk_logprobs = &lps.t;
+    } else {
+      tt.logits = &b.t;
+    }
     fce_kd_options_t orr = o;
     orr.vocab_start = s.start(g_rank);
     ok(fce_kd_bwd(h, fs, &a.t, &tt, &targets.t, &stats.t, &orr, nullptr, &ds.t, nullptr, 0), "fce_kd_bwd");
@@ -423,8 +450,9 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
   Buf eloss(lshape, kF32, dev), estats({c.N, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), eds({c.N, s.width}, xt, dev);
   finish(emu, eloss, estats, eds, true);
   char name[128];
-  std::snprintf(name, sizeof name, "KD %s N=%lld V=%lld %s reduction=%d%s",
+  std::snprintf(name, sizeof name, "KD %s%s N=%lld V=%lld %s reduction=%d%s",
                 div == FCE_KD_FORWARD_KL ? "forward" : div == FCE_KD_REVERSE_KL ? "reverse" : "JSD",
+                !topk ? "" : topk_norm == FCE_KD_TOPK_RENORMALIZE ? " top-K renormalized" : " top-K",
                 (long long)c.N, (long long)c.V, c.bf16 ? "bf16" : "fp32", c.reduction, c.nan_row ? " NaN row" : "");
   CHECK(all.download() == emu.download(), "%s: the gathered records differ from the emulation's", name);
   CHECK(loss.download() == eloss.download() && stats.download() == estats.download() &&
@@ -439,7 +467,7 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
   for (int r = 1; r < W; ++r)
     CHECK(std::memcmp(la.data(), la.data() + size_t(r) * lb.size(), lb.size()) == 0, "%s: rank %d's loss differs",
           name, r);
-  if (c.nan_row && none && c.N > 1) {
+  if (c.nan_row && none && c.N > 1 && topk_norm != FCE_KD_TOPK_RENORMALIZE) {  // renormalized: NaN off the ids
     float l1 = 0;
     std::memcpy(&l1, lb.data() + 4, 4);
     CHECK(std::isnan(l1), "%s: row 1's NaN did not reach rank %d (loss %g)", name, g_rank, l1);
@@ -970,6 +998,61 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
       result(W, "kd_jsd", "strong", NK, width, V, "fwd", tf);
       result(W, "kd_jsd", "strong", NK, width, V, "shard_dstudent", tb);
     }
+    {  // KD forward KL with a top-K teacher (K = 64, the same ids on every rank), 4096 rows, strong
+      const int64_t NK = 4096, K = 64, width = (V + W - 1) / W;
+      std::vector<int64_t> hid(size_t(NK * K));
+      std::vector<float> hlp(size_t(NK * K));
+      for (int64_t i = 0; i < NK; ++i)
+        for (int64_t k = 0; k < K; ++k) {
+          hid[size_t(i * K + k)] = (i * 7919 + k * 104729) % V;
+          hlp[size_t(i * K + k)] = -0.1f * float(k) - 0.2f;
+        }
+      Buf ids({NK, K}, kI64, dev), lps({NK, K}, kF32, dev);
+      ids.upload(hid.data());
+      lps.upload(hlp.data());
+      fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+      tt.topk_ids = &ids.t;
+      tt.topk_logprobs = &lps.t;
+      fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
+      float t1 = 0;
+      {
+        Buf ws1({NK, V}, kBF16, dev), l1({}, kF32, dev);
+        fill_bf16(ws1, 4.f, seed + 7);
+        fce_kd_outputs_t o1 = FCE_KD_OUTPUTS_INIT;
+        o1.loss = &l1.t;
+        t1 = time([&] { ok(fce_kd_loss(h, fs, &ws1.t, &tt, nullptr, &o, &o1, nullptr, 0), "kd top-K"); });
+      }
+      Buf xs({NK, width}, kBF16, dev), rec({NK, FCE_KD_RECORD_FIELDS}, kF32, dev);
+      Buf all({int64_t(W), NK, FCE_KD_RECORD_FIELDS}, kF32, dev), loss({}, kF32, dev);
+      Buf terms({NK, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev), tall({int64_t(W), NK, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev);
+      Buf stats({NK, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), ds({NK, width}, kBF16, dev);
+      fill_bf16(xs, 4.f, seed + 9);
+      o.vocab_start = g_rank * width;
+      o.vocab_total = V;
+      size_t wsb = 0;
+      ok(fce_kd_terms_combine_workspace_size(h, &tall.t, nullptr, &o, &loss.t, &stats.t, &wsb), "ws");
+      void* ws = nullptr;
+      ck(cudaMalloc(&ws, wsb + 256), "ws");
+      const float tf = time([&] {
+        ok(fce_kd_partial(h, fs, &xs.t, &tt, &o, &rec.t), "kd partial");
+        if (nccl.all_gather(rec.p, all.p, size_t(NK) * FCE_KD_RECORD_FIELDS, 7, nc, st) != 0) CHECK(false, "all-gather");
+        ok(fce_kd_combine(h, fs, &all.t, nullptr, &o, nullptr, &stats.t, ws, wsb + 256), "kd combine");
+        ok(fce_kd_terms_partial(h, fs, &xs.t, &tt, &stats.t, &o, &terms.t), "kd terms");
+        if (nccl.all_gather(terms.p, tall.p, size_t(NK) * FCE_KD_TERMS_RECORD_FIELDS, 7, nc, st) != 0)
+          CHECK(false, "all-gather");
+        ok(fce_kd_terms_combine(h, fs, &tall.t, nullptr, &o, &loss.t, &stats.t, ws, wsb + 256), "kd terms combine");
+      });
+      const float tb = time([&] {
+        ok(fce_kd_bwd(h, fs, &xs.t, &tt, nullptr, &stats.t, &o, nullptr, &ds.t, ws, wsb + 256), "kd bwd");
+      });
+      cudaFree(ws);
+      std::printf("| rank %d | KD forward KL, top-K teacher K=64, strong | N=%lld V_local=%lld V=%lld | two exchanges %.3f; "
+                  "shard dstudent %.3f; one GPU fce_kd_loss over V %.3f | |\n",
+                  g_rank, (long long)NK, (long long)width, (long long)V, tf, tb, t1);
+      result(W, "kd_topk", "one", NK, V, V, "fwd", t1);
+      result(W, "kd_topk", "strong", NK, width, V, "fwd", tf);
+      result(W, "kd_topk", "strong", NK, width, V, "shard_dstudent", tb);
+    }
     {  // one GPU, the whole V, fused forward + dlogits in place
       Buf x({N, V}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
       fill_bf16(x, 4.f, seed + 11);
@@ -1205,7 +1288,11 @@ int main(int argc, char** argv) {
         {37, 151936, true, FCE_REDUCTION_NONE, 0.f, 0.f, true},
     };
     for (const Case& c : kd_cases)
-      for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD}) kd_case(c, div, W, dev, h, nccl, nc, st);
+      for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD}) {
+        kd_case(c, div, W, dev, h, nccl, nc, st);
+        if (c.V >= 1000)  // a top-K teacher (distinct ids need V >= K)
+          for (int norm : {FCE_KD_TOPK_FULL_VOCAB, FCE_KD_TOPK_RENORMALIZE}) kd_case(c, div, W, dev, h, nccl, nc, st, norm);
+      }
     const Case linear_cases[] = {
         {37, 50021, true, FCE_REDUCTION_NONE, 0.f, 0.f, false},
         {300, 129920, true, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, false},

@@ -401,6 +401,248 @@ TEST(KdVocabParallel, ManyRanksMegatronSplit) {  // V = 151936 over 3 and 7 rank
   }
 }
 
+// A top-K teacher over shards: [N, K] global ids and log-probabilities, the same on every shard. The records,
+// the first combine (statistics only), the terms and their combine, each shard's dstudent; against a float64
+// reference of fce_kd_loss's top-K semantics written here (the teacher softmax_K(logprobs / T) over the used
+// slots; the student's log-probabilities over the whole vocabulary, or renormalized over the K ids) and
+// against fce_kd_loss of the whole rows. Row 0 has no used slot (masked), row 1 an id >= V (NaN) when
+// `special`.
+struct TopkCase {
+  int64_t N = 9, V = 1031, K = 17;
+  DT ds = DT::F32;
+  int div = FCE_KD_FORWARD_KL, norm = FCE_KD_TOPK_FULL_VOCAB, reduction = FCE_REDUCTION_MEAN;
+  double T = 1.0, beta = 0.5;
+  std::vector<int64_t> widths{400, 300};
+  int64_t pad = 5;
+  bool special = false;
+};
+
+void run_topk(const TopkCase& c) {
+  SCOPED_TRACE(testing::Message() << "top-K student " << dt_name(c.ds) << " div " << c.div << " norm " << c.norm
+                                  << " T " << c.T << " reduction " << c.reduction << " shards " << c.widths.size()
+                                  << (c.special ? " special" : ""));
+  const int64_t N = c.N, V = c.V, K = c.K;
+  Handle h;
+  Tensor st(c.ds, {N, V}), ids(DT::I64, {N, K}), lp(DT::F32, {N, K});
+  fill_logits(st, 2.0, false);
+  std::vector<std::vector<int64_t>> rid(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) {
+    std::vector<int64_t> perm(static_cast<size_t>(V));
+    for (int64_t j = 0; j < V; ++j) perm[size_t(j)] = j;
+    std::shuffle(perm.begin(), perm.end(), rng());
+    std::normal_distribution<double> nd(-3, 2);
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t id = k % 5 == 4 ? -1 : perm[size_t(k)];  // unused slots
+      if (c.special && i == 0) id = -1;
+      if (c.special && i == 1 && k == 2) id = V + 3;
+      ids.set_int(i * K + k, id);
+      rid[size_t(i)].push_back(id);
+      lp.set(i, k, std::min(nd(rng()), -1e-3));
+    }
+  }
+  ids.upload();
+  lp.upload();
+  fce_kd_options_t base = FCE_KD_OPTIONS_INIT;
+  base.divergence = c.div;
+  base.beta = float(c.beta);
+  base.temperature = float(c.T);
+  base.topk_norm = c.norm;
+  base.reduction = c.reduction;
+  fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+  tt.topk_ids = ids.dl();
+  tt.topk_logprobs = lp.dl();
+  const bool none = c.reduction == FCE_REDUCTION_NONE;
+  Tensor gl = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
+  for (int64_t i = 0; i < (none ? N : 1); ++i) gl.set(i, none ? 0.7 - 0.1 * double(i) : 1.3);
+  gl.upload();
+
+  // The unsharded call.
+  Tensor uloss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {}), ud(c.ds, {N, V});
+  {
+    fce_kd_outputs_t out = FCE_KD_OUTPUTS_INIT;
+    out.loss = uloss.dl();
+    out.dstudent = ud.dl();
+    out.grad_loss = gl.dl();
+    FCE_OK(fce_kd_loss(h, test_stream(), st.dl(), &tt, nullptr, &base, &out, nullptr, 0));
+    uloss.download();
+    ud.download();
+  }
+  // The float64 reference: the loss and dL/dz of each row (z = student / T).
+  std::vector<double> rloss(size_t(N), 0.0);
+  std::vector<std::vector<double>> rdz(size_t(N), std::vector<double>(size_t(V), 0.0));
+  int64_t used = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const std::vector<int64_t>& id = rid[size_t(i)];
+    bool any = false;
+    for (int64_t k = 0; k < K; ++k) any |= id[size_t(k)] >= 0;
+    if (!any || (c.special && i == 1)) {
+      used += any;
+      continue;
+    }
+    ++used;
+    std::vector<double> zt, zs(static_cast<size_t>(V)), zsel;
+    for (int64_t j = 0; j < V; ++j) zs[size_t(j)] = st.get(i, j) / c.T;
+    for (int64_t k = 0; k < K; ++k)
+      if (id[size_t(k)] >= 0) {
+        zt.push_back(lp.get(i, k) / c.T);
+        zsel.push_back(zs[size_t(id[size_t(k)])]);
+      }
+    const std::vector<double> lpt = log_softmax(zt), lqf = log_softmax(zs), lqs = log_softmax(zsel);
+    const bool renorm = c.norm == FCE_KD_TOPK_RENORMALIZE;
+    std::vector<double> a(zt.size());
+    double A = 0;
+    for (size_t k = 0, u = 0; k < size_t(K); ++k) {
+      if (id[k] < 0) continue;
+      const double lpk = lpt[u], lqk = renorm ? lqs[u] : lqf[size_t(id[k])], p = std::exp(lpk), q = std::exp(lqk);
+      if (c.div == FCE_KD_FORWARD_KL) {
+        rloss[size_t(i)] += p * (lpk - lqk);
+        a[u] = -p;
+      } else if (c.div == FCE_KD_REVERSE_KL) {
+        rloss[size_t(i)] += q * (lqk - lpk);
+        a[u] = q * (lqk - lpk + 1);
+      } else {
+        const double b = c.beta, lm = std::log(b * p + (1 - b) * q);
+        rloss[size_t(i)] += b * p * (lpk - lm) + (1 - b) * q * (lqk - lm);
+        a[u] = (1 - b) * q * (lqk - lm);
+      }
+      A += a[u];
+      ++u;
+    }
+    if (!renorm)
+      for (int64_t j = 0; j < V; ++j) rdz[size_t(i)][size_t(j)] = -std::exp(lqf[size_t(j)]) * A;
+    for (size_t k = 0, u = 0; k < size_t(K); ++k) {
+      if (id[k] < 0) continue;
+      const double q = std::exp(renorm ? lqs[u] : lqf[size_t(id[k])]);
+      rdz[size_t(i)][size_t(id[k])] = a[u] - q * A;
+      ++u;
+    }
+  }
+
+  // Shards: records, the first combine, the terms, their combine.
+  const std::vector<Shard> shards = split_vocabulary(V, c.widths, c.pad);
+  const int64_t W = int64_t(shards.size());
+  std::vector<Tensor> sp;
+  Records rec(W, N, FCE_KD_RECORD_FIELDS), trec(W, N, FCE_KD_TERMS_RECORD_FIELDS);
+  fce_kd_options_t o = base;
+  o.vocab_total = V;
+  auto options_of_shard = [&](int64_t r) {
+    fce_kd_options_t so = o;
+    so.vocab_start = shards[size_t(r)].start;
+    return so;
+  };
+  for (int64_t r = 0; r < W; ++r) {
+    const Shard& sh = shards[size_t(r)];
+    Tensor x(c.ds, {N, sh.cols});
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < sh.cols; ++j) x.set(i, j, j < sh.width ? st.get(i, sh.start + j) : NAN);
+    x.upload();
+    Tensor one(DT::F32, {N, FCE_KD_RECORD_FIELDS});
+    one.poison();
+    one.upload();
+    const fce_kd_options_t so = options_of_shard(r);
+    FCE_OK(fce_kd_partial(h, test_stream(), x.dl(), &tt, &so, one.dl()));
+    one.download();
+    std::memcpy(rec.t.raw() + 4 * size_t(r * N * FCE_KD_RECORD_FIELDS), one.bytes().data(),
+                4 * size_t(N * FCE_KD_RECORD_FIELDS));
+    sp.push_back(std::move(x));
+  }
+  rec.t.upload();
+  Tensor loss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {}), stats(DT::F32, {N, FCE_KD_ROW_STATS_FIELDS});
+  for (Tensor* t : {&loss, &stats}) {
+    t->poison();
+    t->upload();
+  }
+  FCE_OK(fce_kd_combine(h, test_stream(), &rec.dl, nullptr, &o, nullptr, stats.dl(), nullptr, 0));
+  for (int64_t r = 0; r < W; ++r) {
+    Tensor one(DT::F32, {N, FCE_KD_TERMS_RECORD_FIELDS});
+    one.poison();
+    one.upload();
+    const fce_kd_options_t so = options_of_shard(r);
+    FCE_OK(fce_kd_terms_partial(h, test_stream(), sp[size_t(r)].dl(), &tt, stats.dl(), &so, one.dl()));
+    one.download();
+    std::memcpy(trec.t.raw() + 4 * size_t(r * N * FCE_KD_TERMS_RECORD_FIELDS), one.bytes().data(),
+                4 * size_t(N * FCE_KD_TERMS_RECORD_FIELDS));
+  }
+  trec.t.upload();
+  FCE_OK(fce_kd_terms_combine(h, test_stream(), &trec.dl, nullptr, &o, loss.dl(), stats.dl(), nullptr, 0));
+  loss.download();
+  const double t2 = 1.0;
+  if (none) {
+    for (int64_t i = 0; i < N; ++i) {
+      SCOPED_TRACE(testing::Message() << "row " << i);
+      if (c.special && i == 1) {
+        EXPECT_TRUE(std::isnan(loss.get(i)) && std::isnan(uloss.get(i)));
+        continue;
+      }
+      EXPECT_TRUE(close(loss.get(i), rloss[size_t(i)] * t2, 2e-5, 2e-6));
+      EXPECT_TRUE(close(loss.get(i), uloss.get(i), 2e-5, 2e-6)) << "unsharded";
+    }
+  } else {
+    double total = 0;
+    for (double l : rloss) total += l;
+    const double want = c.reduction == FCE_REDUCTION_MEAN ? total / double(std::max<int64_t>(used, 1)) : total;
+    EXPECT_TRUE(close(loss.get(0), want, 2e-5, 2e-6));
+    EXPECT_TRUE(close(loss.get(0), uloss.get(0), 2e-5, 2e-6)) << "unsharded";
+  }
+
+  // Each shard's dstudent.
+  const double gt = dtype_rtol(c.ds) + 2e-4;
+  for (int64_t r = 0; r < W; ++r) {
+    const Shard& sh = shards[size_t(r)];
+    Tensor d(c.ds, {N, sh.cols});
+    d.poison();
+    d.upload();
+    const fce_kd_options_t so = options_of_shard(r);
+    FCE_OK(fce_kd_bwd(h, test_stream(), sp[size_t(r)].dl(), &tt, nullptr, stats.dl(), &so, gl.dl(), d.dl(), nullptr,
+                      0));
+    d.download();
+    for (int64_t i = 0; i < N; ++i) {
+      const double g = (none ? gl.get(i) : gl.get(0)) / c.T /
+                       (c.reduction == FCE_REDUCTION_MEAN ? double(std::max<int64_t>(used, 1)) : 1.0);
+      double scale = 0;
+      for (double v : rdz[size_t(i)]) scale = std::max(scale, std::fabs(v));
+      for (int64_t j = 0; j < sh.cols; ++j) {
+        SCOPED_TRACE(testing::Message() << "shard " << r << " row " << i << " column " << j);
+        const double got = d.get(i, j);
+        if (j >= sh.width || (c.special && i == 0)) {
+          ASSERT_EQ(got, 0.0);
+          continue;
+        }
+        if (c.special && i == 1) {
+          ASSERT_TRUE(std::isnan(got));
+          continue;
+        }
+        const double want = g * rdz[size_t(i)][size_t(sh.start + j)];
+        ASSERT_TRUE(close(got, want, gt, std::fabs(g) * gt * scale + 1e-9));
+        ASSERT_TRUE(close(got, ud.get(i, sh.start + j), gt, 2 * std::fabs(g) * gt * scale + 1e-9)) << "unsharded";
+      }
+    }
+  }
+}
+
+TEST(KdVocabParallel, TopkTeacher) {
+  for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD})
+    for (int norm : {FCE_KD_TOPK_FULL_VOCAB, FCE_KD_TOPK_RENORMALIZE})
+      for (int red : {FCE_REDUCTION_NONE, FCE_REDUCTION_MEAN}) {
+        TopkCase c;
+        c.div = div;
+        c.norm = norm;
+        c.reduction = red;
+        c.special = red == FCE_REDUCTION_NONE;
+        c.T = div == FCE_KD_JSD ? 2.0 : 1.0;
+        c.beta = 0.3;
+        run_topk(c);
+      }
+  for (DT ds : {DT::BF16, DT::F16}) {  // three shards, one of a single column; 16-bit students
+    TopkCase c;
+    c.ds = ds;
+    c.widths = {1, 600, 200};
+    c.pad = 3;
+    c.K = 40;
+    run_topk(c);
+  }
+}
+
 TEST(KdVocabParallel, Validation) {
   Handle h;
   Tensor s(DT::F32, {3, 10}), t(DT::F32, {3, 10}), rec(DT::F32, {3, FCE_KD_RECORD_FIELDS}), bad(DT::F32, {3, 4});
@@ -423,7 +665,9 @@ TEST(KdVocabParallel, Validation) {
   fce_kd_teacher_t topk = FCE_KD_TEACHER_INIT;
   topk.topk_ids = ids.dl();
   topk.topk_logprobs = lp.dl();
-  EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &topk, &o, rec.dl()), FCE_STATUS_NOT_IMPLEMENTED);
+  topk.logits = t.dl();  // both kinds of teacher
+  EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &topk, &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  topk.logits = nullptr;
   rec.download();
   for (uint8_t b : rec.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
   // JSD at beta 0 is forward KL exactly, and runs.
@@ -465,14 +709,19 @@ TEST(KdVocabParallel, Validation) {
             FCE_STATUS_INVALID_ARGUMENT);
   st.download();
   for (uint8_t b : st.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
-  // The terms: records [N, 2] per shard, [W, N, 2] gathered; the combine needs the statistics.
+  // The terms: records [N, 3] per shard, [W, N, 3] gathered; the combine needs the statistics.
   Tensor trec(DT::F32, {3, FCE_KD_TERMS_RECORD_FIELDS});
   trec.poison();
   trec.upload();
   EXPECT_EQ(fce_kd_terms_partial(h, test_stream(), s.dl(), &tt, st.dl(), &j, rec.dl()), FCE_STATUS_SHAPE_MISMATCH);
   EXPECT_EQ(fce_kd_terms_partial(h, test_stream(), s.dl(), &tt, st_bad.dl(), &j, trec.dl()),
             FCE_STATUS_SHAPE_MISMATCH);
-  EXPECT_EQ(fce_kd_terms_partial(h, test_stream(), s.dl(), &topk, st.dl(), &j, trec.dl()), FCE_STATUS_NOT_IMPLEMENTED);
+  Tensor ids_bad(DT::I64, {2, 2}), lp_bad(DT::F32, {2, 2});  // a top-K teacher of the wrong rows
+  fce_kd_teacher_t topk_bad = FCE_KD_TEACHER_INIT;
+  topk_bad.topk_ids = ids_bad.dl();
+  topk_bad.topk_logprobs = lp_bad.dl();
+  EXPECT_EQ(fce_kd_terms_partial(h, test_stream(), s.dl(), &topk_bad, st.dl(), &j, trec.dl()),
+            FCE_STATUS_SHAPE_MISMATCH);
   trec.download();
   for (uint8_t b : trec.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
   Records tr(2, 3, FCE_KD_TERMS_RECORD_FIELDS);

@@ -454,9 +454,14 @@ def _kd_options(c, divergence, beta, temperature, scale_by_t2, topk_norm, reduct
     return o
 
 
-def _full_teacher(c, teacher_logits):
+def _shard_teacher(c, teacher_logits, topk_ids, topk_logprobs, fn):
+    """The fce_kd_teacher_t of a vocabulary-parallel call: the shard's logits, or the top-K pair."""
+    if (teacher_logits is None) == (topk_ids is None or topk_logprobs is None):
+        raise ValueError("%s: give either teacher_logits or both topk_ids and topk_logprobs" % fn)
     teacher = c.struct("fce_kd_teacher_t")
-    teacher.logits = c.dl(c.native(teacher_logits))
+    teacher.logits = c.dl(None if teacher_logits is None else c.native(teacher_logits))
+    teacher.topk_ids = c.dl(None if topk_ids is None else c.native(topk_ids))
+    teacher.topk_logprobs = c.dl(None if topk_logprobs is None else c.native(topk_logprobs))
     return teacher
 
 
@@ -468,21 +473,29 @@ def _full_teacher(c, teacher_logits):
 #     rec = kd_partial(shard)                         # [N, KD_RECORD_FIELDS] per rank
 #     loss, stats = kd_combine(gather(rec))           # gather: [W, N, KD_RECORD_FIELDS], rank order
 #     d = kd_bwd(shard, stats)
-# JSD with 0 < beta < 1 takes two (its mixture M = beta*P_teacher + (1-beta)*P_student needs the rows'
-# normalizers before any term can be formed): kd_combine then returns loss None and the rows' statistics with
-# A (field 4) NaN, and
+# JSD with 0 < beta < 1 and a top-K teacher take two (JSD's mixture M = beta*P_teacher + (1-beta)*P_student,
+# and a top-K teacher's terms at its K ids, need the rows' normalizers before any term can be formed):
+# kd_combine then returns loss None (for a top-K teacher pass loss=False) and the rows' statistics with
+# A (field 4) not yet valid, and
 #     terms = kd_terms_partial(shard, stats)          # [N, KD_TERMS_RECORD_FIELDS] per rank
 #     loss, stats = kd_terms_combine(gather(terms), stats)   # the loss; A written into stats in place
 # gives the loss and completes the statistics for kd_bwd. The second exchange works for KL too.
+# A top-K teacher (topk_ids [N, K] global ids, negative = unused slot, and topk_logprobs [N, K] fp32) is
+# passed whole to every rank's kd_partial, kd_terms_partial and kd_bwd instead of the shard's teacher logits.
 
 KD_RECORD_FIELDS, KD_ROW_STATS_FIELDS = MACROS["FCE_KD_RECORD_FIELDS"], MACROS["FCE_KD_ROW_STATS_FIELDS"]
 KD_TERMS_RECORD_FIELDS = MACROS["FCE_KD_TERMS_RECORD_FIELDS"]
 
 
-def kd_needs_terms(divergence, beta=_KD["beta"]):
+def kd_needs_terms(divergence, beta=_KD["beta"], *, topk=False):
     """True when the divergence over vocabulary shards takes the second exchange (kd_terms_partial /
-    kd_terms_combine): JSD with 0 < beta < 1 after rounding beta to fp32, as the library reads it (JSD at
-    beta 0 or 1 is exactly forward or reverse KL and takes one). kd_combine returns loss None exactly then."""
+    kd_terms_combine): always for a top-K teacher (topk=True); else JSD with 0 < beta < 1 after rounding beta
+    to fp32, as the library reads it (JSD at beta 0 or 1 is exactly forward or reverse KL and takes one).
+    kd_combine's loss is None exactly then (for a top-K teacher when called with loss=False, as it should be).
+    Raises ValueError for an unknown divergence name."""
+    if topk:
+        _enum(_DIVERGENCES, divergence, "divergence")
+        return True
     if _enum(_DIVERGENCES, divergence, "divergence") != _DIVERGENCES["jsd"]:
         return False
     b = float(ffi.cast("float", float(beta)))
@@ -493,129 +506,162 @@ def _targets_or_null(c, targets):
     return c.dl(None if targets is None else c.native(targets))
 
 
-def kd_partial(student, teacher_logits, *, vocab_start, vocab_total,
+def kd_partial(student, teacher_logits=None, *, vocab_start, vocab_total, topk_ids=None, topk_logprobs=None,
                divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"], temperature=_KD["temperature"],
-               records=None, handle=None, stream=None):
-    """fce_kd_partial: the records of a vocabulary shard of student and teacher logits (step 1).
+               topk_norm=_NAME["topk_norm"][_KD["topk_norm"]], records=None, handle=None, stream=None):
+    """fce_kd_partial: the records of a vocabulary shard of student and teacher (step 1).
 
-    student, teacher_logits: [N, V_local] (fp32/bf16/fp16, dtypes may differ), the global columns
-    [vocab_start, vocab_start + V_local) of a vocabulary of vocab_total; columns at or past vocab_total are
-    padding and never read. divergence "forward_kl", "reverse_kl" or "jsd" (weight beta in [0, 1]; JSD's
-    record is forward KL's, P the teacher); temperature T: both distributions are softmax(logits / T). Use the
-    same options on every rank and in every later call of the row.
+    student: [N, V_local] fp32/bf16/fp16, the global columns [vocab_start, vocab_start + V_local) of a
+    vocabulary of vocab_total; columns at or past vocab_total are padding and never read. The teacher is
+    either teacher_logits [N, V_local] (any float dtype, the same columns), or a top-K teacher as kd_loss
+    takes it: topk_ids [N, K] int32/int64 global vocabulary ids (negative = unused slot) and topk_logprobs
+    [N, K] fp32 log-probabilities, the same arrays on every rank (the teacher's distribution is
+    softmax(topk_logprobs / T) over the used slots; topk_norm "full_vocab" or "renormalize", as kd_loss). A
+    top-K teacher always takes the second exchange (kd_combine with loss=False, kd_terms_partial,
+    kd_terms_combine). divergence "forward_kl", "reverse_kl" or "jsd" (weight beta in [0, 1]; JSD's record is
+    forward KL's, P the teacher); temperature T: both distributions are softmax(logits / T). Use the same
+    options (and teacher) on every rank and in every later call of the row.
     Returns records [N, KD_RECORD_FIELDS] fp32 (into `records` when given): per row over the shard's real
     columns, with z = logits / T, P the weighting distribution and Q the other: max z_P, sum exp(z_P - max),
-    max z_Q, sum exp(z_Q - max), X = sum exp(z_P - m_P)((z_P - m_P) - (z_Q - m_Q)) (nats). Gather every
-    rank's records in rank order ([W, N, KD_RECORD_FIELDS]) for kd_combine.
-    Raises InvalidArgumentError (no shard: vocab_total 0 or vocab_start outside [0, vocab_total); beta outside
-    [0, 1]; T outside [KD_TEMPERATURE_MIN, KD_TEMPERATURE_MAX]), ShapeMismatchError (student, teacher and
-    records disagree), UnsupportedDtypeError, UnsupportedLayoutError, DeviceMismatchError."""
+    max z_Q, sum exp(z_Q - max), X = sum exp(z_P - m_P)((z_P - m_P) - (z_Q - m_Q)) (nats); a top-K teacher's
+    record holds the student's max and sum over the shard and over its columns at the teacher's ids in the
+    shard, X NaN. Gather every rank's records in rank order ([W, N, KD_RECORD_FIELDS]) for kd_combine.
+    Raises ValueError (neither or both teachers given), InvalidArgumentError (no shard: vocab_total 0 or
+    vocab_start outside [0, vocab_total); beta outside [0, 1]; T outside [KD_TEMPERATURE_MIN,
+    KD_TEMPERATURE_MAX]), ShapeMismatchError (student, teacher and records disagree), UnsupportedDtypeError,
+    UnsupportedLayoutError, DeviceMismatchError."""
     c = Call(student, handle, stream)
+    teacher = _shard_teacher(c, teacher_logits, topk_ids, topk_logprobs, "kd_partial")
     out = records if records is not None else c.empty((_rows(student), KD_RECORD_FIELDS), "float32")
-    o = _kd_options(c, divergence, beta, temperature, False, "full_vocab", "mean", -100, vocab_start, vocab_total)
-    c.run_plain("fce_kd_partial", c.dl(student), _full_teacher(c, teacher_logits), o, c.dl(out, True))
+    o = _kd_options(c, divergence, beta, temperature, False, topk_norm, "mean", -100, vocab_start, vocab_total)
+    c.run_plain("fce_kd_partial", c.dl(student), teacher, o, c.dl(out, True))
     return out
 
 
 def kd_combine(records, *, vocab_total, targets=None, divergence=_NAME["divergence"][_KD["divergence"]],
                beta=_KD["beta"], temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
-               reduction=_NAME["reduction"][_KD["reduction"]], ignore_index=_KD["ignore_index"], row_stats=True,
-               handle=None, stream=None, workspace=None):
+               topk_norm=_NAME["topk_norm"][_KD["topk_norm"]], reduction=_NAME["reduction"][_KD["reduction"]],
+               ignore_index=_KD["ignore_index"], loss=True, row_stats=True, handle=None, stream=None,
+               workspace=None):
     """fce_kd_combine: whole rows from every shard's records (step 3).
 
     records: [W, N, KD_RECORD_FIELDS] fp32, contiguous, every rank's kd_partial records in rank (vocabulary)
     order; the options are the partial calls' (vocab_start is not read). targets: optional [N] int32/int64,
     rows whose target is ignore_index are masked (loss 0, gradient 0; "mean" is batchmean over the others).
+    loss: False skips the loss (the library gets none): pass it for a top-K teacher, whose records carry no
+    divergence (X NaN: a loss formed from them would be NaN) and whose loss comes from kd_terms_combine; then
+    row_stats is required. JSD with 0 < beta < 1 skips it whatever `loss` says.
     Returns (loss, row_stats):
       - loss: the divergence of the whole rows in nats (times T^2 with scale_by_t2), fp32 [N] ("none") or a
         scalar, what kd_loss of the unsharded rows returns within the fp32 rounding of the records' sums;
-        None when kd_needs_terms(divergence, beta) (JSD with 0 < beta < 1: the loss needs the second exchange,
-        kd_terms_partial and kd_terms_combine);
+        None with loss=False or when kd_needs_terms(divergence, beta) (JSD with 0 < beta < 1: the loss needs
+        the second exchange, kd_terms_partial and kd_terms_combine);
       - row_stats: [N, KD_ROW_STATS_FIELDS] fp32, the same bits on every rank (M_student, log D_student,
-        M_teacher, log D_teacher, A), for kd_bwd (and kd_terms_partial); None with row_stats=False. For JSD
-        its A (field 4) is NaN until kd_terms_combine writes it.
-    Raises InvalidArgumentError (options out of domain; JSD with 0 < beta < 1 and row_stats=False: the second
-    exchange needs them), ShapeMismatchError (records not [W, N, KD_RECORD_FIELDS], targets not [N]),
-    UnsupportedDtypeError, UnsupportedLayoutError, DeviceMismatchError."""
+        M_teacher, log D_teacher, A; a top-K teacher: fields 2-3 are the student's M and log D over the
+        teacher's ids), for kd_bwd (and kd_terms_partial); None with row_stats=False. For JSD and a top-K
+        teacher its A (field 4) is not valid until kd_terms_combine writes it.
+    Raises InvalidArgumentError (options out of domain; row_stats=False with JSD with 0 < beta < 1 or with
+    loss=False: the second exchange needs them), ShapeMismatchError (records not [W, N, KD_RECORD_FIELDS],
+    targets not [N]), UnsupportedDtypeError, UnsupportedLayoutError, DeviceMismatchError."""
     c = Call(records, handle, stream)
     n = int(records.shape[1])
-    loss_a = None if kd_needs_terms(divergence, beta) else _loss_buffer(c, reduction, n)
+    loss_a = None if not loss or kd_needs_terms(divergence, beta) else _loss_buffer(c, reduction, n)
     stats = c.empty((n, KD_ROW_STATS_FIELDS), "float32") if row_stats else None
-    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, "full_vocab", reduction, ignore_index, 0,
+    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index, 0,
                     vocab_total)
     c.run("fce_kd_combine", c.dl(records), _targets_or_null(c, targets), o, c.dl(loss_a, True), c.dl(stats, True),
           workspace=workspace)
     return c.scalar_out(loss_a), stats
 
 
-def kd_terms_partial(student, teacher_logits, row_stats, *, vocab_start, vocab_total,
-                     divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"],
-                     temperature=_KD["temperature"], records=None, handle=None, stream=None):
-    """fce_kd_terms_partial: JSD's second exchange, a shard's sums of the divergence's element terms (step 3a).
+def kd_terms_partial(student, teacher_logits=None, row_stats=None, *, vocab_start, vocab_total, topk_ids=None,
+                     topk_logprobs=None, divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"],
+                     temperature=_KD["temperature"], topk_norm=_NAME["topk_norm"][_KD["topk_norm"]], records=None,
+                     handle=None, stream=None):
+    """fce_kd_terms_partial: the second exchange (JSD, a top-K teacher), a shard's sums of the divergence's
+    element terms (step 3a).
 
-    student, teacher_logits: the shard as given to kd_partial; row_stats: [N, KD_ROW_STATS_FIELDS] fp32 from
-    kd_combine (fields 0-3 read: the rows' maxima and log-normalizers); the kd_partial call's options. Works
-    for every divergence (for KL it gives the loss a second way).
+    student and the teacher (teacher_logits, or topk_ids / topk_logprobs): the shard as given to kd_partial
+    (with a top-K teacher call it as kd_terms_partial(student, row_stats=stats, topk_ids=..., ...));
+    row_stats: [N, KD_ROW_STATS_FIELDS] fp32 from kd_combine (fields 0-3 read: the rows' maxima and
+    log-normalizers); the kd_partial call's options. Works for every divergence (for KL with teacher logits it
+    gives the loss a second way).
     Returns records [N, KD_TERMS_RECORD_FIELDS] fp32 (into `records` when given): per row over the shard's
-    real columns, 0 sum_j L_j and 1 sum_j a_j, L_j and a_j the element terms of kd_loss from the whole rows'
-    log-probabilities (for JSD with M = beta*p + (1-beta)*q, p the teacher and q the student at temperature T:
+    real columns (a top-K teacher: its used slots whose ids fall in the shard), 0 sum_j L_j and 1 sum_j a_j,
+    L_j and a_j the element terms of kd_loss from the whole rows' log-probabilities (for JSD with
+    M = beta*p + (1-beta)*q, p the teacher and q the student at temperature T:
     L_j = beta p_j log(p_j/m_j) + (1-beta) q_j log(q_j/m_j), nats; a_j = (1-beta) q_j log(q_j/m_j)); +inf where
-    a term is, NaN where a logit or a statistic is. Gather every rank's in rank order
+    a term is, NaN where a logit or a statistic is, or a top-K id is >= vocab_total; 2 the number of those
+    slots (a float count; -1 with teacher logits). Gather every rank's in rank order
     ([W, N, KD_TERMS_RECORD_FIELDS]) for kd_terms_combine.
-    Raises InvalidArgumentError, ShapeMismatchError (row_stats not [N, KD_ROW_STATS_FIELDS], records not
-    [N, KD_TERMS_RECORD_FIELDS]), UnsupportedDtypeError, UnsupportedLayoutError, DeviceMismatchError."""
+    Raises ValueError (neither or both teachers given; row_stats None), InvalidArgumentError,
+    ShapeMismatchError (row_stats not [N, KD_ROW_STATS_FIELDS], records not [N, KD_TERMS_RECORD_FIELDS]),
+    UnsupportedDtypeError, UnsupportedLayoutError, DeviceMismatchError."""
+    if row_stats is None:
+        raise ValueError("kd_terms_partial: row_stats (kd_combine's) is required")
     c = Call(student, handle, stream)
+    teacher = _shard_teacher(c, teacher_logits, topk_ids, topk_logprobs, "kd_terms_partial")
     out = records if records is not None else c.empty((_rows(student), KD_TERMS_RECORD_FIELDS), "float32")
-    o = _kd_options(c, divergence, beta, temperature, False, "full_vocab", "mean", -100, vocab_start, vocab_total)
-    c.run_plain("fce_kd_terms_partial", c.dl(student), _full_teacher(c, teacher_logits), c.dl(c.native(row_stats)),
-                o, c.dl(out, True))
+    o = _kd_options(c, divergence, beta, temperature, False, topk_norm, "mean", -100, vocab_start, vocab_total)
+    c.run_plain("fce_kd_terms_partial", c.dl(student), teacher, c.dl(c.native(row_stats)), o, c.dl(out, True))
     return out
 
 
 def kd_terms_combine(records, row_stats, *, vocab_total, targets=None,
                      divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"],
                      temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
-                     reduction=_NAME["reduction"][_KD["reduction"]], ignore_index=_KD["ignore_index"],
-                     handle=None, stream=None, workspace=None):
+                     topk_norm=_NAME["topk_norm"][_KD["topk_norm"]], reduction=_NAME["reduction"][_KD["reduction"]],
+                     ignore_index=_KD["ignore_index"], handle=None, stream=None, workspace=None):
     """fce_kd_terms_combine: the loss of whole rows from every shard's terms' records, and the rows' A (3c).
 
     records: [W, N, KD_TERMS_RECORD_FIELDS] fp32, contiguous, every rank's kd_terms_partial records in rank
     order; row_stats: kd_combine's [N, KD_ROW_STATS_FIELDS] fp32 array (writable): its field 4 (A = sum_j a_j,
     the gradient's dL/dz_j = a_j - q_j A) is written in place, the rest kept; targets and options as for
-    kd_combine. The records are added in rank order in fp64: the same bits on every rank.
+    kd_combine. The records are added in rank order in fp64: the same bits on every rank. A top-K teacher's
+    rows whose slot counts (field 2) add up to 0 (no used slot) are masked like ignored targets.
     Returns (loss, row_stats): loss = sum_j L_j in nats (times T^2 with scale_by_t2), fp32 [N] ("none", 0 at
     masked rows) or a scalar ("mean": batchmean over the unmasked rows), what kd_loss of the unsharded rows
-    returns within the fp32 rounding of the records' sums; row_stats the same array, now complete for kd_bwd.
+    (with the same teacher) returns within the fp32 rounding of the records' sums; row_stats the same array,
+    now complete for kd_bwd.
     Raises InvalidArgumentError (options out of domain; row_stats None), ShapeMismatchError,
     UnsupportedDtypeError (row_stats not fp32), UnsupportedLayoutError, DeviceMismatchError."""
     c = Call(records, handle, stream)
     loss_a = _loss_buffer(c, reduction, int(records.shape[1]))
-    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, "full_vocab", reduction, ignore_index, 0,
+    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index, 0,
                     vocab_total)
     c.run("fce_kd_terms_combine", c.dl(records), _targets_or_null(c, targets), o, c.dl(loss_a, True),
           c.dl(row_stats, True), workspace=workspace)
     return c.scalar_out(loss_a), row_stats
 
 
-def kd_bwd(student, teacher_logits, row_stats, *, vocab_start, vocab_total, targets=None,
-           divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"], temperature=_KD["temperature"],
-           scale_by_t2=bool(_KD["scale_by_t2"]), reduction=_NAME["reduction"][_KD["reduction"]],
+def kd_bwd(student, teacher_logits=None, row_stats=None, *, vocab_start, vocab_total, topk_ids=None,
+           topk_logprobs=None, targets=None, divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"],
+           temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
+           topk_norm=_NAME["topk_norm"][_KD["topk_norm"]], reduction=_NAME["reduction"][_KD["reduction"]],
            ignore_index=_KD["ignore_index"], grad_loss=None, dstudent=None, handle=None, stream=None,
            workspace=None):
     """fce_kd_bwd: this shard's d(loss)/d(student) * grad_loss (step 4).
 
-    row_stats: [N, KD_ROW_STATS_FIELDS] fp32 from kd_combine, or for JSD with 0 < beta < 1 after
-    kd_terms_combine has written its A (with A still NaN the gradient is NaN); the same options and targets
-    as the combine. grad_loss: optional fp32 upstream gradient, a scalar, or [N] with reduction "none".
-    Returns dstudent [N, V_local] in the student's dtype (fp32, rounded once; 0 at masked rows and padding
-    columns), into `dstudent` when given (may be `student`, in place). Raises InvalidArgumentError,
-    ShapeMismatchError, UnsupportedDtypeError, UnsupportedLayoutError, DeviceMismatchError."""
+    student and the teacher (teacher_logits, or topk_ids / topk_logprobs): as given to kd_partial (with a
+    top-K teacher call it as kd_bwd(student, row_stats=stats, topk_ids=..., ...)). row_stats:
+    [N, KD_ROW_STATS_FIELDS] fp32 from kd_combine, or for JSD with 0 < beta < 1 and a top-K teacher after
+    kd_terms_combine has written its A (with A not yet written the gradient is wrong: NaN for JSD); the same
+    options and targets as the combine. grad_loss: optional fp32 upstream gradient, a scalar, or [N] with
+    reduction "none".
+    Returns dstudent [N, V_local] in the student's dtype (fp32, rounded once; 0 at masked rows (a top-K
+    teacher's rows without a used slot too) and padding columns), into `dstudent` when given (may be
+    `student`, in place). Raises ValueError (neither or both teachers given; row_stats None),
+    InvalidArgumentError, ShapeMismatchError, UnsupportedDtypeError, UnsupportedLayoutError,
+    DeviceMismatchError, BackendNotImplementedError (CUDA: a top-K teacher of K > 8192)."""
+    if row_stats is None:
+        raise ValueError("kd_bwd: row_stats (kd_combine's) is required")
     c = Call(student, handle, stream)
+    teacher = _shard_teacher(c, teacher_logits, topk_ids, topk_logprobs, "kd_bwd")
     ds_a = dstudent if dstudent is not None else c.empty_like(student)
-    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, "full_vocab", reduction, ignore_index,
+    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index,
                     vocab_start, vocab_total)
-    c.run("fce_kd_bwd", c.dl(student), _full_teacher(c, teacher_logits), _targets_or_null(c, targets),
-          c.dl(c.native(row_stats)), o, c.dl(_grad(c, grad_loss)), c.dl(ds_a, True), workspace=workspace)
+    c.run("fce_kd_bwd", c.dl(student), teacher, _targets_or_null(c, targets), c.dl(c.native(row_stats)), o,
+          c.dl(_grad(c, grad_loss)), c.dl(ds_a, True), workspace=workspace)
     return ds_a
 
 

@@ -529,8 +529,8 @@ class KDLoss(torch.nn.Module):
 __all__ = ["CrossEntropyLoss", "CrossEntropyOutput", "KDLoss", "LinearCrossEntropyLoss", "SoftmaxOutput",
            "cross_entropy", "kd_loss", "kd_loss_topk", "linear_cross_entropy", "linear_logprobs_entropy",
            "log_softmax", "logprobs_entropy", "logsumexp", "softmax", "temp_softmax", "vocab_parallel_cross_entropy",
-           "vocab_parallel_kd_loss", "vocab_parallel_linear_cross_entropy", "vocab_parallel_logprobs_entropy",
-           "vocab_parallel_logsumexp", "vocab_parallel_softmax"]
+           "vocab_parallel_kd_loss", "vocab_parallel_kd_loss_topk", "vocab_parallel_linear_cross_entropy",
+           "vocab_parallel_logprobs_entropy", "vocab_parallel_logsumexp", "vocab_parallel_softmax"]
 
 
 # ---- vocabulary-parallel cross-entropy -------------------------------------------------------------
@@ -613,64 +613,95 @@ def _shard_of(v_local, vocab_start, vocab_total, group):
 
 
 class _VocabParallelKD(torch.autograd.Function):
-    """Records of the shard, one all-gather, combine (loss and the rows' statistics); JSD (0 < beta < 1) then
-    the shard's terms' records from those statistics, a second all-gather, and the terms' combine (the loss,
-    and A into the statistics). The backward is the shard's fce_kd_bwd from the final statistics."""
+    """Records of the shard, one all-gather, combine (loss and the rows' statistics); JSD (0 < beta < 1) and a
+    top-K teacher then the shard's terms' records from those statistics, a second all-gather, and the terms'
+    combine (the loss, and A into the statistics). The backward is the shard's fce_kd_bwd from the final
+    statistics. The teacher is `teacher` (the shard's logits) or `ids` / `lps` (top-K), the others None."""
 
     @staticmethod
-    def forward(ctx, student, teacher, targets, group, kw):
-        pkw = {k: kw[k] for k in ("vocab_start", "vocab_total", "divergence", "beta", "temperature")}
+    def forward(ctx, student, teacher, ids, lps, targets, group, kw):
+        pkw = {k: kw[k] for k in ("vocab_start", "vocab_total", "divergence", "beta", "temperature", "topk_norm")}
         ckw = {k: v for k, v in kw.items() if k != "vocab_start"}
+        tkw = dict(topk_ids=ids, topk_logprobs=lps)
+        topk = ids is not None
         s = student.detach()
-        rec = _arrays.kd_partial(s, teacher, **pkw)
-        loss, stats = _arrays.kd_combine(_gather_records(rec, group), targets=targets, **ckw)
-        if loss is None:  # JSD's mixture: the second exchange
-            terms = _arrays.kd_terms_partial(s, teacher, stats, **pkw)
+        rec = _arrays.kd_partial(s, teacher, **tkw, **pkw)
+        loss, stats = _arrays.kd_combine(_gather_records(rec, group), targets=targets, loss=not topk, **ckw)
+        if loss is None:  # JSD's mixture, a top-K teacher's terms: the second exchange
+            terms = _arrays.kd_terms_partial(s, teacher, stats, **tkw, **pkw)
             loss, stats = _arrays.kd_terms_combine(_gather_records(terms, group), stats, targets=targets, **ckw)
-        ctx.save_for_backward(student, teacher, targets, stats)
+        ctx.save_for_backward(student, teacher, ids, lps, targets, stats)
         ctx.kw = kw
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        student, teacher, targets, stats = ctx.saved_tensors
-        d = _arrays.kd_bwd(student.detach(), teacher, stats, targets=targets, grad_loss=grad.float().contiguous(),
-                           **ctx.kw)
-        return d, None, None, None, None
+        student, teacher, ids, lps, targets, stats = ctx.saved_tensors
+        d = _arrays.kd_bwd(student.detach(), teacher, stats, topk_ids=ids, topk_logprobs=lps, targets=targets,
+                           grad_loss=grad.float().contiguous(), **ctx.kw)
+        return d, None, None, None, None, None, None
 
 
-def vocab_parallel_kd_loss(student_logits, teacher_logits, target=None, *, divergence=_KD_DIVERGENCE,
-                           beta=_KD["beta"], temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
-                           reduction=_KD_REDUCTION, ignore_index=_KD["ignore_index"], vocab_start=None,
-                           vocab_total=None, group=None):
+def vocab_parallel_kd_loss(student_logits, teacher_logits=None, target=None, *, topk_ids=None, topk_logprobs=None,
+                           divergence=_KD_DIVERGENCE, beta=_KD["beta"], temperature=_KD["temperature"],
+                           scale_by_t2=bool(_KD["scale_by_t2"]), topk_norm=_KD_TOPK_NORM, reduction=_KD_REDUCTION,
+                           ignore_index=_KD["ignore_index"], vocab_start=None, vocab_total=None, group=None):
     """kd_loss of student and teacher logits whose vocabulary is split across the ranks of a
     torch.distributed `group` by the same columns (this rank holds global columns [vocab_start, vocab_start +
-    V_local) of both; equal shards in rank order by default, uneven or padded ones when given). divergence
-    "forward_kl", "reverse_kl" or "jsd" (generalized, weight beta in [0, 1]: 0 is forward KL, 1 reverse KL, as
-    kd_loss); reduction "mean" is batchmean over rows whose target is not ignore_index. Returns the loss of
-    the whole rows, the same bits on every rank; its gradient flows to this rank's student logits (the teacher
-    gets none).
+    V_local) of both; equal shards in rank order by default, uneven or padded ones when given), or kd_loss_topk
+    of such student logits and a top-K teacher. divergence "forward_kl", "reverse_kl" or "jsd" (generalized,
+    weight beta in [0, 1]: 0 is forward KL, 1 reverse KL, as kd_loss); reduction "mean" is batchmean over rows
+    whose target is not ignore_index (and, with a top-K teacher, that have a used slot). Returns the loss of
+    the whole rows (fp32, nats, times T^2 with scale_by_t2; shaped like the rows with "none"), the same bits on
+    every rank; its gradient flows to this rank's student logits (the teacher gets none).
 
-    student_logits / teacher_logits: [..., V_local], fp32/bf16/fp16, CPU or CUDA. Per call, through
-    torch.distributed: forward and reverse KL (and JSD at beta 0 or 1) take one all-gather of [N, 5] fp32
-    records (fce_kd_partial on this rank's shard, fce_kd_combine of every rank's records in rank order: the
-    loss and the rows' statistics); JSD with 0 < beta < 1 takes two, since its mixture needs the rows'
-    normalizers before any term can be formed: the same first exchange (statistics only), then one of [N, 2]
-    fp32 records (fce_kd_terms_partial of the shard, fce_kd_terms_combine: the loss, and A into the
+    student_logits: [..., V_local], fp32/bf16/fp16, CPU or CUDA. The teacher: teacher_logits [..., V_local]
+    (any float dtype, this rank's columns), or the keywords topk_ids (..., K) int32/int64 global vocabulary ids
+    (negative = unused slot; an id >= vocab_total makes its row NaN) and topk_logprobs (..., K)
+    log-probabilities (cast to fp32), the whole top-K teacher, the same on every rank, as kd_loss_topk takes
+    them (topk_norm "full_vocab" or "renormalize"; a row without a used slot is masked: loss 0, not counted
+    by the mean, gradient 0). Per call, through torch.distributed: forward and reverse KL with teacher logits
+    (and JSD at beta 0 or 1) take one all-gather of [N, 5] fp32 records (fce_kd_partial on this rank's shard,
+    fce_kd_combine of every rank's records in rank order: the loss and the rows' statistics); JSD with
+    0 < beta < 1 and every top-K teacher take two, since JSD's mixture and a top-K teacher's terms need the
+    rows' normalizers before any term can be formed: the same first exchange (statistics only), then one of
+    [N, 3] fp32 records (fce_kd_terms_partial of the shard, fce_kd_terms_combine: the loss, and A into the
     statistics). No float all-reduce, so NaN propagates and the result does not depend on the collective's
     algorithm. The backward is fce_kd_bwd of the shard from the final statistics (no exchange). Without an
     initialized process group the call is the one-shard case. Not a torch.library op: torch.compile
-    graph-breaks around it."""
+    graph-breaks around it.
+    Raises ValueError (neither or both teachers given; an unknown name) and the library's errors
+    (fusedce.FusedCEError subclasses: options out of domain, shapes that disagree, ...)."""
+    if (teacher_logits is None) == (topk_ids is None or topk_logprobs is None):
+        raise ValueError("vocab_parallel_kd_loss: give either teacher_logits or both topk_ids and topk_logprobs")
     v_local = student_logits.shape[-1]
     vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
     kw = dict(vocab_start=vocab_start, vocab_total=vocab_total, divergence=divergence, beta=float(beta),
-              temperature=float(temperature), scale_by_t2=bool(scale_by_t2), reduction=reduction,
-              ignore_index=int(ignore_index))
+              temperature=float(temperature), scale_by_t2=bool(scale_by_t2), topk_norm=topk_norm,
+              reduction=reduction, ignore_index=int(ignore_index))
     x = student_logits.reshape(-1, v_local)
-    t = teacher_logits.detach().reshape(-1, v_local)
+    t = ids = lps = None
+    if teacher_logits is not None:
+        t = teacher_logits.detach().reshape(-1, v_local)
+    else:
+        ids = _targets(topk_ids.reshape(-1, topk_ids.shape[-1])).contiguous()  # e.g. an expanded arange
+        lps = topk_logprobs.reshape(-1, topk_logprobs.shape[-1]).detach().to(torch.float32).contiguous()
     tg = None if target is None else _targets(target).reshape(-1)
-    loss = _VocabParallelKD.apply(x, t, tg, group, kw)
+    loss = _VocabParallelKD.apply(x, t, ids, lps, tg, group, kw)
     return loss.reshape(student_logits.shape[:-1]) if _reduction(reduction) == _REDUCTION_NONE else loss
+
+
+def vocab_parallel_kd_loss_topk(student_logits, topk_ids, topk_logprobs, target=None, *, divergence=_KD_DIVERGENCE,
+                                beta=_KD["beta"], temperature=_KD["temperature"],
+                                scale_by_t2=bool(_KD["scale_by_t2"]), topk_norm=_KD_TOPK_NORM,
+                                reduction=_KD_REDUCTION, ignore_index=_KD["ignore_index"], vocab_start=None,
+                                vocab_total=None, group=None):
+    """kd_loss_topk over vocabulary shards, kd_loss_topk's arguments: vocab_parallel_kd_loss(student_logits,
+    None, target, topk_ids=topk_ids, topk_logprobs=topk_logprobs, ...) (see there: two all-gathers)."""
+    return vocab_parallel_kd_loss(student_logits, None, target, topk_ids=topk_ids, topk_logprobs=topk_logprobs,
+                                  divergence=divergence, beta=beta, temperature=temperature, scale_by_t2=scale_by_t2,
+                                  topk_norm=topk_norm, reduction=reduction, ignore_index=ignore_index,
+                                  vocab_start=vocab_start, vocab_total=vocab_total, group=group)
 
 
 def vocab_parallel_logprobs_entropy(logits, labels, temperature=1.0, reduction="none", *, vocab_start=None,

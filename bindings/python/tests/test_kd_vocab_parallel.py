@@ -231,3 +231,261 @@ def test_torch_vocab_parallel_jsd_one_process(pad, reduction):
     assert float((loss.detach().double() - ref.detach()).abs().max()) < 2e-5
     assert float((sp.grad[..., :v].double() - x64.grad).abs().max()) < 1e-5
     assert (sp.grad[..., v:] == 0).all()
+
+
+# ---- a top-K teacher over vocabulary shards ---------------------------------------------------------------
+
+def _student_shards(s, widths, pad):
+    """(vocab_start, student shard) per rank; the last shard padded with NaN columns (never read)."""
+    return [(st, a) for st, a, _ in _shards(s, s, widths, pad)]
+
+
+def _topk_reference(s, ids, lps, temp, divergence, beta, topk_norm):
+    """float64 per-row divergence against a top-K teacher, and its gradient in z = s / T, written from the
+    header: the teacher p = softmax(lps / T) over the used slots (ids >= 0), the student's log q_k at those ids
+    from log_softmax(z) over the whole vocabulary ("full_vocab") or over the used ids ("renormalize"), the terms
+    summed over the used slots only. With g_k = dL/dlog q_k (forward KL -p_k; reverse KL q_k (log q_k/p_k + 1);
+    JSD (1-beta) q_k log(q_k/m_k)) and r the student's softmax over the normalizing set:
+    dL/dz_j = sum_k g_k [j == id_k] - r_j sum_k g_k. Rows without a used slot: (0, 0, unused)."""
+    s = s.astype(np.float64)
+    n, v = s.shape
+    rows, dz, used = np.zeros(n), np.zeros((n, v)), np.zeros(n, bool)
+    for i in range(n):
+        sel = ids[i] >= 0
+        if not sel.any():
+            continue
+        used[i] = True
+        idn = ids[i][sel]
+        z = s[i] / temp
+        lp = _log_softmax(lps[i][sel].astype(np.float64)[None] / temp)[0]
+        if topk_norm == "full_vocab":
+            lr = _log_softmax(z[None])[0]
+            lq, r = lr[idn], np.exp(lr)
+        else:
+            lq = _log_softmax(z[idn][None])[0]
+            r = np.zeros(v)
+            r[idn] = np.exp(lq)
+        p, q = np.exp(lp), np.exp(lq)
+        if divergence == "forward_kl":
+            rows[i], g = (p * (lp - lq)).sum(), -p
+        elif divergence == "reverse_kl":
+            rows[i], g = (q * (lq - lp)).sum(), q * (lq - lp + 1)
+        else:
+            lm = np.log(beta * p + (1 - beta) * q)
+            rows[i] = beta * (p * (lp - lm)).sum() + (1 - beta) * (q * (lq - lm)).sum()
+            g = (1 - beta) * q * (lq - lm)
+        dz[i, idn] += g
+        dz[i] -= r * g.sum()
+    return rows, dz, used
+
+
+def _topk_teacher(n, v, k, widths):
+    """ids [N, K] (distinct per row; an unused slot; row 0's ids all in the last shard, row 5's all in the
+    first) and log-probabilities [N, K] fp32 summing below 1."""
+    ids = np.stack([rng.permutation(v)[:k] for _ in range(n)]).astype(np.int64)
+    ids[0] = np.arange(v - k, v)[::-1]
+    ids[5] = np.arange(0, k) if widths[0] >= k else -1
+    ids[5, 0] = 0
+    ids[1, 2] = -1
+    lps = np.log(rng.random((n, k)) * 0.2 + 1e-3).astype(np.float32)
+    return ids, lps
+
+
+def _topk_flow(shards, ids, lps, v, tg, opts, pkw, g):
+    """The five steps over the shards: partial, combine without the loss, terms, terms' combine, bwd."""
+    tkw = dict(topk_ids=ids, topk_logprobs=lps)
+    rec = np.stack([fusedce.kd_partial(a, vocab_start=st, vocab_total=v, **tkw, **pkw) for st, a in shards])
+    assert rec.shape == (len(shards), len(ids), fusedce.ops.KD_RECORD_FIELDS)
+    first, stats = fusedce.kd_combine(rec, vocab_total=v, targets=tg, loss=False, **opts)
+    assert first is None and stats.shape == (len(ids), fusedce.ops.KD_ROW_STATS_FIELDS)
+    terms = []
+    for st, a in shards:
+        out = np.full((len(ids), fusedce.ops.KD_TERMS_RECORD_FIELDS), np.nan, np.float32)  # poisoned
+        assert fusedce.kd_terms_partial(a, row_stats=stats, vocab_start=st, vocab_total=v, records=out, **tkw,
+                                        **pkw) is out
+        terms.append(out)
+    terms = np.stack(terms)
+    loss, stats2 = fusedce.kd_terms_combine(terms, stats, vocab_total=v, targets=tg, **opts)
+    assert stats2 is stats
+    ds = [fusedce.kd_bwd(a, row_stats=stats, vocab_start=st, vocab_total=v, targets=tg, grad_loss=g, **tkw, **opts)
+          for st, a in shards]
+    return loss, terms, ds
+
+
+@pytest.mark.parametrize("widths,pad", [([20, 33], 0), ([29, 24], 5), ([1, 25, 27], 4)])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("topk_norm", ["full_vocab", "renormalize"])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_topk_shards_match_the_whole_vocabulary(widths, pad, divergence, topk_norm, reduction):
+    """A top-K teacher (the same [N, K] ids and log-probabilities on every rank) over 2 and 3 uneven, padded
+    shards, always two exchanges: the loss and each shard's dstudent against kd_loss of the whole rows with the
+    same teacher and a float64 reference; the terms' slot counts; a row without a used slot is masked."""
+    n, v, k, temp, beta = 8, 53, 5, 1.7, 0.4
+    s = (rng.standard_normal((n, v)) * 2).astype(np.float32)
+    ids, lps = _topk_teacher(n, v, k, widths)
+    ids[6] = -1  # no used slot: masked (loss 0, not counted by the mean, gradient 0)
+    tg = rng.integers(0, v, n)
+    tg[2] = -100
+    opts = dict(divergence=divergence, beta=beta, temperature=temp, scale_by_t2=True, topk_norm=topk_norm,
+                reduction=reduction)
+    pkw = dict(divergence=divergence, beta=beta, temperature=temp, topk_norm=topk_norm)
+    assert fusedce.kd_needs_terms(divergence, beta, topk=True)
+    shards = _student_shards(s, widths, pad)
+    g = np.linspace(0.5, 1.5, n).astype(np.float32) if reduction == "none" else np.float32(1.3)
+    loss, terms, ds = _topk_flow(shards, ids, lps, v, tg, opts, pkw, g)
+    # the slot counts: each used id counted by exactly the shard that holds it
+    ends = [st + min(a.shape[1], v - st) for st, a in shards]
+    for r, (st, _) in enumerate(shards):
+        want = ((ids >= st) & (ids < ends[r])).sum(1)
+        np.testing.assert_array_equal(terms[r, :, 2], want)
+    whole = fusedce.kd_loss(s, topk_ids=ids, topk_logprobs=lps, targets=tg, dstudent=True, grad_loss=g, **opts)
+    np.testing.assert_allclose(np.asarray(loss, np.float64), np.asarray(whole.loss, np.float64), rtol=2e-5,
+                               atol=2e-6)
+    rows, dz, used = _topk_reference(s, ids, lps, temp, divergence, beta, topk_norm)
+    keep = used & (tg != -100)
+    count = np.count_nonzero(keep)
+    rows = np.where(keep, rows * temp * temp, 0.0)
+    want = rows if reduction == "none" else rows.sum() / count
+    np.testing.assert_allclose(np.asarray(loss, np.float64), want, rtol=2e-5, atol=2e-6)
+    if reduction == "none":
+        assert loss[6] == 0 and loss[2] == 0
+    up = g.astype(np.float64)[:, None] if reduction == "none" else float(g) / count
+    dwant = np.where(keep[:, None], dz * temp * up, 0.0)  # d/ds = d/dz / T, times T^2
+    for (st, a), d in zip(shards, ds):
+        w = min(a.shape[1], v - st)
+        np.testing.assert_allclose(d[:, :w], whole.dstudent[:, st:st + w], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(d[:, :w], dwant[:, st:st + w], rtol=2e-4, atol=1e-6)
+        assert (d[:, w:] == 0).all() and (d[6] == 0).all() and (d[2] == 0).all()
+
+
+@pytest.mark.parametrize("widths,pad", [([20, 33], 4), ([1, 25, 27], 4)])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+def test_topk_edge_rows(widths, pad, divergence):
+    """A row without a used slot (masked: loss 0, not counted by the mean, gradient 0), rows with an id past
+    vocab_total (one in the last shard's padding columns, one past every shard: NaN), int32 ids, and every
+    other row unaffected; the unsharded kd_loss agrees."""
+    n, v, k, temp = 8, 53, 5, 1.3
+    s = (rng.standard_normal((n, v)) * 2).astype(np.float32)
+    ids, lps = _topk_teacher(n, v, k, widths)
+    ids[3] = -1
+    ids[4, 1] = v + 1  # in the padding columns of the last shard: not a real column
+    ids[7, 0] = v + 100
+    ids = ids.astype(np.int32)
+    opts = dict(divergence=divergence, temperature=temp, reduction="none")
+    pkw = dict(divergence=divergence, temperature=temp)
+    shards = _student_shards(s, widths, pad)
+    loss, terms, ds = _topk_flow(shards, ids, lps, v, None, opts, pkw, None)
+    whole = fusedce.kd_loss(s, topk_ids=ids, topk_logprobs=lps, dstudent=True, **opts)
+    bad = [4, 7]
+    good = [i for i in range(n) if i not in bad]
+    assert np.isnan(loss[bad]).all() and np.isnan(whole.loss[bad]).all()
+    assert np.isnan(terms[:, bad, :2].sum(0)).all()
+    assert loss[3] == 0 and whole.loss[3] == 0
+    rows, dz, _ = _topk_reference(s[good], ids[good], lps[good], temp, divergence, 0.5, "full_vocab")
+    np.testing.assert_allclose(loss[good], rows, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(loss[good], whole.loss[good], rtol=2e-5, atol=2e-6)
+    for (st, a), d in zip(shards, ds):
+        w = min(a.shape[1], v - st)
+        assert (d[3] == 0).all() and (d[:, w:] == 0).all()
+        np.testing.assert_allclose(d[good, :w], dz[:, st:st + w] / temp, rtol=2e-4, atol=1e-6)
+    # the mean: batchmean over the rows with a used slot; a NaN row makes it NaN
+    mean_opts = dict(opts, reduction="mean")
+    ok = [i for i in good if i != 3]
+    m, _, _ = _topk_flow([(st, a[ok]) for st, a in shards], ids[ok], lps[ok], v, None, mean_opts, pkw, None)
+    np.testing.assert_allclose(m, rows[[good.index(i) for i in ok]].sum() / len(ok), rtol=2e-5, atol=2e-6)
+    sel = good  # row 3 (no used slot) included: not counted
+    m, _, _ = _topk_flow([(st, a[sel]) for st, a in shards], ids[sel], lps[sel], v, None, mean_opts, pkw, None)
+    np.testing.assert_allclose(m, rows.sum() / (len(good) - 1), rtol=2e-5, atol=2e-6)
+    m, _, _ = _topk_flow(shards, ids, lps, v, None, mean_opts, pkw, None)
+    assert np.isnan(m)
+
+
+def test_topk_bad_calls():
+    x = np.zeros((2, 4), np.float32)
+    ids = np.array([[0, 5], [1, -1]], np.int64)
+    lps = np.log(np.full((2, 2), 0.4, np.float32))
+    tkw = dict(topk_ids=ids, topk_logprobs=lps, vocab_start=0, vocab_total=8)
+    stats0 = np.zeros((2, 5), np.float32)
+    for f, extra in ((fusedce.kd_partial, {}), (fusedce.kd_terms_partial, dict(row_stats=stats0)),
+                     (fusedce.kd_bwd, dict(row_stats=stats0))):
+        with pytest.raises(ValueError, match="either teacher_logits"):
+            f(x, x, **extra, **tkw)  # both
+        with pytest.raises(ValueError, match="either teacher_logits"):
+            f(x, **extra, vocab_start=0, vocab_total=8, topk_ids=ids)  # half of a top-K teacher
+    rec = fusedce.kd_partial(x, **tkw)[None]
+    # records of a top-K teacher carry no divergence: a loss formed from them is NaN (hence loss=False)
+    loss, _ = fusedce.kd_combine(rec, vocab_total=8, reduction="none")
+    assert np.isnan(loss).all()
+    with pytest.raises(fusedce.InvalidArgumentError, match="row_stats"):
+        fusedce.kd_combine(rec, vocab_total=8, loss=False, row_stats=False)
+    _, stats = fusedce.kd_combine(rec, vocab_total=8, loss=False)
+    with pytest.raises(ValueError, match="row_stats"):
+        fusedce.kd_terms_partial(x, vocab_start=0, vocab_total=8, topk_ids=ids, topk_logprobs=lps)
+    with pytest.raises(fusedce.ShapeMismatchError):
+        fusedce.kd_terms_partial(x, row_stats=stats, vocab_start=0, vocab_total=8, topk_ids=ids,
+                                 topk_logprobs=lps[:, :1].copy())
+    assert fusedce.kd_needs_terms("forward_kl", topk=True) and not fusedce.kd_needs_terms("forward_kl")
+    with pytest.raises(ValueError, match="divergence"):
+        fusedce.kd_needs_terms("kl", topk=True)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("topk_norm", ["full_vocab", "renormalize"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_vocab_parallel_topk_one_process(divergence, topk_norm, reduction):
+    """vocab_parallel_kd_loss with a top-K teacher without a process group (one padded shard, [B, S, V]): the
+    loss and the student's gradient through autograd against kd_loss_topk and torch's float64 divergence;
+    vocab_parallel_kd_loss_topk gives the same bits."""
+    torch = pytest.importorskip("torch")
+    import fusedce.torch as ft
+    n, v, k, temp, beta, pad = 6, 37, 4, 1.3, 0.35, 3
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(2, n // 2, v, generator=g) * 2
+    teacher = torch.randn(2, n // 2, v, generator=g) * 2
+    lps, ids = torch.log_softmax(teacher, -1).topk(k, -1)
+    ids[0, 1, 2] = -1
+    ids[1, 2] = -1  # no used slot: masked
+    tg = torch.randint(0, v, (2, n // 2), generator=g)
+    tg[1, 0] = -100
+    sp = torch.cat([s, torch.full((2, n // 2, pad), float("nan"))], -1).requires_grad_()
+    kw = dict(divergence=divergence, beta=beta, temperature=temp, scale_by_t2=True, topk_norm=topk_norm,
+              reduction=reduction)
+    loss = ft.vocab_parallel_kd_loss(sp, None, tg, topk_ids=ids, topk_logprobs=lps, vocab_start=0, vocab_total=v,
+                                     **kw)
+    up = torch.rand(loss.shape, generator=g)
+    (loss * up).sum().backward()
+    whole = ft.kd_loss_topk(s, ids, lps, tg, **kw)
+    torch.testing.assert_close(loss.detach(), whole, rtol=2e-5, atol=2e-6)
+    same = ft.vocab_parallel_kd_loss_topk(sp.detach(), ids.int(), lps.double(), tg, vocab_start=0, vocab_total=v,
+                                          **kw)
+    assert torch.equal(same, loss.detach())
+    # float64 reference through autograd: unused slots get logits of -1e4 (probability exactly 0, finite
+    # logarithms, so no NaN reaches the gradient) and are left out of the sum
+    x64 = s.double().requires_grad_()
+    used = ids >= 0
+    safe = ids.clamp_min(0)
+    lp = torch.log_softmax((lps.double() / temp).masked_fill(~used, -1e4), -1)
+    z = x64 / temp
+    if topk_norm == "full_vocab":
+        lq = torch.log_softmax(z, -1).gather(-1, safe)
+    else:
+        lq = torch.log_softmax(z.gather(-1, safe).masked_fill(~used, -1e4), -1)
+    p, q = lp.exp(), lq.exp()
+    zero = torch.zeros((), dtype=torch.float64)
+    if divergence == "forward_kl":
+        terms = p * (lp - lq)
+    elif divergence == "reverse_kl":
+        terms = q * (lq - lp)
+    else:
+        lm = torch.logaddexp(lp + np.log(beta), lq + np.log(1 - beta))
+        terms = beta * p * (lp - lm) + (1 - beta) * q * (lq - lm)
+    rows = torch.where(used, terms, zero).sum(-1) * temp ** 2
+    keep = (tg != -100) & used.any(-1)
+    rows = torch.where(keep, rows, zero)
+    ref = rows if reduction == "none" else rows.sum() / keep.sum()
+    (ref * up.double()).sum().backward()
+    assert float((loss.detach().double() - ref.detach()).abs().max()) < 2e-5
+    assert float((sp.grad[..., :v].double() - x64.grad).abs().max()) < 1e-5
+    assert (sp.grad[..., v:] == 0).all() and (sp.grad[1, 2] == 0).all()
+    with pytest.raises(ValueError, match="either teacher_logits"):
+        ft.vocab_parallel_kd_loss(sp, None, tg, topk_ids=ids)

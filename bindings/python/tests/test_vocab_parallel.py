@@ -170,6 +170,26 @@ def _rank(rank, world, port, shape, widths, results):
         want_grad = x64.grad[..., starts[rank]:starts[rank] + widths[rank]]
         results.put((rank, "kd_jsd", float((jsd.detach().double() - ref.detach()).abs().max()),
                      float((mine.grad.double() - want_grad).abs().max()), jsd.detach().numpy().tobytes()))
+        # a top-K teacher (the same [S, B, 5] ids and log-probabilities on every rank; an unused slot, a row
+        # without one: masked): reverse KL over the K ids renormalized, T = 1.5, batchmean; two all-gathers
+        mine.grad = None
+        lps, ids = torch.log_softmax(teacher, -1).topk(5, -1)
+        ids[1, 2, 3] = -1
+        ids[2, 1] = -1
+        topk = ft.vocab_parallel_kd_loss(mine, None, t, topk_ids=ids, topk_logprobs=lps, divergence="reverse_kl",
+                                         temperature=1.5, scale_by_t2=True, topk_norm="renormalize", **kw)
+        topk.backward()
+        x64 = x.double().requires_grad_()
+        used = ids >= 0
+        lpt = torch.log_softmax((lps.double() / 1.5).masked_fill(~used, -1e4), -1)
+        lq = torch.log_softmax((x64 / 1.5).gather(-1, ids.clamp_min(0)).masked_fill(~used, -1e4), -1)
+        rows = torch.where(used, lq.exp() * (lq - lpt), torch.zeros((), dtype=torch.float64)).sum(-1) * 1.5 ** 2
+        keep = (t != -100) & used.any(-1)
+        ref = (rows * keep).sum() / keep.sum()
+        ref.backward()
+        want_grad = x64.grad[..., starts[rank]:starts[rank] + widths[rank]]
+        results.put((rank, "kd_topk", float((topk.detach().double() - ref.detach()).abs()),
+                     float((mine.grad.double() - want_grad).abs().max()), topk.detach().numpy().tobytes()))
         # linear cross-entropy: the LM head split by rows; dhidden summed over the ranks
         hid = torch.randn(s, b, 16, generator=g).requires_grad_()
         head = torch.randn(v, 16, generator=g) * 0.5
@@ -213,10 +233,10 @@ def _rank(rank, world, port, shape, widths, results):
 @pytest.mark.parametrize("widths", [[20, 20], [13, 27], [13, 20, 7]])
 def test_torch_distributed_ranks(widths):
     """Two or three processes (gloo, CPU), Megatron's [S, B, V/W] layout: the loss of the whole rows (and the
-    log-probabilities and entropies, KD divergences (reverse KL, and JSD with its two all-gathers), linear
-    cross-entropy with the LM head split by rows, and logsumexp and softmax with their gradients), the same bits
-    on every rank (linear cross-entropy's dhidden too: a rank-order sum), and each rank's gradient its part of
-    PyTorch's float64 gradient."""
+    log-probabilities and entropies, KD divergences (reverse KL, and JSD and a top-K teacher with their two
+    all-gathers), linear cross-entropy with the LM head split by rows, and logsumexp and softmax with their
+    gradients), the same bits on every rank (linear cross-entropy's dhidden too: a rank-order sum), and each
+    rank's gradient its part of PyTorch's float64 gradient."""
     torch = pytest.importorskip("torch")
     import socket
 
@@ -231,14 +251,14 @@ def test_torch_distributed_ranks(widths):
              for r in range(world)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=120) for _ in range(7 * world)]
+    got = [results.get(timeout=120) for _ in range(8 * world)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     by = {}
     for rank, red, loss_err, grad_err, bits in got:
         assert loss_err < 2e-5, (rank, red, loss_err)
-        loose = red in ("logprobs_entropy", "kd", "kd_jsd", "linear", "lse_softmax")
+        loose = red in ("logprobs_entropy", "kd", "kd_jsd", "kd_topk", "linear", "lse_softmax")
         assert grad_err < (1e-5 if loose else 2e-6), (rank, red, grad_err)
         by.setdefault(red, set()).add(bits)
     assert all(len(b) == 1 for b in by.values()), "the ranks' losses differ"

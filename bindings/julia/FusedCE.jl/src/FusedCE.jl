@@ -18,9 +18,9 @@ Layout convention (Julia is column-major, the library row-major): **a C tensor `
 | CE records `[W, N, K]`| `K×N×W` Float32 array, shards in rank order (`cross_entropy_combine`) |
 | KD records `[N, 5]`   | `5×N` Float32 matrix (one shard's, `kd_partial`) |
 | KD records `[W, N, 5]`| `5×N×W` Float32 array, shards in rank order (`kd_combine`) |
-| KD row statistics `[N, 5]` | `5×N` Float32 matrix (`kd_combine` → `kd_bwd`; JSD: `kd_combine` → `kd_terms_partial`, `kd_terms_combine` → `kd_bwd`) |
-| KD terms' records `[N, 2]` | `2×N` Float32 matrix (one shard's, `kd_terms_partial`) |
-| KD terms' records `[W, N, 2]` | `2×N×W` Float32 array, shards in rank order (`kd_terms_combine`) |
+| KD row statistics `[N, 5]` | `5×N` Float32 matrix (`kd_combine` → `kd_bwd`; JSD and a top-K teacher: `kd_combine` → `kd_terms_partial`, `kd_terms_combine` → `kd_bwd`) |
+| KD terms' records `[N, 3]` | `3×N` Float32 matrix (one shard's, `kd_terms_partial`) |
+| KD terms' records `[W, N, 3]` | `3×N×W` Float32 array, shards in rank order (`kd_terms_combine`) |
 | LSE records `[N, 2]`  | `2×N` Float32 matrix (one shard's, `logsumexp_partial`) |
 | LSE records `[W, N, 2]`| `2×N×W` Float32 array, shards in rank order (`logsumexp_combine`) |
 
@@ -274,6 +274,16 @@ function _indices0(t::AbstractArray{<:Integer})
     out = similar(t, T)
     @inbounds for i in eachindex(t, out)
         out[i] = T(t[i]) - one(T)
+    end
+    return out
+end
+
+# 1-based top-K ids -> the library's 0-based ones; an unused slot (id ≤ 0) becomes -1 (never wraps around).
+function _topk_ids0(ids::AbstractArray{<:Integer})
+    T = eltype(ids) === Int32 ? Int32 : Int64
+    out = similar(ids, T)
+    @inbounds for i in eachindex(ids, out)
+        out[i] = ids[i] <= 0 ? -one(T) : T(ids[i]) - one(T)
     end
     return out
 end
@@ -787,17 +797,21 @@ function _kd_options(divergence, beta, temperature, scale_by_t2, topk_norm, redu
                     vocab_start = Int64(vocab_start), vocab_total = Int64(vocab_total))
 end
 
+# The fce_kd_teacher_t of a call: its logits, or its top-K ids (0-based) and log-probabilities; unused ones nothing.
+_kd_teacher(ttl, tid, tlp) = _cstruct(L.fce_kd_teacher_t; logits = _ptr(ttl), topk_ids = _ptr(tid),
+                                      topk_logprobs = _ptr(tlp))
+
 function _kd(student, teacher_logits, topk_ids, topk_logprobs, targets, divergence, beta, temperature,
              scale_by_t2, topk_norm, reduction, ignore_index, vocab_start, vocab_total, dstudent, grad_loss, handle)
     N = size(student, 2)
     loss_a = _loss_buffer(reduction, N)
     ds_a = _out(dstudent, () -> similar(student))
     ts, ttl, tid, tlp, ttg, tloss, tds, tg =
-        Tensor(student), _tensor(teacher_logits), _tensor(topk_ids === nothing ? nothing : _indices0(topk_ids)),
+        Tensor(student), _tensor(teacher_logits), _tensor(topk_ids === nothing ? nothing : _topk_ids0(topk_ids)),
         _tensor(topk_logprobs), _tensor(targets === nothing ? nothing : _indices0(targets)), Tensor(loss_a),
         _tensor(ds_a), _tensor(grad_loss)
     GC.@preserve ts ttl tid tlp ttg tloss tds tg begin
-        teacher = _cstruct(L.fce_kd_teacher_t; logits = _ptr(ttl), topk_ids = _ptr(tid), topk_logprobs = _ptr(tlp))
+        teacher = _kd_teacher(ttl, tid, tlp)
         opts = _kd_options(divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index;
                            vocab_start = vocab_start, vocab_total = vocab_total)
         outs = _cstruct(L.fce_kd_outputs_t; loss = _ptr(tloss), dstudent = _ptr(tds), grad_loss = _ptr(tg))
@@ -819,7 +833,7 @@ weight `beta` in [0, 1]). `temperature` must lie in [1e-4, 100] (`LibFusedCE.FCE
 `ignore_index` are masked; `:mean` is batchmean over unmasked columns. `dstudent = true` (or an array) also
 returns the gradient. Returns `(loss, dstudent)`. `vocab_start`/`vocab_total` must stay 0 here (the library
 refuses a shard, `FusedCEError` INVALID_ARGUMENT): a shard's divergence comes from `kd_partial`,
-`kd_combine` and `kd_bwd` (for `:jsd` also `kd_terms_partial` and `kd_terms_combine`).
+`kd_combine` and `kd_bwd` (for `:jsd` and a top-K teacher also `kd_terms_partial` and `kd_terms_combine`).
 """
 function kd_loss(student::AbstractMatrix, teacher::AbstractMatrix;
                  targets::Union{Nothing,AbstractVector{<:Integer}} = nothing, divergence::Symbol = _def_divergence(),
@@ -839,7 +853,10 @@ end
 Distillation from a top-K teacher: `topk_ids` (`K×N`, 1-based; ids ≤ 0 are unused slots) and
 `topk_logprobs` (`K×N` Float32, log-probabilities at temperature 1). The teacher's distribution is
 renormalized over its K ids; `topk_norm` says whether the student's log-probs are over the full vocabulary
-(`:full_vocab`) or renormalized over the K ids (`:renormalize`).
+(`:full_vocab`) or renormalized over the K ids (`:renormalize`). A column without a used slot is masked
+(loss 0, not counted by `:mean`, gradient 0); an id > V makes the column's loss and gradient NaN. Over
+vocabulary shards the same teacher goes to the top-K methods of `kd_partial`, `kd_terms_partial` and
+`kd_bwd` (the whole `topk_ids` and `topk_logprobs` on every shard).
 """
 function kd_loss_topk(student::AbstractMatrix, topk_ids::AbstractMatrix{<:Integer}, topk_logprobs::AbstractMatrix;
                       targets::Union{Nothing,AbstractVector{<:Integer}} = nothing,
@@ -858,13 +875,17 @@ end
 # Vocabulary-parallel knowledge distillation
 # ------------------------------------------------------------------------------------------------
 
-# The teacher of a shard call: full logits only (the library refuses a top-K teacher over shards).
-_full_teacher(tt::Tensor) = _cstruct(L.fce_kd_teacher_t; logits = _ptr(tt))
+# The teacher of a shard call as tensors (logits, top-K ids, top-K log-probabilities; those not given
+# `nothing`): the shard's logits, or a top-K teacher with its 1-based ids made 0-based.
+_shard_teacher(teacher::AbstractMatrix) = (Tensor(teacher), nothing, nothing)
+_shard_teacher(topk_ids::AbstractMatrix{<:Integer}, topk_logprobs::AbstractMatrix) =
+    (nothing, Tensor(_topk_ids0(topk_ids)), Tensor(topk_logprobs))
 
 """
     kd_partial(student_shard, teacher_shard; vocab_start, vocab_total, divergence=:forward_kl, beta=0.5,
-               temperature=1, scale_by_t2=false, reduction=:mean, ignore_index=-100,
+               temperature=1, scale_by_t2=false, topk_norm=:full_vocab, reduction=:mean, ignore_index=-100,
                records=Matrix{Float32}(undef, 5, N), handle=default_handle())
+    kd_partial(student_shard, topk_ids, topk_logprobs; <the same keywords>)
 
 Step 1 of vocabulary-parallel knowledge distillation (`fce_kd_partial`; the math and the record fields are
 in the header's "Vocabulary-parallel knowledge distillation"): the records of one shard of the vocabulary,
@@ -874,35 +895,57 @@ divergence (the teacher for `:forward_kl`, the student for `:reverse_kl`) and Q 
 over the shard's real columns: `m_P = max z_P`, `Σ exp(z_P - m_P)`, `m_Q`, `Σ exp(z_Q - m_Q)` and
 `X = Σ exp(z_P - m_P) ((z_P - m_P) - (z_Q - m_Q))`.
 
-- `student_shard`, `teacher_shard`: `V_local×N` each (Float32, Float16 or BFloat16, their element types may
-  differ; a view with unit stride down columns is fine), the rows `vocab_start+1 : vocab_start+V_local` of
-  the whole `V×N` logits. The last shard may be padded: rows past `vocab_total` are ignored (they may hold
-  anything, NaN included). The teacher is full logits (a top-K teacher over shards is NOT_IMPLEMENTED in the
-  library and has no Julia method here).
+- `student_shard`: `V_local×N` (Float32, Float16 or BFloat16; a view with unit stride down columns is
+  fine), the rows `vocab_start+1 : vocab_start+V_local` of the whole `V×N` logits. The last shard may be
+  padded: rows past `vocab_total` are ignored (they may hold anything, NaN included).
+- The teacher, one of:
+  - `teacher_shard`: the same rows of the teacher's logits (`V_local×N`, any of those element types; it may
+    differ from the student's);
+  - a top-K teacher, as `kd_loss_topk` takes it: `topk_ids` (`K×N`, Int32/Int64, **1-based** ids into the
+    whole vocabulary, distinct within a column, an id ≤ 0 marks an unused slot) and `topk_logprobs` (`K×N`
+    Float32), the whole arrays, the same on every shard (the C `[N, K]`). The teacher's distribution is
+    `softmax(topk_logprobs / temperature)` over the used slots; `topk_norm` says whether the student's
+    log-probabilities are over the whole vocabulary (`:full_vocab`) or renormalized over the teacher's ids
+    (`:renormalize`), as for `kd_loss_topk`. The record then holds the student's max and sum over the shard's
+    real columns and over its columns at the teacher's ids in the shard (Q's fields and P's for `:forward_kl`
+    and `:jsd`, the other way round for `:reverse_kl`), `X` NaN. A top-K teacher always takes the second
+    exchange, whatever the divergence: `kd_combine` with `loss = false`, `kd_terms_partial`,
+    `kd_terms_combine`, then `kd_bwd`, each given the same `topk_ids` and `topk_logprobs`. A column without a
+    used slot is masked (loss 0, not counted by `:mean`, gradient 0); an id > `vocab_total` makes the column's
+    loss and gradient NaN.
 - `vocab_start` (required): the 0-based offset of the shard, the number of vocabulary rows before it (so
   `0 ≤ vocab_start < vocab_total`); `vocab_total` (required): V of the whole vocabulary.
 - `divergence`: `:forward_kl`, `:reverse_kl` or `:jsd` (`:jsd` with `0 < beta < 1` writes the
   forward-KL record, P the teacher, and takes a second exchange after `kd_combine`: `kd_terms_partial`
-  and `kd_terms_combine`; at `beta` 0 or 1 it is exactly forward or reverse KL and takes their steps);
-  `temperature` in [1e-4, 100] as for `kd_loss`. Use the same options on every shard and in `kd_combine`,
-  `kd_terms_partial`, `kd_terms_combine` and `kd_bwd` (the partial reads `divergence`, `beta` and
-  `temperature`; the others are validated only).
+  and `kd_terms_combine`; at `beta` 0 or 1 it is exactly forward or reverse KL and, with teacher logits,
+  takes their steps); `temperature` in [1e-4, 100] as for `kd_loss`. Use the same options on every shard
+  and in `kd_combine`, `kd_terms_partial`, `kd_terms_combine` and `kd_bwd` (the partial reads
+  `divergence`, `beta`, `temperature` and, with a top-K teacher, `topk_norm`; the others are validated
+  only).
 
-Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`,
-options out of domain), SHAPE_MISMATCH (teacher's or records' size), UNSUPPORTED_DTYPE, UNSUPPORTED_LAYOUT,
-DEVICE_MISMATCH.
+The sharded steps give what `kd_loss` (`kd_loss_topk` for a top-K teacher) of the whole rows gives, within
+the Float32 rounding of the records' sums. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0,
+`vocab_start` outside `[0, vocab_total)`, options out of domain), SHAPE_MISMATCH (teacher's or records'
+size), UNSUPPORTED_DTYPE (e.g. `topk_logprobs` not Float32), UNSUPPORTED_LAYOUT, DEVICE_MISMATCH;
+`ArgumentError` for an unknown `divergence`, `topk_norm` or `reduction`.
 """
-function kd_partial(student::AbstractMatrix, teacher::AbstractMatrix; vocab_start::Integer, vocab_total::Integer,
-                    divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
-                    temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
-                    reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
-                    records::Union{Nothing,AbstractMatrix} = nothing, handle::Handle = default_handle())
+kd_partial(student::AbstractMatrix, teacher::AbstractMatrix; kw...) =
+    _kd_partial(student, _shard_teacher(teacher); kw...)
+kd_partial(student::AbstractMatrix, topk_ids::AbstractMatrix{<:Integer}, topk_logprobs::AbstractMatrix; kw...) =
+    _kd_partial(student, _shard_teacher(topk_ids, topk_logprobs); kw...)
+
+function _kd_partial(student::AbstractMatrix, teacher::Tuple; vocab_start::Integer, vocab_total::Integer,
+                     divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
+                     temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                     topk_norm::Symbol = _def_topk_norm(),
+                     reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
+                     records::Union{Nothing,AbstractMatrix} = nothing, handle::Handle = default_handle())
     rec_a = records === nothing ? Matrix{Float32}(undef, L.FCE_KD_RECORD_FIELDS, size(student, 2)) : records
-    ts, tt, trec = Tensor(student), Tensor(teacher), Tensor(rec_a)
-    GC.@preserve ts tt trec begin
-        opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
+    (ttl, tid, tlp), ts, trec = teacher, Tensor(student), Tensor(rec_a)
+    GC.@preserve ts ttl tid tlp trec begin
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index;
                            vocab_start = vocab_start, vocab_total = vocab_total)
-        _check(L.fce_kd_partial(_ptr(handle), C_NULL, _ptr(ts), _full_teacher(tt), opts, _ptr(trec)),
+        _check(L.fce_kd_partial(_ptr(handle), C_NULL, _ptr(ts), _kd_teacher(ttl, tid, tlp), opts, _ptr(trec)),
                :fce_kd_partial)
     end
     return rec_a
@@ -910,8 +953,8 @@ end
 
 """
     kd_combine(records; vocab_total, targets=nothing, divergence=:forward_kl, beta=0.5, temperature=1,
-               scale_by_t2=false, reduction=:mean, ignore_index=-100, loss=true, row_stats=true,
-               handle=default_handle())
+               scale_by_t2=false, topk_norm=:full_vocab, reduction=:mean, ignore_index=-100, loss=true,
+               row_stats=true, handle=default_handle())
 
 Step 3 of vocabulary-parallel knowledge distillation (`fce_kd_combine`; the header's "Vocabulary-parallel
 knowledge distillation" has the math): the divergence of the whole rows, what `kd_loss` of the unsharded
@@ -927,26 +970,30 @@ records are merged in rank order in Float64: `KL(P‖Q) = X / D_P - log D_P + lo
 - `row_stats`: `false`, `true` (allocated) or a `5×N` Float32 matrix (the C `[N, FCE_KD_ROW_STATS_FIELDS]`)
   to write into: per column `M_student`, `log D_student`, `M_teacher`, `log D_teacher` (the row's
   log-probabilities are `(z - M) - log D`) and `A` of the gradient `∂L/∂z_j = a_j - q_j A` (`:forward_kl`:
-  -1; `:reverse_kl`: KL + 1), for `kd_bwd`.
-- `loss`: `true` (computed) or `false` (the C `loss = NULL`; only for `:jsd` with `0 < beta < 1`, refused
-  for KL). `:jsd` with `0 < beta < 1` needs `loss = false` and `row_stats`: its mixture
-  `M = beta*P_teacher + (1-beta)*P_student` needs the rows' normalizers before any term can be formed, so
-  this step gives only the rows' statistics (`A` NaN), and the loss and `A` come from the second exchange,
-  `kd_terms_partial` then `kd_terms_combine`.
+  -1; `:reverse_kl`: KL + 1), for `kd_bwd`. With a top-K teacher fields 3 and 4 are the student's `M` and
+  `log D` over the teacher's ids (`:renormalize`'s normalizer).
+- `loss`: `true` (computed) or `false` (the C `loss = NULL`: the rows' statistics only, so `row_stats` is
+  required). `false` is required for `:jsd` with `0 < beta < 1` and is what a top-K teacher takes: JSD's
+  mixture `M = beta*P_teacher + (1-beta)*P_student`, and a top-K teacher's terms at its ids, need the rows'
+  normalizers before any term can be formed, so this step gives only the rows' statistics (`A` not yet
+  valid) and the loss and `A` come from the second exchange, `kd_terms_partial` then `kd_terms_combine`
+  (from a top-K teacher's records `loss = true` gives a NaN loss for KL, and is refused for `:jsd`). For KL
+  with teacher logits `loss = false` gives the same complete `row_stats` without the loss.
 
 Returns `(loss, row_stats)`: `loss` a Float32 for `:sum`/`:mean`, a length-N vector for `:none` (nats,
 times `temperature^2` with `scale_by_t2`), `nothing` with `loss = false`; `row_stats` `nothing` when not
 asked for. The loss agrees with `kd_loss` of the whole rows within the Float32 rounding of the records'
 sums; masked columns, all-masked means, NaN and +Inf losses and identical distributions (exactly 0) as
 `kd_loss` gives them. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, options out of domain;
-`loss = false` for KL; `:jsd` with `0 < beta < 1` and `loss = true` or `row_stats = false`), SHAPE_MISMATCH (records not
-`5×N×W`, targets' or row_stats' size), UNSUPPORTED_LAYOUT (records not contiguous), UNSUPPORTED_DTYPE,
-DEVICE_MISMATCH; nothing is written on an error.
+`loss = false` with `row_stats = false`; `:jsd` with `0 < beta < 1` and `loss = true` or
+`row_stats = false`), SHAPE_MISMATCH (records not `5×N×W`, targets' or row_stats' size), UNSUPPORTED_LAYOUT
+(records not contiguous), UNSUPPORTED_DTYPE, DEVICE_MISMATCH; nothing is written on an error.
 """
 function kd_combine(records::AbstractArray{<:Any,3}; vocab_total::Integer,
                     targets::Union{Nothing,AbstractVector{<:Integer}} = nothing,
                     divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
                     temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                    topk_norm::Symbol = _def_topk_norm(),
                     reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
                     loss::Bool = true, row_stats = true, handle::Handle = default_handle())
     N = size(records, 2)
@@ -955,7 +1002,7 @@ function kd_combine(records::AbstractArray{<:Any,3}; vocab_total::Integer,
     trec, ttg, tloss, trs = Tensor(records), _tensor(targets === nothing ? nothing : _indices0(targets)),
                             _tensor(loss_a), _tensor(rs_a)
     GC.@preserve trec ttg tloss trs begin
-        opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index;
                            vocab_start = 0, vocab_total = vocab_total)
         _check(L.fce_kd_combine(_ptr(handle), C_NULL, _ptr(trec), _ptr(ttg), opts, _ptr(tloss), _ptr(trs), C_NULL, 0),
                :fce_kd_combine)
@@ -965,89 +1012,106 @@ end
 
 """
     kd_terms_partial(student_shard, teacher_shard, row_stats; vocab_start, vocab_total, divergence=:forward_kl,
-                     beta=0.5, temperature=1, scale_by_t2=false, reduction=:mean, ignore_index=-100,
-                     records=Matrix{Float32}(undef, 2, N), handle=default_handle())
+                     beta=0.5, temperature=1, scale_by_t2=false, topk_norm=:full_vocab, reduction=:mean,
+                     ignore_index=-100, records=Matrix{Float32}(undef, 3, N), handle=default_handle())
+    kd_terms_partial(student_shard, topk_ids, topk_logprobs, row_stats; <the same keywords>)
 
 Step 3a of vocabulary-parallel knowledge distillation (`fce_kd_terms_partial`, since 0.2.0; the header's
-"Vocabulary-parallel knowledge distillation" has the math): JSD's second exchange, which works for every
-divergence (for KL it gives `kd_combine`'s loss a second way). From the rows' statistics of `kd_combine`
-(fields 1-4 read: the row's log-probabilities are `(z - M) - log D`, `z = logits / temperature`), the
-shard's sums over its real columns of the element terms of `kd_loss`: a `K×N` Float32 matrix (the C
-`[N, K]`, `K = LibFusedCE.FCE_KD_TERMS_RECORD_FIELDS` = 2), written into `records` if given (contiguous)
-and returned, per column `Σ_j L_j` and `Σ_j a_j` (unscaled: no `temperature^2`, no mean), Float32 from a
-Float64 sum on the CPU, `+Inf` where a term is, NaN where a logit or a statistic is. With `p` the teacher's
-and `q` the student's probabilities and `m = beta*p + (1-beta)*q`:
+"Vocabulary-parallel knowledge distillation" has the math): the second exchange of JSD and of a top-K
+teacher, which works for every divergence (for KL with teacher logits it gives `kd_combine`'s loss a second
+way). From the rows' statistics of `kd_combine` (fields 1-4 read: the row's log-probabilities are
+`(z - M) - log D`, `z = logits / temperature`), the shard's sums of the element terms of `kd_loss`: a `K×N`
+Float32 matrix (the C `[N, K]`, `K = LibFusedCE.FCE_KD_TERMS_RECORD_FIELDS` = 3), written into `records` if
+given (contiguous) and returned, per column over the shard's real columns (a top-K teacher: over its used
+slots whose ids fall in the shard) `Σ_j L_j`, `Σ_j a_j` (unscaled: no `temperature^2`, no mean), Float32
+from a Float64 sum on the CPU, `+Inf` where a term is, NaN where a logit or a statistic is or a top-K id is
+past `vocab_total`; and the number of those slots (a Float32 count; -1 with teacher logits). With `p` the
+teacher's and `q` the student's probabilities (a top-K teacher: `p` its softmax over the used slots, `q`
+the student's over the whole vocabulary or renormalized over the ids, per `topk_norm`) and
+`m = beta*p + (1-beta)*q`:
 - `:jsd` (`0 < beta < 1`): `L_j = beta p_j log(p_j/m_j) + (1-beta) q_j log(q_j/m_j)`,
   `a_j = (1-beta) q_j log(q_j/m_j)`;
 - `:forward_kl`: `L_j = p_j log(p_j/q_j)`, `a_j = -p_j`;
 - `:reverse_kl`: `L_j = q_j log(q_j/p_j)`, `a_j = q_j log(q_j/p_j) + q_j`
 (a term of zero weight adds 0), so that `∂L/∂z_j = a_j - q_j A` with `A = Σ_j a_j` of the whole row.
 
-- `student_shard`, `teacher_shard`, `vocab_start`, `vocab_total` and the options: those of this shard's
-  `kd_partial` call (`V_local×N`; padding rows past `vocab_total` are ignored).
-- `row_stats`: `5×N` Float32 from `kd_combine` (for `:jsd` its `loss = false` call), the same on every rank.
+- `student_shard`, the teacher (`teacher_shard`, or `topk_ids` and `topk_logprobs`: the whole arrays),
+  `vocab_start`, `vocab_total` and the options: those of this shard's `kd_partial` call (`V_local×N`;
+  padding rows past `vocab_total` are ignored).
+- `row_stats`: `5×N` Float32 from `kd_combine` (for `:jsd` and a top-K teacher its `loss = false` call),
+  the same on every rank.
 
 Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`,
 options out of domain), SHAPE_MISMATCH (teacher's, row_stats' or records' size), UNSUPPORTED_DTYPE,
 UNSUPPORTED_LAYOUT, DEVICE_MISMATCH; nothing is written on an error.
 """
-function kd_terms_partial(student::AbstractMatrix, teacher::AbstractMatrix, row_stats::AbstractMatrix;
-                          vocab_start::Integer, vocab_total::Integer,
-                          divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
-                          temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
-                          reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
-                          records::Union{Nothing,AbstractMatrix} = nothing, handle::Handle = default_handle())
+kd_terms_partial(student::AbstractMatrix, teacher::AbstractMatrix, row_stats::AbstractMatrix; kw...) =
+    _kd_terms_partial(student, _shard_teacher(teacher), row_stats; kw...)
+kd_terms_partial(student::AbstractMatrix, topk_ids::AbstractMatrix{<:Integer}, topk_logprobs::AbstractMatrix,
+                 row_stats::AbstractMatrix; kw...) =
+    _kd_terms_partial(student, _shard_teacher(topk_ids, topk_logprobs), row_stats; kw...)
+
+function _kd_terms_partial(student::AbstractMatrix, teacher::Tuple, row_stats::AbstractMatrix;
+                           vocab_start::Integer, vocab_total::Integer,
+                           divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
+                           temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                           topk_norm::Symbol = _def_topk_norm(),
+                           reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
+                           records::Union{Nothing,AbstractMatrix} = nothing, handle::Handle = default_handle())
     rec_a = records === nothing ? Matrix{Float32}(undef, L.FCE_KD_TERMS_RECORD_FIELDS, size(student, 2)) : records
-    ts, tt, trs, trec = Tensor(student), Tensor(teacher), Tensor(row_stats), Tensor(rec_a)
-    GC.@preserve ts tt trs trec begin
-        opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
+    (ttl, tid, tlp), ts, trs, trec = teacher, Tensor(student), Tensor(row_stats), Tensor(rec_a)
+    GC.@preserve ts ttl tid tlp trs trec begin
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index;
                            vocab_start = vocab_start, vocab_total = vocab_total)
-        _check(L.fce_kd_terms_partial(_ptr(handle), C_NULL, _ptr(ts), _full_teacher(tt), _ptr(trs), opts, _ptr(trec)),
-               :fce_kd_terms_partial)
+        _check(L.fce_kd_terms_partial(_ptr(handle), C_NULL, _ptr(ts), _kd_teacher(ttl, tid, tlp), _ptr(trs), opts,
+                                      _ptr(trec)), :fce_kd_terms_partial)
     end
     return rec_a
 end
 
 """
     kd_terms_combine(records, row_stats; vocab_total, targets=nothing, divergence=:forward_kl, beta=0.5,
-                     temperature=1, scale_by_t2=false, reduction=:mean, ignore_index=-100, handle=default_handle())
+                     temperature=1, scale_by_t2=false, topk_norm=:full_vocab, reduction=:mean, ignore_index=-100,
+                     handle=default_handle())
 
 Step 3c of vocabulary-parallel knowledge distillation (`fce_kd_terms_combine`, since 0.2.0): the loss of the
 whole rows from every shard's `kd_terms_partial` records, added in rank order in Float64, and the rows' `A`
 written into `row_stats` for `kd_bwd`. Per row `loss = Σ L_j` (times `temperature^2` with `scale_by_t2`),
-`A = Σ a_j` (for KL the `A` of `kd_combine`: -1, or KL + 1). For `:jsd` (`M = beta*P + (1-beta)*Q`, P the
-teacher's and Q the student's softmax of `z = logits / temperature`):
+`A = Σ a_j` (for KL with teacher logits the `A` of `kd_combine`: -1, or KL + 1). For `:jsd`
+(`M = beta*P + (1-beta)*Q`, P the teacher's and Q the student's softmax of `z = logits / temperature`):
 `loss = beta KL(P‖M) + (1-beta) KL(Q‖M)`, and `kd_bwd` then forms
 `∂loss/∂z_j = (1-beta) q_j (log(q_j/m_j) - Σ_k q_k log(q_k/m_k))` (divided by `temperature` for the
 logits, and scaled by the reduction).
 
-- `records`: `2×N×W` Float32, contiguous (the C `[W, N, FCE_KD_TERMS_RECORD_FIELDS]`): the W shards'
+- `records`: `3×N×W` Float32, contiguous (the C `[W, N, FCE_KD_TERMS_RECORD_FIELDS]`): the W shards'
   `kd_terms_partial` results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)`.
 - `row_stats`: the `5×N` Float32 matrix of `kd_combine` (the one given to `kd_terms_partial`), updated in
   place: field 5 (`A`) written, fields 1-4 kept. Required: `nothing` is refused by the library
   (INVALID_ARGUMENT).
 - `targets`, `vocab_total` and the other options: those of `kd_combine` (columns whose target equals
-  `ignore_index` are masked: loss 0; `:mean` is batchmean over the unmasked columns).
+  `ignore_index` are masked: loss 0; `:mean` is batchmean over the unmasked columns). So are a top-K
+  teacher's columns without a used slot (their slot counts, field 3, add up to 0).
 
 Returns `(loss, row_stats)`: `loss` a Float32 for `:sum`/`:mean`, a length-N vector for `:none` (nats),
-what `kd_loss` of the whole rows returns within the Float32 rounding of the records' sums (masked
-columns, all-masked means, NaN and +Inf losses and identical distributions, exactly 0, as `kd_loss` gives
-them); `row_stats` the argument. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, options out of
-domain, `row_stats` `nothing`), SHAPE_MISMATCH (records not `2×N×W`, targets' or row_stats' size),
-UNSUPPORTED_LAYOUT (records not contiguous), UNSUPPORTED_DTYPE, DEVICE_MISMATCH; nothing is written on an
-error.
+what `kd_loss` (`kd_loss_topk` for a top-K teacher) of the whole rows returns within the Float32 rounding of
+the records' sums (masked columns, all-masked means, NaN and +Inf losses and identical distributions,
+exactly 0, as `kd_loss` gives them); `row_stats` the argument. Errors: `FusedCEError` INVALID_ARGUMENT
+(`vocab_total` 0, options out of domain, `row_stats` `nothing`), SHAPE_MISMATCH (records not `3×N×W`,
+targets' or row_stats' size), UNSUPPORTED_LAYOUT (records not contiguous), UNSUPPORTED_DTYPE,
+DEVICE_MISMATCH; nothing is written on an error.
 """
 function kd_terms_combine(records::AbstractArray{<:Any,3}, row_stats::Union{Nothing,AbstractMatrix};
                           vocab_total::Integer, targets::Union{Nothing,AbstractVector{<:Integer}} = nothing,
                           divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
                           temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                          topk_norm::Symbol = _def_topk_norm(),
                           reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
                           handle::Handle = default_handle())
     loss_a = _loss_buffer(reduction, size(records, 2))
     trec, ttg, tloss, trs = Tensor(records), _tensor(targets === nothing ? nothing : _indices0(targets)),
                             Tensor(loss_a), _tensor(row_stats)
     GC.@preserve trec ttg tloss trs begin
-        opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index;
                            vocab_start = 0, vocab_total = vocab_total)
         _check(L.fce_kd_terms_combine(_ptr(handle), C_NULL, _ptr(trec), _ptr(ttg), opts, _ptr(tloss), _ptr(trs),
                                       C_NULL, 0), :fce_kd_terms_combine)
@@ -1057,46 +1121,58 @@ end
 
 """
     kd_bwd(student_shard, teacher_shard, row_stats; vocab_start, vocab_total, targets=nothing,
-           divergence=:forward_kl, beta=0.5, temperature=1, scale_by_t2=false, reduction=:mean,
-           ignore_index=-100, grad_loss=nothing, dstudent=similar(student_shard), handle=default_handle())
+           divergence=:forward_kl, beta=0.5, temperature=1, scale_by_t2=false, topk_norm=:full_vocab,
+           reduction=:mean, ignore_index=-100, grad_loss=nothing, dstudent=similar(student_shard),
+           handle=default_handle())
+    kd_bwd(student_shard, topk_ids, topk_logprobs, row_stats; <the same keywords>)
 
 Step 4 of vocabulary-parallel knowledge distillation (`fce_kd_bwd`): the shard's columns of
 d(loss)/d(student logits) times `grad_loss`, from `kd_combine`'s `row_stats` (`5×N` Float32; for `:jsd`
-with `0 < beta < 1` after `kd_terms_combine` has written their `A`), formed in
+with `0 < beta < 1` and for a top-K teacher after `kd_terms_combine` has written their `A`), formed in
 Float32 and rounded once to the student's element type: per element `(a_j - q_j A) / temperature` (times
 `temperature^2` with `scale_by_t2`, divided by the unmasked columns for `:mean`), with the log-probabilities
 `(z - M) - log D` of the row statistics and `a_j` the element terms of `kd_loss` (the header's
-"Vocabulary-parallel knowledge distillation"). 0 at masked columns and in padding rows (global class >
-`vocab_total`).
+"Vocabulary-parallel knowledge distillation"). With a top-K teacher, as `kd_loss_topk`: `a_k - q_k A` at
+the teacher's ids in the shard, and elsewhere `-q_j A` with `topk_norm = :full_vocab`, 0 with
+`:renormalize`. 0 at masked columns (a top-K teacher's columns without a used slot too) and in padding
+rows (global class > `vocab_total`).
 
-- `student_shard`, `teacher_shard`, `vocab_start`, `vocab_total` and the options: those of this shard's
-  `kd_partial` call; `targets` and `reduction` those of `kd_combine` (the mean counts the same columns).
+- `student_shard`, the teacher (`teacher_shard`, or `topk_ids` and `topk_logprobs`: the whole arrays),
+  `vocab_start`, `vocab_total` and the options: those of this shard's `kd_partial` call; `targets` and
+  `reduction` those of `kd_combine` (the mean counts the same columns).
 - `grad_loss`: Float32 upstream gradient, a number (or, for `:none`, a length-N vector); `nothing` = 1.
 - `dstudent`: `V_local×N` in the student's element type, written and returned; `dstudent = student_shard`
   works in place.
 
-Agrees with `kd_loss(...; dstudent = true)` of the whole rows within the Float32 rounding of the records'
-sums. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`,
-options out of domain), SHAPE_MISMATCH (teacher's, targets', row_stats',
-grad_loss' or dstudent's size), UNSUPPORTED_DTYPE (dstudent not the student's type), UNSUPPORTED_LAYOUT,
-DEVICE_MISMATCH.
+Agrees with `kd_loss(...; dstudent = true)` (`kd_loss_topk` for a top-K teacher) of the whole rows within
+the Float32 rounding of the records' sums. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0,
+`vocab_start` outside `[0, vocab_total)`, options out of domain), SHAPE_MISMATCH (teacher's, targets',
+row_stats', grad_loss' or dstudent's size), UNSUPPORTED_DTYPE (dstudent not the student's type),
+UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
 """
-function kd_bwd(student::AbstractMatrix, teacher::AbstractMatrix, row_stats::AbstractMatrix;
-                vocab_start::Integer, vocab_total::Integer,
-                targets::Union{Nothing,AbstractVector{<:Integer}} = nothing,
-                divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
-                temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
-                reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
-                grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
-                dstudent::AbstractMatrix = similar(student), handle::Handle = default_handle())
-    ts, tt, ttg, trs, tg, tds = Tensor(student), Tensor(teacher),
-                                _tensor(targets === nothing ? nothing : _indices0(targets)), Tensor(row_stats),
-                                _tensor(grad_loss), Tensor(dstudent)
-    GC.@preserve ts tt ttg trs tg tds begin
-        opts = _kd_options(divergence, beta, temperature, scale_by_t2, _def_topk_norm(), reduction, ignore_index;
+kd_bwd(student::AbstractMatrix, teacher::AbstractMatrix, row_stats::AbstractMatrix; kw...) =
+    _kd_bwd(student, _shard_teacher(teacher), row_stats; kw...)
+kd_bwd(student::AbstractMatrix, topk_ids::AbstractMatrix{<:Integer}, topk_logprobs::AbstractMatrix,
+       row_stats::AbstractMatrix; kw...) =
+    _kd_bwd(student, _shard_teacher(topk_ids, topk_logprobs), row_stats; kw...)
+
+function _kd_bwd(student::AbstractMatrix, teacher::Tuple, row_stats::AbstractMatrix;
+                 vocab_start::Integer, vocab_total::Integer,
+                 targets::Union{Nothing,AbstractVector{<:Integer}} = nothing,
+                 divergence::Symbol = _def_divergence(), beta::Real = _KD[].beta,
+                 temperature::Real = _KD[].temperature, scale_by_t2::Bool = _KD[].scale_by_t2 != 0,
+                 topk_norm::Symbol = _def_topk_norm(),
+                 reduction::Symbol = _def_kd_reduction(), ignore_index::Integer = _KD[].ignore_index,
+                 grad_loss::Union{Nothing,Real,AbstractArray} = nothing,
+                 dstudent::AbstractMatrix = similar(student), handle::Handle = default_handle())
+    (ttl, tid, tlp), ts, ttg, trs, tg, tds = teacher, Tensor(student),
+                                             _tensor(targets === nothing ? nothing : _indices0(targets)),
+                                             Tensor(row_stats), _tensor(grad_loss), Tensor(dstudent)
+    GC.@preserve ts ttl tid tlp ttg trs tg tds begin
+        opts = _kd_options(divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index;
                            vocab_start = vocab_start, vocab_total = vocab_total)
-        _check(L.fce_kd_bwd(_ptr(handle), C_NULL, _ptr(ts), _full_teacher(tt), _ptr(ttg), _ptr(trs), opts, _ptr(tg),
-                            _ptr(tds), C_NULL, 0), :fce_kd_bwd)
+        _check(L.fce_kd_bwd(_ptr(handle), C_NULL, _ptr(ts), _kd_teacher(ttl, tid, tlp), _ptr(ttg), _ptr(trs), opts,
+                            _ptr(tg), _ptr(tds), C_NULL, 0), :fce_kd_bwd)
     end
     return dstudent
 end

@@ -25,7 +25,7 @@ const FCE_KD_TEMPERATURE_MIN = 1.0f-4
 const FCE_KD_TEMPERATURE_MAX = 100.0f0
 const FCE_KD_RECORD_FIELDS = 5
 const FCE_KD_ROW_STATS_FIELDS = 5
-const FCE_KD_TERMS_RECORD_FIELDS = 2
+const FCE_KD_TERMS_RECORD_FIELDS = 3
 const FCE_LINEAR_CE_ACCUMULATE = 1
 
 # ---- types and functions, in header order ----
@@ -1011,14 +1011,15 @@ end
 """
 The records of a vocabulary shard of student and teacher.
 @param student [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total).
-@param teacher full logits [N,V] (any float dtype); a top-K teacher is NOT_IMPLEMENTED.
+@param teacher full logits [N,V] (any float dtype), the shard's columns; or a top-K teacher: [N,K] ids
+               (global vocabulary indices, negative = unused slot) and log-probabilities, the same on
+               every rank (its loss then comes from the terms: see above).
 @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); any divergence (JSD:
-               the forward-KL record, P the teacher); temperature as for fce_kd_loss; the same options on
-               every rank and call.
+               the forward-KL record, P the teacher); temperature and topk_norm as for fce_kd_loss; the
+               same options on every rank and call.
 @param records [N, FCE_KD_RECORD_FIELDS] fp32, written.
 @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (no shard in the options, options out of domain);
-        NOT_IMPLEMENTED (top-K teacher); SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
-        DEVICE_MISMATCH; CUDA_ERROR.
+        SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; CUDA_ERROR.
 """
 function fce_kd_partial(handle, stream, student, teacher, options, records)
     @ccall $(_fptr_fce_kd_partial[])(handle::fce_handle_t, stream::fce_stream_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, options::Ptr{fce_kd_options_t}, records::Ptr{DLTensor})::fce_status_t
@@ -1030,12 +1031,14 @@ The divergence of whole rows from every shard's records.
 @param targets   optional [N] int32/int64: rows whose target is options->ignore_index are masked (loss 0).
 @param options   the partial calls' options (vocab_total required; vocab_start is not read).
 @param loss      fp32: [N] with reduction NONE (0 at masked rows), else a scalar (MEAN: batchmean over
-                 the unmasked rows); nats, times T^2 with scale_by_t2. JSD (0 < beta < 1): must be NULL
-                 (the loss comes from fce_kd_terms_combine).
+                 the unmasked rows); nats, times T^2 with scale_by_t2. May be NULL (then row_stats is
+                 required); must be NULL for JSD (0 < beta < 1). Records of a top-K teacher give a NaN
+                 loss: theirs comes from fce_kd_terms_combine.
 @param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: the rows' statistics for fce_kd_bwd (JSD:
-                 required, and for fce_kd_terms_partial; its A is NaN until fce_kd_terms_combine).
-@return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a JSD loss or a JSD call
-        without row_stats), CUDA_ERROR.
+                 required, and for fce_kd_terms_partial; its A is valid after fce_kd_terms_combine for
+                 JSD and a top-K teacher).
+@return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a JSD loss, or a call without
+        row_stats that is JSD's or has no loss either), CUDA_ERROR.
 """
 function fce_kd_combine(handle, stream, records, targets, options, loss, row_stats, workspace, workspace_bytes)
     @ccall $(_fptr_fce_kd_combine[])(handle::fce_handle_t, stream::fce_stream_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, loss::Ptr{DLTensor}, row_stats::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
@@ -1049,16 +1052,17 @@ function fce_kd_combine_workspace_size(handle, records, targets, options, loss, 
 end
 
 """
-JSD's second exchange (any divergence works): a shard's sums of the element terms, from the rows'
-statistics (see "Vocabulary-parallel knowledge distillation" above; since 0.2.0).
+The second exchange of JSD and of a top-K teacher (any divergence works): a shard's sums of the element
+terms, from the rows' statistics (see "Vocabulary-parallel knowledge distillation" above; since 0.2.0).
 @param student   [N,V] the shard's columns, as given to fce_kd_partial.
-@param teacher   full logits [N,V], as given to fce_kd_partial.
+@param teacher   as given to fce_kd_partial (the shard's logits, or the top-K teacher).
 @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine (fields 0-3 read).
 @param options   the partial call's options.
 @param records   [N, FCE_KD_TERMS_RECORD_FIELDS] fp32, written: 0 sum_j L_j, 1 sum_j a_j over the shard's
-                 real columns (+inf where a term is, NaN where a logit or a statistic is).
-@return FCE_STATUS_SUCCESS; INVALID_ARGUMENT; NOT_IMPLEMENTED (top-K teacher); SHAPE_MISMATCH;
-        UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; CUDA_ERROR.
+                 real columns or top-K slots (+inf where a term is, NaN where a logit or a statistic is, or
+                 a top-K id is >= vocab_total), 2 the slots (-1 with teacher logits).
+@return FCE_STATUS_SUCCESS; INVALID_ARGUMENT; SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;
+        DEVICE_MISMATCH; CUDA_ERROR.
 """
 function fce_kd_terms_partial(handle, stream, student, teacher, row_stats, options, records)
     @ccall $(_fptr_fce_kd_terms_partial[])(handle::fce_handle_t, stream::fce_stream_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, row_stats::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, records::Ptr{DLTensor})::fce_status_t
@@ -1067,7 +1071,8 @@ end
 """
 The loss of whole rows from every shard's terms' records, and the rows' A (since 0.2.0).
 @param records   [W,N,FCE_KD_TERMS_RECORD_FIELDS] fp32, contiguous: every rank's in rank order.
-@param targets   optional [N] int32/int64, as for fce_kd_combine (masked rows: loss 0).
+@param targets   optional [N] int32/int64, as for fce_kd_combine (masked rows: loss 0; so are a top-K
+                 teacher's rows without a used slot).
 @param options   the partial calls' options.
 @param loss      fp32: [N] with reduction NONE, else a scalar, as fce_kd_combine's; nats.
 @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine: field 4 (A) written, the rest kept.
@@ -1088,13 +1093,17 @@ end
 A shard's dstudent from the rows' statistics: d(loss)/d(student logits) * grad_loss for the shard's columns
 (fp32, rounded once; 0 at masked rows and padding columns).
 @param student   [N,V] the shard's columns, as given to fce_kd_partial.
-@param teacher   full logits [N,V], as given to fce_kd_partial.
+@param teacher   as given to fce_kd_partial (the shard's logits, or the top-K teacher: then, as
+                 fce_kd_loss, -q_j A over the shard with FCE_KD_TOPK_FULL_VOCAB, 0 with RENORMALIZE, and
+                 a_k - q_k A at the ids in the shard).
 @param targets   optional [N], as given to fce_kd_combine (the mean counts the same rows).
-@param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine.
+@param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine (JSD and a top-K teacher: after
+                 fce_kd_terms_combine).
 @param options   the partial call's options (vocab_start and vocab_total of this shard).
 @param grad_loss optional fp32 upstream gradient: a scalar, or [N] with reduction NONE; NULL = 1.
 @param dstudent  [N,V] in the student's dtype; may be the student's memory (in place).
-@return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+@return FCE_STATUS_SUCCESS or the validation statuses; NOT_IMPLEMENTED on CUDA for a top-K teacher of
+        K > 8192; CUDA_ERROR.
 """
 function fce_kd_bwd(handle, stream, student, teacher, targets, row_stats, options, grad_loss, dstudent, workspace, workspace_bytes)
     @ccall $(_fptr_fce_kd_bwd[])(handle::fce_handle_t, stream::fce_stream_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, targets::Ptr{DLTensor}, row_stats::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, grad_loss::Ptr{DLTensor}, dstudent::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t

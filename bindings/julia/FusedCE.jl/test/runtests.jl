@@ -14,7 +14,7 @@ Random.seed!(20240607)
 # Float64 references (columns are rows: X is V×N)
 # ------------------------------------------------------------------------------------------------
 
-lse64(z) = (m = maximum(z); m == -Inf ? -Inf : m + log(sum(exp.(z .- m))))
+lse64(z) = (m = isempty(z) ? -Inf : maximum(z); m == -Inf ? -Inf : m + log(sum(exp.(z .- m))))
 logsoftmax64(z) = z .- lse64(z)
 
 function ce_ref(X, t; reduction = :mean, ignore_index = -100, label_smoothing = 0.0, z_loss_scale = 0.0,
@@ -81,19 +81,27 @@ function kd_ref(S, T; targets = nothing, divergence = :forward_kl, beta = 0.5, t
     return reduction === :none ? loss : reduction === :sum ? sum(loss) : (used > 0 ? sum(loss) / used : 0.0)
 end
 
-function kd_topk_ref(S, ids, lps; divergence = :forward_kl, beta = 0.5, temperature = 1.0, topk_norm = :full_vocab,
-                     reduction = :mean, scale_by_t2 = false)
+# Column n of a top-K teacher (1-based ids, ≤ 0 unused): the used slots' ids, the teacher's log-probabilities
+# over them and the student's there (over the whole vocabulary, or renormalized over the ids).
+function topk_column64(S, ids, lps, n; temperature = 1.0, topk_norm = :full_vocab)
+    sel = [k for k in 1:size(ids, 1) if ids[k, n] >= 1]
+    zs = Float64.(S[:, n]) ./ temperature
+    idn = ids[sel, n]
+    lp = logsoftmax64(Float64.(lps[sel, n]) ./ temperature)
+    lq = topk_norm === :full_vocab ? (zs .- lse64(zs))[idn] : logsoftmax64(zs[idn])
+    return (ids = idn, lp = lp, lq = lq)
+end
+
+function kd_topk_ref(S, ids, lps; targets = nothing, ignore_index = -100, divergence = :forward_kl, beta = 0.5,
+                     temperature = 1.0, topk_norm = :full_vocab, reduction = :mean, scale_by_t2 = false)
     V, N = size(S)
     loss = zeros(N); used = 0
     for n in 1:N
-        sel = [k for k in 1:size(ids, 1) if ids[k, n] >= 1]
-        isempty(sel) && continue
+        targets !== nothing && targets[n] == ignore_index && continue
+        c = topk_column64(S, ids, lps, n; temperature = temperature, topk_norm = topk_norm)
+        isempty(c.ids) && continue
         used += 1
-        zs = Float64.(S[:, n]) ./ temperature
-        idn = ids[sel, n]
-        lp = logsoftmax64(Float64.(lps[sel, n]) ./ temperature)
-        lq = topk_norm === :full_vocab ? (zs .- lse64(zs))[idn] : logsoftmax64(zs[idn])
-        loss[n] = kd_row_terms(lp, lq, divergence, beta) * (scale_by_t2 ? temperature^2 : 1.0)
+        loss[n] = kd_row_terms(c.lp, c.lq, divergence, beta) * (scale_by_t2 ? temperature^2 : 1.0)
     end
     return reduction === :none ? loss : reduction === :sum ? sum(loss) : (used > 0 ? sum(loss) / used : 0.0)
 end
@@ -703,6 +711,9 @@ end
     @test all(r.dstudent[:, 5] .== 0)
     r32 = FusedCE.kd_loss_topk(S, Int32.(ids), lps; kw...)
     @test r32.loss == r.loss
+    i32 = Int32.(ids)
+    i32[4, 2] = typemin(Int32)                     # any id ≤ 0 is an unused slot: none wraps around
+    @test FusedCE.kd_loss_topk(S, i32, lps; kw...).loss == r.loss
 end
 
 @testset "vocabulary-parallel knowledge distillation" begin
@@ -718,6 +729,18 @@ end
                "20 + 33, the last padded by 4 NaN rows" => ((1:20, 0), (21:53, 4)),
                "18 + 18 + 17, the last padded by 1 NaN row" => ((1:18, 0), (19:36, 0), (37:53, 1)))
     pad(X, rows, p) = vcat(X[rows, :], fill(NaN32, p, size(X, 2)))
+    # the status name of the FusedCEError that f throws (from C function func)
+    function kd_status(f, func)
+        try
+            f()
+        catch e
+            e isa FusedCEError || rethrow()
+            @test e.func === func
+            @test !isempty(e.message)
+            return e.name
+        end
+        return "no error"
+    end
     lse_cols(X, T) = [lse64(Float64.(X[:, n]) ./ T) for n in 1:size(X, 2)]
     # a shard's record in Float64 (header: m_P, sum exp(z_P - m_P), m_Q, sum exp(z_Q - m_Q), X)
     function kd_record64(P, Q, T)
@@ -727,11 +750,12 @@ end
         return [mp, sum(ep), mq, sum(exp.(zq .- mq)), sum(ep .* ((zp .- mp) .- (zq .- mq)))]
     end
     KT = L.FCE_KD_TERMS_RECORD_FIELDS
-    @test KT == 2
+    @test KT == 3
     # JSD strictly between forward and reverse KL: two exchanges
     mixture(kw) = get(kw, :divergence, :forward_kl) === :jsd && 0 < get(kw, :beta, 0.5) < 1
-    # a shard's terms' record in Float64 (header: sum L_j, sum a_j over its columns), from the whole rows'
-    # log-probabilities lp (teacher) and lq (student) at the shard's columns
+    # a shard's terms' record in Float64 (header: sum L_j, sum a_j over its columns; the count of field 3 is
+    # not formed here), from the whole rows' log-probabilities lp (teacher) and lq (student) at the shard's
+    # columns (a top-K teacher: at its ids in the shard)
     function kd_terms64(lp, lq, divergence, beta)
         p, q = exp.(lp), exp.(lq)
         a = divergence === :forward_kl ? -p :
@@ -766,12 +790,14 @@ end
         G = fd_grad(X -> kd_ref(X, Tk; divergence = :jsd, kwj...), Float64.(Sk))
         @test approx(jsd_grad64(Sk, Tk; kwj...).dstudent, G; atol = 1e-7, rtol = 1e-6)
     end
-    # steps 3 to 3c of whole rows: kd_combine, then for JSD the terms' exchange; (loss, row_stats)
+    # steps 3 to 3c of whole rows: kd_combine, then for JSD and a top-K teacher the terms' exchange; ts the
+    # shards' teacher logits, or a top-K teacher's (ids, logprobs), the same on every shard; (loss, row_stats)
     function kd_vp_combine(stacked, ss, ts, starts; targets = nothing, kw...)
-        mixture(kw) || return FusedCE.kd_combine(stacked; vocab_total = Vk, targets = targets, kw...)
+        topk = ts isa Tuple
+        mixture(kw) || topk || return FusedCE.kd_combine(stacked; vocab_total = Vk, targets = targets, kw...)
         c = FusedCE.kd_combine(stacked; vocab_total = Vk, targets = targets, kw..., loss = false)
-        trecs = [FusedCE.kd_terms_partial(ss[r], ts[r], c.row_stats; vocab_start = starts[r], vocab_total = Vk, kw...)
-                 for r in eachindex(ss)]
+        trecs = [FusedCE.kd_terms_partial(ss[r], (topk ? ts : (ts[r],))..., c.row_stats; vocab_start = starts[r],
+                                          vocab_total = Vk, kw...) for r in eachindex(ss)]
         return FusedCE.kd_terms_combine(cat(trecs...; dims = 3), c.row_stats; vocab_total = Vk, targets = targets,
                                         kw...)
     end
@@ -819,7 +845,8 @@ end
             for (r, (rows, _)) in enumerate(shards), n in 1:Nk
                 lq = logsoftmax64(Float64.(Sk[:, n]) ./ T)[rows]
                 lp = logsoftmax64(Float64.(Tk[:, n]) ./ T)[rows]
-                @test approx(trecs[r][:, n], kd_terms64(lp, lq, kw.divergence, get(kw, :beta, 0.5)))
+                @test approx(trecs[r][1:2, n], kd_terms64(lp, lq, kw.divergence, get(kw, :beta, 0.5)))
+                @test trecs[r][3, n] == -1                     # no slots: teacher logits
             end
             # steps 3b-3c: the loss and A into a copy of the statistics, fields 1-4 kept; for KL the loss
             # and A of step 3 a second way
@@ -863,8 +890,12 @@ end
         if !jsd
             c0 = FusedCE.kd_combine(stacked; vocab_total = Vk, kw..., row_stats = false)
             @test c0.row_stats === nothing && c0.loss == c1.loss
-            # KL's combine needs its loss (only JSD's leaves it to the terms)
-            @test_throws FusedCEError FusedCE.kd_combine(stacked; vocab_total = Vk, kw..., loss = false)
+            # KL's combine without its loss (the C loss NULL): the same statistics, A complete; without
+            # row_stats either it is refused
+            cs = FusedCE.kd_combine(stacked; vocab_total = Vk, kw..., loss = false)
+            @test cs.loss === nothing && cs.row_stats == c1.row_stats
+            @test kd_status(() -> FusedCE.kd_combine(stacked; vocab_total = Vk, kw..., loss = false, row_stats = false),
+                            :fce_kd_combine) == "INVALID_ARGUMENT"
         end
         r = length(shards)
         rows = shards[r][1]
@@ -874,6 +905,142 @@ end
         @test FusedCE.kd_bwd(sc, ts[r], c1.row_stats; vocab_start = starts[r], vocab_total = Vk, kw...,
                              dstudent = sc) === sc
         @test sc == d1
+    end
+
+    # A top-K teacher over shards: K×N 1-based ids into the whole vocabulary (≤ 0 unused) and Float32
+    # log-probabilities, the same arrays on every shard; always two exchanges (kd_combine with loss = false).
+    # Against kd_loss_topk of the whole rows and the Float64 kd_topk_ref (its gradient by central differences).
+    Kk = 6
+    idk = zeros(Int, Kk, Nk)
+    for n in 1:Nk
+        idk[:, n] = randperm(Vk)[1:Kk]
+    end
+    idk[2, 1] = 0; idk[5, 2] = -3                  # unused slots
+    idk[:, 5] .= 0                                 # no used slot: masked (loss 0, not counted by :mean, gradient 0)
+    idk[:, 6] = randperm(17)[1:Kk]                 # every id in the first shard of each layout
+    idk[1, 7] = Vk                                 # the last class
+    lpk = Float32.(log.(rand(Kk, Nk) .* 0.2 .+ 1e-3))
+    usedk = [n for n in 1:Nk if any(>=(1), idk[:, n])]
+    @test usedk == [1, 2, 3, 4, 6, 7]
+    topk_kws = ((divergence = :forward_kl, topk_norm = :full_vocab, reduction = :none),
+                (divergence = :forward_kl, topk_norm = :renormalize, reduction = :mean, temperature = 2.0,
+                 scale_by_t2 = true),
+                (divergence = :reverse_kl, topk_norm = :full_vocab, reduction = :mean),
+                (divergence = :reverse_kl, topk_norm = :renormalize, reduction = :none, temperature = 0.7),
+                (divergence = :jsd, beta = 0.3, topk_norm = :full_vocab, reduction = :sum, temperature = 1.5),
+                (divergence = :jsd, beta = 0.6, topk_norm = :renormalize, reduction = :none))
+    @testset "top-K teacher, $name, $(values(kw))" for (name, shards) in layouts, kw in topk_kws
+        T = Float64(get(kw, :temperature, 1.0))
+        beta = get(kw, :beta, 0.5)
+        rev = kw.divergence === :reverse_kl
+        starts = [first(rows) - 1 for (rows, _) in shards]
+        ss = [pad(Sk, rows, p) for (rows, p) in shards]
+        cols = [topk_column64(Sk, idk, lpk, n; temperature = T, topk_norm = kw.topk_norm) for n in 1:Nk]
+        # step 1 (poisoned buffers): the student's max and sum over the shard's real columns and over its columns
+        # at the teacher's ids in the shard (Q's fields and P's; reverse KL the other way round), X NaN
+        recs = [FusedCE.kd_partial(ss[r], idk, lpk; vocab_start = starts[r], vocab_total = Vk, kw...,
+                                   records = fill(NaN32, KR, Nk)) for r in eachindex(shards)]
+        whole, sel = rev ? (1, 3) : (3, 1)
+        for (r, (rows, _)) in enumerate(shards), n in 1:Nk
+            rec = Float64.(recs[r][:, n])
+            @test isapprox(rec[whole] + log(rec[whole+1]), lse64(Float64.(Sk[rows, n]) ./ T); rtol = 1e-5)
+            ins = filter(in(rows), cols[n].ids)
+            isempty(ins) || @test isapprox(rec[sel] + log(rec[sel+1]), lse64(Float64.(Sk[ins, n]) ./ T); rtol = 1e-5)
+            @test isnan(rec[5])
+        end
+        stacked = cat(recs...; dims = 3)
+        for targets in (nothing, tk)
+            g = kw.reduction === :none ? rand(Float32, Nk) .+ 0.5f0 : 1.7f0
+            ref = FusedCE.kd_loss_topk(Sk, idk, lpk; targets = targets, dstudent = true, grad_loss = g, kw...)
+            masked = [n == 5 || (targets !== nothing && targets[n] == -100) for n in 1:Nk]
+            # step 3, the statistics only: the student's M + log D over the whole row, and over the teacher's ids
+            c = FusedCE.kd_combine(stacked; vocab_total = Vk, targets = targets, kw..., loss = false,
+                                   row_stats = fill(NaN32, KS, Nk))
+            @test c.loss === nothing
+            @test approx(c.row_stats[1, :] .+ c.row_stats[2, :], lse_cols(Sk, T))
+            @test approx((c.row_stats[3, :] .+ c.row_stats[4, :])[usedk],
+                         [lse64(Float64.(Sk[cols[n].ids, n]) ./ T) for n in usedk])
+            # step 3a (poisoned buffers): each shard's sums over the used slots whose ids fall in it, and their number
+            trecs = [FusedCE.kd_terms_partial(ss[r], idk, lpk, c.row_stats; vocab_start = starts[r], vocab_total = Vk,
+                                              kw..., records = fill(NaN32, KT, Nk)) for r in eachindex(shards)]
+            for (r, (rows, _)) in enumerate(shards), n in 1:Nk
+                k = findall(in(rows), cols[n].ids)
+                @test trecs[r][3, n] == length(k)
+                @test approx(trecs[r][1:2, n], kd_terms64(cols[n].lp[k], cols[n].lq[k], kw.divergence, beta))
+            end
+            # steps 3b-3c: the loss, and A into the statistics (fields 1-4 kept)
+            st = copy(c.row_stats)
+            tc = FusedCE.kd_terms_combine(cat(trecs...; dims = 3), st; vocab_total = Vk, targets = targets, kw...)
+            @test tc.row_stats === st && isequal(st[1:4, :], c.row_stats[1:4, :])
+            @test all(isapprox.(tc.loss, ref.loss; rtol = 2e-5, atol = 0))
+            @test approx(tc.loss, kd_topk_ref(Sk, idk, lpk; targets = targets, kw...))
+            kw.reduction === :none && @test tc.loss[masked] == zeros(count(masked))
+            live = [n for n in usedk if !masked[n]]
+            @test approx(st[5, live], [kd_terms64(cols[n].lp, cols[n].lq, kw.divergence, beta)[2] for n in live])
+            # step 4 (poisoned buffers): each shard's rows of kd_loss_topk's gradient and of the Float64 one, 0 in
+            # the padding and at masked columns (with :renormalize also off the teacher's ids)
+            G = fd_grad(X -> kd_topk_ref(X, idk, lpk; targets = targets, kw...), Float64.(Sk); g = Float64.(g))
+            for (r, (rows, p)) in enumerate(shards)
+                d = FusedCE.kd_bwd(ss[r], idk, lpk, st; vocab_start = starts[r], vocab_total = Vk, targets = targets,
+                                   grad_loss = g, kw..., dstudent = fill(NaN32, size(ss[r])))
+                @test all(isapprox.(d[1:length(rows), :], ref.dstudent[rows, :]; rtol = 1e-4, atol = 1e-6))
+                @test approx(d[1:length(rows), :], G[rows, :]; atol = 1e-5, rtol = 1e-4)
+                @test all(d[length(rows)+1:end, :] .== 0)
+                @test all(d[:, masked] .== 0)
+                kw.topk_norm === :renormalize &&
+                    @test all(d[i, n] == 0 for i in eachindex(rows), n in 1:Nk if !(rows[i] in cols[n].ids))
+            end
+        end
+        # Int32 ids give the same bits; the steps of kd_vp_combine; grad_loss 1, in place
+        c1 = kd_vp_combine(stacked, ss, (idk, lpk), starts; kw...)
+        i32 = Int32.(idk)
+        @test isequal(FusedCE.kd_partial(ss[end], i32, lpk; vocab_start = starts[end], vocab_total = Vk, kw...),
+                      recs[end])
+        c32 = kd_vp_combine(cat((FusedCE.kd_partial(ss[r], i32, lpk; vocab_start = starts[r], vocab_total = Vk, kw...)
+                                 for r in eachindex(shards))...; dims = 3), ss, (i32, lpk), starts; kw...)
+        @test isequal(c32.loss, c1.loss) && isequal(c32.row_stats, c1.row_stats)
+        ref1 = FusedCE.kd_loss_topk(Sk, idk, lpk; dstudent = true, kw...)
+        @test all(isapprox.(c1.loss, ref1.loss; rtol = 2e-5, atol = 0))
+        rows = shards[end][1]
+        sc = copy(ss[end])
+        @test FusedCE.kd_bwd(sc, i32, lpk, c1.row_stats; vocab_start = starts[end], vocab_total = Vk, kw...,
+                             dstudent = sc) === sc
+        @test all(isapprox.(sc[1:length(rows), :], ref1.dstudent[rows, :]; rtol = 1e-4, atol = 1e-6))
+        # a top-K teacher's records carry no divergence: KL's loss from kd_combine is NaN (JSD's is refused)
+        if mixture(kw)
+            @test kd_status(() -> FusedCE.kd_combine(stacked; vocab_total = Vk, kw...), :fce_kd_combine) ==
+                  "INVALID_ARGUMENT"
+        else
+            @test isnan(FusedCE.kd_combine(stacked; vocab_total = Vk, kw..., reduction = :sum).loss)
+        end
+    end
+    # an id past vocab_total (1-based Vk + 2: in the padding of a padded last shard) makes its column's loss and
+    # gradient NaN on every shard, as kd_loss_topk does; the other columns are as with the valid ids
+    ido = copy(idk)
+    ido[3, 7] = Vk + 2
+    @testset "top-K teacher, an id past vocab_total, $name, $(values(kw))" for (name, shards) in layouts,
+                                                                               kw in topk_kws[[1, 3, 6]]
+        starts = [first(rows) - 1 for (rows, _) in shards]
+        ss = [pad(Sk, rows, p) for (rows, p) in shards]
+        stacked = cat((FusedCE.kd_partial(ss[r], ido, lpk; vocab_start = starts[r], vocab_total = Vk, kw...)
+                       for r in eachindex(shards))...; dims = 3)
+        c = kd_vp_combine(stacked, ss, (ido, lpk), starts; targets = tk, kw...)
+        ref = FusedCE.kd_loss_topk(Sk, ido, lpk; targets = tk, dstudent = true, kw...)
+        good = FusedCE.kd_loss_topk(Sk, idk, lpk; targets = tk, dstudent = true, kw...)
+        if kw.reduction === :none
+            @test isnan(c.loss[7]) && isnan(ref.loss[7])
+            @test all(isapprox.(c.loss[1:6], good.loss[1:6]; rtol = 2e-5, atol = 0))
+        else
+            @test isnan(c.loss) && isnan(ref.loss)
+        end
+        @test all(isnan, ref.dstudent[:, 7])
+        for (r, (rows, p)) in enumerate(shards)
+            d = FusedCE.kd_bwd(ss[r], ido, lpk, c.row_stats; vocab_start = starts[r], vocab_total = Vk, targets = tk,
+                               kw..., dstudent = fill(NaN32, size(ss[r])))
+            @test all(isnan, d[1:length(rows), 7])
+            @test all(d[length(rows)+1:end, :] .== 0)
+            @test all(isapprox.(d[1:length(rows), 1:6], good.dstudent[rows, 1:6]; rtol = 1e-4, atol = 1e-6))
+        end
     end
 
     # Float16 student, Float32 teacher: dstudent in Float16; a padded shard given as a view
@@ -894,17 +1061,6 @@ end
     # errors
     s1, s2 = Sk[1:20, :], Sk[21:53, :]
     t1, t2 = Tk[1:20, :], Tk[21:53, :]
-    function kd_status(f, func)
-        try
-            f()
-        catch e
-            e isa FusedCEError || rethrow()
-            @test e.func === func
-            @test !isempty(e.message)
-            return e.name
-        end
-        return "no error"
-    end
     recs = cat(FusedCE.kd_partial(s1, t1; vocab_start = 0, vocab_total = Vk),
                FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk); dims = 3)
     st = FusedCE.kd_combine(recs; vocab_total = Vk).row_stats
@@ -972,22 +1128,36 @@ end
     @test kd_status(() -> tpart(records = zeros(Float16, KT, Nk)), :fce_kd_terms_partial) == "UNSUPPORTED_DTYPE"
     @test_throws UndefKeywordError FusedCE.kd_terms_partial(s1, t1, cj.row_stats; vocab_total = Vk)
     @test_throws UndefKeywordError FusedCE.kd_terms_combine(trj, stj)
-    # raw calls: a top-K teacher over shards stays NOT_IMPLEMENTED (no Julia method takes one), nothing
-    # written; the terms' combine's workspace query, and a caller's workspace of that size
+    # raw calls: 0-based top-K ids give what the Julia methods give from the 1-based ones; a teacher with both
+    # logits and top-K is refused, nothing written; the terms' combine's workspace query, and a caller's
+    # workspace of that size
     h = FusedCE.default_handle()
-    ids, lps = rand(Int64(0):Int64(Vk - 1), 4, Nk), randn(Float32, 4, Nk)
+    ids0 = idk .- 1                                # unused slots 0 and -3 become -1 and -4: still unused
     rpoison, lw, stw = fill(7.0f0, KR, Nk), fill(NaN32, Nk), copy(cj.row_stats)
-    ts1, tid, tlp, trs, trr, ttr, ttrj, tlw, tstw =
-        FusedCE.Tensor(s1), FusedCE.Tensor(ids), FusedCE.Tensor(lps), FusedCE.Tensor(cj.row_stats),
-        FusedCE.Tensor(rpoison), FusedCE.Tensor(tpoison), FusedCE.Tensor(trj), FusedCE.Tensor(lw), FusedCE.Tensor(stw)
-    GC.@preserve ts1 tid tlp trs trr ttr ttrj tlw tstw begin
+    rr, tr = fill(NaN32, KR, Nk), fill(NaN32, KT, Nk)
+    ts1, tt1, tid, tlp, trs, trp, ttp, trr, ttr, ttrj, tlw, tstw =
+        FusedCE.Tensor(s1), FusedCE.Tensor(t1), FusedCE.Tensor(ids0), FusedCE.Tensor(lpk),
+        FusedCE.Tensor(cj.row_stats), FusedCE.Tensor(rpoison), FusedCE.Tensor(tpoison), FusedCE.Tensor(rr),
+        FusedCE.Tensor(tr), FusedCE.Tensor(trj), FusedCE.Tensor(lw), FusedCE.Tensor(stw)
+    GC.@preserve ts1 tt1 tid tlp trs trp ttp trr ttr ttrj tlw tstw begin
         topk = FusedCE._cstruct(L.fce_kd_teacher_t; topk_ids = FusedCE._ptr(tid), topk_logprobs = FusedCE._ptr(tlp))
+        both = FusedCE._cstruct(L.fce_kd_teacher_t; logits = FusedCE._ptr(tt1), topk_ids = FusedCE._ptr(tid),
+                                topk_logprobs = FusedCE._ptr(tlp))
         for div in (:forward_kl, :jsd)
-            opts = FusedCE._kd_options(div, 0.3, 1, false, :full_vocab, :none, -100; vocab_start = 0, vocab_total = Vk)
+            opts = FusedCE._kd_options(div, 0.3, 1, false, :renormalize, :none, -100; vocab_start = 0,
+                                       vocab_total = Vk)
+            @test L.fce_kd_partial(h.ptr, C_NULL, FusedCE._ptr(ts1), both, opts, FusedCE._ptr(trp)) ==
+                  L.FCE_STATUS_INVALID_ARGUMENT
+            @test L.fce_kd_terms_partial(h.ptr, C_NULL, FusedCE._ptr(ts1), both, FusedCE._ptr(trs), opts,
+                                         FusedCE._ptr(ttp)) == L.FCE_STATUS_INVALID_ARGUMENT
             @test L.fce_kd_partial(h.ptr, C_NULL, FusedCE._ptr(ts1), topk, opts, FusedCE._ptr(trr)) ==
-                  L.FCE_STATUS_NOT_IMPLEMENTED
+                  L.FCE_STATUS_SUCCESS
             @test L.fce_kd_terms_partial(h.ptr, C_NULL, FusedCE._ptr(ts1), topk, FusedCE._ptr(trs), opts,
-                                         FusedCE._ptr(ttr)) == L.FCE_STATUS_NOT_IMPLEMENTED
+                                         FusedCE._ptr(ttr)) == L.FCE_STATUS_SUCCESS
+            jl = (vocab_start = 0, vocab_total = Vk, divergence = div, beta = 0.3, topk_norm = :renormalize)
+            @test isequal(rr, FusedCE.kd_partial(s1, idk, lpk; jl...))
+            @test isequal(tr, FusedCE.kd_terms_partial(s1, idk, lpk, cj.row_stats; jl...))
+            @test tr[3, :] == [count(in(1:20), idk[:, n]) for n in 1:Nk]
         end
         opts = FusedCE._kd_options(:jsd, 0.3, 1, false, :full_vocab, :none, -100; vocab_start = 0, vocab_total = Vk)
         bytes = Ref{Csize_t}(typemax(Csize_t))
@@ -1007,6 +1177,22 @@ end
     @test all(==(7.0f0), rpoison) && all(==(7.0f0), tpoison)
     @test lw == FusedCE.kd_terms_combine(trj, copy(cj.row_stats); vocab_total = Vk, jkw..., reduction = :none).loss
     @test stw == stj
+    # a top-K teacher: its arrays' sizes and element types, its options
+    @test kd_status(() -> FusedCE.kd_partial(s1, idk, lpk[:, 1:end-1]; vocab_start = 0, vocab_total = Vk),
+                    :fce_kd_partial) == "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_partial(s1, idk[:, 1:end-1], lpk[:, 1:end-1]; vocab_start = 0, vocab_total = Vk),
+                    :fce_kd_partial) == "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_partial(s1, idk, Float16.(lpk); vocab_start = 0, vocab_total = Vk),
+                    :fce_kd_partial) == "UNSUPPORTED_DTYPE"
+    @test kd_status(() -> FusedCE.kd_terms_partial(s1, idk, lpk[1:end-1, :], st; vocab_start = 0, vocab_total = Vk),
+                    :fce_kd_terms_partial) == "SHAPE_MISMATCH"
+    @test kd_status(() -> FusedCE.kd_bwd(s1, idk, Float16.(lpk), st; vocab_start = 0, vocab_total = Vk),
+                    :fce_kd_bwd) == "UNSUPPORTED_DTYPE"
+    @test kd_status(() -> FusedCE.kd_bwd(s1, idk, lpk, st; vocab_start = 0, vocab_total = Vk, temperature = 0),
+                    :fce_kd_bwd) == "INVALID_ARGUMENT"
+    @test_throws ArgumentError FusedCE.kd_partial(s1, idk, lpk; vocab_start = 0, vocab_total = Vk, topk_norm = :full)
+    @test_throws UndefKeywordError FusedCE.kd_bwd(s1, idk, lpk, st; vocab_total = Vk)
+    @test_throws MethodError FusedCE.kd_partial(s1, Float32.(idk), lpk; vocab_start = 0, vocab_total = Vk)
     # no shard in the options, or a vocab_start outside [0, vocab_total)
     @test kd_status(() -> FusedCE.kd_partial(s1, t1; vocab_start = 0, vocab_total = 0), :fce_kd_partial) ==
           "INVALID_ARGUMENT"

@@ -15,7 +15,7 @@ pub const FCE_KD_TEMPERATURE_MIN: f64 = 0.0001;
 pub const FCE_KD_TEMPERATURE_MAX: f64 = 100.0;
 pub const FCE_KD_RECORD_FIELDS: u32 = 5;
 pub const FCE_KD_ROW_STATS_FIELDS: u32 = 5;
-pub const FCE_KD_TERMS_RECORD_FIELDS: u32 = 2;
+pub const FCE_KD_TERMS_RECORD_FIELDS: u32 = 3;
 pub const FCE_LINEAR_CE_ACCUMULATE: u32 = 1;
 pub const kDLCPU: DLDeviceType = 1;
 pub const kDLCUDA: DLDeviceType = 2;
@@ -2367,14 +2367,15 @@ extern "C" {
 extern "C" {
     #[doc = " The records of a vocabulary shard of student and teacher."]
     #[doc = " @param student [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total)."]
-    #[doc = " @param teacher full logits [N,V] (any float dtype); a top-K teacher is NOT_IMPLEMENTED."]
+    #[doc = " @param teacher full logits [N,V] (any float dtype), the shard's columns; or a top-K teacher: [N,K] ids"]
+    #[doc = "                (global vocabulary indices, negative = unused slot) and log-probabilities, the same on"]
+    #[doc = "                every rank (its loss then comes from the terms: see above)."]
     #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); any divergence (JSD:"]
-    #[doc = "                the forward-KL record, P the teacher); temperature as for fce_kd_loss; the same options on"]
-    #[doc = "                every rank and call."]
+    #[doc = "                the forward-KL record, P the teacher); temperature and topk_norm as for fce_kd_loss; the"]
+    #[doc = "                same options on every rank and call."]
     #[doc = " @param records [N, FCE_KD_RECORD_FIELDS] fp32, written."]
     #[doc = " @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (no shard in the options, options out of domain);"]
-    #[doc = "         NOT_IMPLEMENTED (top-K teacher); SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;"]
-    #[doc = "         DEVICE_MISMATCH; CUDA_ERROR."]
+    #[doc = "         SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; CUDA_ERROR."]
     pub fn fce_kd_partial(
         handle: fce_handle_t,
         stream: fce_stream_t,
@@ -2390,12 +2391,14 @@ extern "C" {
     #[doc = " @param targets   optional [N] int32/int64: rows whose target is options->ignore_index are masked (loss 0)."]
     #[doc = " @param options   the partial calls' options (vocab_total required; vocab_start is not read)."]
     #[doc = " @param loss      fp32: [N] with reduction NONE (0 at masked rows), else a scalar (MEAN: batchmean over"]
-    #[doc = "                  the unmasked rows); nats, times T^2 with scale_by_t2. JSD (0 < beta < 1): must be NULL"]
-    #[doc = "                  (the loss comes from fce_kd_terms_combine)."]
+    #[doc = "                  the unmasked rows); nats, times T^2 with scale_by_t2. May be NULL (then row_stats is"]
+    #[doc = "                  required); must be NULL for JSD (0 < beta < 1). Records of a top-K teacher give a NaN"]
+    #[doc = "                  loss: theirs comes from fce_kd_terms_combine."]
     #[doc = " @param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: the rows' statistics for fce_kd_bwd (JSD:"]
-    #[doc = "                  required, and for fce_kd_terms_partial; its A is NaN until fce_kd_terms_combine)."]
-    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a JSD loss or a JSD call"]
-    #[doc = "         without row_stats), CUDA_ERROR."]
+    #[doc = "                  required, and for fce_kd_terms_partial; its A is valid after fce_kd_terms_combine for"]
+    #[doc = "                  JSD and a top-K teacher)."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT for a JSD loss, or a call without"]
+    #[doc = "         row_stats that is JSD's or has no loss either), CUDA_ERROR."]
     pub fn fce_kd_combine(
         handle: fce_handle_t,
         stream: fce_stream_t,
@@ -2421,16 +2424,17 @@ extern "C" {
     ) -> fce_status_t;
 }
 extern "C" {
-    #[doc = " JSD's second exchange (any divergence works): a shard's sums of the element terms, from the rows'"]
-    #[doc = " statistics (see \"Vocabulary-parallel knowledge distillation\" above; since 0.2.0)."]
+    #[doc = " The second exchange of JSD and of a top-K teacher (any divergence works): a shard's sums of the element"]
+    #[doc = " terms, from the rows' statistics (see \"Vocabulary-parallel knowledge distillation\" above; since 0.2.0)."]
     #[doc = " @param student   [N,V] the shard's columns, as given to fce_kd_partial."]
-    #[doc = " @param teacher   full logits [N,V], as given to fce_kd_partial."]
+    #[doc = " @param teacher   as given to fce_kd_partial (the shard's logits, or the top-K teacher)."]
     #[doc = " @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine (fields 0-3 read)."]
     #[doc = " @param options   the partial call's options."]
     #[doc = " @param records   [N, FCE_KD_TERMS_RECORD_FIELDS] fp32, written: 0 sum_j L_j, 1 sum_j a_j over the shard's"]
-    #[doc = "                  real columns (+inf where a term is, NaN where a logit or a statistic is)."]
-    #[doc = " @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT; NOT_IMPLEMENTED (top-K teacher); SHAPE_MISMATCH;"]
-    #[doc = "         UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT; DEVICE_MISMATCH; CUDA_ERROR."]
+    #[doc = "                  real columns or top-K slots (+inf where a term is, NaN where a logit or a statistic is, or"]
+    #[doc = "                  a top-K id is >= vocab_total), 2 the slots (-1 with teacher logits)."]
+    #[doc = " @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT; SHAPE_MISMATCH; UNSUPPORTED_DTYPE; UNSUPPORTED_LAYOUT;"]
+    #[doc = "         DEVICE_MISMATCH; CUDA_ERROR."]
     pub fn fce_kd_terms_partial(
         handle: fce_handle_t,
         stream: fce_stream_t,
@@ -2444,7 +2448,8 @@ extern "C" {
 extern "C" {
     #[doc = " The loss of whole rows from every shard's terms' records, and the rows' A (since 0.2.0)."]
     #[doc = " @param records   [W,N,FCE_KD_TERMS_RECORD_FIELDS] fp32, contiguous: every rank's in rank order."]
-    #[doc = " @param targets   optional [N] int32/int64, as for fce_kd_combine (masked rows: loss 0)."]
+    #[doc = " @param targets   optional [N] int32/int64, as for fce_kd_combine (masked rows: loss 0; so are a top-K"]
+    #[doc = "                  teacher's rows without a used slot)."]
     #[doc = " @param options   the partial calls' options."]
     #[doc = " @param loss      fp32: [N] with reduction NONE, else a scalar, as fce_kd_combine's; nats."]
     #[doc = " @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine: field 4 (A) written, the rest kept."]
@@ -2477,13 +2482,17 @@ extern "C" {
     #[doc = " A shard's dstudent from the rows' statistics: d(loss)/d(student logits) * grad_loss for the shard's columns"]
     #[doc = " (fp32, rounded once; 0 at masked rows and padding columns)."]
     #[doc = " @param student   [N,V] the shard's columns, as given to fce_kd_partial."]
-    #[doc = " @param teacher   full logits [N,V], as given to fce_kd_partial."]
+    #[doc = " @param teacher   as given to fce_kd_partial (the shard's logits, or the top-K teacher: then, as"]
+    #[doc = "                  fce_kd_loss, -q_j A over the shard with FCE_KD_TOPK_FULL_VOCAB, 0 with RENORMALIZE, and"]
+    #[doc = "                  a_k - q_k A at the ids in the shard)."]
     #[doc = " @param targets   optional [N], as given to fce_kd_combine (the mean counts the same rows)."]
-    #[doc = " @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine."]
+    #[doc = " @param row_stats [N, FCE_KD_ROW_STATS_FIELDS] fp32 from fce_kd_combine (JSD and a top-K teacher: after"]
+    #[doc = "                  fce_kd_terms_combine)."]
     #[doc = " @param options   the partial call's options (vocab_start and vocab_total of this shard)."]
     #[doc = " @param grad_loss optional fp32 upstream gradient: a scalar, or [N] with reduction NONE; NULL = 1."]
     #[doc = " @param dstudent  [N,V] in the student's dtype; may be the student's memory (in place)."]
-    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses; NOT_IMPLEMENTED on CUDA for a top-K teacher of"]
+    #[doc = "         K > 8192; CUDA_ERROR."]
     pub fn fce_kd_bwd(
         handle: fce_handle_t,
         stream: fce_stream_t,

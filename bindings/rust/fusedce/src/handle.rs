@@ -948,43 +948,54 @@ impl Handle {
     ///    returns) and the rows' statistics `[N, KD_ROW_STATS_FIELDS]` (5), the same bits on every rank;
     /// 4. each rank: [`Handle::kd_bwd`] with those statistics → its shard's dstudent (padding columns 0).
     ///
-    /// That is forward and reverse KL (and JSD at β = 0 or 1, exactly those). JSD with 0 < β < 1 takes a
-    /// second exchange, since its mixture M = β·P_teacher + (1 − β)·P_student needs the rows' normalizers
-    /// before any term can be formed; steps 1, 2 and 4 as above, step 3 becomes:
+    /// That is forward and reverse KL with teacher logits (and JSD at β = 0 or 1, exactly those). JSD with
+    /// 0 < β < 1 and a top-K teacher take a second exchange: JSD's mixture M = β·P_teacher +
+    /// (1 − β)·P_student, and a top-K teacher's terms at its K ids, need the rows' normalizers before any
+    /// term can be formed; steps 1, 2 and 4 as above, step 3 becomes:
     ///
-    /// 3. each rank: [`Handle::kd_combine_row_stats`] (no loss) → the rows' statistics, A (field 4) NaN;
-    ///    * 3a. each rank: [`Handle::kd_terms_partial`] → records `[N, KD_TERMS_RECORD_FIELDS]` (2) of
+    /// 3. each rank: [`Handle::kd_combine_row_stats`] (no loss) → the rows' statistics, A (field 4) not yet
+    ///    valid;
+    ///    * 3a. each rank: [`Handle::kd_terms_partial`] → records `[N, KD_TERMS_RECORD_FIELDS]` (3) of
     ///      its shard;
-    ///    * 3b. the caller gathers those in rank order into `[W, N, 2]` (a second all-gather);
+    ///    * 3b. the caller gathers those in rank order into `[W, N, 3]` (a second all-gather);
     ///    * 3c. each rank: [`Handle::kd_terms_combine`] → the loss, and A written into the statistics.
     ///
-    /// Steps 3a–3c work for forward and reverse KL too (after [`Handle::kd_combine`], which needs a loss
-    /// for them): they give the KL's loss a second way.
+    /// Steps 3a–3c work for every divergence (for KL with teacher logits they give its loss a second way).
+    /// With a top-K teacher the result is [`Handle::kd_loss`]'s with the same teacher, for every divergence
+    /// and both [`KdOptions::topk_norm`] values: the teacher's distribution is softmax_K(logprobs / T) over
+    /// the used slots, formed by every rank from its own copy; a row without a used slot is masked (loss 0,
+    /// not counted by the mean, gradient 0); an id >= `vocab_total` makes the row's loss and gradient NaN.
     ///
     /// * `student`: `[N, V_local]` fp32, bf16 or fp16, V_local >= 1: global columns
     ///   `[options.vocab_start, options.vocab_start + V_local)`; those at or past `options.vocab_total`
     ///   are padding and never read.
-    /// * `teacher`: [`Teacher::Logits`] `[N, V_local]` (any float dtype), the same columns; a
-    ///   [`Teacher::TopK`] teacher is `NOT_IMPLEMENTED`.
+    /// * `teacher`: [`Teacher::Logits`] `[N, V_local]` (any float dtype), the same columns; or a
+    ///   [`Teacher::TopK`] teacher: `[N, K]` global vocabulary ids (i32/i64, negative = unused slot) and
+    ///   fp32 log-probabilities, the whole of it, the same on every rank.
     /// * `options`: [`KdOptions::vocab_start`] and [`KdOptions::vocab_total`] required
     ///   (0 <= vocab_start < vocab_total); any divergence ([`Divergence::Jsd`]: the forward-KL record, P
-    ///   the teacher); temperature as for [`Handle::kd_loss`]; the same options on every rank and call.
+    ///   the teacher); temperature and [`KdOptions::topk_norm`] as for [`Handle::kd_loss`]; the same
+    ///   options on every rank and call.
     /// * `records`: `[N, KD_RECORD_FIELDS]` fp32 ([`crate::KD_RECORD_FIELDS`]), written. With z = logits / T,
     ///   P the divergence's weighting distribution (the teacher for forward KL and JSD, the student for
     ///   reverse KL) and Q the other, a row's record holds, over the shard's real columns: 0 m_P = max z_P,
     ///   1 Σ exp(z_P − m_P), 2 m_Q, 3 Σ exp(z_Q − m_Q), 4 X = Σ exp(z_P − m_P)·((z_P − m_P) − (z_Q − m_Q)),
-    ///   terms of zero probability under P adding 0.
+    ///   terms of zero probability under P adding 0. A top-K teacher's record holds the student's max and
+    ///   sum over the shard's real columns (Q's fields for forward KL and JSD, P's for reverse KL) and those
+    ///   of the student's columns at the teacher's ids in the shard (the other pair: the normalizer of
+    ///   [`TopkNorm::Renormalize`]), X NaN.
     ///
     /// Math: the combine shifts each record to the row's maxima and merges them in rank order in fp64:
     /// KL(P ‖ Q) = X / D_P − log D_P + log D_Q; the records' sums are rounded to fp32 once per shard
     /// (`docs/numerics.md`).
     ///
     /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total)`,
-    /// options out of domain), `NOT_IMPLEMENTED` (a top-K teacher), `SHAPE_MISMATCH` (teacher not the
-    /// student's shape, records not `[N, 5]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`,
+    /// options out of domain), `SHAPE_MISMATCH` (teacher logits not the student's shape, top-K ids or
+    /// log-probabilities not `[N, K]`, records not `[N, 5]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`,
     /// `DEVICE_MISMATCH`, `ALIASING`, `CUDA_ERROR`.
     ///
     /// [`Divergence::Jsd`]: crate::Divergence::Jsd
+    /// [`TopkNorm::Renormalize`]: crate::TopkNorm::Renormalize
     pub fn kd_partial(
         &self,
         student: &TensorRef<'_>,
@@ -1018,11 +1029,15 @@ impl Handle {
     /// * `loss`: fp32, `[N]` with [`Reduction::None`] (0 at masked rows), else a scalar
     ///   ([`Reduction::Mean`]: batchmean over the unmasked rows); nats, times T² with
     ///   [`KdOptions::scale_by_t2`]. [`Divergence::Jsd`] with 0 < β < 1 has no loss here
-    ///   (`INVALID_ARGUMENT`): use [`Handle::kd_combine_row_stats`], then the terms' exchange.
+    ///   (`INVALID_ARGUMENT`): use [`Handle::kd_combine_row_stats`], then the terms' exchange. The records
+    ///   of a top-K teacher give a NaN loss (0 at masked rows): theirs comes from
+    ///   [`Handle::kd_terms_combine`].
     /// * `row_stats`: optional `[N, KD_ROW_STATS_FIELDS]` fp32 ([`crate::KD_ROW_STATS_FIELDS`]), the
     ///   rows' statistics for [`Handle::kd_bwd`] (and [`Handle::kd_terms_partial`]): 0 M_student,
     ///   1 log D_student, 2 M_teacher, 3 log D_teacher (a row's log-probabilities are (z − M) − log D),
-    ///   4 A = Σ_j a_j of the gradient dL/dz_j = a_j − q_j·A (forward KL: −1; reverse KL: KL + 1).
+    ///   4 A = Σ_j a_j of the gradient dL/dz_j = a_j − q_j·A (forward KL: −1; reverse KL: KL + 1). With a
+    ///   top-K teacher, 2 and 3 are the max and log Σ exp of the student's columns at the teacher's ids,
+    ///   and A is valid only after [`Handle::kd_terms_combine`].
     ///
     /// Math: KL(P ‖ Q) = X / D_P − log D_P + log D_Q over the merged records (see [`Handle::kd_partial`]);
     /// a column where P > 0 and Q = 0 gives +inf; NaN propagates; a row without a finite logit in either
@@ -1064,22 +1079,21 @@ impl Handle {
     }
 
     /// The rows' statistics alone from the records of every shard (`fce_kd_combine` with loss = NULL):
-    /// step 3 of [`Handle::kd_partial`]'s recipe for [`Divergence::Jsd`] with 0 < β < 1, whose loss
-    /// needs the terms' second exchange ([`Handle::kd_terms_partial`], [`Handle::kd_terms_combine`]).
-    /// The same bits on every rank.
+    /// step 3 of [`Handle::kd_partial`]'s recipe for [`Divergence::Jsd`] with 0 < β < 1 and for a top-K
+    /// teacher, whose loss needs the terms' second exchange ([`Handle::kd_terms_partial`],
+    /// [`Handle::kd_terms_combine`]). Any divergence is accepted (for KL with teacher logits the
+    /// statistics are [`Handle::kd_combine`]'s, A included). The same bits on every rank.
     ///
     /// * `records`, `targets`, `options`: as for [`Handle::kd_combine`].
     /// * `row_stats`: `[N, KD_ROW_STATS_FIELDS]` fp32, written: fields 0–3 as [`Handle::kd_combine`]
-    ///   writes them (0 M_student, 1 log D_student, 2 M_teacher, 3 log D_teacher), field 4 (A) NaN until
-    ///   [`Handle::kd_terms_combine`] writes it.
+    ///   writes them (0 M_student, 1 log D_student, 2 M_teacher, 3 log D_teacher; a top-K teacher: 2 and 3
+    ///   of the student's columns at its ids), field 4 (A) valid for KL with teacher logits, else (JSD:
+    ///   NaN) not until [`Handle::kd_terms_combine`] writes it.
     ///
-    /// Forward and reverse KL (and JSD at β = 0 or 1) need a loss here: `INVALID_ARGUMENT`; give them
-    /// [`Handle::kd_combine`].
-    ///
-    /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain, a divergence
-    /// other than JSD with 0 < β < 1), `SHAPE_MISMATCH` (records not `[W >= 1, N, 5]`, targets not
-    /// `[N]`, row_stats not `[N, 5]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`,
-    /// `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
+    /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain),
+    /// `SHAPE_MISMATCH` (records not `[W >= 1, N, 5]`, targets not `[N]`, row_stats not `[N, 5]`),
+    /// `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`,
+    /// `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     ///
     /// [`Divergence::Jsd`]: crate::Divergence::Jsd
     pub fn kd_combine_row_stats(
@@ -1108,29 +1122,38 @@ impl Handle {
     }
 
     /// A shard's sums of the divergence's element terms, from the rows' statistics
-    /// (`fce_kd_terms_partial`): step 3a of [`Handle::kd_partial`]'s recipe, JSD's second exchange (any
-    /// divergence works: for KL it gives the loss a second way). Since 0.2.0.
+    /// (`fce_kd_terms_partial`): step 3a of [`Handle::kd_partial`]'s recipe, the second exchange of JSD
+    /// and of a top-K teacher (any divergence works: for KL with teacher logits it gives the loss a second
+    /// way). Since 0.2.0.
     ///
     /// * `student` `[N, V_local]` fp32, bf16 or fp16 and `teacher` ([`Teacher::Logits`] `[N, V_local]`,
-    ///   any float dtype; `TopK` is `NOT_IMPLEMENTED`): as given to [`Handle::kd_partial`].
+    ///   any float dtype, or the whole [`Teacher::TopK`]): as given to [`Handle::kd_partial`].
     /// * `row_stats`: `[N, KD_ROW_STATS_FIELDS]` fp32 from [`Handle::kd_combine_row_stats`] (or
     ///   [`Handle::kd_combine`]); fields 0–3 are read.
     /// * `options`: the partial call's options (this shard's [`KdOptions::vocab_start`]).
     /// * `records`: `[N, KD_TERMS_RECORD_FIELDS]` fp32 ([`crate::KD_TERMS_RECORD_FIELDS`]), written: per
-    ///   row, over the shard's real columns, 0 Σ_j L_j and 1 Σ_j a_j, L_j and a_j the element terms of
-    ///   [`Handle::kd_loss`] (the loss's, not times T², and those of the gradient dL/dz_j = a_j − q_j·A)
-    ///   formed from the row's log-probabilities (z − M) − log D of the statistics; +inf where a term
-    ///   is, NaN where a logit or a statistic is.
+    ///   row, over the shard's real columns (a top-K teacher: its used slots whose ids fall in the shard),
+    ///   0 Σ_j L_j and 1 Σ_j a_j, L_j and a_j the element terms of [`Handle::kd_loss`] (the loss's, not
+    ///   times T², and those of the gradient dL/dz_j = a_j − q_j·A) formed from the row's log-probabilities
+    ///   (z − M) − log D of the statistics (+inf where a term is, NaN where a logit or a statistic is, or a
+    ///   top-K id is >= `vocab_total`), and 2 the number of those slots (−1 with teacher logits).
     ///
     /// Math: with z = logits / T, p the teacher's and q the student's probabilities and
     /// m = β·p + (1 − β)·q (JSD): L_j = β·p_j·log(p_j / m_j) + (1 − β)·q_j·log(q_j / m_j),
     /// a_j = (1 − β)·q_j·log(q_j / m_j); forward KL: L_j = p_j·log(p_j / q_j), a_j = −p_j; reverse KL:
-    /// L_j = q_j·log(q_j / p_j), a_j = q_j·(log(q_j / p_j) + 1); terms of zero probability add 0. A
-    /// record is the shard's sum rounded to fp32 (the sum formed in fp64 on the CPU; `docs/numerics.md`).
+    /// L_j = q_j·log(q_j / p_j), a_j = q_j·(log(q_j / p_j) + 1); terms of zero probability add 0. A top-K
+    /// teacher's p is softmax_K(logprobs / T) over the used slots and its q the student's log-probability
+    /// over the whole row ([`TopkNorm::FullVocab`]) or over the columns at the ids
+    /// ([`TopkNorm::Renormalize`]). A record is the shard's sum rounded to fp32 (the sum formed in fp64 on
+    /// the CPU; `docs/numerics.md`).
     ///
-    /// Errors: `INVALID_ARGUMENT` (options without a shard or out of domain), `NOT_IMPLEMENTED` (a top-K
-    /// teacher), `SHAPE_MISMATCH` (teacher not the student's shape, row_stats not `[N, 5]`, records not
-    /// `[N, 2]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `CUDA_ERROR`.
+    /// Errors: `INVALID_ARGUMENT` (options without a shard or out of domain), `SHAPE_MISMATCH` (teacher
+    /// logits not the student's shape, top-K ids or log-probabilities not `[N, K]`, row_stats not
+    /// `[N, 5]`, records not `[N, 3]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`,
+    /// `ALIASING`, `CUDA_ERROR`.
+    ///
+    /// [`TopkNorm::FullVocab`]: crate::TopkNorm::FullVocab
+    /// [`TopkNorm::Renormalize`]: crate::TopkNorm::Renormalize
     pub fn kd_terms_partial(
         &self,
         student: &TensorRef<'_>,
@@ -1158,8 +1181,9 @@ impl Handle {
     /// Since 0.2.0.
     ///
     /// * `records`: `[W, N, KD_TERMS_RECORD_FIELDS]` fp32, contiguous (e.g. [`TensorRef::new`] with shape
-    ///   `[w, n, 2]`): the records of ranks 0..W from [`Handle::kd_terms_partial`], in rank order.
-    /// * `targets`: optional `[N]` i32 or i64, as for [`Handle::kd_combine`] (masked rows: loss 0).
+    ///   `[w, n, 3]`): the records of ranks 0..W from [`Handle::kd_terms_partial`], in rank order.
+    /// * `targets`: optional `[N]` i32 or i64, as for [`Handle::kd_combine`] (masked rows: loss 0; so are a
+    ///   top-K teacher's rows without a used slot, known from the records' slot counts).
     /// * `options`: the partial calls' options.
     /// * `loss`: fp32, `[N]` with [`Reduction::None`] (0 at masked rows), else a scalar
     ///   ([`Reduction::Mean`]: batchmean over the unmasked rows), as [`Handle::kd_combine`]'s; nats, times
@@ -1168,12 +1192,13 @@ impl Handle {
     ///   [`Handle::kd_combine`]): field 4 (A) written, fields 0–3 kept; then the statistics for
     ///   [`Handle::kd_bwd`]. Required (the C API's NULL is `INVALID_ARGUMENT`).
     ///
-    /// Math: loss = Σ_j L_j per row, A = Σ_j a_j (for KL, A as [`Handle::kd_combine`] forms it: −1, or
-    /// KL + 1); JSD's gradient is then dL/dz_j = a_j − q_j·A = (1 − β)·q_j·(log(q_j / m_j) − S),
+    /// Math: loss = Σ_j L_j per row, A = Σ_j a_j (for KL with teacher logits, A as [`Handle::kd_combine`]
+    /// forms it: −1, or KL + 1; a top-K teacher's sums its slots' a_k, as [`Handle::kd_loss`] does); JSD's
+    /// gradient is then dL/dz_j = a_j − q_j·A = (1 − β)·q_j·(log(q_j / m_j) − S),
     /// S = Σ_k q_k·log(q_k / m_k) (the header's "Vocabulary-parallel knowledge distillation").
     ///
     /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain),
-    /// `SHAPE_MISMATCH` (records not `[W >= 1, N, 2]`, targets not `[N]`, loss or row_stats of the wrong
+    /// `SHAPE_MISMATCH` (records not `[W >= 1, N, 3]`, targets not `[N]`, loss or row_stats of the wrong
     /// shape), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (records not contiguous), `DEVICE_MISMATCH`,
     /// `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     ///
@@ -1249,12 +1274,12 @@ impl Handle {
     /// fp32 and rounded once; 0 at masked rows and padding columns.
     ///
     /// * `student` `[N, V_local]` fp32, bf16 or fp16 and `teacher` ([`Teacher::Logits`] `[N, V_local]`,
-    ///   any float dtype; `TopK` is `NOT_IMPLEMENTED`) as given to [`Handle::kd_partial`].
+    ///   any float dtype, or the whole [`Teacher::TopK`]) as given to [`Handle::kd_partial`].
     /// * `targets`: optional `[N]` i32/i64, as given to [`Handle::kd_combine`] (the mean counts the same
-    ///   rows).
-    /// * `row_stats`: `[N, KD_ROW_STATS_FIELDS]` fp32 from [`Handle::kd_combine`] (JSD with 0 < β < 1:
-    ///   from [`Handle::kd_combine_row_stats`] then [`Handle::kd_terms_combine`], which writes A; before
-    ///   it, A is NaN and so is the gradient).
+    ///   rows; with a top-K teacher, not those without a used slot).
+    /// * `row_stats`: `[N, KD_ROW_STATS_FIELDS]` fp32 from [`Handle::kd_combine`] (JSD with 0 < β < 1 and
+    ///   a top-K teacher: from [`Handle::kd_combine_row_stats`] then [`Handle::kd_terms_combine`], which
+    ///   writes A; before it, A is not valid and neither is the gradient).
     /// * `options`: the partial call's options (this shard's [`KdOptions::vocab_start`] and
     ///   [`KdOptions::vocab_total`]).
     /// * `grad_loss`: optional fp32 upstream gradient: a scalar, or `[N]` with [`Reduction::None`];
@@ -1265,13 +1290,18 @@ impl Handle {
     /// from `row_stats` (forward KL: a_j = −p_teacher,j, A = −1; reverse KL: A = KL + 1; JSD with
     /// m = β·p + (1 − β)·q: a_j = (1 − β)·q_j·log(q_j / m_j); the element terms of [`Handle::kd_loss`]),
     /// chained through 1/T, times T² with [`KdOptions::scale_by_t2`], the reduction's factor and
-    /// grad_loss.
+    /// grad_loss. A top-K teacher, as [`Handle::kd_loss`]: a_k − q_k·A at its ids in the shard and −q_j·A
+    /// at the shard's other columns with [`TopkNorm::FullVocab`] (0 with [`TopkNorm::Renormalize`]); 0 at
+    /// rows without a used slot, NaN at rows with an id >= `vocab_total`.
     ///
-    /// Errors: `INVALID_ARGUMENT` (options without a shard or out of domain), `NOT_IMPLEMENTED` (a top-K
-    /// teacher), `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE` (also a dstudent not of the student's dtype),
-    /// `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
+    /// Errors: `INVALID_ARGUMENT` (options without a shard or out of domain), `SHAPE_MISMATCH`,
+    /// `UNSUPPORTED_DTYPE` (also a dstudent not of the student's dtype), `UNSUPPORTED_LAYOUT`,
+    /// `DEVICE_MISMATCH`, `ALIASING`, `WORKSPACE_TOO_SMALL`, `NOT_IMPLEMENTED` (on CUDA, a top-K teacher of
+    /// K > 8192), `CUDA_ERROR`.
     ///
     /// [`Reduction::None`]: crate::Reduction::None
+    /// [`TopkNorm::FullVocab`]: crate::TopkNorm::FullVocab
+    /// [`TopkNorm::Renormalize`]: crate::TopkNorm::Renormalize
     #[allow(clippy::too_many_arguments)]
     pub fn kd_bwd(
         &self,

@@ -79,11 +79,12 @@ pub const LSE_RECORD_FIELDS: usize = sys::FCE_LSE_RECORD_FIELDS as usize;
 pub const KD_RECORD_FIELDS: usize = sys::FCE_KD_RECORD_FIELDS as usize;
 /// `FCE_KD_ROW_STATS_FIELDS` (5): the fp32 fields per row of the rows' distillation statistics
 /// ([`Handle::kd_combine`] or [`Handle::kd_combine_row_stats`] writes `[N, 5]`, [`Handle::kd_terms_combine`]
-/// writes field 4 for JSD, [`Handle::kd_bwd`] reads them).
+/// writes field 4 for JSD and a top-K teacher, [`Handle::kd_bwd`] reads them).
 pub const KD_ROW_STATS_FIELDS: usize = sys::FCE_KD_ROW_STATS_FIELDS as usize;
-/// `FCE_KD_TERMS_RECORD_FIELDS` (2): the fp32 fields per row of a vocabulary shard's record of the
-/// divergence's terms, JSD's second exchange ([`Handle::kd_terms_partial`] writes `[N, 2]`,
-/// [`Handle::kd_terms_combine`] reads `[W, N, 2]`). Since 0.2.0.
+/// `FCE_KD_TERMS_RECORD_FIELDS` (3): the fp32 fields per row of a vocabulary shard's record of the
+/// divergence's terms, the second exchange of JSD and of a top-K teacher ([`Handle::kd_terms_partial`]
+/// writes `[N, 3]`: 0 Σ L_j, 1 Σ a_j, 2 the top-K teacher's used slots whose ids fall in the shard, −1 with
+/// teacher logits; [`Handle::kd_terms_combine`] reads `[W, N, 3]`). Since 0.2.0.
 pub const KD_TERMS_RECORD_FIELDS: usize = sys::FCE_KD_TERMS_RECORD_FIELDS as usize;
 
 /// `fce_version_number()`: MAJOR·10000 + MINOR·100 + PATCH of the loaded library.

@@ -509,11 +509,11 @@ impl<'a> SoftmaxOptions<'a> {
 /// of `vocab_total` (one rank's shard, possibly padded past `vocab_total`), set [`KdOptions::vocab_start`]
 /// and [`KdOptions::vocab_total`] and use [`crate::Handle::kd_partial`], [`crate::Handle::kd_combine`]
 /// and [`crate::Handle::kd_bwd`]; the divergence is then that of the whole rows. Forward and reverse KL
-/// take one exchange of records; [`Divergence::Jsd`] (0 < β < 1) takes two, its mixture needing the rows'
+/// with teacher logits take one exchange of records; [`Divergence::Jsd`] (0 < β < 1) and a top-K teacher
+/// ([`Teacher::TopK`], global ids, the same on every rank; either [`TopkNorm`]) take two, needing the rows'
 /// normalizers first ([`crate::Handle::kd_combine_row_stats`], [`crate::Handle::kd_terms_partial`],
-/// [`crate::Handle::kd_terms_combine`]; the recipe is in [`crate::Handle::kd_partial`]'s docs). Full
-/// teacher logits only (a top-K teacher is `NOT_IMPLEMENTED` there). [`crate::Handle::kd_loss`] refuses
-/// options with `vocab_total` set (`INVALID_ARGUMENT`).
+/// [`crate::Handle::kd_terms_combine`]; the recipe is in [`crate::Handle::kd_partial`]'s docs).
+/// [`crate::Handle::kd_loss`] refuses options with `vocab_total` set (`INVALID_ARGUMENT`).
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct KdOptions {
     /// The divergence; default [`Divergence::ForwardKl`].
@@ -625,8 +625,9 @@ impl KdOptions {
 }
 
 /// The teacher of [`crate::Handle::kd_loss`] and of the vocabulary-parallel calls
-/// ([`crate::Handle::kd_partial`], [`crate::Handle::kd_terms_partial`], [`crate::Handle::kd_bwd`]: full
-/// logits only, `TopK` is `NOT_IMPLEMENTED` there) (`fce_kd_teacher_t`).
+/// ([`crate::Handle::kd_partial`], [`crate::Handle::kd_terms_partial`], [`crate::Handle::kd_bwd`]: logits
+/// are the shard's columns, a top-K teacher is the whole `[N, K]`, the same on every rank)
+/// (`fce_kd_teacher_t`).
 #[derive(Copy, Clone, Debug)]
 pub enum Teacher<'a> {
     /// Full teacher logits `[N, V]` fp32, bf16 or fp16 (may differ from the student's dtype).
@@ -634,7 +635,8 @@ pub enum Teacher<'a> {
     /// A top-K teacher (the axolotl format).
     TopK {
         /// `[N, K]` i32 or i64, K >= 1; a negative id marks an unused slot, ids of a row distinct;
-        /// an id >= V makes that row's loss NaN.
+        /// an id >= V ([`KdOptions::vocab_total`] over shards: global ids) makes that row's loss and
+        /// gradient NaN; a row without a used slot is masked (loss 0, not counted by the mean, gradient 0).
         ids: TensorRef<'a>,
         /// `[N, K]` fp32 teacher log-probabilities at temperature 1.
         logprobs: TensorRef<'a>,

@@ -227,9 +227,16 @@ pub fn kd_row_full(div: Div, s: &[f64], te: &[f64], t: f64) -> f64 {
     (0..s.len()).map(|j| kd_term(div, zt[j] - lt, zs[j] - ls)).sum()
 }
 
-/// Top-K KD loss of one row (None when the row has no used slot, i.e. is masked): teacher
-/// log-probabilities `lp` [K] at ids `ids` [K] (negative = unused), student logits `s` [V].
-pub fn kd_row_topk(div: Div, s: &[f64], ids: &[i64], lp: &[f64], t: f64, renorm: bool) -> Option<f64> {
+/// A top-K row's float64 log-probabilities (None when the row has no used slot): the used slots (indices
+/// into `ids`), the teacher's log-probabilities over them, log softmax_K(lp / t), and the student's at their
+/// ids, over the whole row `s` [V] or (`renorm`) over those ids only.
+pub fn topk_log_probs(
+    s: &[f64],
+    ids: &[i64],
+    lp: &[f64],
+    t: f64,
+    renorm: bool,
+) -> Option<(Vec<usize>, Vec<f64>, Vec<f64>)> {
     let used: Vec<usize> = (0..ids.len()).filter(|&k| ids[k] >= 0).collect();
     if used.is_empty() {
         return None;
@@ -237,9 +244,16 @@ pub fn kd_row_topk(div: Div, s: &[f64], ids: &[i64], lp: &[f64], t: f64, renorm:
     let zt: Vec<f64> = used.iter().map(|&k| lp[k] / t).collect();
     let lt = logsumexp(&zt);
     let zs: Vec<f64> = s.iter().map(|&x| x / t).collect();
-    let ls =
-        if renorm { logsumexp(&used.iter().map(|&k| zs[ids[k] as usize]).collect::<Vec<_>>()) } else { logsumexp(&zs) };
-    Some(used.iter().enumerate().map(|(u, &k)| kd_term(div, zt[u] - lt, zs[ids[k] as usize] - ls)).sum())
+    let sel: Vec<f64> = used.iter().map(|&k| zs[ids[k] as usize]).collect();
+    let ls = if renorm { logsumexp(&sel) } else { logsumexp(&zs) };
+    Some((used, zt.iter().map(|&z| z - lt).collect(), sel.iter().map(|&z| z - ls).collect()))
+}
+
+/// Top-K KD loss of one row (None when the row has no used slot, i.e. is masked): teacher
+/// log-probabilities `lp` [K] at ids `ids` [K] (negative = unused), student logits `s` [V].
+pub fn kd_row_topk(div: Div, s: &[f64], ids: &[i64], lp: &[f64], t: f64, renorm: bool) -> Option<f64> {
+    let (_, lpt, lqs) = topk_log_probs(s, ids, lp, t, renorm)?;
+    Some(lpt.iter().zip(&lqs).map(|(&p, &q)| kd_term(div, p, q)).sum())
 }
 
 /// A split of the vocabulary over ranks: each rank's first global index, real width and padding width.
