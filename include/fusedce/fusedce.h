@@ -956,6 +956,36 @@ FCE_API fce_status_t fce_kd_bwd_workspace_size(fce_handle_t handle, const DLTens
                                                const DLTensor* grad_loss, const DLTensor* dstudent,
                                                size_t* bytes);
 
+/**
+ * Vocabulary-parallel knowledge distillation in NCCL mode (see "NCCL mode" above; since 0.2.0): one call runs
+ * the steps of "Vocabulary-parallel knowledge distillation" on this rank's shard: fce_kd_partial, the
+ * all-gather of the records over `comm` on `stream`, fce_kd_combine, for JSD (0 < beta < 1) and a top-K
+ * teacher fce_kd_terms_partial, a second all-gather and fce_kd_terms_combine, then with outputs->dstudent
+ * fce_kd_bwd. No host synchronization; capturable in a CUDA graph. Every rank calls it with the same N,
+ * options (but its own vocab_start) and outputs; the loss is the same bits on every rank and those of the
+ * one-device emulation of the same shards.
+ * @param comm     from fce_comm_create on this handle's device (a CUDA handle).
+ * @param student  [N,V] this rank's shard, as for fce_kd_partial.
+ * @param teacher  as for fce_kd_partial: this rank's shard of the teacher's logits, or a top-K teacher.
+ * @param targets  optional [N] int32/int64: rows whose target is options->ignore_index are masked.
+ * @param options  vocab_start (this rank's) and vocab_total required; any divergence and temperature.
+ * @param outputs  loss required (as fce_kd_combine's); dstudent optional (this shard's, in place allowed, with
+ *                 grad_loss as for fce_kd_bwd).
+ * @param workspace NULL (the handle's cached one), or at least the bytes of fce_kd_fwd_vp_workspace_size.
+ * @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for a CPU handle or a NULL comm;
+ *         DEVICE_MISMATCH for a comm on another device), NOT_IMPLEMENTED (a top-K teacher of K > 8192 with
+ *         dstudent), COMMUNICATOR_ERROR, CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_kd_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream, const DLTensor* student,
+                                   const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs, void* workspace,
+                                   size_t workspace_bytes);
+/** Workspace bytes fce_kd_fwd_vp needs for these arguments (same validation). */
+FCE_API fce_status_t fce_kd_fwd_vp_workspace_size(fce_handle_t handle, fce_comm_t comm, const DLTensor* student,
+                                                  const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                                  const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
+                                                  size_t* bytes);
+
 /* ------------------------------------------------------------------------------------------------ */
 /* Linear cross-entropy                                                                             */
 /* ------------------------------------------------------------------------------------------------ */

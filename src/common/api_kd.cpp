@@ -1,4 +1,5 @@
 #include "common/api_util.hpp"
+#include "common/comm.hpp"
 
 using namespace fce;
 
@@ -237,6 +238,93 @@ size_t kd_need(fce_handle* h, const KdProblem& p) {
   return h->backend == Backend::CPU ? cpu::kd_workspace(p) : cuda::kd_workspace(h, p);
 }
 
+size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+// A validated NCCL-mode KD call (fce_kd_fwd_vp): its steps and where each keeps its data in the workspace.
+struct KdVpCall {
+  KdPartialProblem part;
+  KdCombineProblem comb;       // the records' combine: the loss with one exchange, the statistics
+  KdTermsPartialProblem terms;  // JSD and a top-K teacher: the second exchange
+  KdCombineProblem tcomb;
+  KdBwdProblem bwd;  // no dstudent: no gradient
+  bool two = false;
+  size_t gathered = 0, stats = 0, trec = 0, tgathered = 0, comb_ws = 0, bwd_ws = 0, bytes = 0;
+};
+
+KdVpCall kd_vp_call(fce_handle* h, const fce_comm* c, const DLTensor* student, const fce_kd_teacher_t* teacher,
+                    const DLTensor* targets, const fce_kd_options_t* options, const fce_kd_outputs_t* outputs) {
+  const char* fn = "fce_kd_fwd_vp";
+  Validator val(h->backend, h->device_id);
+  KdVpCall v;
+  KdPartialProblem& p = v.part;
+  read_shard_pair(val, student, teacher, p.student, p.teacher, fn);
+  const int64_t N = p.student.rows, W = c->size;
+  p.o = kd_shard_options(options, fn);
+  const Vec tg = targets ? read_targets(val, targets, "targets", N) : Vec{};
+  const fce_kd_outputs_t out = checked_struct(outputs, "outputs");
+  const Vec loss = read_ce_stat_outputs(val, p.o.reduction, N, out.loss, nullptr, nullptr, nullptr, nullptr, true).loss;
+  v.two = p.o.mixture() || p.teacher.topk();
+  v.comb.W = v.tcomb.W = W;
+  v.comb.N = v.tcomb.N = N;
+  v.comb.targets = v.tcomb.targets = tg;
+  v.comb.o = v.tcomb.o = p.o;
+  v.tcomb.terms = true;
+  (v.two ? v.tcomb : v.comb).loss = loss;
+  if (v.two) {
+    v.terms.student = p.student;
+    v.terms.teacher = p.teacher;
+    v.terms.o = p.o;
+  }
+  if (out.dstudent) {
+    KdBwdProblem& b = v.bwd;
+    b.student = p.student;
+    b.teacher = p.teacher;
+    b.targets = tg;
+    b.o = p.o;
+    b.grad_loss = read_grad_loss(val, out.grad_loss, p.o.reduction, N);
+    b.dstudent = val.matrix(out.dstudent, "outputs->dstudent", kFloats);
+    expect_shape(b.dstudent, "outputs->dstudent", N, p.student.cols);
+    FCE_CHECK(b.dstudent.dtype == p.student.dtype, FCE_STATUS_UNSUPPORTED_DTYPE,
+              "outputs->dstudent is %s; it must have the student's dtype %s", dtype_name(b.dstudent.dtype),
+              dtype_name(p.student.dtype));
+    val.output_allow_exact("outputs->dstudent", b.dstudent, p.student, "student");
+    FCE_CHECK(!p.teacher.topk() || p.teacher.topk_ids.cols <= kKdShardTopkMax, FCE_STATUS_NOT_IMPLEMENTED,
+              "%s: a top-K teacher of K = %lld with dstudent (at most %lld)", fn, (long long)p.teacher.topk_ids.cols,
+              (long long)kKdShardTopkMax);
+  } else {
+    FCE_CHECK(!out.grad_loss, FCE_STATUS_INVALID_ARGUMENT, "outputs->grad_loss is set without outputs->dstudent");
+  }
+  // Workspace: this rank's records, every rank's, the rows' statistics; the terms' records, this rank's and
+  // every rank's; then the combines' and the backward's own workspaces.
+  const size_t rec = size_t(N) * kKdRecordFields * 4, trec = size_t(N) * kKdTermsRecordFields * 4;
+  FCE_CHECK(rec / 4 / kKdRecordFields == size_t(N) && size_t(W) <= SIZE_MAX / 2 / rec, FCE_STATUS_OVERFLOW,
+            "the records of %lld rows from %lld ranks overflow", (long long)N, (long long)W);
+  v.gathered = align_up(rec);
+  v.stats = v.gathered + align_up(rec * size_t(W));
+  size_t at = v.stats + align_up(size_t(N) * kKdRowStatsFields * 4);
+  v.trec = at;
+  v.tgathered = at += v.two ? align_up(trec) : 0;
+  at += v.two ? align_up(trec * size_t(W)) : 0;
+  v.comb_ws = at;
+  at += align_up(std::max(cuda::kd_combine_workspace(h, v.comb), cuda::kd_combine_workspace(h, v.tcomb)));
+  v.bwd_ws = at;
+  if (out.dstudent) at += align_up(cuda::kd_bwd_workspace(h, v.bwd));
+  v.bytes = at;
+  return v;
+}
+
+// Points the steps at the workspace.
+void place(KdVpCall& v, const Workspace& w) {
+  char* base = static_cast<char*>(w.ptr);
+  const int64_t N = v.part.student.rows, W = v.comb.W;
+  v.part.records = Mat{base, DType::F32, N, kKdRecordFields, kKdRecordFields};
+  v.comb.records = Mat{base + v.gathered, DType::F32, W * N, kKdRecordFields, kKdRecordFields};
+  const Mat stats{base + v.stats, DType::F32, N, kKdRowStatsFields, kKdRowStatsFields};
+  v.comb.row_stats = v.terms.row_stats = v.tcomb.row_stats = v.bwd.row_stats = stats;
+  v.terms.records = Mat{base + v.trec, DType::F32, N, kKdTermsRecordFields, kKdTermsRecordFields};
+  v.tcomb.records = Mat{base + v.tgathered, DType::F32, W * N, kKdTermsRecordFields, kKdTermsRecordFields};
+}
+
 }  // namespace
 
 extern "C" {
@@ -356,6 +444,42 @@ FCE_API fce_status_t fce_kd_bwd_workspace_size(fce_handle_t handle, const DLTens
     fce_handle* h = check_handle(handle);
     write_size(bytes, kd_bwd_need(h, kd_bwd_problem(h, student, teacher, targets, row_stats, options, grad_loss,
                                                     dstudent)));
+  });
+}
+
+FCE_API fce_status_t fce_kd_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream, const DLTensor* student,
+                                   const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs, void* workspace,
+                                   size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const fce_comm* c = checked_comm(h, comm);
+    KdVpCall v = kd_vp_call(h, c, student, teacher, targets, options, outputs);
+    const Workspace w = resolve_workspace(h, workspace, workspace_bytes, v.bytes, stream);
+    place(v, w);
+    char* base = static_cast<char*>(w.ptr);
+    const Workspace comb_ws{base + v.comb_ws, v.bwd_ws - v.comb_ws};
+    const size_t N = size_t(v.part.student.rows);
+    cuda::kd_partial(h, stream, v.part);
+    cuda::comm_all_gather(c, stream, v.part.records.data, v.comb.records.data, N * kKdRecordFields);
+    cuda::kd_combine(h, stream, v.comb, comb_ws);
+    if (v.two) {
+      cuda::kd_terms_partial(h, stream, v.terms);
+      cuda::comm_all_gather(c, stream, v.terms.records.data, v.tcomb.records.data, N * kKdTermsRecordFields);
+      cuda::kd_combine(h, stream, v.tcomb, comb_ws);
+    }
+    if (v.bwd.dstudent) cuda::kd_bwd(h, stream, v.bwd, Workspace{base + v.bwd_ws, v.bytes - v.bwd_ws});
+  });
+}
+
+FCE_API fce_status_t fce_kd_fwd_vp_workspace_size(fce_handle_t handle, fce_comm_t comm, const DLTensor* student,
+                                                  const fce_kd_teacher_t* teacher, const DLTensor* targets,
+                                                  const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
+                                                  size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const fce_comm* c = checked_comm(h, comm);
+    write_size(bytes, kd_vp_call(h, c, student, teacher, targets, options, outputs).bytes);
   });
 }
 

@@ -115,12 +115,6 @@ size_t lce_need(fce_handle* h, const LinearCeProblem& p, bool minimum, int64_t r
   return ranks ? cuda::linear_ce_vp_workspace(h, p, ranks, minimum) : cuda::linear_ce_workspace(h, p, minimum);
 }
 
-fce_comm* checked_comm(fce_handle* h, fce_comm_t comm) {
-  FCE_CHECK(comm != nullptr, FCE_STATUS_INVALID_ARGUMENT, "comm is NULL");
-  FCE_CHECK(comm->device == h->device_id, FCE_STATUS_DEVICE_MISMATCH,
-            "the communicator is on device %d, the handle on device %d", comm->device, h->device_id);
-  return comm;
-}
 
 void lce_run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, void* ws, size_t ws_bytes) {
   // A caller's workspace may be anything from the one-token minimum up; NULL gets the default size.

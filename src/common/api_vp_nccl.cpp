@@ -23,8 +23,6 @@ struct VpCall {
 
 VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const DLTensor* targets,
                const fce_ce_options_t* options, const fce_ce_outputs_t* outputs) {
-  FCE_CHECK(c->device == h->device_id, FCE_STATUS_DEVICE_MISMATCH,
-            "the communicator is on device %d, the handle on device %d", c->device, h->device_id);
   Validator val(h->backend, h->device_id);
   VpCall v;
   CePartialProblem& p = v.part;
@@ -137,7 +135,7 @@ FCE_API fce_status_t fce_cross_entropy_fwd_vp(fce_handle_t handle, fce_comm_t co
                                               void* workspace, size_t workspace_bytes) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
-    const fce_comm* c = check_comm(comm);
+    const fce_comm* c = checked_comm(h, comm);
     VpCall v = vp_call(h, c, logits, targets, options, outputs);
     const Workspace w = resolve_workspace(h, workspace, workspace_bytes, v.bytes, stream);
     place(v, w);
@@ -156,7 +154,7 @@ FCE_API fce_status_t fce_cross_entropy_fwd_vp_workspace_size(fce_handle_t handle
                                                              const fce_ce_outputs_t* outputs, size_t* bytes) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
-    const fce_comm* c = check_comm(comm);
+    const fce_comm* c = checked_comm(h, comm);
     write_size(bytes, vp_call(h, c, logits, targets, options, outputs).bytes);
   });
 }

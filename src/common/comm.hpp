@@ -2,6 +2,8 @@
 #pragma once
 #include <cstddef>
 
+#include "common/error.hpp"
+#include "common/handle.hpp"
 #include "common/tensor.hpp"
 #include "fusedce/fusedce.h"
 
@@ -9,6 +11,18 @@ struct fce_comm {
   struct ncclComm* nccl = nullptr;  // the caller's, not owned
   int rank = 0, size = 1, device = -1;
 };
+
+namespace fce {
+// An NCCL-mode call's communicator, checked against its handle (a CUDA handle on the communicator's device).
+inline fce_comm* checked_comm(const fce_handle* h, fce_comm_t comm) {
+  FCE_CHECK(comm != nullptr, FCE_STATUS_INVALID_ARGUMENT, "comm is NULL");
+  FCE_CHECK(h->backend == Backend::CUDA, FCE_STATUS_INVALID_ARGUMENT,
+            "NCCL mode needs a CUDA handle (this handle is on the CPU)");
+  FCE_CHECK(comm->device == h->device_id, FCE_STATUS_DEVICE_MISMATCH,
+            "the communicator is on device %d, the handle on device %d", comm->device, h->device_id);
+  return comm;
+}
+}  // namespace fce
 
 namespace fce::cuda {
 

@@ -331,7 +331,7 @@ void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, co
 // fce_kd_combine (JSD and top-K: then fce_kd_terms_partial, a second all-gather and fce_kd_terms_combine) and
 // fce_kd_bwd; against the one-device emulation (every shard's records on this GPU), bitwise, and the same
 // loss on every rank.
-void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl& nccl, ncclComm* nc,
+void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, fce_comm_t comm, const Nccl& nccl, ncclComm* nc,
              cudaStream_t st, int topk_norm = -1) {
   const Split s{c.V, W, (c.V + W - 1) / W};
   std::vector<float> x, y;
@@ -458,6 +458,50 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, const Nccl&
   CHECK(loss.download() == eloss.download() && stats.download() == estats.download() &&
             ds.download() == eds.download(),
         "%s: loss, statistics or dstudent differ from the one-device emulation", name);
+  {  // NCCL mode (fce_kd_fwd_vp): the same steps in one call, then replayed from a CUDA graph
+    Buf a({c.N, s.width}, xt, dev), b({c.N, s.width}, xt, dev), nloss(lshape, kF32, dev), nds({c.N, s.width}, xt, dev);
+    a.upload(shard_bytes(c, s, g_rank, x).data());
+    b.upload(shard_bytes(c, s, g_rank, y).data());
+    fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
+    if (topk) {
+      tt.topk_ids = &ids.t;
+      tt.topk_logprobs = &lps.t;
+    } else {
+      tt.logits = &b.t;
+    }
+    fce_kd_options_t orr = o;
+    orr.vocab_start = s.start(g_rank);
+    fce_kd_outputs_t out = FCE_KD_OUTPUTS_INIT;
+    out.loss = &nloss.t;
+    out.dstudent = &nds.t;
+    nloss.poison();
+    nds.poison();
+    ok(fce_kd_fwd_vp(h, comm, fs, &a.t, &tt, &targets.t, &orr, &out, nullptr, 0), "fce_kd_fwd_vp");
+    CHECK(nloss.download() == eloss.download() && nds.download() == eds.download(),
+          "%s: NCCL mode's loss or dstudent differ from the one-device emulation", name);
+    size_t wsb = 0;
+    ok(fce_kd_fwd_vp_workspace_size(h, comm, &a.t, &tt, &targets.t, &orr, &out, &wsb), "workspace size");
+    void* ws = nullptr;
+    ck(cudaMalloc(&ws, wsb ? wsb : 1), "cudaMalloc");
+    nloss.poison();
+    nds.poison();
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+    const fce_status_t cs = fce_kd_fwd_vp(h, comm, fs, &a.t, &tt, &targets.t, &orr, &out, ws, wsb);
+    ck(cudaStreamEndCapture(st, &graph), "end capture");
+    CHECK(cs == FCE_STATUS_SUCCESS, "%s: capture: %s", name, fce_last_error_message());
+    if (cs == FCE_STATUS_SUCCESS) {
+      ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+      ck(cudaGraphLaunch(exec, st), "graph launch");
+      ck(cudaStreamSynchronize(st), "sync");
+      CHECK(nloss.download() == eloss.download() && nds.download() == eds.download(), "%s: the graph's replay differs",
+            name);
+      cudaGraphExecDestroy(exec);
+    }
+    cudaGraphDestroy(graph);
+    cudaFree(ws);
+  }
   const auto lb = loss.download();
   Buf lb_d({int64_t(lb.size())}, DLDataType{kDLUInt, 8, 1}, dev), lall({int64_t(lb.size()) * W}, DLDataType{kDLUInt, 8, 1}, dev);
   lb_d.upload(lb.data());
@@ -949,31 +993,23 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
         result(W, "kd", sc, NK, width, VT, "shard_dstudent", tb);
       }
     }
-    {  // KD JSD (beta 0.5), 4096 rows, strong: two exchanges (the records, then the terms), against one GPU
-      const int64_t NK = 4096, width = (V + W - 1) / W;
-      fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
-      o.divergence = FCE_KD_JSD;
+    // KD with two exchanges (the records, then the terms), 4096 rows, strong, against one GPU's fce_kd_loss:
+    // JSD (beta 0.5), and forward KL from a top-K teacher (K = 64, the same ids on every rank).
+    auto two_exchanges = [&](const char* op, const char* what, const fce_kd_teacher_t& tt1,
+                             const fce_kd_teacher_t& tt, const Buf& xs, fce_kd_options_t o, int64_t NK, int64_t width) {
       float t1 = 0;
       {
-        Buf ws1({NK, V}, kBF16, dev), wt1({NK, V}, kBF16, dev), l1({}, kF32, dev);
+        Buf ws1({NK, V}, kBF16, dev), l1({}, kF32, dev);
         fill_bf16(ws1, 4.f, seed + 7);
-        fill_bf16(wt1, 4.f, seed + 8);
-        fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
-        tt.logits = &wt1.t;
         fce_kd_outputs_t o1 = FCE_KD_OUTPUTS_INIT;
         o1.loss = &l1.t;
-        t1 = time([&] { ok(fce_kd_loss(h, fs, &ws1.t, &tt, nullptr, &o, &o1, nullptr, 0), "kd jsd"); });
+        t1 = time([&] { ok(fce_kd_loss(h, fs, &ws1.t, &tt1, nullptr, &o, &o1, nullptr, 0), "kd"); });
       }
-      Buf xs({NK, width}, kBF16, dev), xt({NK, width}, kBF16, dev), rec({NK, FCE_KD_RECORD_FIELDS}, kF32, dev);
-      Buf all({int64_t(W), NK, FCE_KD_RECORD_FIELDS}, kF32, dev), loss({}, kF32, dev);
+      Buf rec({NK, FCE_KD_RECORD_FIELDS}, kF32, dev), all({int64_t(W), NK, FCE_KD_RECORD_FIELDS}, kF32, dev);
       Buf terms({NK, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev), tall({int64_t(W), NK, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev);
-      Buf stats({NK, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), ds({NK, width}, kBF16, dev);
-      fill_bf16(xs, 4.f, seed + 9);
-      fill_bf16(xt, 4.f, seed + 10);
+      Buf loss({}, kF32, dev), stats({NK, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), ds({NK, width}, kBF16, dev);
       o.vocab_start = g_rank * width;
       o.vocab_total = V;
-      fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
-      tt.logits = &xt.t;
       size_t wsb = 0;
       ok(fce_kd_terms_combine_workspace_size(h, &tall.t, nullptr, &o, &loss.t, &stats.t, &wsb), "ws");
       void* ws = nullptr;
@@ -991,15 +1027,26 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
         ok(fce_kd_bwd(h, fs, &xs.t, &tt, nullptr, &stats.t, &o, nullptr, &ds.t, ws, wsb + 256), "kd bwd");
       });
       cudaFree(ws);
-      std::printf("| rank %d | KD JSD, strong | N=%lld V_local=%lld V=%lld | two exchanges (partial, all-gather, "
-                  "combine, terms, all-gather, combine) %.3f; shard dstudent %.3f; one GPU fce_kd_loss over V %.3f | |\n",
-                  g_rank, (long long)NK, (long long)width, (long long)V, tf, tb, t1);
-      result(W, "kd_jsd", "one", NK, V, V, "fwd", t1);
-      result(W, "kd_jsd", "strong", NK, width, V, "fwd", tf);
-      result(W, "kd_jsd", "strong", NK, width, V, "shard_dstudent", tb);
-    }
-    {  // KD forward KL with a top-K teacher (K = 64, the same ids on every rank), 4096 rows, strong
-      const int64_t NK = 4096, K = 64, width = (V + W - 1) / W;
+      std::printf("| rank %d | %s, strong | N=%lld V_local=%lld V=%lld | two exchanges (partial, all-gather, combine, "
+                  "terms, all-gather, combine) %.3f; shard dstudent %.3f; one GPU fce_kd_loss over V %.3f | |\n",
+                  g_rank, what, (long long)NK, (long long)width, (long long)V, tf, tb, t1);
+      result(W, op, "one", NK, V, V, "fwd", t1);
+      result(W, op, "strong", NK, width, V, "fwd", tf);
+      result(W, op, "strong", NK, width, V, "shard_dstudent", tb);
+    };
+    {
+      const int64_t NK = 4096, width = (V + W - 1) / W;
+      Buf xs({NK, width}, kBF16, dev), xt({NK, width}, kBF16, dev), wt1({NK, V}, kBF16, dev);
+      fill_bf16(xs, 4.f, seed + 9);
+      fill_bf16(xt, 4.f, seed + 10);
+      fill_bf16(wt1, 4.f, seed + 8);
+      fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT, tt1 = FCE_KD_TEACHER_INIT;
+      tt.logits = &xt.t;
+      tt1.logits = &wt1.t;
+      fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
+      o.divergence = FCE_KD_JSD;
+      two_exchanges("kd_jsd", "KD JSD", tt1, tt, xs, o, NK, width);
+      const int64_t K = 64;
       std::vector<int64_t> hid(size_t(NK * K));
       std::vector<float> hlp(size_t(NK * K));
       for (int64_t i = 0; i < NK; ++i)
@@ -1010,48 +1057,10 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
       Buf ids({NK, K}, kI64, dev), lps({NK, K}, kF32, dev);
       ids.upload(hid.data());
       lps.upload(hlp.data());
-      fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
-      tt.topk_ids = &ids.t;
-      tt.topk_logprobs = &lps.t;
-      fce_kd_options_t o = FCE_KD_OPTIONS_INIT;
-      float t1 = 0;
-      {
-        Buf ws1({NK, V}, kBF16, dev), l1({}, kF32, dev);
-        fill_bf16(ws1, 4.f, seed + 7);
-        fce_kd_outputs_t o1 = FCE_KD_OUTPUTS_INIT;
-        o1.loss = &l1.t;
-        t1 = time([&] { ok(fce_kd_loss(h, fs, &ws1.t, &tt, nullptr, &o, &o1, nullptr, 0), "kd top-K"); });
-      }
-      Buf xs({NK, width}, kBF16, dev), rec({NK, FCE_KD_RECORD_FIELDS}, kF32, dev);
-      Buf all({int64_t(W), NK, FCE_KD_RECORD_FIELDS}, kF32, dev), loss({}, kF32, dev);
-      Buf terms({NK, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev), tall({int64_t(W), NK, FCE_KD_TERMS_RECORD_FIELDS}, kF32, dev);
-      Buf stats({NK, FCE_KD_ROW_STATS_FIELDS}, kF32, dev), ds({NK, width}, kBF16, dev);
-      fill_bf16(xs, 4.f, seed + 9);
-      o.vocab_start = g_rank * width;
-      o.vocab_total = V;
-      size_t wsb = 0;
-      ok(fce_kd_terms_combine_workspace_size(h, &tall.t, nullptr, &o, &loss.t, &stats.t, &wsb), "ws");
-      void* ws = nullptr;
-      ck(cudaMalloc(&ws, wsb + 256), "ws");
-      const float tf = time([&] {
-        ok(fce_kd_partial(h, fs, &xs.t, &tt, &o, &rec.t), "kd partial");
-        if (nccl.all_gather(rec.p, all.p, size_t(NK) * FCE_KD_RECORD_FIELDS, 7, nc, st) != 0) CHECK(false, "all-gather");
-        ok(fce_kd_combine(h, fs, &all.t, nullptr, &o, nullptr, &stats.t, ws, wsb + 256), "kd combine");
-        ok(fce_kd_terms_partial(h, fs, &xs.t, &tt, &stats.t, &o, &terms.t), "kd terms");
-        if (nccl.all_gather(terms.p, tall.p, size_t(NK) * FCE_KD_TERMS_RECORD_FIELDS, 7, nc, st) != 0)
-          CHECK(false, "all-gather");
-        ok(fce_kd_terms_combine(h, fs, &tall.t, nullptr, &o, &loss.t, &stats.t, ws, wsb + 256), "kd terms combine");
-      });
-      const float tb = time([&] {
-        ok(fce_kd_bwd(h, fs, &xs.t, &tt, nullptr, &stats.t, &o, nullptr, &ds.t, ws, wsb + 256), "kd bwd");
-      });
-      cudaFree(ws);
-      std::printf("| rank %d | KD forward KL, top-K teacher K=64, strong | N=%lld V_local=%lld V=%lld | two exchanges %.3f; "
-                  "shard dstudent %.3f; one GPU fce_kd_loss over V %.3f | |\n",
-                  g_rank, (long long)NK, (long long)width, (long long)V, tf, tb, t1);
-      result(W, "kd_topk", "one", NK, V, V, "fwd", t1);
-      result(W, "kd_topk", "strong", NK, width, V, "fwd", tf);
-      result(W, "kd_topk", "strong", NK, width, V, "shard_dstudent", tb);
+      fce_kd_teacher_t topk = FCE_KD_TEACHER_INIT;
+      topk.topk_ids = &ids.t;
+      topk.topk_logprobs = &lps.t;
+      two_exchanges("kd_topk", "KD forward KL, top-K teacher K=64", topk, topk, xs, FCE_KD_OPTIONS_INIT, NK, width);
     }
     {  // one GPU, the whole V, fused forward + dlogits in place
       Buf x({N, V}, kBF16, dev), t({N}, kI64, dev), loss({}, kF32, dev);
@@ -1289,9 +1298,9 @@ int main(int argc, char** argv) {
     };
     for (const Case& c : kd_cases)
       for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD}) {
-        kd_case(c, div, W, dev, h, nccl, nc, st);
+        kd_case(c, div, W, dev, h, comm, nccl, nc, st);
         if (c.V >= 1000)  // a top-K teacher (distinct ids need V >= K)
-          for (int norm : {FCE_KD_TOPK_FULL_VOCAB, FCE_KD_TOPK_RENORMALIZE}) kd_case(c, div, W, dev, h, nccl, nc, st, norm);
+          for (int norm : {FCE_KD_TOPK_FULL_VOCAB, FCE_KD_TOPK_RENORMALIZE}) kd_case(c, div, W, dev, h, comm, nccl, nc, st, norm);
       }
     const Case linear_cases[] = {
         {37, 50021, true, FCE_REDUCTION_NONE, 0.f, 0.f, false},

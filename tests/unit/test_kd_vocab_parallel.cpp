@@ -730,6 +730,16 @@ TEST(KdVocabParallel, Validation) {
   EXPECT_EQ(fce_kd_terms_combine(h, test_stream(), &r.dl, nullptr, &j, loss.dl(), st.dl(), nullptr, 0),
             FCE_STATUS_SHAPE_MISMATCH);
   FCE_OK(fce_kd_terms_combine_workspace_size(h, &tr.dl, nullptr, &j, loss.dl(), st.dl(), &bytes));
+  // NCCL mode needs a communicator (and a CUDA handle: fce_comm_create refuses a CPU one).
+  {
+    fce_kd_outputs_t vo = FCE_KD_OUTPUTS_INIT;
+    vo.loss = loss.dl();
+    EXPECT_EQ(fce_kd_fwd_vp(h, nullptr, test_stream(), s.dl(), &tt, nullptr, &o, &vo, nullptr, 0),
+              FCE_STATUS_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(fce_last_error_message()).find("comm"), std::string::npos);
+    EXPECT_EQ(fce_kd_fwd_vp_workspace_size(h, nullptr, s.dl(), &tt, nullptr, &o, &vo, &bytes),
+              FCE_STATUS_INVALID_ARGUMENT);
+  }
   // The backward: dstudent of the student's shape and dtype.
   Tensor d16(DT::BF16, {3, 10});
   EXPECT_EQ(fce_kd_bwd(h, test_stream(), s.dl(), &tt, nullptr, st.dl(), &o, nullptr, d16.dl(), nullptr, 0),

@@ -1117,6 +1117,37 @@ function fce_kd_bwd_workspace_size(handle, student, teacher, targets, row_stats,
 end
 
 """
+Vocabulary-parallel knowledge distillation in NCCL mode (see "NCCL mode" above; since 0.2.0): one call runs
+the steps of "Vocabulary-parallel knowledge distillation" on this rank's shard: fce_kd_partial, the
+all-gather of the records over `comm` on `stream`, fce_kd_combine, for JSD (0 < beta < 1) and a top-K
+teacher fce_kd_terms_partial, a second all-gather and fce_kd_terms_combine, then with outputs->dstudent
+fce_kd_bwd. No host synchronization; capturable in a CUDA graph. Every rank calls it with the same N,
+options (but its own vocab_start) and outputs; the loss is the same bits on every rank and those of the
+one-device emulation of the same shards.
+@param comm     from fce_comm_create on this handle's device (a CUDA handle).
+@param student  [N,V] this rank's shard, as for fce_kd_partial.
+@param teacher  as for fce_kd_partial: this rank's shard of the teacher's logits, or a top-K teacher.
+@param targets  optional [N] int32/int64: rows whose target is options->ignore_index are masked.
+@param options  vocab_start (this rank's) and vocab_total required; any divergence and temperature.
+@param outputs  loss required (as fce_kd_combine's); dstudent optional (this shard's, in place allowed, with
+                grad_loss as for fce_kd_bwd).
+@param workspace NULL (the handle's cached one), or at least the bytes of fce_kd_fwd_vp_workspace_size.
+@return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for a CPU handle or a NULL comm;
+        DEVICE_MISMATCH for a comm on another device), NOT_IMPLEMENTED (a top-K teacher of K > 8192 with
+        dstudent), COMMUNICATOR_ERROR, CUDA_ERROR.
+"""
+function fce_kd_fwd_vp(handle, comm, stream, student, teacher, targets, options, outputs, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_kd_fwd_vp[])(handle::fce_handle_t, comm::fce_comm_t, stream::fce_stream_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, outputs::Ptr{fce_kd_outputs_t}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_kd_fwd_vp needs for these arguments (same validation).
+"""
+function fce_kd_fwd_vp_workspace_size(handle, comm, student, teacher, targets, options, outputs, bytes)
+    @ccall $(_fptr_fce_kd_fwd_vp_workspace_size[])(handle::fce_handle_t, comm::fce_comm_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, outputs::Ptr{fce_kd_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+"""
 Outputs of linear cross-entropy. Initialize with FCE_LINEAR_CE_OUTPUTS_INIT. Gradients are written
 (added into with FCE_LINEAR_CE_ACCUMULATE), each formed with fp32 accumulation. dhidden and dbias are rounded once to their
 dtype, and so is dweight on the CPU and whenever it is fp32. On CUDA a bf16/fp16 dweight is accumulated
@@ -1459,6 +1490,8 @@ const _fptr_fce_kd_terms_combine = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_terms_combine_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_bwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_bwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_fwd_vp = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_kd_fwd_vp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_ce_outputs_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_fwd = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_linear_cross_entropy_fwd_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
@@ -1525,6 +1558,8 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_kd_terms_combine_workspace_size[] = Libdl.dlsym(lib, :fce_kd_terms_combine_workspace_size)
     _fptr_fce_kd_bwd[] = Libdl.dlsym(lib, :fce_kd_bwd)
     _fptr_fce_kd_bwd_workspace_size[] = Libdl.dlsym(lib, :fce_kd_bwd_workspace_size)
+    _fptr_fce_kd_fwd_vp[] = Libdl.dlsym(lib, :fce_kd_fwd_vp)
+    _fptr_fce_kd_fwd_vp_workspace_size[] = Libdl.dlsym(lib, :fce_kd_fwd_vp_workspace_size)
     _fptr_fce_linear_ce_outputs_init[] = Libdl.dlsym(lib, :fce_linear_ce_outputs_init)
     _fptr_fce_linear_cross_entropy_fwd[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_fwd)
     _fptr_fce_linear_cross_entropy_fwd_workspace_size[] = Libdl.dlsym(lib, :fce_linear_cross_entropy_fwd_workspace_size)
@@ -1588,6 +1623,8 @@ const FUNCTIONS = (
     :fce_kd_terms_combine_workspace_size,
     :fce_kd_bwd,
     :fce_kd_bwd_workspace_size,
+    :fce_kd_fwd_vp,
+    :fce_kd_fwd_vp_workspace_size,
     :fce_linear_ce_outputs_init,
     :fce_linear_cross_entropy_fwd,
     :fce_linear_cross_entropy_fwd_workspace_size,

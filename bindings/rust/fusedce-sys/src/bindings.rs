@@ -2521,6 +2521,51 @@ extern "C" {
         bytes: *mut usize,
     ) -> fce_status_t;
 }
+extern "C" {
+    #[doc = " Vocabulary-parallel knowledge distillation in NCCL mode (see \"NCCL mode\" above; since 0.2.0): one call runs"]
+    #[doc = " the steps of \"Vocabulary-parallel knowledge distillation\" on this rank's shard: fce_kd_partial, the"]
+    #[doc = " all-gather of the records over `comm` on `stream`, fce_kd_combine, for JSD (0 < beta < 1) and a top-K"]
+    #[doc = " teacher fce_kd_terms_partial, a second all-gather and fce_kd_terms_combine, then with outputs->dstudent"]
+    #[doc = " fce_kd_bwd. No host synchronization; capturable in a CUDA graph. Every rank calls it with the same N,"]
+    #[doc = " options (but its own vocab_start) and outputs; the loss is the same bits on every rank and those of the"]
+    #[doc = " one-device emulation of the same shards."]
+    #[doc = " @param comm     from fce_comm_create on this handle's device (a CUDA handle)."]
+    #[doc = " @param student  [N,V] this rank's shard, as for fce_kd_partial."]
+    #[doc = " @param teacher  as for fce_kd_partial: this rank's shard of the teacher's logits, or a top-K teacher."]
+    #[doc = " @param targets  optional [N] int32/int64: rows whose target is options->ignore_index are masked."]
+    #[doc = " @param options  vocab_start (this rank's) and vocab_total required; any divergence and temperature."]
+    #[doc = " @param outputs  loss required (as fce_kd_combine's); dstudent optional (this shard's, in place allowed, with"]
+    #[doc = "                 grad_loss as for fce_kd_bwd)."]
+    #[doc = " @param workspace NULL (the handle's cached one), or at least the bytes of fce_kd_fwd_vp_workspace_size."]
+    #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for a CPU handle or a NULL comm;"]
+    #[doc = "         DEVICE_MISMATCH for a comm on another device), NOT_IMPLEMENTED (a top-K teacher of K > 8192 with"]
+    #[doc = "         dstudent), COMMUNICATOR_ERROR, CUDA_ERROR."]
+    pub fn fce_kd_fwd_vp(
+        handle: fce_handle_t,
+        comm: fce_comm_t,
+        stream: fce_stream_t,
+        student: *const DLTensor,
+        teacher: *const fce_kd_teacher_t,
+        targets: *const DLTensor,
+        options: *const fce_kd_options_t,
+        outputs: *const fce_kd_outputs_t,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_kd_fwd_vp needs for these arguments (same validation)."]
+    pub fn fce_kd_fwd_vp_workspace_size(
+        handle: fce_handle_t,
+        comm: fce_comm_t,
+        student: *const DLTensor,
+        teacher: *const fce_kd_teacher_t,
+        targets: *const DLTensor,
+        options: *const fce_kd_options_t,
+        outputs: *const fce_kd_outputs_t,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
 #[doc = " Outputs of linear cross-entropy. Initialize with FCE_LINEAR_CE_OUTPUTS_INIT. Gradients are written"]
 #[doc = " (added into with FCE_LINEAR_CE_ACCUMULATE), each formed with fp32 accumulation. dhidden and dbias are rounded once to their"]
 #[doc = " dtype, and so is dweight on the CPU and whenever it is fp32. On CUDA a bf16/fp16 dweight is accumulated"]
