@@ -1,6 +1,6 @@
 // Linear cross-entropy benchmark: time and TFLOP/s of forward(+backward) against a plain cuBLAS bf16 GEMM
 // of the same shape in the same run, with the extra device memory the call needs.
-// usage: bench_linear_ce [--debug | --sweep] [--json FILE]
+// usage: bench_linear_ce [--debug | --sweep | --case N H V] [--json FILE]
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -126,6 +126,18 @@ int main(int argc, char** argv) {
   fce_handle_t h;
   ok(fce_handle_create(kDLCUDA, 0, &h), "handle");
   std::printf("device: %s\n", device_name().c_str());
+  if (argc == 5 && std::strcmp(argv[1], "--case") == 0) {  // one fwd+bwd shape, its own cuBLAS baseline
+    const int64_t N = std::atoll(argv[2]), H = std::atoll(argv[3]), V = std::atoll(argv[4]);
+    const Gemm g{gemm_tflops(blas, s, N, V, H), std::to_string(N) + "x" + std::to_string(V) + "x" + std::to_string(H)};
+    std::printf("cuBLAS bf16 GEMM: %.0f TFLOP/s (%s)\n", g.tflops, g.shape.c_str());
+    std::printf("| op | shape | ms | TFLOP/s | of cuBLAS | extra memory |\n|---|---|---|---|---|---|\n");
+    lce_case(h, s, N, H, V, true, g);
+    fce_handle_destroy(h);
+    cublasDestroy(blas);
+    return json.empty() || write_json(json, "bench_linear_ce", {jobj("cublas_tflops", {jnum(g.shape, g.tflops)})}, g_rows)
+               ? 0
+               : 1;
+  }
   const Gemm g1{gemm_tflops(blas, s, 8192, 128256, 4096), "8192x128256x4096"},
       g2{gemm_tflops(blas, s, 8192, 256000, 2304), "8192x256000x2304"};
   std::printf("cuBLAS bf16 GEMM: %.0f TFLOP/s (8192x128256x4096), %.0f TFLOP/s (8192x256000x2304)\n\n", g1.tflops,

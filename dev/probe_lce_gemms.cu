@@ -1,0 +1,222 @@
+// Linear CE's three GEMMs cut into token chunks, as src/cuda/linear_ce.cu issues them (bf16, fp32 compute,
+// column-major views): logits = W^T h_c, dhidden_c = W dl_c, dweight += h_c dl_c^T (beta = 1 after the first
+// chunk). For each chunk length, the sum over the chunks of N tokens of each GEMM's time (median of 5 event-
+// timed repetitions), through cublasGemmEx with the library's math mode, without it, with an fp32 output,
+// and through cublasLt with each of its first heuristic algorithms (its tile, split-K, waves). Whole N is the
+// reference: the plain GEMMs of the same shapes.
+//
+//     probe_lce_gemms N H V C[,C...] [LT_ALGOS]
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#define CK(x)                                                                  \
+  do {                                                                         \
+    auto e_ = (x);                                                             \
+    if (int(e_) != 0) {                                                        \
+      std::fprintf(stderr, "%s:%d %s -> %d\n", __FILE__, __LINE__, #x, int(e_)); \
+      std::exit(1);                                                            \
+    }                                                                          \
+  } while (0)
+
+namespace {
+
+__global__ void fill(__nv_bfloat16* p, size_t n, float scale, unsigned seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    unsigned x = unsigned(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    p[i] = __float2bfloat16(scale * (float(x & 0xffffff) / float(0x800000) - 1.f));
+  }
+}
+
+float median_ms(const std::function<void()>& f, int reps = 5) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  f();
+  CK(cudaDeviceSynchronize());
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(a));
+    f();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct Gemm {  // one column-major GEMM: D (m x n) = alpha op(A) op(B) + beta C
+  cublasOperation_t ta, tb;
+  int m, n, k;
+  const void* A;
+  int lda;
+  const void* B;
+  int ldb;
+  void* C;
+  cudaDataType ct;
+  int ldc;
+};
+
+cublasHandle_t g_blas, g_blas_free;
+cublasLtHandle_t g_lt;
+void* g_ws;
+const size_t kWs = 32u << 20;
+
+void gemm_ex(cublasHandle_t b, const Gemm& g, float beta) {
+  const float one = 1.f;
+  CK(cublasGemmEx(b, g.ta, g.tb, g.m, g.n, g.k, &one, g.A, CUDA_R_16BF, g.lda, g.B, CUDA_R_16BF, g.ldb, &beta, g.C,
+                  g.ct, g.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+struct LtPlan {
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a, b, c;
+  std::vector<cublasLtMatmulHeuristicResult_t> algos;
+};
+
+LtPlan lt_plan(const Gemm& g, int want) {
+  LtPlan p{};
+  CK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  CK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &g.ta, sizeof g.ta));
+  CK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &g.tb, sizeof g.tb));
+  const bool at = g.ta == CUBLAS_OP_T, bt = g.tb == CUBLAS_OP_T;
+  CK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, at ? g.k : g.m, at ? g.m : g.k, g.lda));
+  CK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, bt ? g.n : g.k, bt ? g.k : g.n, g.ldb));
+  CK(cublasLtMatrixLayoutCreate(&p.c, g.ct, g.m, g.n, g.ldc));
+  cublasLtMatmulPreference_t pref;
+  CK(cublasLtMatmulPreferenceCreate(&pref));
+  CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &kWs, sizeof kWs));
+  // no reduction in the 16-bit output type (the library's math mode)
+  const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask, sizeof mask));
+  p.algos.resize(size_t(want));
+  int got = 0;
+  CK(cublasLtMatmulAlgoGetHeuristic(g_lt, p.desc, p.a, p.b, p.c, p.c, pref, want, p.algos.data(), &got));
+  p.algos.resize(size_t(got));
+  CK(cublasLtMatmulPreferenceDestroy(pref));
+  return p;
+}
+
+void lt_run(const LtPlan& p, const Gemm& g, int i, float beta) {
+  const float one = 1.f;
+  CK(cublasLtMatmul(g_lt, p.desc, &one, g.A, p.a, g.B, p.b, &beta, g.C, p.c, g.C, p.c, &p.algos[size_t(i)].algo,
+                    g_ws, kWs, 0));
+}
+
+std::string algo_name(const cublasLtMatmulHeuristicResult_t& r) {
+  int id = 0, tile = 0, splitk = 0, red = 0, stages = 0;
+  uint16_t cluster = 0;
+  size_t n;
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &n);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &n);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk, &n);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &red, sizeof red, &n);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages, &n);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster, &n);
+  char s[160];
+  std::snprintf(s, sizeof s, "id%d tile%d sk%d red%d st%d cl%d waves%.2f ws%zuK", id, tile, splitk, red, stages,
+                int(cluster), double(r.wavesCount), r.workspaceSize >> 10);
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::fprintf(stderr, "usage: probe_lce_gemms N H V C[,C...] [LT_ALGOS]\n");
+    return 2;
+  }
+  const int N = std::atoi(argv[1]), H = std::atoi(argv[2]), V = std::atoi(argv[3]);
+  std::vector<int> cs;
+  for (char* t = std::strtok(argv[4], ","); t; t = std::strtok(nullptr, ",")) cs.push_back(std::atoi(t));
+  const int lt_algos = argc > 5 ? std::atoi(argv[5]) : 4;
+  const int ldl = (V + 127) / 128 * 128;
+  int cmax = N;
+  __nv_bfloat16 *hid, *w, *dl, *dh, *dw;
+  float *dh32, *dw32;
+  CK(cudaMalloc(&hid, size_t(N) * H * 2));
+  CK(cudaMalloc(&w, size_t(V) * H * 2));
+  CK(cudaMalloc(&dl, size_t(cmax) * ldl * 2));
+  CK(cudaMalloc(&dh, size_t(N) * H * 2));
+  CK(cudaMalloc(&dh32, size_t(N) * H * 4));
+  CK(cudaMalloc(&dw, size_t(V) * H * 2));
+  CK(cudaMalloc(&dw32, size_t(V) * H * 4));
+  CK(cudaMalloc(&g_ws, kWs));
+  fill<<<1024, 256>>>(hid, size_t(N) * H, 1.f, 1);
+  fill<<<1024, 256>>>(w, size_t(V) * H, 0.02f, 2);
+  fill<<<1024, 256>>>(dl, size_t(cmax) * ldl, 1e-4f, 3);
+  CK(cublasCreate(&g_blas));
+  CK(cublasSetMathMode(g_blas, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  CK(cublasCreate(&g_blas_free));
+  CK(cublasLtCreate(&g_lt));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const double flop = 2.0 * N * double(H) * V;
+  std::printf("%s, %d SMs; N=%d H=%d V=%d; ms summed over the chunks of N tokens (TFLOP/s)\n", prop.name,
+              prop.multiProcessorCount, N, H, V);
+  std::printf("| chunk | GEMM | GemmEx (library mode) | GemmEx (reduced allowed) | GemmEx fp32 out | cublasLt algos |\n");
+  std::printf("|---|---|---|---|---|---|\n");
+  cs.push_back(N);
+  for (int C : cs) {
+    std::vector<int> starts;
+    for (int r = 0; r < N; r += C) starts.push_back(r);
+    const int last = N - starts.back();
+    auto chunk_gemm = [&](int which, int r0, void* out, cudaDataType ct) {
+      const int rows = std::min(C, N - r0);
+      const __nv_bfloat16* h = hid + size_t(r0) * H;
+      if (which == 0) return Gemm{CUBLAS_OP_T, CUBLAS_OP_N, V, rows, H, w, H, h, H, dl, CUDA_R_16BF, ldl};
+      if (which == 1)
+        return Gemm{CUBLAS_OP_N, CUBLAS_OP_N, H, rows, V, w, H, dl, ldl,
+                    static_cast<char*>(out) + size_t(r0) * H * (ct == CUDA_R_32F ? 4 : 2), ct, H};
+      return Gemm{CUBLAS_OP_N, CUBLAS_OP_T, H, V, rows, h, H, dl, ldl, out, ct, H};
+    };
+    const char* names[3] = {"logits", "dhidden", "dweight +="};
+    for (int which = 0; which < 3; ++which) {
+      void* o16 = which == 1 ? static_cast<void*>(dh) : static_cast<void*>(dw);
+      void* o32 = which == 1 ? static_cast<void*>(dh32) : static_cast<void*>(dw32);
+      auto all = [&](cublasHandle_t b, void* out, cudaDataType ct) {
+        return median_ms([&] {
+          for (int r0 : starts) gemm_ex(b, chunk_gemm(which, r0, out, ct), which == 2 && r0 > 0 ? 1.f : 0.f);
+        });
+      };
+      const float a = all(g_blas, o16, CUDA_R_16BF), b = all(g_blas_free, o16, CUDA_R_16BF);
+      const float c = which == 0 ? 0.f : all(g_blas, o32, CUDA_R_32F);
+      std::string lt;
+      // cublasLt: the full chunk's plan and the last chunk's, algorithm i of each heuristic list
+      LtPlan pf = lt_plan(chunk_gemm(which, 0, o16, CUDA_R_16BF), lt_algos);
+      LtPlan pl = lt_plan(chunk_gemm(which, starts.back(), o16, CUDA_R_16BF), lt_algos);
+      for (size_t i = 0; i < std::min(pf.algos.size(), pl.algos.size()); ++i) {
+        const float m = median_ms([&] {
+          for (int r0 : starts) {
+            const bool is_last = r0 == starts.back() && last != C;
+            lt_run(is_last ? pl : pf, chunk_gemm(which, r0, o16, CUDA_R_16BF), int(i), which == 2 && r0 > 0 ? 1.f : 0.f);
+          }
+        });
+        char s[256];
+        std::snprintf(s, sizeof s, "%s#%zu %.3f (%.0f) [%s]", i ? "; " : "", i, m, flop / m / 1e9,
+                      algo_name(pf.algos[i]).c_str());
+        lt += s;
+      }
+      std::printf("| %d%s | %s | %.3f (%.0f) | %.3f (%.0f) | %.3f | %s |\n", C,
+                  last != C ? (" + last " + std::to_string(last)).c_str() : "", names[which], a, flop / a / 1e9, b,
+                  flop / b / 1e9, c, lt.c_str());
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
