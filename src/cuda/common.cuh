@@ -125,6 +125,10 @@ __device__ __forceinline__ void row_visit(const T* __restrict__ row, int64_t beg
 }
 
 template <int kBytes> struct VecOf;
+struct alignas(32) Vec32 {  // fp32 out of 16-bit in (row_map): two 16-byte stores of 32 contiguous bytes
+  uint4 lo, hi;
+};
+template <> struct VecOf<32> { using type = Vec32; };
 template <> struct VecOf<16> { using type = uint4; };
 template <> struct VecOf<8> { using type = uint2; };
 template <> struct VecOf<4> { using type = unsigned; };
@@ -235,7 +239,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // Like row_visit, but f rewrites v in place and the result is stored to out[begin, end) as type O
-// (kVec<T> values of O per vector, so fp32 in / bf16 out stores 8 bytes). `in` and `out` may be the same
+// (kVec<T> values of O per vector, so fp32 in / bf16 out stores 8 bytes, bf16 in / fp32 out 32). `in` and `out` may be the same
 // memory when T == O (in-place). Vector stores need `out` at the same alignment phase as `in`; otherwise
 // the whole range goes the scalar way. With `next`, a cached vector's slot is refilled, once used, with
 // vector i of `next` (the next row) by cp_async16: the copy overlaps this row's stores.

@@ -138,15 +138,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_shard_kernel(const T* x, 
       }
     }
   };
-  if constexpr (std::is_same_v<T, O> || sizeof(O) * kVec<T> <= 16) {
-    row_map<T, O>(x + row * ldx, out + row * ldo, 0, V, f);
-  } else {  // 16-bit logits to fp32: vector loads, element stores (row_map's vectors stop at 16 bytes)
-    O* o = out + row * ldo;
-    row_visit<T>(x + row * ldx, 0, V, [&](float (&v)[kVec<T>], int64_t j0, int cnt) {
-      f(v, j0, cnt);
-      for (int k = 0; k < cnt; ++k) o[j0 + k] = from_float<O>(v[k]);
-    });
-  }
+  row_map<T, O>(x + row * ldx, out + row * ldo, 0, V, f);
 }
 
 VpArgs args_of(const CeOpts& o, const Vec& targets) {
