@@ -610,6 +610,31 @@ FCE_API fce_status_t fce_logsumexp_partial(fce_handle_t handle, fce_stream_t str
 FCE_API fce_status_t fce_logsumexp_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
                                            DLTensor* lse);
 
+/**
+ * Vocabulary-parallel logsumexp over NCCL (NCCL mode, under fce_comm_create), one call per rank: the
+ * records of this rank's shard (fce_logsumexp_partial), one all-gather of the [N, FCE_LSE_RECORD_FIELDS]
+ * fp32 records on `stream`, their combine in rank order (fce_logsumexp_combine). Every rank gets the same
+ * bits, equal to those two calls on every shard's records on one device. No host synchronization; with a
+ * caller workspace, capturable in a CUDA graph. Since 0.2.0.
+ * @param comm    from fce_comm_create, on the handle's device.
+ * @param x       [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total).
+ * @param options required: vocab_start (this rank's first column), vocab_total and scale, the last two the
+ *                same on every rank (ranks hold the shards in vocabulary order).
+ * @param lse     [N] fp32: the whole rows' lse of scale * x, written on every rank.
+ * @param workspace as everywhere (fce_logsumexp_vp_workspace_size): every rank's records, N * 8 * (W + 1)
+ *                bytes.
+ * @return FCE_STATUS_SUCCESS, the validation statuses of fce_logsumexp_partial (INVALID_ARGUMENT for NULL
+ *         comm or options, or without vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather
+ *         failed), CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_logsumexp_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream, const DLTensor* x,
+                                      const fce_lse_options_t* options, DLTensor* lse, void* workspace,
+                                      size_t workspace_bytes);
+/** Workspace bytes fce_logsumexp_vp needs for these arguments (same validation). */
+FCE_API fce_status_t fce_logsumexp_vp_workspace_size(fce_handle_t handle, fce_comm_t comm, const DLTensor* x,
+                                                     const fce_lse_options_t* options, const DLTensor* lse,
+                                                     size_t* bytes);
+
 /* ------------------------------------------------------------------------------------------------ */
 /* Temperature softmax                                                                              */
 /* ------------------------------------------------------------------------------------------------ */
@@ -667,6 +692,36 @@ FCE_API fce_status_t fce_temp_softmax_workspace_size(fce_handle_t handle, const 
                                                      const fce_softmax_options_t* options,
                                                      const DLTensor* probs, const DLTensor* logprobs,
                                                      size_t* bytes);
+
+/**
+ * A vocabulary shard's temperature softmax over NCCL (NCCL mode), one call per rank: the whole rows' lse of
+ * logits / T (fce_logsumexp_vp with scale 1/T), then this shard's probabilities and log-probabilities of the
+ * whole rows (fce_temp_softmax with the shard and that lse: p_j = exp(x_j / T - lse), padding columns 0 and
+ * -inf). The same bits as those calls on one device; no host synchronization; with a caller workspace,
+ * capturable in a CUDA graph. Since 0.2.0.
+ * @param comm     from fce_comm_create, on the handle's device.
+ * @param logits   [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total).
+ * @param options  required: vocab_start, vocab_total and one finite temperature > 0, the same on every rank
+ *                 but vocab_start; temperatures and lse NULL (the call computes the lse).
+ * @param probs    optional [N,V], fp32 or the logits' dtype, as for fce_temp_softmax.
+ * @param logprobs optional [N,V], as for fce_temp_softmax; at least one of the two.
+ * @param lse      optional [N] fp32: receives the whole rows' lse of logits / T.
+ * @param workspace as everywhere (fce_temp_softmax_vp_workspace_size): every rank's records and, without
+ *                 `lse`, the lse.
+ * @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or options, without
+ *         vocab_total, or with options->lse; NOT_IMPLEMENTED for per-row, zero or infinite temperatures;
+ *         DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR.
+ */
+FCE_API fce_status_t fce_temp_softmax_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream,
+                                         const DLTensor* logits, const fce_softmax_options_t* options,
+                                         DLTensor* probs, DLTensor* logprobs, DLTensor* lse, void* workspace,
+                                         size_t workspace_bytes);
+/** Workspace bytes fce_temp_softmax_vp needs for these arguments (same validation). */
+FCE_API fce_status_t fce_temp_softmax_vp_workspace_size(fce_handle_t handle, fce_comm_t comm,
+                                                        const DLTensor* logits,
+                                                        const fce_softmax_options_t* options,
+                                                        const DLTensor* probs, const DLTensor* logprobs,
+                                                        const DLTensor* lse, size_t* bytes);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Knowledge distillation                                                                           */

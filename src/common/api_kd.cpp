@@ -238,8 +238,6 @@ size_t kd_need(fce_handle* h, const KdProblem& p) {
   return h->backend == Backend::CPU ? cpu::kd_workspace(p) : cuda::kd_workspace(h, p);
 }
 
-size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
-
 // A validated NCCL-mode KD call (fce_kd_fwd_vp): its steps and where each keeps its data in the workspace.
 struct KdVpCall {
   KdPartialProblem part;
@@ -296,19 +294,18 @@ KdVpCall kd_vp_call(fce_handle* h, const fce_comm* c, const DLTensor* student, c
   }
   // Workspace: this rank's records, every rank's, the rows' statistics; the terms' records, this rank's and
   // every rank's; then the combines' and the backward's own workspaces.
-  const size_t rec = size_t(N) * kKdRecordFields * 4, trec = size_t(N) * kKdTermsRecordFields * 4;
-  FCE_CHECK(rec / 4 / kKdRecordFields == size_t(N) && size_t(W) <= SIZE_MAX / 2 / rec, FCE_STATUS_OVERFLOW,
-            "the records of %lld rows from %lld ranks overflow", (long long)N, (long long)W);
-  v.gathered = align_up(rec);
-  v.stats = v.gathered + align_up(rec * size_t(W));
-  size_t at = v.stats + align_up(size_t(N) * kKdRowStatsFields * 4);
+  size_t all = 0, tall = 0;
+  v.gathered = vp_records_bytes(N, kKdRecordFields, W, &all);
+  const size_t tbytes = vp_records_bytes(N, kKdTermsRecordFields, W, &tall);
+  v.stats = v.gathered + all;
+  size_t at = v.stats + vp_align(size_t(N) * kKdRowStatsFields * 4);
   v.trec = at;
-  v.tgathered = at += v.two ? align_up(trec) : 0;
-  at += v.two ? align_up(trec * size_t(W)) : 0;
+  v.tgathered = at += v.two ? tbytes : 0;
+  at += v.two ? tall : 0;
   v.comb_ws = at;
-  at += align_up(std::max(cuda::kd_combine_workspace(h, v.comb), cuda::kd_combine_workspace(h, v.tcomb)));
+  at += vp_align(std::max(cuda::kd_combine_workspace(h, v.comb), cuda::kd_combine_workspace(h, v.tcomb)));
   v.bwd_ws = at;
-  if (out.dstudent) at += align_up(cuda::kd_bwd_workspace(h, v.bwd));
+  if (out.dstudent) at += vp_align(cuda::kd_bwd_workspace(h, v.bwd));
   v.bytes = at;
   return v;
 }

@@ -1,4 +1,5 @@
 #include "common/api_util.hpp"
+#include "common/comm.hpp"
 
 using namespace fce;
 
@@ -13,21 +14,26 @@ fce_lse_options_t read_lse_options(const fce_lse_options_t* options) {
   return o;
 }
 
-LsePartialProblem lse_partial_problem(fce_handle* h, const DLTensor* x, const fce_lse_options_t* options,
-                                      DLTensor* records) {
-  Validator val(h->backend, h->device_id);
+// A shard's x and options (fce_logsumexp_partial, fce_logsumexp_vp: `fn`); records left unset.
+LsePartialProblem lse_shard_problem(Validator& val, const DLTensor* x, const fce_lse_options_t* options,
+                                    const char* fn) {
   LsePartialProblem p;
   p.x = val.matrix(x, "x", kFloats);
   val.input("x", p.x.data, Validator::span(p.x));
-  FCE_CHECK(options != nullptr, FCE_STATUS_INVALID_ARGUMENT,
-            "options is NULL: fce_logsumexp_partial needs options->vocab_total");
+  FCE_CHECK(options != nullptr, FCE_STATUS_INVALID_ARGUMENT, "options is NULL: %s needs options->vocab_total", fn);
   const fce_lse_options_t o = read_lse_options(options);
   FCE_CHECK(o.vocab_total > 0, FCE_STATUS_INVALID_ARGUMENT,
-            "options->vocab_total is 0: fce_logsumexp_partial is for a vocabulary shard (set vocab_start and "
-            "vocab_total)");
+            "options->vocab_total is 0: %s is for a vocabulary shard (set vocab_start and vocab_total)", fn);
   p.scale = o.scale;
   p.vocab_start = o.vocab_start;
   p.vocab_total = o.vocab_total;
+  return p;
+}
+
+LsePartialProblem lse_partial_problem(fce_handle* h, const DLTensor* x, const fce_lse_options_t* options,
+                                      DLTensor* records) {
+  Validator val(h->backend, h->device_id);
+  LsePartialProblem p = lse_shard_problem(val, x, options, "fce_logsumexp_partial");
   p.records = val.matrix(records, "records", kF32);
   expect_shape(p.records, "records", p.x.rows, kLseRecordFields);
   val.output("records", p.records.data, Validator::span(p.records));
@@ -65,6 +71,31 @@ LseProblem lse_problem(fce_handle* h, const DLTensor* x, const fce_lse_options_t
             (long long)p.lse.n, (long long)p.x.rows);
   val.output("lse", p.lse.data, Validator::span(p.lse));
   return p;
+}
+
+// NCCL mode: this rank's records, then every rank's ([W * N, 2]) in the workspace.
+struct LseVp {
+  LsePartialProblem part;
+  LseCombineProblem comb;
+  size_t gathered = 0, bytes = 0;
+};
+
+LseVp lse_vp(fce_handle* h, const fce_comm* c, const DLTensor* x, const fce_lse_options_t* options,
+             const DLTensor* lse) {
+  Validator val(h->backend, h->device_id);
+  LseVp v;
+  v.part = lse_shard_problem(val, x, options, "fce_logsumexp_vp");
+  const int64_t N = v.part.x.rows;
+  v.comb.lse = val.vector(lse, "lse", kF32);
+  FCE_CHECK(v.comb.lse.n == N, FCE_STATUS_SHAPE_MISMATCH, "lse has length %lld; expected N = %lld",
+            (long long)v.comb.lse.n, (long long)N);
+  val.output("lse", v.comb.lse.data, Validator::span(v.comb.lse));
+  v.comb.W = c->size;
+  v.comb.N = N;
+  size_t all = 0;
+  v.gathered = vp_records_bytes(N, kLseRecordFields, c->size, &all);
+  v.bytes = v.gathered + all;
+  return v;
 }
 
 size_t lse_need(fce_handle* h, const LseProblem& p) {
@@ -113,6 +144,28 @@ FCE_API fce_status_t fce_logsumexp_combine(fce_handle_t handle, fce_stream_t str
     const LseCombineProblem p = lse_combine_problem(h, records, lse);
     if (h->backend == Backend::CPU) cpu::lse_combine(p);
     else cuda::lse_combine(h, stream, p);
+  });
+}
+
+FCE_API fce_status_t fce_logsumexp_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream, const DLTensor* x,
+                                      const fce_lse_options_t* options, DLTensor* lse, void* workspace,
+                                      size_t workspace_bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const fce_comm* c = checked_comm(h, comm);
+    LseVp v = lse_vp(h, c, x, options, lse);
+    const Workspace w = resolve_workspace(h, workspace, workspace_bytes, v.bytes, stream);
+    lse_vp_run(h, c, stream, v.part, v.comb, static_cast<char*>(w.ptr), v.gathered);
+  });
+}
+
+FCE_API fce_status_t fce_logsumexp_vp_workspace_size(fce_handle_t handle, fce_comm_t comm, const DLTensor* x,
+                                                     const fce_lse_options_t* options, const DLTensor* lse,
+                                                     size_t* bytes) {
+  return guard(__func__, [&] {
+    fce_handle* h = check_handle(handle);
+    const fce_comm* c = checked_comm(h, comm);
+    write_size(bytes, lse_vp(h, c, x, options, lse).bytes);
   });
 }
 

@@ -10,8 +10,6 @@ using namespace fce;
 
 namespace {
 
-size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
-
 // A validated NCCL-mode call: its three steps and where each keeps its data in the workspace.
 struct VpCall {
   CePartialProblem part;  // records point into the workspace
@@ -52,24 +50,22 @@ VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const D
                                                                : kCeRecordLoss;
   // Workspace: this rank's records, every rank's records, the lse when the caller does not keep it and the
   // gradient needs it, then the combine's and the backward's own workspaces.
-  const size_t rec = size_t(N) * size_t(v.K) * 4;
-  FCE_CHECK(rec / 4 / size_t(v.K) == size_t(N) && size_t(W) <= SIZE_MAX / 2 / rec, FCE_STATUS_OVERFLOW,
-            "the records of %lld rows from %lld ranks overflow", (long long)N, (long long)W);
-  v.gathered = align_up(rec);
-  size_t at = v.gathered + align_up(rec * size_t(W));
+  size_t all = 0;
+  v.gathered = vp_records_bytes(N, v.K, W, &all);
+  size_t at = v.gathered + all;
   v.lse = at;
-  if (v.bwd.dlogits && !v.comb.lse) at += align_up(size_t(N) * 4);
+  if (v.bwd.dlogits && !v.comb.lse) at += vp_align(size_t(N) * 4);
   v.ent = at;  // the entropy, for the entropy's gradient, when the caller does not keep it
-  if (v.bwd.grad_entropy && !v.comb.entropy) at += align_up(size_t(N) * 4);
+  if (v.bwd.grad_entropy && !v.comb.entropy) at += vp_align(size_t(N) * 4);
   v.comb_ws = at;
-  at += align_up(cuda::ce_combine_workspace(h, v.comb));
+  at += vp_align(cuda::ce_combine_workspace(h, v.comb));
   v.bwd_ws = at;
   if (v.bwd.dlogits) {
     CeProblem sizing = v.bwd;
     sizing.saved_lse.data = reinterpret_cast<char*>(&v);  // any non-null pointer: the size of a backward
     sizing.saved_lse.n = N;
     if (sizing.grad_entropy) sizing.saved_entropy = sizing.saved_lse;
-    at += align_up(cuda::ce_workspace(h, sizing));
+    at += vp_align(cuda::ce_workspace(h, sizing));
   }
   v.bytes = at;
   return v;

@@ -1,9 +1,11 @@
 // A borrowed NCCL communicator (fce_comm_t) and the CUDA backend's calls on it (src/cuda/nccl.cpp).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 #include "common/error.hpp"
 #include "common/handle.hpp"
+#include "common/ops.hpp"
 #include "common/tensor.hpp"
 #include "fusedce/fusedce.h"
 
@@ -21,6 +23,37 @@ inline fce_comm* checked_comm(const fce_handle* h, fce_comm_t comm) {
   FCE_CHECK(comm->device == h->device_id, FCE_STATUS_DEVICE_MISMATCH,
             "the communicator is on device %d, the handle on device %d", comm->device, h->device_id);
   return comm;
+}
+
+// Workspace offsets of the NCCL-mode calls: 256-byte aligned.
+inline size_t vp_align(size_t x) { return (x + 255) / 256 * 256; }
+
+// The exchange of [N, K] fp32 records over W ranks: the aligned bytes of this rank's records (returned) and
+// of every rank's (*all); OVERFLOW when they do not fit.
+inline size_t vp_records_bytes(int64_t N, int64_t K, int64_t W, size_t* all) {
+  const size_t rec = size_t(N) * size_t(K) * 4;
+  FCE_CHECK(rec / 4 / size_t(K) == size_t(N) && size_t(W) <= SIZE_MAX / 2 / rec, FCE_STATUS_OVERFLOW,
+            "the records of %lld rows from %lld ranks overflow", (long long)N, (long long)W);
+  *all = vp_align(rec * size_t(W));
+  return vp_align(rec);
+}
+
+namespace cuda {
+void lse_partial(fce_handle*, fce_stream_t, const LsePartialProblem&);
+void lse_combine(fce_handle*, fce_stream_t, const LseCombineProblem&);
+void comm_all_gather(const fce_comm* c, fce_stream_t stream, const void* send, void* recv, size_t count);
+}  // namespace cuda
+
+// NCCL mode's logsumexp (fce_logsumexp_vp, fce_temp_softmax_vp): this rank's records at `base`, the
+// all-gather of every rank's to base + gathered, their combine into comb.lse.
+inline void lse_vp_run(fce_handle* h, const fce_comm* c, fce_stream_t s, LsePartialProblem part,
+                       LseCombineProblem comb, char* base, size_t gathered) {
+  const int64_t N = part.x.rows;
+  part.records = Mat{base, DType::F32, N, kLseRecordFields, kLseRecordFields};
+  comb.records = Mat{base + gathered, DType::F32, int64_t(c->size) * N, kLseRecordFields, kLseRecordFields};
+  cuda::lse_partial(h, s, part);
+  cuda::comm_all_gather(c, s, base, base + gathered, size_t(N) * size_t(kLseRecordFields));
+  cuda::lse_combine(h, s, comb);
 }
 }  // namespace fce
 

@@ -1335,6 +1335,14 @@ void fuzz_misc(Env& e) {
       fce_cross_entropy_fwd_vp_workspace_size(cpu, nullptr, nullptr, nullptr, nullptr, nullptr, &bytes) !=
           FCE_STATUS_INVALID_ARGUMENT || bytes != 77)
     die("fce_cross_entropy_fwd_vp without a communicator was not refused cleanly");
+  if (fce_logsumexp_vp(cpu, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0) != FCE_STATUS_INVALID_ARGUMENT ||
+      fce_logsumexp_vp_workspace_size(cpu, nullptr, nullptr, nullptr, nullptr, &bytes) != FCE_STATUS_INVALID_ARGUMENT ||
+      fce_temp_softmax_vp(cpu, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0) !=
+          FCE_STATUS_INVALID_ARGUMENT ||
+      fce_temp_softmax_vp_workspace_size(cpu, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &bytes) !=
+          FCE_STATUS_INVALID_ARGUMENT ||
+      bytes != 77)
+    die("fce_logsumexp_vp / fce_temp_softmax_vp without a communicator were not refused cleanly");
   fce_handle_destroy(cpu);
 }
 

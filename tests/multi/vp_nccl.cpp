@@ -1,5 +1,5 @@
-// Vocabulary-parallel cross-entropy over NCCL, one process per GPU (tests/multi/run_vp_nccl.sh starts the
-// ranks): fce_cross_entropy_fwd_vp on each rank's shard against the one-device emulation of the same shards
+// Vocabulary-parallel losses over NCCL, one process per GPU (tests/multi/run_vp_nccl.sh starts the
+// ranks); besides the KD, logsumexp/softmax and linear CE cases below: fce_cross_entropy_fwd_vp on each rank's shard against the one-device emulation of the same shards
 // (fce_cross_entropy_partial on every shard, fce_cross_entropy_combine, fce_cross_entropy_bwd_ex), bitwise;
 // the ranks' outputs bitwise equal to each other; a NaN in one rank's shard reaches every rank; a CUDA graph
 // of the call replays to the same bits; validation leaves the outputs untouched. With --bench, the timings
@@ -323,6 +323,141 @@ void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, co
   }
   cudaGraphDestroy(graph);
   cudaFree(ws);
+  std::printf("rank %d: %s: ok\n", g_rank, name);
+}
+
+// Logsumexp and temperature softmax in NCCL mode (fce_logsumexp_vp, fce_temp_softmax_vp) against the
+// one-device emulation (fce_logsumexp_partial of every shard, fce_logsumexp_combine, fce_temp_softmax of this
+// shard with that lse), bitwise; the lse the same on every rank; a NaN reaches every rank; a graph replays to
+// the same bits; refused calls leave the outputs untouched.
+void lse_case(const Case& c, float T, int W, int dev, fce_handle_t h, fce_comm_t comm, const Nccl& nccl, ncclComm* nc,
+              cudaStream_t st) {
+  const Split s{c.V, W, (c.V + W - 1) / W};
+  std::vector<float> x;
+  std::vector<int64_t> t;
+  make_inputs(c, x, t);
+  const DLDataType xt = c.bf16 ? kBF16 : kF32;
+  Buf logits({c.N, s.width}, xt, dev);
+  logits.upload(shard_bytes(c, s, g_rank, x).data());
+  const fce_stream_t fs = reinterpret_cast<fce_stream_t>(st);
+  fce_lse_options_t lo = FCE_LSE_OPTIONS_INIT;
+  lo.scale = 1.f / T;
+  lo.vocab_start = s.start(g_rank);
+  lo.vocab_total = c.V;
+  fce_softmax_options_t so = FCE_SOFTMAX_OPTIONS_INIT;
+  so.temperature = T;
+  so.vocab_start = lo.vocab_start;
+  so.vocab_total = c.V;
+  struct Outs {
+    Buf lse_a, lse_b, probs, logprobs;
+    Outs(const Case& c, const Split& s, DLDataType xt, int dev)
+        : lse_a({c.N}, kF32, dev), lse_b({c.N}, kF32, dev), probs({c.N, s.width}, kF32, dev),
+          logprobs({c.N, s.width}, xt, dev) {}
+    void poison() {
+      for (Buf* b : {&lse_a, &lse_b, &probs, &logprobs}) b->poison();
+    }
+    std::vector<uint8_t> bytes() const {
+      std::vector<uint8_t> all;
+      for (const Buf* b : {&lse_a, &lse_b, &probs, &logprobs}) {
+        const auto hb = b->download();
+        all.insert(all.end(), hb.begin(), hb.end());
+      }
+      return all;
+    }
+  };
+  Outs got(c, s, xt, dev);
+  got.poison();
+  ok(fce_logsumexp_vp(h, comm, fs, &logits.t, &lo, &got.lse_a.t, nullptr, 0), "fce_logsumexp_vp");
+  ok(fce_temp_softmax_vp(h, comm, fs, &logits.t, &so, &got.probs.t, &got.logprobs.t, &got.lse_b.t, nullptr, 0),
+     "fce_temp_softmax_vp");
+  ck(cudaStreamSynchronize(st), "sync");
+  const std::vector<uint8_t> mine = got.bytes();
+
+  Buf recs({int64_t(W), c.N, FCE_LSE_RECORD_FIELDS}, kF32, dev);
+  for (int r = 0; r < W; ++r) {
+    Buf sh({c.N, s.width}, xt, dev);
+    sh.upload(shard_bytes(c, s, r, x).data());
+    fce_lse_options_t orr = lo;
+    orr.vocab_start = s.start(r);
+    DLTensor view = recs.t;
+    int64_t vshape[2] = {c.N, FCE_LSE_RECORD_FIELDS};
+    view.ndim = 2;
+    view.shape = vshape;
+    view.byte_offset = uint64_t(r) * uint64_t(c.N) * FCE_LSE_RECORD_FIELDS * 4;
+    ok(fce_logsumexp_partial(h, fs, &sh.t, &orr, &view), "fce_logsumexp_partial");
+  }
+  Outs emu(c, s, xt, dev);
+  emu.poison();
+  ok(fce_logsumexp_combine(h, fs, &recs.t, &emu.lse_a.t), "fce_logsumexp_combine");
+  ck(cudaMemcpyAsync(emu.lse_b.p, emu.lse_a.p, emu.lse_a.bytes, cudaMemcpyDeviceToDevice, st), "copy");
+  fce_softmax_options_t se = so;
+  se.lse = &emu.lse_a.t;
+  ok(fce_temp_softmax(h, fs, &logits.t, &se, &emu.probs.t, &emu.logprobs.t, nullptr, 0), "fce_temp_softmax");
+  ck(cudaStreamSynchronize(st), "sync");
+  const std::vector<uint8_t> ref = emu.bytes();
+  char name[160];
+  std::snprintf(name, sizeof name, "lse/softmax N=%lld V=%lld %s T=%g%s", (long long)c.N, (long long)c.V,
+                c.bf16 ? "bf16" : "fp32", double(T), c.nan_row ? " NaN row" : "");
+  CHECK(mine == ref, "%s: NCCL mode differs from the one-device emulation (first at byte %zu of %zu)", name,
+        first_difference(mine, ref), mine.size());
+
+  // The lse on every rank: the same bits (all-gathered by the test's own NCCL).
+  Buf all_d({int64_t(got.lse_a.bytes) * W}, DLDataType{kDLUInt, 8, 1}, dev);
+  if (nccl.all_gather(got.lse_a.p, all_d.p, got.lse_a.bytes, 0, nc, st) != 0) CHECK(false, "test all-gather failed");
+  ck(cudaStreamSynchronize(st), "sync");
+  const auto all = all_d.download();
+  for (int r = 1; r < W; ++r)
+    CHECK(std::memcmp(all.data(), all.data() + size_t(r) * got.lse_a.bytes, got.lse_a.bytes) == 0,
+          "%s: rank %d's lse differs from rank 0's", name, r);
+  if (c.nan_row && c.N > 1) {
+    float l1 = 0;
+    ck(cudaMemcpy(&l1, static_cast<float*>(got.lse_a.p) + 1, 4, cudaMemcpyDeviceToHost), "copy");
+    CHECK(std::isnan(l1), "%s: row 1's NaN did not reach rank %d (lse %g)", name, g_rank, l1);
+  }
+
+  // A graph of the softmax with its lse in the caller's workspace.
+  size_t wsb = 0;
+  ok(fce_temp_softmax_vp_workspace_size(h, comm, &logits.t, &so, &got.probs.t, &got.logprobs.t, nullptr, &wsb), "ws");
+  void* ws = nullptr;
+  ck(cudaMalloc(&ws, wsb ? wsb : 1), "cudaMalloc");
+  got.poison();
+  ck(cudaMemcpy(got.lse_a.p, ref.data(), got.lse_a.bytes, cudaMemcpyHostToDevice), "upload");
+  ck(cudaMemcpy(got.lse_b.p, ref.data(), got.lse_b.bytes, cudaMemcpyHostToDevice), "upload");
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+  const fce_status_t cs =
+      fce_temp_softmax_vp(h, comm, fs, &logits.t, &so, &got.probs.t, &got.logprobs.t, nullptr, ws, wsb);
+  ck(cudaStreamEndCapture(st, &graph), "end capture");
+  CHECK(cs == FCE_STATUS_SUCCESS, "%s: capture: %s", name, fce_last_error_message());
+  if (cs == FCE_STATUS_SUCCESS) {
+    ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    for (int k = 0; k < 2; ++k) ck(cudaGraphLaunch(exec, st), "graph launch");
+    ck(cudaStreamSynchronize(st), "sync");
+    CHECK(got.bytes() == ref, "%s: the graph's replay differs from the emulation", name);
+    cudaGraphExecDestroy(exec);
+  }
+  cudaGraphDestroy(graph);
+  cudaFree(ws);
+
+  // Refused calls write nothing: options->lse set, per-row temperatures, no shard, NULL comm.
+  got.poison();
+  const std::vector<uint8_t> before = got.bytes();
+  fce_softmax_options_t bad = so;
+  bad.lse = &got.lse_a.t;
+  CHECK(fce_temp_softmax_vp(h, comm, fs, &logits.t, &bad, &got.probs.t, nullptr, &got.lse_b.t, nullptr, 0) ==
+            FCE_STATUS_INVALID_ARGUMENT, "%s: options->lse accepted", name);
+  bad = so;
+  bad.temperatures = &got.lse_a.t;
+  CHECK(fce_temp_softmax_vp(h, comm, fs, &logits.t, &bad, &got.probs.t, nullptr, nullptr, nullptr, 0) ==
+            FCE_STATUS_NOT_IMPLEMENTED, "%s: per-row temperatures accepted", name);
+  fce_lse_options_t whole = lo;
+  whole.vocab_start = whole.vocab_total = 0;
+  CHECK(fce_logsumexp_vp(h, comm, fs, &logits.t, &whole, &got.lse_a.t, nullptr, 0) == FCE_STATUS_INVALID_ARGUMENT,
+        "%s: fce_logsumexp_vp without a shard accepted", name);
+  CHECK(fce_logsumexp_vp(h, nullptr, fs, &logits.t, &lo, &got.lse_a.t, nullptr, 0) == FCE_STATUS_INVALID_ARGUMENT,
+        "%s: NULL comm accepted", name);
+  CHECK(got.bytes() == before, "%s: a refused call wrote an output", name);
   std::printf("rank %d: %s: ok\n", g_rank, name);
 }
 
@@ -1075,6 +1210,38 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
       result(W, "ce", "one", N, V, V, "fwd", tf);
       result(W, "ce", "one", N, V, V, "fwd_dlogits", tg2);
     }
+    // Logsumexp and the softmax at T = 0.7 (fp32 probabilities) in NCCL mode, V split, against one GPU's
+    // fce_logsumexp and fce_temp_softmax over V.
+    for (int64_t NS : {int64_t(64), N}) {
+      const int64_t width = (V + W - 1) / W;
+      Buf xs({NS, width}, kBF16, dev), lse({NS}, kF32, dev), ps({NS, width}, kF32, dev);
+      Buf x1({NS, V}, kBF16, dev), p1({NS, V}, kF32, dev);
+      fill_bf16(xs, 4.f, seed + 12);
+      fill_bf16(x1, 4.f, seed + 13);
+      fce_lse_options_t lo = FCE_LSE_OPTIONS_INIT;
+      lo.scale = 1.f / 0.7f;
+      lo.vocab_start = g_rank * width;
+      lo.vocab_total = V;
+      fce_softmax_options_t so = FCE_SOFTMAX_OPTIONS_INIT, s1 = FCE_SOFTMAX_OPTIONS_INIT;
+      so.temperature = s1.temperature = 0.7f;
+      so.vocab_start = lo.vocab_start;
+      so.vocab_total = V;
+      const float tl = time([&] { ok(fce_logsumexp_vp(h, comm, fs, &xs.t, &lo, &lse.t, nullptr, 0), "lse vp"); });
+      const float ts = time([&] {
+        ok(fce_temp_softmax_vp(h, comm, fs, &xs.t, &so, &ps.t, nullptr, nullptr, nullptr, 0), "softmax vp");
+      });
+      fce_lse_options_t l1 = FCE_LSE_OPTIONS_INIT;
+      l1.scale = lo.scale;
+      const float tl1 = time([&] { ok(fce_logsumexp(h, fs, &x1.t, &l1, &lse.t, nullptr, 0), "lse"); });
+      const float ts1 = time([&] { ok(fce_temp_softmax(h, fs, &x1.t, &s1, &p1.t, nullptr, nullptr, 0), "softmax"); });
+      std::printf("| rank %d | logsumexp / softmax T=0.7 (fp32 probs), NCCL mode | N=%lld V_local=%lld V=%lld | %.3f | %.3f |"
+                  " one GPU over V: %.3f / %.3f\n",
+                  g_rank, (long long)NS, (long long)width, (long long)V, tl, ts, tl1, ts1);
+      result(W, "lse", "strong", NS, width, V, "fwd", tl);
+      result(W, "softmax", "strong", NS, width, V, "fwd", ts);
+      result(W, "lse", "one", NS, V, V, "fwd", tl1);
+      result(W, "softmax", "one", NS, V, V, "fwd", ts1);
+    }
   }
   // Linear CE, the LM head split by rows: N 8192, H 4096, bf16; V split (strong) and V_local = V (weak); the
   // weak shard's columns are one GPU's whole problem, its fused call the baseline of both.
@@ -1302,6 +1469,8 @@ int main(int argc, char** argv) {
         if (c.V >= 1000)  // a top-K teacher (distinct ids need V >= K)
           for (int norm : {FCE_KD_TOPK_FULL_VOCAB, FCE_KD_TOPK_RENORMALIZE}) kd_case(c, div, W, dev, h, comm, nccl, nc, st, norm);
       }
+    for (const Case& c : kd_cases)
+      for (float T : {1.f, 0.7f}) lse_case(c, T, W, dev, h, comm, nccl, nc, st);
     const Case linear_cases[] = {
         {37, 50021, true, FCE_REDUCTION_NONE, 0.f, 0.f, false},
         {300, 129920, true, FCE_REDUCTION_MEAN, 0.1f, 1e-4f, false},

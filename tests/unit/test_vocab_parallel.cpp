@@ -566,8 +566,25 @@ TEST(VocabParallel, LogsumexpAndSoftmaxValidation) {
   so.temperature = 1.f;
   so.temperatures = temps.dl();
   EXPECT_EQ(fce_temp_softmax(h, test_stream(), x.dl(), &so, pr.dl(), nullptr, nullptr, 0), FCE_STATUS_NOT_IMPLEMENTED);
+  // NCCL mode needs a communicator (fce_comm_create refuses a CPU handle); nothing written.
+  so.temperatures = nullptr;
+  so.lse = nullptr;
+  lse.poison();
+  lse.upload();
+  size_t bytes = 77;
+  EXPECT_EQ(fce_logsumexp_vp(h, nullptr, test_stream(), x.dl(), &lo, lse.dl(), nullptr, 0),
+            FCE_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fce_last_error_message()).find("comm"), std::string::npos);
+  EXPECT_EQ(fce_logsumexp_vp_workspace_size(h, nullptr, x.dl(), &lo, lse.dl(), &bytes), FCE_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(fce_temp_softmax_vp(h, nullptr, test_stream(), x.dl(), &so, pr.dl(), nullptr, lse.dl(), nullptr, 0),
+            FCE_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(fce_temp_softmax_vp_workspace_size(h, nullptr, x.dl(), &so, pr.dl(), nullptr, lse.dl(), &bytes),
+            FCE_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(bytes, 77u);
   pr.download();
   for (uint8_t b : pr.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
+  lse.download();
+  for (uint8_t b : lse.bytes()) ASSERT_EQ(b, 0xff) << "written on a failed call";
   fce_softmax_options_t sold = FCE_SOFTMAX_OPTIONS_INIT;  // 0.1.0's struct is still taken
   sold.struct_size = uint32_t(offsetof(fce_softmax_options_t, vocab_start));
   FCE_OK(fce_temp_softmax(h, test_stream(), x.dl(), &sold, pr.dl(), nullptr, nullptr, 0));

@@ -193,6 +193,12 @@ fce_status_t fce_logsumexp_partial(fce_handle_t handle, fce_stream_t stream, con
                                            const fce_lse_options_t* options, DLTensor* records);
 fce_status_t fce_logsumexp_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
                                            DLTensor* lse);
+fce_status_t fce_logsumexp_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream, const DLTensor* x,
+                                      const fce_lse_options_t* options, DLTensor* lse, void* workspace,
+                                      size_t workspace_bytes);
+fce_status_t fce_logsumexp_vp_workspace_size(fce_handle_t handle, fce_comm_t comm, const DLTensor* x,
+                                                     const fce_lse_options_t* options, const DLTensor* lse,
+                                                     size_t* bytes);
 typedef struct fce_softmax_options {
   uint32_t struct_size;
   float temperature;
@@ -209,6 +215,15 @@ fce_status_t fce_temp_softmax_workspace_size(fce_handle_t handle, const DLTensor
                                                      const fce_softmax_options_t* options,
                                                      const DLTensor* probs, const DLTensor* logprobs,
                                                      size_t* bytes);
+fce_status_t fce_temp_softmax_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream,
+                                         const DLTensor* logits, const fce_softmax_options_t* options,
+                                         DLTensor* probs, DLTensor* logprobs, DLTensor* lse, void* workspace,
+                                         size_t workspace_bytes);
+fce_status_t fce_temp_softmax_vp_workspace_size(fce_handle_t handle, fce_comm_t comm,
+                                                        const DLTensor* logits,
+                                                        const fce_softmax_options_t* options,
+                                                        const DLTensor* probs, const DLTensor* logprobs,
+                                                        const DLTensor* lse, size_t* bytes);
 typedef enum fce_kd_divergence {
   FCE_KD_FORWARD_KL = 0,
   FCE_KD_REVERSE_KL = 1,

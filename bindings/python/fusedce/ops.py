@@ -375,6 +375,45 @@ def logsumexp_combine(records, *, out=None, handle=None, stream=None):
     return out
 
 
+def logsumexp_vp(x, comm, *, vocab_start, vocab_total, scale=_LSE["scale"], out=None, stream=None, workspace=None):
+    """fce_logsumexp_vp: [N] fp32, the whole rows' logsumexp of scale * x from this rank's shard x [N, V_local]
+    (global columns [vocab_start, vocab_start + V_local) of vocab_total) over NCCL (a Communicator): the
+    records' all-gather runs on `stream` inside the library; the same bits on every rank as logsumexp_combine
+    of every rank's logsumexp_partial. Raises CommunicatorError when NCCL fails."""
+    c = Call(x, None, stream)
+    out = out if out is not None else c.empty((_rows(x),), "float32")
+    o = c.struct("fce_lse_options_t")
+    o.scale = float(scale)
+    o.vocab_start = int(vocab_start)
+    o.vocab_total = int(vocab_total)
+    args = (comm.ptr, c.dl(x), o, c.dl(out, True))
+    ws, wsb = c.workspace("fce_logsumexp_vp_workspace_size", args, workspace)
+    check(lib.fce_logsumexp_vp(c.handle.ptr, comm.ptr, c.stream, *args[1:], ws, wsb), "fce_logsumexp_vp")
+    return out
+
+
+def temp_softmax_vp(logits, comm, *, vocab_start, vocab_total, temperature=_SM["temperature"], probs=True,
+                    logprobs=False, lse=False, dtype="float32", stream=None, workspace=None):
+    """fce_temp_softmax_vp: this rank's columns of softmax(logits / T) (and/or its log) over whole rows split
+    across the ranks of a Communicator, in one call: the rows' lse of logits / T exchanged over NCCL, then the
+    shard's probabilities (padding columns 0 and -inf). probs/logprobs as for temp_softmax; lse: True (a new
+    [N] fp32) or an array receives the rows' lse. One finite temperature > 0 (BackendNotImplementedError
+    otherwise). Returns SoftmaxOutput, and the lse as a third value when asked for."""
+    c = Call(logits, None, stream)
+    p_a = c.output(probs, lambda: c.empty_like(logits, dtype))
+    lp_a = c.output(logprobs, lambda: c.empty_like(logits, dtype))
+    lse_a = c.output(lse, lambda: c.empty((_rows(logits),), "float32"))
+    o = c.struct("fce_softmax_options_t")
+    o.temperature = float(temperature)
+    o.vocab_start = int(vocab_start)
+    o.vocab_total = int(vocab_total)
+    args = (comm.ptr, c.dl(logits), o, c.dl(p_a, True), c.dl(lp_a, True), c.dl(lse_a, True))
+    ws, wsb = c.workspace("fce_temp_softmax_vp_workspace_size", args, workspace)
+    check(lib.fce_temp_softmax_vp(c.handle.ptr, comm.ptr, c.stream, *args[1:], ws, wsb), "fce_temp_softmax_vp")
+    out = SoftmaxOutput(p_a, lp_a)
+    return (out, lse_a) if lse_a is not None else out
+
+
 def temp_softmax(logits, *, temperature=_SM["temperature"], temperatures=None, probs=True, logprobs=False,
                  dtype="float32", vocab_start=0, vocab_total=0, lse=None, handle=None, stream=None,
                  workspace=None):

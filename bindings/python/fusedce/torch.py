@@ -893,8 +893,11 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, vo
 
 # ---- vocabulary-parallel logsumexp and softmax -------------------------------------------------------
 
-def _whole_lse(x, group, vocab_start, vocab_total, scale):
-    """[N] fp32: the whole rows' logsumexp of scale * x from this shard's records and every rank's."""
+def _whole_lse(x, group, vocab_start, vocab_total, scale, comm=None):
+    """[N] fp32: the whole rows' logsumexp of scale * x from this shard's records and every rank's (in one
+    library call over the group's NCCL communicator when `comm` is given; the same bits either way)."""
+    if comm is not None:
+        return _arrays.logsumexp_vp(x, comm, vocab_start=vocab_start, vocab_total=vocab_total, scale=scale)
     rec = _arrays.logsumexp_partial(x, vocab_start=vocab_start, vocab_total=vocab_total, scale=scale)
     return _arrays.logsumexp_combine(_gather_records(rec, group))
 
@@ -909,8 +912,8 @@ class _VocabParallelLse(torch.autograd.Function):
     softmax(scale * x) (fce_temp_softmax of the shard at T = 1 / scale from the combined lse)."""
 
     @staticmethod
-    def forward(ctx, x, group, vocab_start, vocab_total, scale):
-        lse = _whole_lse(x.detach(), group, vocab_start, vocab_total, scale)
+    def forward(ctx, x, group, vocab_start, vocab_total, scale, comm):
+        lse = _whole_lse(x.detach(), group, vocab_start, vocab_total, scale, comm)
         ctx.save_for_backward(x, lse)
         ctx.shard = (vocab_start, vocab_total, scale)
         return lse
@@ -920,7 +923,7 @@ class _VocabParallelLse(torch.autograd.Function):
         x, lse = ctx.saved_tensors
         vs, vt, scale = ctx.shard
         p = _arrays.temp_softmax(x.detach(), temperature=1.0 / scale, vocab_start=vs, vocab_total=vt, lse=lse).probs
-        return (p * (g.float() * scale).unsqueeze(-1)).to(x.dtype), None, None, None, None
+        return (p * (g.float() * scale).unsqueeze(-1)).to(x.dtype), None, None, None, None, None
 
 
 def _row_sum_over_ranks(v, group):
@@ -939,10 +942,14 @@ class _VocabParallelSoftmax(torch.autograd.Function):
     the ranks in rank order."""
 
     @staticmethod
-    def forward(ctx, x, group, vocab_start, vocab_total, temperature, log):
-        lse = _whole_lse(x.detach(), group, vocab_start, vocab_total, 1.0 / temperature)
-        out = _arrays.temp_softmax(x.detach(), temperature=temperature, probs=not log, logprobs=log,
-                                   vocab_start=vocab_start, vocab_total=vocab_total, lse=lse)
+    def forward(ctx, x, group, vocab_start, vocab_total, temperature, log, comm):
+        if comm is not None:  # one library call: the lse's exchange over NCCL, then the shard's softmax
+            out = _arrays.temp_softmax_vp(x.detach(), comm, temperature=temperature, probs=not log, logprobs=log,
+                                          vocab_start=vocab_start, vocab_total=vocab_total)
+        else:
+            lse = _whole_lse(x.detach(), group, vocab_start, vocab_total, 1.0 / temperature)
+            out = _arrays.temp_softmax(x.detach(), temperature=temperature, probs=not log, logprobs=log,
+                                       vocab_start=vocab_start, vocab_total=vocab_total, lse=lse)
         y = out.logprobs if log else out.probs
         ctx.save_for_backward(x, y)
         ctx.shard = (group, vocab_start, vocab_total, temperature, log)
@@ -960,33 +967,38 @@ class _VocabParallelSoftmax(torch.autograd.Function):
         dx = (g - p * dot) if log else p * (g - dot)
         dx = dx / temperature
         dx[..., n:] = 0
-        return dx.to(x.dtype), None, None, None, None, None
+        return dx.to(x.dtype), None, None, None, None, None, None
 
 
-def vocab_parallel_logsumexp(x, *, scale=1.0, vocab_start=None, vocab_total=None, group=None):
+def vocab_parallel_logsumexp(x, *, scale=1.0, vocab_start=None, vocab_total=None, group=None, nccl=True):
     """torch.logsumexp(scale * x, -1) of rows whose vocabulary is split across the ranks of a torch.distributed
     `group` (this rank holds global columns [vocab_start, vocab_start + V_local) of each row; equal shards in
     rank order by default, uneven or padded ones when given). x: [..., V_local] fp32/bf16/fp16, CPU or CUDA.
-    Returns [...] fp32, the same bits on every rank: one all-gather of [N, 2] fp32 records through
-    torch.distributed (fce_logsumexp_partial, fce_logsumexp_combine in rank order). Its gradient flows to this
+    Returns [...] fp32, the same bits on every rank: one all-gather of [N, 2] fp32 records (fce_logsumexp_partial,
+    fce_logsumexp_combine in rank order); with nccl=True and an NCCL group on CUDA, in one library call over the
+    group's communicator (fce_logsumexp_vp), otherwise through torch.distributed. Its gradient flows to this
     rank's x: scale * the shard's part of softmax(scale * x), which needs scale > 0 (NotImplementedError
     otherwise, from fce_temp_softmax). Not a torch.library op."""
     v_local = x.shape[-1]
     vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
-    lse = _VocabParallelLse.apply(x.reshape(-1, v_local), group, vocab_start, vocab_total, float(scale))
+    comm = _nccl_comm(group, x.device) if nccl else None
+    lse = _VocabParallelLse.apply(x.reshape(-1, v_local), group, vocab_start, vocab_total, float(scale), comm)
     return lse.reshape(x.shape[:-1])
 
 
-def vocab_parallel_softmax(logits, temperature=1.0, *, log=False, vocab_start=None, vocab_total=None, group=None):
+def vocab_parallel_softmax(logits, temperature=1.0, *, log=False, vocab_start=None, vocab_total=None, group=None,
+                           nccl=True):
     """This rank's columns of softmax(logits / temperature) (log=True: of log_softmax) over rows whose
     vocabulary is split across the ranks of a torch.distributed `group` (as vocab_parallel_logsumexp). logits:
     [..., V_local] fp32/bf16/fp16; returns [..., V_local] fp32 (padding columns: probability 0, log-probability
     -inf), the same distribution on every rank. One all-gather of [N, 2] records (the whole rows' lse), then
-    fce_temp_softmax of the shard; one finite temperature > 0 (NotImplementedError otherwise). Differentiable:
+    fce_temp_softmax of the shard (nccl=True with an NCCL group on CUDA: both in one library call,
+    fce_temp_softmax_vp); one finite temperature > 0 (NotImplementedError otherwise). Differentiable:
     the backward all-gathers one [N] fp32 row sum and adds the ranks' parts in rank order. Not a torch.library
     op."""
     v_local = logits.shape[-1]
     vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
+    comm = _nccl_comm(group, logits.device) if nccl else None
     y = _VocabParallelSoftmax.apply(logits.reshape(-1, v_local), group, vocab_start, vocab_total, float(temperature),
-                                    bool(log))
+                                    bool(log), comm)
     return y.reshape(logits.shape)

@@ -321,8 +321,19 @@ def _nccl_rank(rank, world, port, widths, results):
         same_lin = torch.equal(l0, l1) and torch.equal(h0, h1) and torch.allclose(w0.float(), w1.float(), rtol=2**-6,
                                                                                    atol=1e-6)
         lin_err = float((lin["nccl"][0].double() - lref).abs())
+        # logsumexp and softmax: one fce_logsumexp_vp / fce_temp_softmax_vp against the all-gather path
+        sm = {}
+        for mode in ("gather", "nccl"):
+            xm = shard.clone().requires_grad_()
+            lse = ft.vocab_parallel_logsumexp(xm, scale=0.8, vocab_start=starts[rank], vocab_total=v,
+                                              nccl=mode == "nccl")
+            y = ft.vocab_parallel_softmax(xm, 0.7, vocab_start=starts[rank], vocab_total=v, nccl=mode == "nccl")
+            (lse.nan_to_num() * up).sum().backward()
+            sm[mode] = [a.detach().nan_to_num(7.0).float().cpu() for a in (lse, y)]
+        same_sm = all(torch.equal(a, b) for a, b in zip(sm["gather"], sm["nccl"]))
         results.put((rank, used, torch.equal(out["gather"][0].nan_to_num(7.0), out["nccl"][0].nan_to_num(7.0)),
-                     torch.equal(out["gather"][1], out["nccl"][1]) and same_lin, bool(torch.isnan(out["nccl"][0][2])),
+                     torch.equal(out["gather"][1], out["nccl"][1]) and same_lin and same_sm,
+                     bool(torch.isnan(out["nccl"][0][2])),
                      float((out["nccl"][0].double() - ref).nan_to_num().abs().max()), lin_err,
                      out["nccl"][0].nan_to_num(7.0).numpy().tobytes() + lin["nccl"][0].numpy().tobytes()
                      + lin["nccl"][1].float().numpy().tobytes()))
@@ -338,7 +349,8 @@ def test_nccl_mode_gpus(widths):
     all-gather path, the same loss on every rank, and a NaN of one rank's shard on every rank; likewise
     linear cross-entropy with the LM head split by rows (fce_linear_cross_entropy_fwd_vp), whose dhidden is
     the same bits on every rank and in both paths (a rank-order sum), and whose dweight agrees within a bf16
-    ulp."""
+    ulp; logsumexp and softmax in one call (fce_logsumexp_vp, fce_temp_softmax_vp), the same bits as the
+    all-gather path."""
     torch = pytest.importorskip("torch")
     world = len(widths)
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:

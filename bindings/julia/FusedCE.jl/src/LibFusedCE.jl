@@ -770,6 +770,34 @@ function fce_logsumexp_combine(handle, stream, records, lse)
 end
 
 """
+Vocabulary-parallel logsumexp over NCCL (NCCL mode, under fce_comm_create), one call per rank: the
+records of this rank's shard (fce_logsumexp_partial), one all-gather of the [N, FCE_LSE_RECORD_FIELDS]
+fp32 records on `stream`, their combine in rank order (fce_logsumexp_combine). Every rank gets the same
+bits, equal to those two calls on every shard's records on one device. No host synchronization; with a
+caller workspace, capturable in a CUDA graph. Since 0.2.0.
+@param comm    from fce_comm_create, on the handle's device.
+@param x       [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total).
+@param options required: vocab_start (this rank's first column), vocab_total and scale, the last two the
+               same on every rank (ranks hold the shards in vocabulary order).
+@param lse     [N] fp32: the whole rows' lse of scale * x, written on every rank.
+@param workspace as everywhere (fce_logsumexp_vp_workspace_size): every rank's records, N * 8 * (W + 1)
+               bytes.
+@return FCE_STATUS_SUCCESS, the validation statuses of fce_logsumexp_partial (INVALID_ARGUMENT for NULL
+        comm or options, or without vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather
+        failed), CUDA_ERROR.
+"""
+function fce_logsumexp_vp(handle, comm, stream, x, options, lse, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_logsumexp_vp[])(handle::fce_handle_t, comm::fce_comm_t, stream::fce_stream_t, x::Ptr{DLTensor}, options::Ptr{fce_lse_options_t}, lse::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_logsumexp_vp needs for these arguments (same validation).
+"""
+function fce_logsumexp_vp_workspace_size(handle, comm, x, options, lse, bytes)
+    @ccall $(_fptr_fce_logsumexp_vp_workspace_size[])(handle::fce_handle_t, comm::fce_comm_t, x::Ptr{DLTensor}, options::Ptr{fce_lse_options_t}, lse::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+"""
 Options of fce_temp_softmax. Initialize with FCE_SOFTMAX_OPTIONS_INIT.
 """
 struct fce_softmax_options
@@ -836,6 +864,36 @@ Workspace bytes fce_temp_softmax needs for these arguments.
 """
 function fce_temp_softmax_workspace_size(handle, logits, options, probs, logprobs, bytes)
     @ccall $(_fptr_fce_temp_softmax_workspace_size[])(handle::fce_handle_t, logits::Ptr{DLTensor}, options::Ptr{fce_softmax_options_t}, probs::Ptr{DLTensor}, logprobs::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
+end
+
+"""
+A vocabulary shard's temperature softmax over NCCL (NCCL mode), one call per rank: the whole rows' lse of
+logits / T (fce_logsumexp_vp with scale 1/T), then this shard's probabilities and log-probabilities of the
+whole rows (fce_temp_softmax with the shard and that lse: p_j = exp(x_j / T - lse), padding columns 0 and
+-inf). The same bits as those calls on one device; no host synchronization; with a caller workspace,
+capturable in a CUDA graph. Since 0.2.0.
+@param comm     from fce_comm_create, on the handle's device.
+@param logits   [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total).
+@param options  required: vocab_start, vocab_total and one finite temperature > 0, the same on every rank
+                but vocab_start; temperatures and lse NULL (the call computes the lse).
+@param probs    optional [N,V], fp32 or the logits' dtype, as for fce_temp_softmax.
+@param logprobs optional [N,V], as for fce_temp_softmax; at least one of the two.
+@param lse      optional [N] fp32: receives the whole rows' lse of logits / T.
+@param workspace as everywhere (fce_temp_softmax_vp_workspace_size): every rank's records and, without
+                `lse`, the lse.
+@return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or options, without
+        vocab_total, or with options->lse; NOT_IMPLEMENTED for per-row, zero or infinite temperatures;
+        DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR.
+"""
+function fce_temp_softmax_vp(handle, comm, stream, logits, options, probs, logprobs, lse, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_temp_softmax_vp[])(handle::fce_handle_t, comm::fce_comm_t, stream::fce_stream_t, logits::Ptr{DLTensor}, options::Ptr{fce_softmax_options_t}, probs::Ptr{DLTensor}, logprobs::Ptr{DLTensor}, lse::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+end
+
+"""
+Workspace bytes fce_temp_softmax_vp needs for these arguments (same validation).
+"""
+function fce_temp_softmax_vp_workspace_size(handle, comm, logits, options, probs, logprobs, lse, bytes)
+    @ccall $(_fptr_fce_temp_softmax_vp_workspace_size[])(handle::fce_handle_t, comm::fce_comm_t, logits::Ptr{DLTensor}, options::Ptr{fce_softmax_options_t}, probs::Ptr{DLTensor}, logprobs::Ptr{DLTensor}, lse::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
 end
 
 """
@@ -1474,9 +1532,13 @@ const _fptr_fce_logsumexp = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp_partial = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_logsumexp_combine = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_logsumexp_vp = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_logsumexp_vp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_softmax_options_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_temp_softmax = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_temp_softmax_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_temp_softmax_vp = Ref{Ptr{Cvoid}}(C_NULL)
+const _fptr_fce_temp_softmax_vp_workspace_size = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_options_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_teacher_init = Ref{Ptr{Cvoid}}(C_NULL)
 const _fptr_fce_kd_outputs_init = Ref{Ptr{Cvoid}}(C_NULL)
@@ -1542,9 +1604,13 @@ function load_library!(lib::Ptr{Cvoid})
     _fptr_fce_logsumexp_workspace_size[] = Libdl.dlsym(lib, :fce_logsumexp_workspace_size)
     _fptr_fce_logsumexp_partial[] = Libdl.dlsym(lib, :fce_logsumexp_partial)
     _fptr_fce_logsumexp_combine[] = Libdl.dlsym(lib, :fce_logsumexp_combine)
+    _fptr_fce_logsumexp_vp[] = Libdl.dlsym(lib, :fce_logsumexp_vp)
+    _fptr_fce_logsumexp_vp_workspace_size[] = Libdl.dlsym(lib, :fce_logsumexp_vp_workspace_size)
     _fptr_fce_softmax_options_init[] = Libdl.dlsym(lib, :fce_softmax_options_init)
     _fptr_fce_temp_softmax[] = Libdl.dlsym(lib, :fce_temp_softmax)
     _fptr_fce_temp_softmax_workspace_size[] = Libdl.dlsym(lib, :fce_temp_softmax_workspace_size)
+    _fptr_fce_temp_softmax_vp[] = Libdl.dlsym(lib, :fce_temp_softmax_vp)
+    _fptr_fce_temp_softmax_vp_workspace_size[] = Libdl.dlsym(lib, :fce_temp_softmax_vp_workspace_size)
     _fptr_fce_kd_options_init[] = Libdl.dlsym(lib, :fce_kd_options_init)
     _fptr_fce_kd_teacher_init[] = Libdl.dlsym(lib, :fce_kd_teacher_init)
     _fptr_fce_kd_outputs_init[] = Libdl.dlsym(lib, :fce_kd_outputs_init)
@@ -1607,9 +1673,13 @@ const FUNCTIONS = (
     :fce_logsumexp_workspace_size,
     :fce_logsumexp_partial,
     :fce_logsumexp_combine,
+    :fce_logsumexp_vp,
+    :fce_logsumexp_vp_workspace_size,
     :fce_softmax_options_init,
     :fce_temp_softmax,
     :fce_temp_softmax_workspace_size,
+    :fce_temp_softmax_vp,
+    :fce_temp_softmax_vp_workspace_size,
     :fce_kd_options_init,
     :fce_kd_teacher_init,
     :fce_kd_outputs_init,

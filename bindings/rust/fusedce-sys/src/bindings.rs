@@ -1680,6 +1680,44 @@ extern "C" {
         lse: *mut DLTensor,
     ) -> fce_status_t;
 }
+extern "C" {
+    #[doc = " Vocabulary-parallel logsumexp over NCCL (NCCL mode, under fce_comm_create), one call per rank: the"]
+    #[doc = " records of this rank's shard (fce_logsumexp_partial), one all-gather of the [N, FCE_LSE_RECORD_FIELDS]"]
+    #[doc = " fp32 records on `stream`, their combine in rank order (fce_logsumexp_combine). Every rank gets the same"]
+    #[doc = " bits, equal to those two calls on every shard's records on one device. No host synchronization; with a"]
+    #[doc = " caller workspace, capturable in a CUDA graph. Since 0.2.0."]
+    #[doc = " @param comm    from fce_comm_create, on the handle's device."]
+    #[doc = " @param x       [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total)."]
+    #[doc = " @param options required: vocab_start (this rank's first column), vocab_total and scale, the last two the"]
+    #[doc = "                same on every rank (ranks hold the shards in vocabulary order)."]
+    #[doc = " @param lse     [N] fp32: the whole rows' lse of scale * x, written on every rank."]
+    #[doc = " @param workspace as everywhere (fce_logsumexp_vp_workspace_size): every rank's records, N * 8 * (W + 1)"]
+    #[doc = "                bytes."]
+    #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses of fce_logsumexp_partial (INVALID_ARGUMENT for NULL"]
+    #[doc = "         comm or options, or without vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather"]
+    #[doc = "         failed), CUDA_ERROR."]
+    pub fn fce_logsumexp_vp(
+        handle: fce_handle_t,
+        comm: fce_comm_t,
+        stream: fce_stream_t,
+        x: *const DLTensor,
+        options: *const fce_lse_options_t,
+        lse: *mut DLTensor,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_logsumexp_vp needs for these arguments (same validation)."]
+    pub fn fce_logsumexp_vp_workspace_size(
+        handle: fce_handle_t,
+        comm: fce_comm_t,
+        x: *const DLTensor,
+        options: *const fce_lse_options_t,
+        lse: *const DLTensor,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
 #[doc = " Options of fce_temp_softmax. Initialize with FCE_SOFTMAX_OPTIONS_INIT."]
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -1863,6 +1901,50 @@ extern "C" {
         options: *const fce_softmax_options_t,
         probs: *const DLTensor,
         logprobs: *const DLTensor,
+        bytes: *mut usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " A vocabulary shard's temperature softmax over NCCL (NCCL mode), one call per rank: the whole rows' lse of"]
+    #[doc = " logits / T (fce_logsumexp_vp with scale 1/T), then this shard's probabilities and log-probabilities of the"]
+    #[doc = " whole rows (fce_temp_softmax with the shard and that lse: p_j = exp(x_j / T - lse), padding columns 0 and"]
+    #[doc = " -inf). The same bits as those calls on one device; no host synchronization; with a caller workspace,"]
+    #[doc = " capturable in a CUDA graph. Since 0.2.0."]
+    #[doc = " @param comm     from fce_comm_create, on the handle's device."]
+    #[doc = " @param logits   [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total)."]
+    #[doc = " @param options  required: vocab_start, vocab_total and one finite temperature > 0, the same on every rank"]
+    #[doc = "                 but vocab_start; temperatures and lse NULL (the call computes the lse)."]
+    #[doc = " @param probs    optional [N,V], fp32 or the logits' dtype, as for fce_temp_softmax."]
+    #[doc = " @param logprobs optional [N,V], as for fce_temp_softmax; at least one of the two."]
+    #[doc = " @param lse      optional [N] fp32: receives the whole rows' lse of logits / T."]
+    #[doc = " @param workspace as everywhere (fce_temp_softmax_vp_workspace_size): every rank's records and, without"]
+    #[doc = "                 `lse`, the lse."]
+    #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or options, without"]
+    #[doc = "         vocab_total, or with options->lse; NOT_IMPLEMENTED for per-row, zero or infinite temperatures;"]
+    #[doc = "         DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR."]
+    pub fn fce_temp_softmax_vp(
+        handle: fce_handle_t,
+        comm: fce_comm_t,
+        stream: fce_stream_t,
+        logits: *const DLTensor,
+        options: *const fce_softmax_options_t,
+        probs: *mut DLTensor,
+        logprobs: *mut DLTensor,
+        lse: *mut DLTensor,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+    ) -> fce_status_t;
+}
+extern "C" {
+    #[doc = " Workspace bytes fce_temp_softmax_vp needs for these arguments (same validation)."]
+    pub fn fce_temp_softmax_vp_workspace_size(
+        handle: fce_handle_t,
+        comm: fce_comm_t,
+        logits: *const DLTensor,
+        options: *const fce_softmax_options_t,
+        probs: *const DLTensor,
+        logprobs: *const DLTensor,
+        lse: *const DLTensor,
         bytes: *mut usize,
     ) -> fce_status_t;
 }
