@@ -10,9 +10,12 @@ cross-entropy with the LM head [V, H] split by rows instead (strong scaling, for
 and dweight): fusedce NCCL mode (fusedce.torch.vocab_parallel_linear_cross_entropy), its all-gather path,
 and Megatron's layers in plain PyTorch (a column-parallel linear whose input gradient is all-reduced, then
 the algorithm above); the peak counts PyTorch's allocator and, for fusedce, the library's own workspace
-(cudaMemGetInfo around the first call). Prints a markdown table (rank 0) and writes --json FILE.
+(cudaMemGetInfo around the first call). With --kd: KD forward KL with student and teacher split by the same
+columns (fusedce.torch.vocab_parallel_kd_loss in NCCL mode and through torch.distributed, Megatron's pattern
+in plain PyTorch) and fusedce.torch.kd_loss over the whole V on one GPU. Prints a markdown table (rank 0)
+and writes --json FILE.
 
-    python3 benchmarks/bench_vp.py [--world 2] [--n 8192] [--v 128256] [--linear 4096] [--json FILE]
+    python3 benchmarks/bench_vp.py [--world 2] [--n 8192] [--v 128256] [--linear 4096 | --kd] [--json FILE]
 """
 import argparse
 import json
@@ -109,6 +112,81 @@ def linear_rows(rank, world, args, dev, g, timed):
     return out
 
 
+def megatron_kd(xs, xt, group):
+    """Forward KL(teacher || student) of shards in plain PyTorch, Megatron's pattern: all-reduce MAX of each
+    side's rows, then SUM of their sum-exp and of the KL's partial sums; the fp32 probabilities kept for the
+    backward (q - p)."""
+    import torch
+    import torch.distributed as dist
+
+    def log_softmax(x):
+        x = x.float()
+        m = x.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        x = x - m.unsqueeze(-1)
+        s = x.exp().sum(dim=-1)
+        dist.all_reduce(s, group=group)
+        return x - s.log().unsqueeze(-1)
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, t):
+            lq, lp = log_softmax(x), log_softmax(t)
+            p = lp.exp()
+            kl = (p * (lp - lq)).sum(dim=-1)
+            dist.all_reduce(kl, group=group)
+            ctx.save_for_backward(lq.exp_(), p)
+            return kl.mean()
+
+        @staticmethod
+        def backward(ctx, g):
+            q, p = ctx.saved_tensors
+            return ((q - p) * (g / q.shape[0])).to(torch.bfloat16), None
+
+    return F.apply(xs, xt)
+
+
+def kd_rows(rank, world, args, dev, g, timed):
+    """KD forward KL, student and teacher split by the same columns (strong scaling), forward + backward."""
+    import torch
+
+    import fusedce.torch as ft
+    n, v = args.n, args.v
+    vl = -(-v // world)
+    start = rank * vl
+    base = (torch.randn(n, vl, device=dev, generator=g) * 2).to(torch.bfloat16)
+    teacher = (torch.randn(n, vl, device=dev, generator=g) * 2).to(torch.bfloat16)
+
+    def step(kind):
+        x = base.clone().requires_grad_()
+        if kind.startswith("fusedce"):
+            loss = ft.vocab_parallel_kd_loss(x, teacher, vocab_start=start, vocab_total=vl * world,
+                                             nccl=kind == "fusedce NCCL mode")
+        else:
+            loss = megatron_kd(x, teacher, None)
+        loss.backward()
+
+    out = []
+    for kind in ("fusedce NCCL mode", "fusedce, all-gather by torch.distributed", "Megatron algorithm, PyTorch"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        ms = timed(lambda: step(kind))
+        peak = (torch.cuda.max_memory_allocated(dev) - before) / 2**20
+        out.append(dict(rank=rank, scaling="KD forward KL, strong", impl=kind, n=n, v_local=vl, v=vl * world, ms=ms,
+                        peak_mib=peak))
+    x1 = (torch.randn(n, v, device=dev, generator=g) * 2).to(torch.bfloat16)
+    t1 = (torch.randn(n, v, device=dev, generator=g) * 2).to(torch.bfloat16)
+
+    def one():
+        x = x1.clone().requires_grad_()
+        ft.kd_loss(x, t1).backward()
+
+    out.append(dict(rank=rank, scaling="KD forward KL, one GPU", impl="fusedce.torch.kd_loss", n=n, v_local=v, v=v,
+                    ms=timed(one), peak_mib=None))
+    return out
+
+
 def rank_main(rank, world, port, args, q):
     import torch
     import torch.distributed as dist
@@ -144,8 +222,8 @@ def rank_main(rank, world, port, args, q):
     rows = []
     n, v = args.n, args.v
     g = torch.Generator(device=dev).manual_seed(1)
-    if args.linear:
-        rows += linear_rows(rank, world, args, dev, g, timed)
+    if args.linear or args.kd:
+        rows += (linear_rows if args.linear else kd_rows)(rank, world, args, dev, g, timed)
         q.put(rows)
         dist.barrier()
         dist.destroy_process_group()
@@ -202,6 +280,7 @@ def main():
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--linear", type=int, default=0, help="H: linear cross-entropy instead")
+    ap.add_argument("--kd", action="store_true", help="KD forward KL (student and teacher sharded) instead")
     ap.add_argument("--json")
     args = ap.parse_args()
     import torch

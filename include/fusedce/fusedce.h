@@ -1026,6 +1026,9 @@ FCE_API fce_status_t fce_kd_bwd_workspace_size(fce_handle_t handle, const DLTens
  * @param options  vocab_start (this rank's) and vocab_total required; any divergence and temperature.
  * @param outputs  loss required (as fce_kd_combine's); dstudent optional (this shard's, in place allowed, with
  *                 grad_loss as for fce_kd_bwd).
+ * @param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: receives the rows' final statistics, what
+ *                 fce_kd_bwd takes for this shard's dstudent later (an autograd backward); the same bits on
+ *                 every rank.
  * @param workspace NULL (the handle's cached one), or at least the bytes of fce_kd_fwd_vp_workspace_size.
  * @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for a CPU handle or a NULL comm;
  *         DEVICE_MISMATCH for a comm on another device), NOT_IMPLEMENTED (a top-K teacher of K > 8192 with
@@ -1033,13 +1036,13 @@ FCE_API fce_status_t fce_kd_bwd_workspace_size(fce_handle_t handle, const DLTens
  */
 FCE_API fce_status_t fce_kd_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream, const DLTensor* student,
                                    const fce_kd_teacher_t* teacher, const DLTensor* targets,
-                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs, void* workspace,
-                                   size_t workspace_bytes);
+                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
+                                   DLTensor* row_stats, void* workspace, size_t workspace_bytes);
 /** Workspace bytes fce_kd_fwd_vp needs for these arguments (same validation). */
 FCE_API fce_status_t fce_kd_fwd_vp_workspace_size(fce_handle_t handle, fce_comm_t comm, const DLTensor* student,
                                                   const fce_kd_teacher_t* teacher, const DLTensor* targets,
                                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
-                                                  size_t* bytes);
+                                                  const DLTensor* row_stats, size_t* bytes);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Linear cross-entropy                                                                             */

@@ -250,7 +250,8 @@ struct KdVpCall {
 };
 
 KdVpCall kd_vp_call(fce_handle* h, const fce_comm* c, const DLTensor* student, const fce_kd_teacher_t* teacher,
-                    const DLTensor* targets, const fce_kd_options_t* options, const fce_kd_outputs_t* outputs) {
+                    const DLTensor* targets, const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
+                    const DLTensor* row_stats) {
   const char* fn = "fce_kd_fwd_vp";
   Validator val(h->backend, h->device_id);
   KdVpCall v;
@@ -292,13 +293,17 @@ KdVpCall kd_vp_call(fce_handle* h, const fce_comm* c, const DLTensor* student, c
   } else {
     FCE_CHECK(!out.grad_loss, FCE_STATUS_INVALID_ARGUMENT, "outputs->grad_loss is set without outputs->dstudent");
   }
-  // Workspace: this rank's records, every rank's, the rows' statistics; the terms' records, this rank's and
-  // every rank's; then the combines' and the backward's own workspaces.
+  if (row_stats) {
+    v.comb.row_stats = read_row_stats(val, row_stats, N);
+    val.output("row_stats", v.comb.row_stats.data, Validator::span(v.comb.row_stats));
+  }
+  // Workspace: this rank's records, every rank's, the rows' statistics (unless the caller's); the terms'
+  // records, this rank's and every rank's; then the combines' and the backward's own workspaces.
   size_t all = 0, tall = 0;
   v.gathered = vp_records_bytes(N, kKdRecordFields, W, &all);
   const size_t tbytes = vp_records_bytes(N, kKdTermsRecordFields, W, &tall);
   v.stats = v.gathered + all;
-  size_t at = v.stats + vp_align(size_t(N) * kKdRowStatsFields * 4);
+  size_t at = v.stats + (row_stats ? 0 : vp_align(size_t(N) * kKdRowStatsFields * 4));
   v.trec = at;
   v.tgathered = at += v.two ? tbytes : 0;
   at += v.two ? tall : 0;
@@ -316,7 +321,8 @@ void place(KdVpCall& v, const Workspace& w) {
   const int64_t N = v.part.student.rows, W = v.comb.W;
   v.part.records = Mat{base, DType::F32, N, kKdRecordFields, kKdRecordFields};
   v.comb.records = Mat{base + v.gathered, DType::F32, W * N, kKdRecordFields, kKdRecordFields};
-  const Mat stats{base + v.stats, DType::F32, N, kKdRowStatsFields, kKdRowStatsFields};
+  const Mat stats = v.comb.row_stats ? v.comb.row_stats  // the caller's
+                                      : Mat{base + v.stats, DType::F32, N, kKdRowStatsFields, kKdRowStatsFields};
   v.comb.row_stats = v.terms.row_stats = v.tcomb.row_stats = v.bwd.row_stats = stats;
   v.terms.records = Mat{base + v.trec, DType::F32, N, kKdTermsRecordFields, kKdTermsRecordFields};
   v.tcomb.records = Mat{base + v.tgathered, DType::F32, W * N, kKdTermsRecordFields, kKdTermsRecordFields};
@@ -446,12 +452,12 @@ FCE_API fce_status_t fce_kd_bwd_workspace_size(fce_handle_t handle, const DLTens
 
 FCE_API fce_status_t fce_kd_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream, const DLTensor* student,
                                    const fce_kd_teacher_t* teacher, const DLTensor* targets,
-                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs, void* workspace,
-                                   size_t workspace_bytes) {
+                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
+                                   DLTensor* row_stats, void* workspace, size_t workspace_bytes) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     const fce_comm* c = checked_comm(h, comm);
-    KdVpCall v = kd_vp_call(h, c, student, teacher, targets, options, outputs);
+    KdVpCall v = kd_vp_call(h, c, student, teacher, targets, options, outputs, row_stats);
     const Workspace w = resolve_workspace(h, workspace, workspace_bytes, v.bytes, stream);
     place(v, w);
     char* base = static_cast<char*>(w.ptr);
@@ -472,11 +478,11 @@ FCE_API fce_status_t fce_kd_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_str
 FCE_API fce_status_t fce_kd_fwd_vp_workspace_size(fce_handle_t handle, fce_comm_t comm, const DLTensor* student,
                                                   const fce_kd_teacher_t* teacher, const DLTensor* targets,
                                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
-                                                  size_t* bytes) {
+                                                  const DLTensor* row_stats, size_t* bytes) {
   return guard(__func__, [&] {
     fce_handle* h = check_handle(handle);
     const fce_comm* c = checked_comm(h, comm);
-    write_size(bytes, kd_vp_call(h, c, student, teacher, targets, options, outputs).bytes);
+    write_size(bytes, kd_vp_call(h, c, student, teacher, targets, options, outputs, row_stats).bytes);
   });
 }
 

@@ -595,6 +595,7 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, fce_comm_t 
         "%s: loss, statistics or dstudent differ from the one-device emulation", name);
   {  // NCCL mode (fce_kd_fwd_vp): the same steps in one call, then replayed from a CUDA graph
     Buf a({c.N, s.width}, xt, dev), b({c.N, s.width}, xt, dev), nloss(lshape, kF32, dev), nds({c.N, s.width}, xt, dev);
+    Buf nstats({c.N, FCE_KD_ROW_STATS_FIELDS}, kF32, dev);  // what an autograd backward would keep
     a.upload(shard_bytes(c, s, g_rank, x).data());
     b.upload(shard_bytes(c, s, g_rank, y).data());
     fce_kd_teacher_t tt = FCE_KD_TEACHER_INIT;
@@ -611,11 +612,13 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, fce_comm_t 
     out.dstudent = &nds.t;
     nloss.poison();
     nds.poison();
-    ok(fce_kd_fwd_vp(h, comm, fs, &a.t, &tt, &targets.t, &orr, &out, nullptr, 0), "fce_kd_fwd_vp");
-    CHECK(nloss.download() == eloss.download() && nds.download() == eds.download(),
-          "%s: NCCL mode's loss or dstudent differ from the one-device emulation", name);
+    nstats.poison();
+    ok(fce_kd_fwd_vp(h, comm, fs, &a.t, &tt, &targets.t, &orr, &out, &nstats.t, nullptr, 0), "fce_kd_fwd_vp");
+    CHECK(nloss.download() == eloss.download() && nds.download() == eds.download() &&
+              nstats.download() == estats.download(),
+          "%s: NCCL mode's loss, dstudent or statistics differ from the one-device emulation", name);
     size_t wsb = 0;
-    ok(fce_kd_fwd_vp_workspace_size(h, comm, &a.t, &tt, &targets.t, &orr, &out, &wsb), "workspace size");
+    ok(fce_kd_fwd_vp_workspace_size(h, comm, &a.t, &tt, &targets.t, &orr, &out, nullptr, &wsb), "workspace size");
     void* ws = nullptr;
     ck(cudaMalloc(&ws, wsb ? wsb : 1), "cudaMalloc");
     nloss.poison();
@@ -623,7 +626,7 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, fce_comm_t 
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
-    const fce_status_t cs = fce_kd_fwd_vp(h, comm, fs, &a.t, &tt, &targets.t, &orr, &out, ws, wsb);
+    const fce_status_t cs = fce_kd_fwd_vp(h, comm, fs, &a.t, &tt, &targets.t, &orr, &out, nullptr, ws, wsb);
     ck(cudaStreamEndCapture(st, &graph), "end capture");
     CHECK(cs == FCE_STATUS_SUCCESS, "%s: capture: %s", name, fce_last_error_message());
     if (cs == FCE_STATUS_SUCCESS) {
@@ -1120,9 +1123,18 @@ void bench(int W, int dev, fce_handle_t h, fce_comm_t comm, cudaStream_t st, con
           ok(fce_kd_bwd(h, fs, &xs.t, &tt, nullptr, &stats.t, &o, nullptr, &ds.t, ws, wsb + 256), "kd bwd");
         });
         cudaFree(ws);
+        // NCCL mode: the forward in one call (keeping the statistics, as an autograd forward does), and the
+        // forward with the shard's dstudent
+        fce_kd_outputs_t ko = FCE_KD_OUTPUTS_INIT;
+        ko.loss = &loss.t;
+        const float tv = time([&] { ok(fce_kd_fwd_vp(h, comm, fs, &xs.t, &tt, nullptr, &o, &ko, &stats.t, nullptr, 0), "kd vp"); });
+        ko.dstudent = &ds.t;
+        const float tvd = time([&] { ok(fce_kd_fwd_vp(h, comm, fs, &xs.t, &tt, nullptr, &o, &ko, nullptr, nullptr, 0), "kd vp"); });
         std::printf("| rank %d | KD forward KL, %s | N=%lld V_local=%lld V=%lld | partial %.3f; partial + all-gather + "
-                    "combine %.3f; shard dstudent %.3f; one GPU fce_kd_loss over V %.3f | |\n", g_rank, sc,
-                    (long long)NK, (long long)width, (long long)VT, tp, tf, tb, t1f);
+                    "combine %.3f; shard dstudent %.3f; fce_kd_fwd_vp %.3f, with dstudent %.3f; one GPU fce_kd_loss over V %.3f | |\n",
+                    g_rank, sc, (long long)NK, (long long)width, (long long)VT, tp, tf, tb, tv, tvd, t1f);
+        result(W, "kd", sc, NK, width, VT, "fwd_vp", tv);
+        result(W, "kd", sc, NK, width, VT, "fwd_vp_dstudent", tvd);
         result(W, "kd", sc, NK, width, VT, "fwd", tf);
         result(W, "kd", sc, NK, width, VT, "partial", tp);
         result(W, "kd", sc, NK, width, VT, "shard_dstudent", tb);

@@ -734,10 +734,10 @@ TEST(KdVocabParallel, Validation) {
   {
     fce_kd_outputs_t vo = FCE_KD_OUTPUTS_INIT;
     vo.loss = loss.dl();
-    EXPECT_EQ(fce_kd_fwd_vp(h, nullptr, test_stream(), s.dl(), &tt, nullptr, &o, &vo, nullptr, 0),
+    EXPECT_EQ(fce_kd_fwd_vp(h, nullptr, test_stream(), s.dl(), &tt, nullptr, &o, &vo, nullptr, nullptr, 0),
               FCE_STATUS_INVALID_ARGUMENT);
     EXPECT_NE(std::string(fce_last_error_message()).find("comm"), std::string::npos);
-    EXPECT_EQ(fce_kd_fwd_vp_workspace_size(h, nullptr, s.dl(), &tt, nullptr, &o, &vo, &bytes),
+    EXPECT_EQ(fce_kd_fwd_vp_workspace_size(h, nullptr, s.dl(), &tt, nullptr, &o, &vo, nullptr, &bytes),
               FCE_STATUS_INVALID_ARGUMENT);
   }
   // The backward: dstudent of the student's shape and dtype.

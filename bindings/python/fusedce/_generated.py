@@ -299,12 +299,12 @@ fce_status_t fce_kd_bwd_workspace_size(fce_handle_t handle, const DLTensor* stud
                                                size_t* bytes);
 fce_status_t fce_kd_fwd_vp(fce_handle_t handle, fce_comm_t comm, fce_stream_t stream, const DLTensor* student,
                                    const fce_kd_teacher_t* teacher, const DLTensor* targets,
-                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs, void* workspace,
-                                   size_t workspace_bytes);
+                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
+                                   DLTensor* row_stats, void* workspace, size_t workspace_bytes);
 fce_status_t fce_kd_fwd_vp_workspace_size(fce_handle_t handle, fce_comm_t comm, const DLTensor* student,
                                                   const fce_kd_teacher_t* teacher, const DLTensor* targets,
                                                   const fce_kd_options_t* options, const fce_kd_outputs_t* outputs,
-                                                  size_t* bytes);
+                                                  const DLTensor* row_stats, size_t* bytes);
 typedef struct fce_linear_ce_outputs {
   uint32_t struct_size;
   DLTensor* loss;

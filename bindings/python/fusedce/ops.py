@@ -673,6 +673,38 @@ def kd_terms_combine(records, row_stats, *, vocab_total, targets=None,
     return c.scalar_out(loss_a), row_stats
 
 
+def kd_fwd_vp(student, teacher_logits=None, comm=None, *, vocab_start, vocab_total, topk_ids=None,
+              topk_logprobs=None, targets=None, divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"],
+              temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),
+              topk_norm=_NAME["topk_norm"][_KD["topk_norm"]], reduction=_NAME["reduction"][_KD["reduction"]],
+              ignore_index=_KD["ignore_index"], dstudent=False, grad_loss=None, row_stats=False, stream=None,
+              workspace=None):
+    """fce_kd_fwd_vp: vocabulary-parallel KD over NCCL (a Communicator `comm`), one call per rank: kd_partial of
+    this rank's shard, the records' all-gather inside the library, kd_combine, for JSD (0 < beta < 1) and a
+    top-K teacher the terms' exchange, and with dstudent this shard's kd_bwd. Arguments as kd_partial and
+    kd_bwd. dstudent / row_stats: True (new arrays) or an array ([N, V_local] in the student's dtype;
+    [N, KD_ROW_STATS_FIELDS] fp32, the rows' final statistics for a later kd_bwd). Returns (KDOutput(loss,
+    dstudent), row_stats); the loss is the same bits on every rank. Raises CommunicatorError when NCCL fails,
+    and kd_partial's errors."""
+    if comm is None:
+        raise ValueError("kd_fwd_vp: comm (a Communicator) is required")
+    c = Call(student, None, stream)
+    teacher = _shard_teacher(c, teacher_logits, topk_ids, topk_logprobs, "kd_fwd_vp")
+    loss_a = _loss_buffer(c, reduction, _rows(student))
+    ds_a = c.output(dstudent, lambda: c.empty_like(student))
+    st_a = c.output(row_stats, lambda: c.empty((_rows(student), KD_ROW_STATS_FIELDS), "float32"))
+    o = _kd_options(c, divergence, beta, temperature, scale_by_t2, topk_norm, reduction, ignore_index,
+                    vocab_start, vocab_total)
+    outs = c.struct("fce_kd_outputs_t")
+    outs.loss = c.dl(loss_a, True)
+    outs.dstudent = c.dl(ds_a, True)
+    outs.grad_loss = c.dl(_grad(c, grad_loss))
+    args = (comm.ptr, c.dl(student), teacher, _targets_or_null(c, targets), o, outs, c.dl(st_a, True))
+    ws, wsb = c.workspace("fce_kd_fwd_vp_workspace_size", args, workspace)
+    check(lib.fce_kd_fwd_vp(c.handle.ptr, comm.ptr, c.stream, *args[1:], ws, wsb), "fce_kd_fwd_vp")
+    return KDOutput(c.scalar_out(loss_a), ds_a), st_a
+
+
 def kd_bwd(student, teacher_logits=None, row_stats=None, *, vocab_start, vocab_total, topk_ids=None,
            topk_logprobs=None, targets=None, divergence=_NAME["divergence"][_KD["divergence"]], beta=_KD["beta"],
            temperature=_KD["temperature"], scale_by_t2=bool(_KD["scale_by_t2"]),

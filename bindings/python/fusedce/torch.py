@@ -619,12 +619,17 @@ class _VocabParallelKD(torch.autograd.Function):
     statistics. The teacher is `teacher` (the shard's logits) or `ids` / `lps` (top-K), the others None."""
 
     @staticmethod
-    def forward(ctx, student, teacher, ids, lps, targets, group, kw):
+    def forward(ctx, student, teacher, ids, lps, targets, group, kw, comm):
         pkw = {k: kw[k] for k in ("vocab_start", "vocab_total", "divergence", "beta", "temperature", "topk_norm")}
         ckw = {k: v for k, v in kw.items() if k != "vocab_start"}
         tkw = dict(topk_ids=ids, topk_logprobs=lps)
         topk = ids is not None
         s = student.detach()
+        if comm is not None:  # every step in one library call over the group's NCCL communicator
+            (loss, _), stats = _arrays.kd_fwd_vp(s, teacher, comm, targets=targets, row_stats=True, **tkw, **kw)
+            ctx.save_for_backward(student, teacher, ids, lps, targets, stats)
+            ctx.kw = kw
+            return loss
         rec = _arrays.kd_partial(s, teacher, **tkw, **pkw)
         loss, stats = _arrays.kd_combine(_gather_records(rec, group), targets=targets, loss=not topk, **ckw)
         if loss is None:  # JSD's mixture, a top-K teacher's terms: the second exchange
@@ -639,13 +644,14 @@ class _VocabParallelKD(torch.autograd.Function):
         student, teacher, ids, lps, targets, stats = ctx.saved_tensors
         d = _arrays.kd_bwd(student.detach(), teacher, stats, topk_ids=ids, topk_logprobs=lps, targets=targets,
                            grad_loss=grad.float().contiguous(), **ctx.kw)
-        return d, None, None, None, None, None, None
+        return d, None, None, None, None, None, None, None
 
 
 def vocab_parallel_kd_loss(student_logits, teacher_logits=None, target=None, *, topk_ids=None, topk_logprobs=None,
                            divergence=_KD_DIVERGENCE, beta=_KD["beta"], temperature=_KD["temperature"],
                            scale_by_t2=bool(_KD["scale_by_t2"]), topk_norm=_KD_TOPK_NORM, reduction=_KD_REDUCTION,
-                           ignore_index=_KD["ignore_index"], vocab_start=None, vocab_total=None, group=None):
+                           ignore_index=_KD["ignore_index"], vocab_start=None, vocab_total=None, group=None,
+                           nccl=True):
     """kd_loss of student and teacher logits whose vocabulary is split across the ranks of a
     torch.distributed `group` by the same columns (this rank holds global columns [vocab_start, vocab_start +
     V_local) of both; equal shards in rank order by default, uneven or padded ones when given), or kd_loss_topk
@@ -667,9 +673,11 @@ def vocab_parallel_kd_loss(student_logits, teacher_logits=None, target=None, *, 
     rows' normalizers before any term can be formed: the same first exchange (statistics only), then one of
     [N, 3] fp32 records (fce_kd_terms_partial of the shard, fce_kd_terms_combine: the loss, and A into the
     statistics). No float all-reduce, so NaN propagates and the result does not depend on the collective's
-    algorithm. The backward is fce_kd_bwd of the shard from the final statistics (no exchange). Without an
-    initialized process group the call is the one-shard case. Not a torch.library op: torch.compile
-    graph-breaks around it.
+    algorithm. With nccl=True and an NCCL group on CUDA the forward is one library call over the group's own
+    communicator (fce_kd_fwd_vp: the same steps and bits, the all-gathers on the current stream). The
+    backward is fce_kd_bwd of the shard from the final statistics (no exchange). Without an initialized
+    process group the call is the one-shard case. Not a torch.library op: torch.compile graph-breaks around
+    it.
     Raises ValueError (neither or both teachers given; an unknown name) and the library's errors
     (fusedce.FusedCEError subclasses: options out of domain, shapes that disagree, ...)."""
     if (teacher_logits is None) == (topk_ids is None or topk_logprobs is None):
@@ -687,7 +695,8 @@ def vocab_parallel_kd_loss(student_logits, teacher_logits=None, target=None, *, 
         ids = _targets(topk_ids.reshape(-1, topk_ids.shape[-1])).contiguous()  # e.g. an expanded arange
         lps = topk_logprobs.reshape(-1, topk_logprobs.shape[-1]).detach().to(torch.float32).contiguous()
     tg = None if target is None else _targets(target).reshape(-1)
-    loss = _VocabParallelKD.apply(x, t, ids, lps, tg, group, kw)
+    comm = _nccl_comm(group, x.device) if nccl else None
+    loss = _VocabParallelKD.apply(x, t, ids, lps, tg, group, kw, comm)
     return loss.reshape(student_logits.shape[:-1]) if _reduction(reduction) == _REDUCTION_NONE else loss
 
 
@@ -695,13 +704,13 @@ def vocab_parallel_kd_loss_topk(student_logits, topk_ids, topk_logprobs, target=
                                 beta=_KD["beta"], temperature=_KD["temperature"],
                                 scale_by_t2=bool(_KD["scale_by_t2"]), topk_norm=_KD_TOPK_NORM,
                                 reduction=_KD_REDUCTION, ignore_index=_KD["ignore_index"], vocab_start=None,
-                                vocab_total=None, group=None):
+                                vocab_total=None, group=None, nccl=True):
     """kd_loss_topk over vocabulary shards, kd_loss_topk's arguments: vocab_parallel_kd_loss(student_logits,
     None, target, topk_ids=topk_ids, topk_logprobs=topk_logprobs, ...) (see there: two all-gathers)."""
     return vocab_parallel_kd_loss(student_logits, None, target, topk_ids=topk_ids, topk_logprobs=topk_logprobs,
                                   divergence=divergence, beta=beta, temperature=temperature, scale_by_t2=scale_by_t2,
                                   topk_norm=topk_norm, reduction=reduction, ignore_index=ignore_index,
-                                  vocab_start=vocab_start, vocab_total=vocab_total, group=group)
+                                  vocab_start=vocab_start, vocab_total=vocab_total, group=group, nccl=nccl)
 
 
 def vocab_parallel_logprobs_entropy(logits, labels, temperature=1.0, reduction="none", *, vocab_start=None,

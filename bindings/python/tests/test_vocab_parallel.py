@@ -331,6 +331,22 @@ def _nccl_rank(rank, world, port, widths, results):
             (lse.nan_to_num() * up).sum().backward()
             sm[mode] = [a.detach().nan_to_num(7.0).float().cpu() for a in (lse, y)]
         same_sm = all(torch.equal(a, b) for a, b in zip(sm["gather"], sm["nccl"]))
+        # KD: one fce_kd_fwd_vp (statistics kept for the backward) against the all-gather path, for forward KL,
+        # JSD (two exchanges) and a top-K teacher
+        teacher = (torch.randn(64, v, generator=g) * 2).to(torch.bfloat16)
+        lps, ids = torch.log_softmax(teacher.float(), -1).topk(8, -1)
+        tshard = teacher[:, starts[rank]:starts[rank] + widths[rank]].to(dev)
+        kd = {}
+        for mode in ("gather", "nccl"):
+            kd[mode] = []
+            for kwk in (dict(teacher_logits=tshard), dict(teacher_logits=tshard, divergence="jsd", beta=0.3),
+                        dict(topk_ids=ids.to(dev), topk_logprobs=lps.to(dev))):
+                xm = shard.clone().requires_grad_()
+                loss = ft.vocab_parallel_kd_loss(xm, target=t.to(dev), vocab_start=starts[rank], vocab_total=v,
+                                                 reduction="none", nccl=mode == "nccl", **kwk)
+                (loss.nan_to_num() * up).sum().backward()
+                kd[mode] += [loss.detach().nan_to_num(7.0).cpu(), xm.grad.float().nan_to_num(7.0).cpu()]
+        same_sm = same_sm and all(torch.equal(a, b) for a, b in zip(kd["gather"], kd["nccl"]))
         results.put((rank, used, torch.equal(out["gather"][0].nan_to_num(7.0), out["nccl"][0].nan_to_num(7.0)),
                      torch.equal(out["gather"][1], out["nccl"][1]) and same_lin and same_sm,
                      bool(torch.isnan(out["nccl"][0][2])),
@@ -349,8 +365,9 @@ def test_nccl_mode_gpus(widths):
     all-gather path, the same loss on every rank, and a NaN of one rank's shard on every rank; likewise
     linear cross-entropy with the LM head split by rows (fce_linear_cross_entropy_fwd_vp), whose dhidden is
     the same bits on every rank and in both paths (a rank-order sum), and whose dweight agrees within a bf16
-    ulp; logsumexp and softmax in one call (fce_logsumexp_vp, fce_temp_softmax_vp), the same bits as the
-    all-gather path."""
+    ulp; logsumexp and softmax in one call (fce_logsumexp_vp, fce_temp_softmax_vp) and KD (fce_kd_fwd_vp:
+    forward KL, JSD, a top-K teacher; the backward from its statistics), the same bits as the all-gather
+    path."""
     torch = pytest.importorskip("torch")
     world = len(widths)
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:

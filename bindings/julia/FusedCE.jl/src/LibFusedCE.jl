@@ -1189,20 +1189,23 @@ one-device emulation of the same shards.
 @param options  vocab_start (this rank's) and vocab_total required; any divergence and temperature.
 @param outputs  loss required (as fce_kd_combine's); dstudent optional (this shard's, in place allowed, with
                 grad_loss as for fce_kd_bwd).
+@param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: receives the rows' final statistics, what
+                fce_kd_bwd takes for this shard's dstudent later (an autograd backward); the same bits on
+                every rank.
 @param workspace NULL (the handle's cached one), or at least the bytes of fce_kd_fwd_vp_workspace_size.
 @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for a CPU handle or a NULL comm;
         DEVICE_MISMATCH for a comm on another device), NOT_IMPLEMENTED (a top-K teacher of K > 8192 with
         dstudent), COMMUNICATOR_ERROR, CUDA_ERROR.
 """
-function fce_kd_fwd_vp(handle, comm, stream, student, teacher, targets, options, outputs, workspace, workspace_bytes)
-    @ccall $(_fptr_fce_kd_fwd_vp[])(handle::fce_handle_t, comm::fce_comm_t, stream::fce_stream_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, outputs::Ptr{fce_kd_outputs_t}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
+function fce_kd_fwd_vp(handle, comm, stream, student, teacher, targets, options, outputs, row_stats, workspace, workspace_bytes)
+    @ccall $(_fptr_fce_kd_fwd_vp[])(handle::fce_handle_t, comm::fce_comm_t, stream::fce_stream_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, outputs::Ptr{fce_kd_outputs_t}, row_stats::Ptr{DLTensor}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
 end
 
 """
 Workspace bytes fce_kd_fwd_vp needs for these arguments (same validation).
 """
-function fce_kd_fwd_vp_workspace_size(handle, comm, student, teacher, targets, options, outputs, bytes)
-    @ccall $(_fptr_fce_kd_fwd_vp_workspace_size[])(handle::fce_handle_t, comm::fce_comm_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, outputs::Ptr{fce_kd_outputs_t}, bytes::Ptr{Csize_t})::fce_status_t
+function fce_kd_fwd_vp_workspace_size(handle, comm, student, teacher, targets, options, outputs, row_stats, bytes)
+    @ccall $(_fptr_fce_kd_fwd_vp_workspace_size[])(handle::fce_handle_t, comm::fce_comm_t, student::Ptr{DLTensor}, teacher::Ptr{fce_kd_teacher_t}, targets::Ptr{DLTensor}, options::Ptr{fce_kd_options_t}, outputs::Ptr{fce_kd_outputs_t}, row_stats::Ptr{DLTensor}, bytes::Ptr{Csize_t})::fce_status_t
 end
 
 """

@@ -2618,6 +2618,9 @@ extern "C" {
     #[doc = " @param options  vocab_start (this rank's) and vocab_total required; any divergence and temperature."]
     #[doc = " @param outputs  loss required (as fce_kd_combine's); dstudent optional (this shard's, in place allowed, with"]
     #[doc = "                 grad_loss as for fce_kd_bwd)."]
+    #[doc = " @param row_stats optional [N, FCE_KD_ROW_STATS_FIELDS] fp32: receives the rows' final statistics, what"]
+    #[doc = "                 fce_kd_bwd takes for this shard's dstudent later (an autograd backward); the same bits on"]
+    #[doc = "                 every rank."]
     #[doc = " @param workspace NULL (the handle's cached one), or at least the bytes of fce_kd_fwd_vp_workspace_size."]
     #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for a CPU handle or a NULL comm;"]
     #[doc = "         DEVICE_MISMATCH for a comm on another device), NOT_IMPLEMENTED (a top-K teacher of K > 8192 with"]
@@ -2631,6 +2634,7 @@ extern "C" {
         targets: *const DLTensor,
         options: *const fce_kd_options_t,
         outputs: *const fce_kd_outputs_t,
+        row_stats: *mut DLTensor,
         workspace: *mut ::std::os::raw::c_void,
         workspace_bytes: usize,
     ) -> fce_status_t;
@@ -2645,6 +2649,7 @@ extern "C" {
         targets: *const DLTensor,
         options: *const fce_kd_options_t,
         outputs: *const fce_kd_outputs_t,
+        row_stats: *const DLTensor,
         bytes: *mut usize,
     ) -> fce_status_t;
 }
