@@ -129,16 +129,46 @@ __global__ void __launch_bounds__(kRowThreads) softmax_shard_kernel(const T* x, 
                                                                      const float* lse) {
   const int64_t row = blockIdx.x;
   const float l = lse[row];
-  auto f = [&](float (&v)[kVec<T>], int64_t j0, int cnt) {
-#pragma unroll
-    for (int k = 0; k < kVec<T>; ++k) {
-      if (k < cnt) {
-        const float z = j0 + k < n ? __fsub_rn(__fmul_rn(v[k], inv_t), l) : -INFINITY;
-        v[k] = kLog ? z : ex2(z * kLog2e);
-      }
-    }
+  auto z = [&](float v, int64_t j) {
+    const float y = j < n ? __fsub_rn(__fmul_rn(v, inv_t), l) : -INFINITY;
+    return kLog ? y : ex2(y * kLog2e);
   };
-  row_map<T, O>(x + row * ldx, out + row * ldo, 0, V, f);
+  const T* xr = x + row * ldx;
+  O* o = out + row * ldo;
+  if constexpr (sizeof(T) == 2 && std::is_same_v<O, float>) {
+    // fp32 out of 16-bit in: 8-byte loads, so that each thread stores 16 contiguous bytes and a warp 512 (two
+    // 16-byte stores 32 bytes apart were slower: docs/lab-notes.md)
+    if ((reinterpret_cast<uintptr_t>(xr) & 7) == 0 && (reinterpret_cast<uintptr_t>(o) & 15) == 0) {
+      constexpr int kU = 4;  // loads in flight per thread
+      const int64_t nv = V / 4;
+      const uint2* xv = reinterpret_cast<const uint2*>(xr);
+      float4* ov = reinterpret_cast<float4*>(o);
+      for (int64_t b = threadIdx.x; b < nv; b += int64_t(kU) * blockDim.x) {
+        uint2 raw[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int64_t i = b + int64_t(u) * blockDim.x;
+          if (i < nv) raw[u] = __ldg(xv + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int64_t i = b + int64_t(u) * blockDim.x;
+          if (i < nv) {
+            float v[4];
+            unpack_words<T>(raw[u], v);
+            ov[i] = make_float4(z(v[0], 4 * i), z(v[1], 4 * i + 1), z(v[2], 4 * i + 2), z(v[3], 4 * i + 3));
+          }
+        }
+      }
+      for (int64_t j = nv * 4 + threadIdx.x; j < V; j += blockDim.x) o[j] = z(to_float(xr[j]), j);
+      return;
+    }
+  }
+  row_map<T, O>(xr, o, 0, V, [&](float (&v)[kVec<T>], int64_t j0, int cnt) {
+#pragma unroll
+    for (int k = 0; k < kVec<T>; ++k)
+      if (k < cnt) v[k] = z(v[k], j0 + k);
+  });
 }
 
 VpArgs args_of(const CeOpts& o, const Vec& targets) {
