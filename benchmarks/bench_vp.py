@@ -61,6 +61,16 @@ def megatron_ce(x, t, group, vocab_start):
     return F.apply(x, t)
 
 
+def timed_peak(dev, timed, fn):
+    """(median ms of fn, the peak MiB of PyTorch's allocator beyond what was allocated before)."""
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    ms = timed(fn)
+    return ms, (torch.cuda.max_memory_allocated(dev) - before) / 2**20
+
+
 def linear_rows(rank, world, args, dev, g, timed):
     """Linear cross-entropy, the head split by rows (strong scaling), forward + backward (dhidden, dweight)."""
     import torch
@@ -168,11 +178,7 @@ def kd_rows(rank, world, args, dev, g, timed):
 
     out = []
     for kind in ("fusedce NCCL mode", "fusedce, all-gather by torch.distributed", "Megatron algorithm, PyTorch"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        ms = timed(lambda: step(kind))
-        peak = (torch.cuda.max_memory_allocated(dev) - before) / 2**20
+        ms, peak = timed_peak(dev, timed, lambda: step(kind))
         out.append(dict(rank=rank, scaling="KD forward KL, strong", impl=kind, n=n, v_local=vl, v=vl * world, ms=ms,
                         peak_mib=peak))
     x1 = (torch.randn(n, v, device=dev, generator=g) * 2).to(torch.bfloat16)
@@ -253,11 +259,7 @@ def rank_main(rank, world, port, args, q):
         if LigerVocabParallelCEFunction is not None:
             kinds.insert(2, "Liger-Kernel")
         for kind in kinds:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(dev)
-            before = torch.cuda.memory_allocated(dev)
-            ms = timed(lambda: step(kind))
-            peak = (torch.cuda.max_memory_allocated(dev) - before) / 2**20
+            ms, peak = timed_peak(dev, timed, lambda: step(kind))
             rows.append(dict(rank=rank, scaling=scaling, impl=kind, n=n, v_local=vl, v=vt, ms=ms, peak_mib=peak))
     # one GPU, the whole vocabulary, for scale
     x1 = (torch.randn(n, v, device=dev, generator=g) * 2).to(torch.bfloat16)

@@ -85,16 +85,8 @@ LseVp lse_vp(fce_handle* h, const fce_comm* c, const DLTensor* x, const fce_lse_
   Validator val(h->backend, h->device_id);
   LseVp v;
   v.part = lse_shard_problem(val, x, options, "fce_logsumexp_vp");
-  const int64_t N = v.part.x.rows;
-  v.comb.lse = val.vector(lse, "lse", kF32);
-  FCE_CHECK(v.comb.lse.n == N, FCE_STATUS_SHAPE_MISMATCH, "lse has length %lld; expected N = %lld",
-            (long long)v.comb.lse.n, (long long)N);
-  val.output("lse", v.comb.lse.data, Validator::span(v.comb.lse));
-  v.comb.W = c->size;
-  v.comb.N = N;
-  size_t all = 0;
-  v.gathered = vp_records_bytes(N, kLseRecordFields, c->size, &all);
-  v.bytes = v.gathered + all;
+  FCE_CHECK(lse != nullptr, FCE_STATUS_INVALID_ARGUMENT, "lse is NULL");
+  v.comb = lse_vp_combine(val, c, lse, v.part.x.rows, &v.gathered, &v.bytes);
   return v;
 }
 

@@ -98,18 +98,8 @@ SoftmaxVp softmax_vp(fce_handle* h, const fce_comm* c, const DLTensor* logits, c
   v.part.scale = 1.f / v.p.temperature;  // the scale fce_temp_softmax's shard path divides by
   v.part.vocab_start = v.p.vocab_start;
   v.part.vocab_total = v.p.vocab_total;
-  if (lse) {
-    v.comb.lse = val.vector(lse, "lse", kF32);
-    FCE_CHECK(v.comb.lse.n == N, FCE_STATUS_SHAPE_MISMATCH, "lse has length %lld; expected N = %lld",
-              (long long)v.comb.lse.n, (long long)N);
-    val.output("lse", v.comb.lse.data, Validator::span(v.comb.lse));
-  }
-  v.comb.W = c->size;
-  v.comb.N = N;
-  size_t all = 0;
-  v.gathered = vp_records_bytes(N, kLseRecordFields, c->size, &all);
-  v.lse = v.gathered + all;
-  v.bytes = v.lse + (lse ? 0 : vp_align(size_t(N) * 4));
+  v.comb = lse_vp_combine(val, c, lse, N, &v.gathered, &v.lse);
+  v.bytes = v.lse + (lse ? 0 : vp_align(size_t(N) * 4));  // the lse after the records when the caller keeps none
   return v;
 }
 

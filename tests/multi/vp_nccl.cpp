@@ -169,6 +169,26 @@ size_t first_difference(const std::vector<uint8_t>& a, const std::vector<uint8_t
   return i;
 }
 
+// Captures `call` (which returns its status) into a CUDA graph on `st` and replays it `times` times (the
+// caller then compares the outputs); false, with a failure counted, when the capture failed.
+template <class Call>
+bool replayed(cudaStream_t st, const char* name, int times, Call&& call) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+  const fce_status_t cs = call();
+  ck(cudaStreamEndCapture(st, &graph), "end capture");
+  CHECK(cs == FCE_STATUS_SUCCESS, "%s: capture: %s", name, fce_last_error_message());
+  if (cs == FCE_STATUS_SUCCESS) {
+    ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    for (int k = 0; k < times; ++k) ck(cudaGraphLaunch(exec, st), "graph launch");
+    ck(cudaStreamSynchronize(st), "sync");
+    cudaGraphExecDestroy(exec);
+  }
+  cudaGraphDestroy(graph);
+  return cs == FCE_STATUS_SUCCESS;
+}
+
 fce_ce_options_t options_of(const Case& c, const Split& s, int64_t r) {
   fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
   o.reduction = fce_reduction_t(c.reduction);
@@ -308,20 +328,8 @@ void run_case(const Case& c, int W, int dev, fce_handle_t h, fce_comm_t comm, co
   void* ws = nullptr;
   ck(cudaMalloc(&ws, wsb ? wsb : 1), "cudaMalloc");
   got.poison();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
-  const fce_status_t cs = fce_cross_entropy_fwd_vp(h, comm, fs, &logits.t, &targets.t, &o, &ov, ws, wsb);
-  ck(cudaStreamEndCapture(st, &graph), "end capture");
-  CHECK(cs == FCE_STATUS_SUCCESS, "%s: capture: %s", name, fce_last_error_message());
-  if (cs == FCE_STATUS_SUCCESS) {
-    ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-    for (int k = 0; k < 2; ++k) ck(cudaGraphLaunch(exec, st), "graph launch");
-    ck(cudaStreamSynchronize(st), "sync");
+  if (replayed(st, name, 2, [&] { return fce_cross_entropy_fwd_vp(h, comm, fs, &logits.t, &targets.t, &o, &ov, ws, wsb); }))
     CHECK(got.bytes() == mine, "%s: the graph's replay differs from the eager call", name);
-    cudaGraphExecDestroy(exec);
-  }
-  cudaGraphDestroy(graph);
   cudaFree(ws);
   std::printf("rank %d: %s: ok\n", g_rank, name);
 }
@@ -423,21 +431,10 @@ void lse_case(const Case& c, float T, int W, int dev, fce_handle_t h, fce_comm_t
   got.poison();
   ck(cudaMemcpy(got.lse_a.p, ref.data(), got.lse_a.bytes, cudaMemcpyHostToDevice), "upload");
   ck(cudaMemcpy(got.lse_b.p, ref.data(), got.lse_b.bytes, cudaMemcpyHostToDevice), "upload");
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
-  const fce_status_t cs =
-      fce_temp_softmax_vp(h, comm, fs, &logits.t, &so, &got.probs.t, &got.logprobs.t, nullptr, ws, wsb);
-  ck(cudaStreamEndCapture(st, &graph), "end capture");
-  CHECK(cs == FCE_STATUS_SUCCESS, "%s: capture: %s", name, fce_last_error_message());
-  if (cs == FCE_STATUS_SUCCESS) {
-    ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-    for (int k = 0; k < 2; ++k) ck(cudaGraphLaunch(exec, st), "graph launch");
-    ck(cudaStreamSynchronize(st), "sync");
+  if (replayed(st, name, 2, [&] {
+        return fce_temp_softmax_vp(h, comm, fs, &logits.t, &so, &got.probs.t, &got.logprobs.t, nullptr, ws, wsb);
+      }))
     CHECK(got.bytes() == ref, "%s: the graph's replay differs from the emulation", name);
-    cudaGraphExecDestroy(exec);
-  }
-  cudaGraphDestroy(graph);
   cudaFree(ws);
 
   // Refused calls write nothing: options->lse set, per-row temperatures, no shard, NULL comm.
@@ -623,21 +620,9 @@ void kd_case(const Case& c, int div, int W, int dev, fce_handle_t h, fce_comm_t 
     ck(cudaMalloc(&ws, wsb ? wsb : 1), "cudaMalloc");
     nloss.poison();
     nds.poison();
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
-    const fce_status_t cs = fce_kd_fwd_vp(h, comm, fs, &a.t, &tt, &targets.t, &orr, &out, nullptr, ws, wsb);
-    ck(cudaStreamEndCapture(st, &graph), "end capture");
-    CHECK(cs == FCE_STATUS_SUCCESS, "%s: capture: %s", name, fce_last_error_message());
-    if (cs == FCE_STATUS_SUCCESS) {
-      ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-      ck(cudaGraphLaunch(exec, st), "graph launch");
-      ck(cudaStreamSynchronize(st), "sync");
+    if (replayed(st, name, 1, [&] { return fce_kd_fwd_vp(h, comm, fs, &a.t, &tt, &targets.t, &orr, &out, nullptr, ws, wsb); }))
       CHECK(nloss.download() == eloss.download() && nds.download() == eds.download(), "%s: the graph's replay differs",
             name);
-      cudaGraphExecDestroy(exec);
-    }
-    cudaGraphDestroy(graph);
     cudaFree(ws);
   }
   const auto lb = loss.download();
@@ -866,21 +851,11 @@ void linear_case(const Case& c, int64_t H, int W, int dev, fce_handle_t h, fce_c
   const auto eager_dh = dh.download(), eager_lse = lse.download();
   dh.poison();
   lse.poison();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
-  const fce_status_t cs =
-      fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hidden.t, &weight.t, nullptr, &targets.t, &o, &out, ws, wsb);
-  ck(cudaStreamEndCapture(st, &graph), "end capture");
-  CHECK(cs == FCE_STATUS_SUCCESS, "%s: capture: %s", name, fce_last_error_message());
-  if (cs == FCE_STATUS_SUCCESS) {
-    ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-    for (int k = 0; k < 2; ++k) ck(cudaGraphLaunch(exec, st), "graph launch");
-    ck(cudaStreamSynchronize(st), "sync");
+  if (replayed(st, name, 2, [&] {
+        return fce_linear_cross_entropy_fwd_vp(h, comm, fs, &hidden.t, &weight.t, nullptr, &targets.t, &o, &out, ws,
+                                               wsb);
+      }))
     CHECK(dh.download() == eager_dh && lse.download() == eager_lse, "%s: the graph's replay differs", name);
-    cudaGraphExecDestroy(exec);
-  }
-  cudaGraphDestroy(graph);
   cudaFree(ws);
   std::printf("rank %d: %s: ok\n", g_rank, name);
 }
