@@ -1,10 +1,16 @@
 // Linear cross-entropy benchmark: time and TFLOP/s of forward(+backward) against a plain cuBLAS bf16 GEMM
 // of the same shape in the same run, with the extra device memory the call needs.
-// usage: bench_linear_ce [--debug | --sweep | --case N H V] [--json FILE]
+// usage: bench_linear_ce [--debug | --sweep | --case N H V | --ab N H V MODES [ROUNDS]] [--json FILE]
+//   --ab: fwd+bwd under each FCE_FORCE_PATH value of MODES (comma-separated; "default" leaves it unset;
+//   "rows=R": default, with a workspace that holds R-row chunks, so the planner cuts chunks of at most R)
+//   and the three whole cuBLAS GEMMs of the shape, one timed run of each per round in a rotating order (the
+//   H100's clocks drift over a run; every variant sees the same drift), L2 flushed before each, medians.
 #include <cublas_v2.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <vector>
 
 #include "bench_util.hpp"
@@ -31,21 +37,127 @@ double gemm_tflops(cublasHandle_t blas, cudaStream_t s, int64_t M, int64_t N, in
   return 2.0 * double(M) * double(N) * double(K) / (ms * 1e9);
 }
 
-// The three GEMMs of a linear CE forward + backward, whole (logits, dhidden, dweight over all N), in ms.
-double three_gemms_ms(cublasHandle_t blas, cudaStream_t s, int64_t N, int64_t H, int64_t V) {
-  Buf hid({N, H}, bf16()), w({V, H}, bf16()), lg({N, V}, bf16()), dh({N, H}, bf16()), dw({V, H}, bf16());
-  fill_random(hid, 1.f, 7, s);
-  fill_random(w, 0.02f, 8, s);
-  fill_random(lg, 1e-4f, 9, s);
-  const float one = 1.f, zero = 0.f;
-  return time_ms(s, [&] {
+// The three GEMMs of a linear CE forward + backward, whole (logits, dhidden, dweight over all N).
+struct ThreeGemms {
+  cublasHandle_t blas;
+  int64_t N, H, V;
+  Buf hid, w, lg, dh, dw;
+  ThreeGemms(cublasHandle_t b, cudaStream_t s, int64_t N_, int64_t H_, int64_t V_)
+      : blas(b), N(N_), H(H_), V(V_), hid({N, H}, bf16()), w({V, H}, bf16()), lg({N, V}, bf16()),
+        dh({N, H}, bf16()), dw({V, H}, bf16()) {
+    fill_random(hid, 1.f, 7, s);
+    fill_random(w, 0.02f, 8, s);
+    fill_random(lg, 1e-4f, 9, s);
+  }
+  void operator()() const {
+    const float one = 1.f, zero = 0.f;
     cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(V), int(N), int(H), &one, w.p, CUDA_R_16BF, int(H), hid.p,
                  CUDA_R_16BF, int(H), &zero, lg.p, CUDA_R_16BF, int(V), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, int(H), int(N), int(V), &one, w.p, CUDA_R_16BF, int(H), lg.p,
                  CUDA_R_16BF, int(V), &zero, dh.p, CUDA_R_16BF, int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(N), &one, hid.p, CUDA_R_16BF, int(H), lg.p,
                  CUDA_R_16BF, int(V), &zero, dw.p, CUDA_R_16BF, int(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  }, 5);
+  }
+};
+
+double three_gemms_ms(cublasHandle_t blas, cudaStream_t s, int64_t N, int64_t H, int64_t V) {
+  const ThreeGemms g(blas, s, N, H, V);
+  return time_ms(s, [&] { g(); }, 5);
+}
+
+// --ab (the header): prints one row per variant.
+void ab_case(fce_handle_t h, cublasHandle_t blas, cudaStream_t s, int64_t N, int64_t H, int64_t V,
+             const std::string& modes, int rounds) {
+  std::vector<std::string> names;
+  std::stringstream ss(modes);
+  for (std::string m; std::getline(ss, m, ',');) names.push_back(m);
+  const ThreeGemms three(blas, s, N, H, V);
+  Buf hid({N, H}, bf16()), w({V, H}, bf16()), tg({N}, i32()), loss({}, f32()), dh({N, H}, bf16()),
+      dw({V, H}, bf16());
+  fill_random(hid, 1.f, 1, s);
+  fill_random(w, 0.02f, 2, s);
+  fill_targets(tg, V, 3, s);
+  fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
+  out.loss = loss.dl();
+  out.dhidden = dh.dl();
+  out.dweight = dw.dl();
+  size_t wsb = 0;
+  ok(fce_linear_cross_entropy_fwd_workspace_size(h, hid.dl(), w.dl(), nullptr, tg.dl(), nullptr, &out, &wsb), "ws");
+  void* ws = nullptr;
+  ck(cudaMalloc(&ws, wsb), "ws");
+  const double gemm_rate = gemm_tflops(blas, s, N, V, H);
+  // The in-run reference of bench_linear_ce's other modes (and of issue 27): one bf16 GEMM of N x V x H.
+  Buf ga({N, H}, bf16()), gb({V, H}, bf16()), gc({N, V}, bf16());
+  fill_random(ga, 1.f, 5, s);
+  fill_random(gb, 1.f, 6, s);
+  std::vector<std::function<void()>> fns{[&] { three(); }, [&] {
+    const float one = 1.f, zero = 0.f;
+    cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(V), int(N), int(H), &one, gb.p, CUDA_R_16BF, int(H), ga.p,
+                 CUDA_R_16BF, int(H), &zero, gc.p, CUDA_R_16BF, int(V), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  }};
+  for (const std::string& m : names) {
+    size_t bytes = wsb;
+    if (m.rfind("rows=", 0) == 0) {  // what R rows take (a call of R tokens, one chunk), with 1 MiB to spare
+      Buf hr({std::atoll(m.c_str() + 5), H}, bf16()), tr({std::atoll(m.c_str() + 5)}, i32());
+      fce_linear_ce_outputs_t o = out;
+      o.dhidden = nullptr;
+      ok(fce_linear_cross_entropy_fwd_workspace_size(h, hr.dl(), w.dl(), nullptr, tr.dl(), nullptr, &o, &bytes),
+         "ws rows");
+      bytes = std::min(wsb, bytes + (size_t(1) << 20));
+    }
+    fns.push_back([&, m, bytes] {
+      if (m == "default" || m.rfind("rows=", 0) == 0) unsetenv("FCE_FORCE_PATH");
+      else setenv("FCE_FORCE_PATH", m.c_str(), 1);
+      ok(fce_linear_cross_entropy_fwd(h, reinterpret_cast<fce_stream_t>(s), hid.dl(), w.dl(), nullptr, tg.dl(),
+                                      nullptr, &out, ws, bytes), "lce");
+    });
+  }
+  names.insert(names.begin(), {"three whole cuBLAS GEMMs", "one cuBLAS GEMM, N x V x H"});
+  std::vector<std::vector<float>> t(fns.size());
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (auto& f : fns) f();  // warm-up: cuBLAS's and the library's first-call setup
+  for (int r = 0; r < rounds; ++r)
+    for (size_t j = 0; j < fns.size(); ++j) {
+      const size_t v = (j + size_t(r)) % fns.size();
+      flush_l2(s);
+      cudaEventRecord(a, s);
+      fns[v]();
+      cudaEventRecord(b, s);
+      ck(cudaEventSynchronize(b), "sync");
+      float ms = 0;
+      cudaEventElapsedTime(&ms, a, b);
+      t[v].push_back(ms);
+    }
+  unsetenv("FCE_FORCE_PATH");
+  cudaFree(ws);
+  std::vector<double> med(t.size());
+  for (size_t v = 0; v < t.size(); ++v) {
+    std::sort(t[v].begin(), t[v].end());
+    med[v] = t[v][t[v].size() / 2];
+  }
+  const double flops3 = 6.0 * double(N) * double(H) * double(V), gemm_in_rounds = flops3 / 3 / (med[1] * 1e9),
+               rate3 = flops3 / (med[0] * 1e9);
+  std::printf("N=%lld H=%lld V=%lld, %d rounds; cuBLAS bf16 GEMM %lldx%lldx%lld: %.0f TFLOP/s before the rounds, "
+              "%.0f in them\n", (long long)N, (long long)H, (long long)V, rounds, (long long)N, (long long)V,
+              (long long)H, gemm_rate, gemm_in_rounds);
+  std::printf("| variant | ms median (min..max) | TFLOP/s | of the GEMM's rate in the rounds | of the three whole "
+              "GEMMs' rate |\n|---|---|---|---|---|\n");
+  for (size_t v = 0; v < t.size(); ++v) {
+    const double flops = v == 1 ? flops3 / 3 : flops3, rate = flops / (med[v] * 1e9);
+    std::printf("| %s | %.2f (%.2f..%.2f) | %.0f | %.1f%% | %.1f%% |\n", names[v].c_str(), med[v], t[v].front(),
+                t[v].back(), rate, 100 * rate / gemm_in_rounds, 100 * rate / rate3);
+    char shape[96];
+    std::snprintf(shape, sizeof shape, "N=%lld H=%lld V=%lld", (long long)N, (long long)H, (long long)V);
+    g_rows.push_back({jstr("op", "linear CE fwd+bwd"), jstr("shape", shape), jstr("variant", names[v]),
+                      jnum("time_ms", med[v]), jnum("min_ms", t[v].front()), jnum("max_ms", t[v].back()),
+                      jnum("tflops", rate), jnum("pct_of_gemm_in_rounds", 100 * rate / gemm_in_rounds),
+                      jnum("pct_of_three_gemms", 100 * rate / rate3),
+                      jnum("gemm_tflops_in_rounds", gemm_in_rounds), jnum("gemm_tflops_before", gemm_rate),
+                      jnum("rounds", rounds)});
+  }
+  std::fflush(stdout);
 }
 
 void lce_case(fce_handle_t h, cudaStream_t s, int64_t N, int64_t H, int64_t V, bool grad, const Gemm& gemm,
@@ -126,6 +238,13 @@ int main(int argc, char** argv) {
   fce_handle_t h;
   ok(fce_handle_create(kDLCUDA, 0, &h), "handle");
   std::printf("device: %s\n", device_name().c_str());
+  if (argc >= 6 && std::strcmp(argv[1], "--ab") == 0) {
+    ab_case(h, blas, s, std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), argv[5],
+            argc > 6 ? std::atoi(argv[6]) : 9);
+    fce_handle_destroy(h);
+    cublasDestroy(blas);
+    return json.empty() || write_json(json, "bench_linear_ce", {}, g_rows) ? 0 : 1;
+  }
   if (argc == 5 && std::strcmp(argv[1], "--case") == 0) {  // one fwd+bwd shape, its own cuBLAS baseline
     const int64_t N = std::atoll(argv[2]), H = std::atoll(argv[3]), V = std::atoll(argv[4]);
     const Gemm g{gemm_tflops(blas, s, N, V, H), std::to_string(N) + "x" + std::to_string(V) + "x" + std::to_string(H)};

@@ -6,6 +6,14 @@
 // reference: the plain GEMMs of the same shapes.
 //
 //     probe_lce_gemms N H V C[,C...] [LT_ALGOS]
+//
+// --gemm: one of the three GEMMs alone, every variant timed once per round in a rotating order (so the
+// H100's clock drift hits all alike), median over the rounds, against the whole GEMM (K or N = all tokens,
+// cublasGemmEx) of the same rounds: cublasGemmEx over the chunks (the library until 2026-11-27; dweight
+// adding, beta = 1), dweight not adding (beta = 0: the cost of reading the output), and cublasLt's first
+// heuristic algorithms over the chunks. A chunk of N rows gives each algorithm's whole GEMM.
+//
+//     probe_lce_gemms --gemm logits|dhidden|dweight N H V C[,C...] [LT_ALGOS] [ROUNDS]
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -100,9 +108,13 @@ LtPlan lt_plan(const Gemm& g, int want) {
   CK(cublasLtMatrixLayoutCreate(&p.c, g.ct, g.m, g.n, g.ldc));
   cublasLtMatmulPreference_t pref;
   CK(cublasLtMatmulPreferenceCreate(&pref));
-  CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &kWs, sizeof kWs));
+  // PROBE_LIB=1: the library's preferences (src/cuda/blas.cpp: no workspace, no split-K)
+  static const bool lib = std::getenv("PROBE_LIB") != nullptr;
+  const size_t ws = lib ? 0 : kWs;
+  CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
   // no reduction in the 16-bit output type (the library's math mode)
-  const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  const uint32_t mask =
+      lib ? CUBLASLT_REDUCTION_SCHEME_NONE : CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
   CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask, sizeof mask));
   p.algos.resize(size_t(want));
   int got = 0;
@@ -112,15 +124,16 @@ LtPlan lt_plan(const Gemm& g, int want) {
   return p;
 }
 
-void lt_run(const LtPlan& p, const Gemm& g, int i, float beta) {
+// Algorithm i of `from`'s list (default: p's own) on p's shapes.
+void lt_run(const LtPlan& p, const Gemm& g, int i, float beta, const LtPlan* from = nullptr) {
   const float one = 1.f;
-  CK(cublasLtMatmul(g_lt, p.desc, &one, g.A, p.a, g.B, p.b, &beta, g.C, p.c, g.C, p.c, &p.algos[size_t(i)].algo,
-                    g_ws, kWs, 0));
+  CK(cublasLtMatmul(g_lt, p.desc, &one, g.A, p.a, g.B, p.b, &beta, g.C, p.c, g.C, p.c,
+                    &(from ? from : &p)->algos[size_t(i)].algo, g_ws, kWs, 0));
 }
 
 std::string algo_name(const cublasLtMatmulHeuristicResult_t& r) {
-  int id = 0, tile = 0, splitk = 0, red = 0, stages = 0;
-  uint16_t cluster = 0;
+  int id = 0, tile = 0, splitk = 0, red = 0, stages = 0, swz = 0, custom = 0;
+  uint16_t cluster = 0, inner = 0;
   size_t n;
   cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &n);
   cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &n);
@@ -128,15 +141,115 @@ std::string algo_name(const cublasLtMatmulHeuristicResult_t& r) {
   cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &red, sizeof red, &n);
   cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages, &n);
   cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster, &n);
-  char s[160];
-  std::snprintf(s, sizeof s, "id%d tile%d sk%d red%d st%d cl%d waves%.2f ws%zuK", id, tile, splitk, red, stages,
-                int(cluster), double(r.wavesCount), r.workspaceSize >> 10);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz, sizeof swz, &n);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom, sizeof custom, &n);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &inner, sizeof inner, &n);
+  char s[200];
+  std::snprintf(s, sizeof s, "id%d tile%d sk%d red%d st%d cl%d swz%d opt%d in%d waves%.2f ws%zuK", id, tile, splitk,
+                red, stages, int(cluster), swz, custom, int(inner), double(r.wavesCount), r.workspaceSize >> 10);
   return s;
+}
+
+// One timed call of f (ms), no warm-up: the rounds warm each other.
+float once_ms(const std::function<void()>& f) {
+  static cudaEvent_t a = nullptr, b = nullptr;
+  if (!a) {
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+  }
+  CK(cudaEventRecord(a));
+  f();
+  CK(cudaEventRecord(b));
+  CK(cudaEventSynchronize(b));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  return ms;
+}
+
+int gemm_mode(const std::string& which, int N, int H, int V, std::vector<int> cs, int lt_algos, int rounds) {
+  const int ldl = (V + 127) / 128 * 128;
+  __nv_bfloat16 *hid, *w, *dl, *dh, *dw;
+  CK(cudaMalloc(&hid, size_t(N) * H * 2));
+  CK(cudaMalloc(&w, size_t(V) * H * 2));
+  CK(cudaMalloc(&dl, size_t(N) * ldl * 2));
+  CK(cudaMalloc(&dh, size_t(N) * H * 2));
+  CK(cudaMalloc(&dw, size_t(V) * H * 2));
+  CK(cudaMalloc(&g_ws, kWs));
+  fill<<<1024, 256>>>(hid, size_t(N) * H, 1.f, 1);
+  fill<<<1024, 256>>>(w, size_t(V) * H, 0.02f, 2);
+  fill<<<1024, 256>>>(dl, size_t(N) * ldl, 1e-4f, 3);
+  fill<<<1024, 256>>>(dw, size_t(V) * H, 1e-3f, 4);
+  const int kind = which == "logits" ? 0 : which == "dhidden" ? 1 : 2;
+  CK(cublasCreate(&g_blas));
+  CK(cublasSetMathMode(g_blas, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  CK(cublasSetWorkspace(g_blas, g_ws, kWs));
+  CK(cublasLtCreate(&g_lt));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const double flop = 2.0 * N * double(H) * V;
+  auto gemm = [&](int r0, int rows) {
+    if (kind == 0) return Gemm{CUBLAS_OP_T, CUBLAS_OP_N, V, rows, H, w, H, hid + size_t(r0) * H, H, dl, CUDA_R_16BF, ldl};
+    if (kind == 1)
+      return Gemm{CUBLAS_OP_N, CUBLAS_OP_N, H, rows, V, w, H, dl + size_t(r0) * ldl, ldl, dh + size_t(r0) * H,
+                  CUDA_R_16BF, H};
+    return Gemm{CUBLAS_OP_N, CUBLAS_OP_T, H, V, rows, hid + size_t(r0) * H, H, dl + size_t(r0) * ldl, ldl, dw,
+                CUDA_R_16BF, H};
+  };
+  auto beta = [&](int r0) { return kind == 2 && r0 ? 1.f : 0.f; };
+  std::printf("%s, %d SMs; %s GEMMs, N=%d H=%d V=%d; median ms over %d rounds (TFLOP/s, %% of the whole "
+              "GEMM's rate in the same rounds)\n",
+              prop.name, prop.multiProcessorCount, which.c_str(), N, H, V, rounds);
+  for (int C : cs) {
+    std::vector<std::pair<int, int>> chunks;
+    for (int r = 0; r < N; r += C) chunks.push_back({r, std::min(C, N - r)});
+    std::vector<std::string> names{"whole GEMM, GemmEx", "GemmEx over the chunks"};
+    std::vector<std::function<void()>> fns{
+        [&] { gemm_ex(g_blas, gemm(0, N), 0.f); },
+        [&] { for (auto [r0, n] : chunks) gemm_ex(g_blas, gemm(r0, n), beta(r0)); }};
+    if (kind == 2) {
+      names.push_back("GemmEx over the chunks, not adding");
+      fns.push_back([&] { for (auto [r0, n] : chunks) gemm_ex(g_blas, gemm(r0, n), 0.f); });
+    }
+    LtPlan pf = lt_plan(gemm(0, chunks[0].second), lt_algos);
+    LtPlan pl = lt_plan(gemm(chunks.back().first, chunks.back().second), lt_algos);
+    for (size_t i = 0; i < pf.algos.size(); ++i) {  // the full chunk's algorithm for the last chunk too
+      names.push_back("Lt #" + std::to_string(i) + " [" + algo_name(pf.algos[i]) + "]");
+      fns.push_back([&, i] {
+        for (auto [r0, n] : chunks) lt_run(n == C ? pf : pl, gemm(r0, n), int(i), beta(r0), &pf);
+      });
+    }
+    const size_t nv = fns.size();
+    std::vector<std::vector<float>> t(nv);
+    for (auto& f : fns) f();  // warm-up (first-call setup)
+    for (int r = 0; r < rounds; ++r)
+      for (size_t j = 0; j < nv; ++j) {
+        const size_t v = (j + size_t(r)) % nv;
+        t[v].push_back(once_ms(fns[v]));
+      }
+    std::vector<float> med(nv);
+    for (size_t v = 0; v < nv; ++v) {
+      std::sort(t[v].begin(), t[v].end());
+      med[v] = t[v][t[v].size() / 2];
+    }
+    std::printf("\nchunks of %d rows (%zu chunks, last %d):\n| variant | ms (min..max) | TFLOP/s | of whole |\n"
+                "|---|---|---|---|\n", C, chunks.size(), chunks.back().second);
+    for (size_t v = 0; v < nv; ++v)
+      std::printf("| %s | %.3f (%.3f..%.3f) | %.0f | %.1f%% |\n", names[v].c_str(), med[v], t[v].front(),
+                  t[v].back(), flop / med[v] / 1e9, 100.0 * med[0] / med[v]);
+    std::fflush(stdout);
+  }
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 7 && std::strcmp(argv[1], "--gemm") == 0) {
+    std::vector<int> cs;
+    for (char* t = std::strtok(argv[6], ","); t; t = std::strtok(nullptr, ",")) cs.push_back(std::atoi(t));
+    return gemm_mode(argv[2], std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), cs,
+                     argc > 7 ? std::atoi(argv[7]) : 8, argc > 8 ? std::atoi(argv[8]) : 9);
+  }
   if (argc < 5) {
     std::fprintf(stderr, "usage: probe_lce_gemms N H V C[,C...] [LT_ALGOS]\n");
     return 2;

@@ -1,4 +1,4 @@
-// CUDA linear cross-entropy: token chunks. For each chunk a cuBLAS GEMM (fp32 accumulation) writes the
+// CUDA linear cross-entropy: token chunks. For each chunk a cuBLASLt GEMM (fp32 accumulation) writes the
 // chunk's logits in the inputs' dtype into the workspace, the cross-entropy rows kernel turns them into
 // losses and, in place, dlogits (formed in fp32, rounded once), then GEMMs write the chunk's dhidden and add
 // its dweight into the dweight output (the GEMM's fp32 compute, beta = 1: rounded once per chunk, no
@@ -34,7 +34,8 @@ int64_t padded(int64_t V) { return (V + 127) / 128 * 128; }  // 256-byte aligned
 
 // Rows per chunk for at most `max_rows` (>= 1): all N in one chunk where they fit, else about equal chunks,
 // a multiple of 128 rows where chunks are long (GEMM tiles), of 512 from 1024 rows (the gradient GEMMs,
-// whose inner dimension is the chunk, ran faster at 1536 rows than at 1664: docs/lab-notes.md).
+// whose inner dimension is the chunk, ran faster at 1536 rows than at 1664: docs/lab-notes.md; 1792 and 912
+// rows, one chunk fewer, were no faster with cuBLASLt's tiles either).
 int64_t chunk_rows(int64_t N, int64_t max_rows) {
   const int64_t chunks = (N + max_rows - 1) / max_rows;
   if (chunks == 1) return N;
@@ -230,10 +231,10 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
       beta = 1.f;
     }
     // logits (col-major V x rows) = W^T (V x H) * hidden^T (H x rows)
-    check_blas(api.gemm_ex(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(V), int(rows), int(H), &one, p.weight.data, ct,
-                           int(p.weight.ld), hid, ct, int(p.hidden.ld), &beta, lay.logits, ct, int(ldl),
-                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               "logits GEMM");
+    gemm(h, s,
+         {CUBLAS_OP_T, CUBLAS_OP_N, int(V), int(rows), int(H), p.weight.data, int(p.weight.ld), hid,
+          int(p.hidden.ld), ct, lay.logits, int(ldl), ct, beta},
+         GemmRole::Logits, "logits GEMM");
     Vec targets = p.targets;
     targets.data += size_t(r0) * ts;
     targets.n = rows;
@@ -310,10 +311,10 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
     if (dw) {
       // dW (col-major H x V) += hidden^T (H x rows) * dl^T (rows x V)
       const float b = r0 == 0 && !p.accumulate ? 0.f : 1.f;
-      check_blas(api.gemm_ex(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(rows), &one, hid, ct,
-                             int(p.hidden.ld), lay.logits, ct, int(ldl), &b, dw, dwt, int(lddw), CUBLAS_COMPUTE_32F,
-                             CUBLAS_GEMM_DEFAULT),
-                 "dweight GEMM");
+      gemm(h, s,
+           {CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(rows), hid, int(p.hidden.ld), lay.logits, int(ldl), ct, dw,
+            int(lddw), dwt, b},
+           GemmRole::DWeight, "dweight GEMM");
     }
     if (lay.db_acc) {
       dispatch_float(dt, [&](auto tag) {
