@@ -48,22 +48,28 @@ __global__ void fill(__nv_bfloat16* p, size_t n, float scale, unsigned seed) {
   }
 }
 
+// One timed call of f (ms), no warm-up: the rounds warm each other.
+float once_ms(const std::function<void()>& f) {
+  static cudaEvent_t a = nullptr, b = nullptr;
+  if (!a) {
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+  }
+  CK(cudaEventRecord(a));
+  f();
+  CK(cudaEventRecord(b));
+  CK(cudaEventSynchronize(b));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  return ms;
+}
+
+// Median of `reps` timed calls after one untimed.
 float median_ms(const std::function<void()>& f, int reps = 5) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
   f();
   CK(cudaDeviceSynchronize());
   std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(a));
-    f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
+  for (int i = 0; i < reps; ++i) t.push_back(once_ms(f));
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
@@ -150,35 +156,29 @@ std::string algo_name(const cublasLtMatmulHeuristicResult_t& r) {
   return s;
 }
 
-// One timed call of f (ms), no warm-up: the rounds warm each other.
-float once_ms(const std::function<void()>& f) {
-  static cudaEvent_t a = nullptr, b = nullptr;
-  if (!a) {
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
+// The GEMMs' operands for N tokens (the chunk's dlogits buffer holds all N rows), filled, and the cuBLAS
+// workspace.
+struct Operands {
+  int ldl;
+  __nv_bfloat16 *hid, *w, *dl, *dh, *dw;
+  Operands(int N, int H, int V) : ldl((V + 127) / 128 * 128) {
+    CK(cudaMalloc(&hid, size_t(N) * H * 2));
+    CK(cudaMalloc(&w, size_t(V) * H * 2));
+    CK(cudaMalloc(&dl, size_t(N) * ldl * 2));
+    CK(cudaMalloc(&dh, size_t(N) * H * 2));
+    CK(cudaMalloc(&dw, size_t(V) * H * 2));
+    CK(cudaMalloc(&g_ws, kWs));
+    fill<<<1024, 256>>>(hid, size_t(N) * H, 1.f, 1);
+    fill<<<1024, 256>>>(w, size_t(V) * H, 0.02f, 2);
+    fill<<<1024, 256>>>(dl, size_t(N) * ldl, 1e-4f, 3);
+    fill<<<1024, 256>>>(dw, size_t(V) * H, 1e-3f, 4);
   }
-  CK(cudaEventRecord(a));
-  f();
-  CK(cudaEventRecord(b));
-  CK(cudaEventSynchronize(b));
-  float ms = 0;
-  CK(cudaEventElapsedTime(&ms, a, b));
-  return ms;
-}
+};
 
 int gemm_mode(const std::string& which, int N, int H, int V, std::vector<int> cs, int lt_algos, int rounds) {
-  const int ldl = (V + 127) / 128 * 128;
-  __nv_bfloat16 *hid, *w, *dl, *dh, *dw;
-  CK(cudaMalloc(&hid, size_t(N) * H * 2));
-  CK(cudaMalloc(&w, size_t(V) * H * 2));
-  CK(cudaMalloc(&dl, size_t(N) * ldl * 2));
-  CK(cudaMalloc(&dh, size_t(N) * H * 2));
-  CK(cudaMalloc(&dw, size_t(V) * H * 2));
-  CK(cudaMalloc(&g_ws, kWs));
-  fill<<<1024, 256>>>(hid, size_t(N) * H, 1.f, 1);
-  fill<<<1024, 256>>>(w, size_t(V) * H, 0.02f, 2);
-  fill<<<1024, 256>>>(dl, size_t(N) * ldl, 1e-4f, 3);
-  fill<<<1024, 256>>>(dw, size_t(V) * H, 1e-3f, 4);
+  const Operands o(N, H, V);
+  const int ldl = o.ldl;
+  __nv_bfloat16 *hid = o.hid, *w = o.w, *dl = o.dl, *dh = o.dh, *dw = o.dw;
   const int kind = which == "logits" ? 0 : which == "dhidden" ? 1 : 2;
   CK(cublasCreate(&g_blas));
   CK(cublasSetMathMode(g_blas, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
@@ -258,21 +258,12 @@ int main(int argc, char** argv) {
   std::vector<int> cs;
   for (char* t = std::strtok(argv[4], ","); t; t = std::strtok(nullptr, ",")) cs.push_back(std::atoi(t));
   const int lt_algos = argc > 5 ? std::atoi(argv[5]) : 4;
-  const int ldl = (V + 127) / 128 * 128;
-  int cmax = N;
-  __nv_bfloat16 *hid, *w, *dl, *dh, *dw;
+  const Operands o(N, H, V);
+  const int ldl = o.ldl;
+  __nv_bfloat16 *hid = o.hid, *w = o.w, *dl = o.dl, *dh = o.dh, *dw = o.dw;
   float *dh32, *dw32;
-  CK(cudaMalloc(&hid, size_t(N) * H * 2));
-  CK(cudaMalloc(&w, size_t(V) * H * 2));
-  CK(cudaMalloc(&dl, size_t(cmax) * ldl * 2));
-  CK(cudaMalloc(&dh, size_t(N) * H * 2));
   CK(cudaMalloc(&dh32, size_t(N) * H * 4));
-  CK(cudaMalloc(&dw, size_t(V) * H * 2));
   CK(cudaMalloc(&dw32, size_t(V) * H * 4));
-  CK(cudaMalloc(&g_ws, kWs));
-  fill<<<1024, 256>>>(hid, size_t(N) * H, 1.f, 1);
-  fill<<<1024, 256>>>(w, size_t(V) * H, 0.02f, 2);
-  fill<<<1024, 256>>>(dl, size_t(cmax) * ldl, 1e-4f, 3);
   CK(cublasCreate(&g_blas));
   CK(cublasSetMathMode(g_blas, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   CK(cublasCreate(&g_blas_free));

@@ -1104,7 +1104,8 @@ FCE_API fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs
  * returns them; the cross-entropy statistics are then fp32, and the logits' gradient is likewise rounded to
  * the inputs' dtype before the gradient GEMMs (fp32 accumulation). fp32 inputs stay fp32 throughout.
  * Gradients requested in `outputs` are computed in the same call (6*N*H*V flops); forward only is
- * 2*N*H*V. GEMMs go through cuBLAS on the GPU and BLAS (OpenBLAS) on the CPU.
+ * 2*N*H*V. GEMMs go through cuBLAS and cuBLASLt on the GPU (fp32 accumulation, no split-K) and BLAS
+ * (OpenBLAS) on the CPU.
  * @param hidden  [N,H] fp32, bf16 or fp16.
  * @param weight  [V,H], same dtype as hidden.
  * @param bias    optional [V], same dtype as hidden.
