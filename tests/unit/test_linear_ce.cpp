@@ -1,4 +1,6 @@
 // Linear cross-entropy: loss, lse and every gradient against float64 (matmul + the CE reference).
+#include <tuple>
+
 #include "../common/ce_reference.hpp"
 
 using namespace fct;
@@ -348,4 +350,65 @@ TEST(LinearCrossEntropy, AccumulateAddsIntoGradients) {
           ++k;
         }
       }
+}
+
+// On CUDA the handle keeps a cuBLASLt plan per GEMM shape, a bounded number of them: more shapes than it
+// keeps, each call's outputs the same bits as on a fresh handle (a plan dropped and made again picks the
+// same algorithm). And rows with an odd stride (2-byte aligned, which cuBLASLt's algorithms may refuse: the
+// call then takes cublasGemmEx) give the contiguous rows' results within a rounding of the bf16 outputs.
+TEST(LinearCrossEntropy, ManyShapesOneHandleAndOddStrides) {
+  const int64_t H = 32, V = 257, maxN = 70;
+  Tensor hidden(DT::BF16, {maxN, H}), weight(DT::BF16, {V, H}), targets(DT::I64, {maxN});
+  Tensor wide(DT::BF16, {maxN, H + 1});  // the same rows at a stride of H + 1 elements
+  fill_logits(hidden, 1.0, false);
+  fill_logits(weight, 0.5, false);
+  for (int64_t i = 0; i < maxN; ++i) {
+    targets.set_int(i, int64_t(rng()() % uint64_t(V)));
+    for (int64_t k = 0; k <= H; ++k) wide.set(i, k, k < H ? hidden.get(i, k) : 0.0);
+  }
+  targets.upload();
+  wide.upload();
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  struct Out {
+    std::vector<uint8_t> bits;
+    std::vector<double> dh, dw;
+  };
+  auto call = [&](fce_handle_t h, int64_t N, bool strided) {
+    DLTensor hid = *(strided ? wide : hidden).dl(), tg = *targets.dl();
+    int64_t hs[2] = {N, H}, hst[2] = {H + 1, 1}, ts[1] = {N};
+    hid.shape = hs;
+    hid.strides = strided ? hst : nullptr;
+    tg.shape = ts;
+    Tensor loss(DT::F32, {}), dh(DT::BF16, {N, H}), dw(DT::BF16, {V, H});
+    for (Tensor* t : {&loss, &dh, &dw}) { t->poison(); t->upload(); }
+    fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
+    out.loss = loss.dl(); out.dhidden = dh.dl(); out.dweight = dw.dl();
+    EXPECT_EQ(fce_linear_cross_entropy_fwd(h, test_stream(), &hid, weight.dl(), nullptr, &tg, &o, &out, nullptr, 0),
+              FCE_STATUS_SUCCESS)
+        << fce_last_error_message();
+    Out r;
+    for (Tensor* t : {&loss, &dh, &dw}) {
+      t->download();
+      r.bits.insert(r.bits.end(), t->bytes().begin(), t->bytes().end());
+    }
+    r.dh = values(dh);
+    r.dw = values(dw);
+    return r;
+  };
+  Handle shared;
+  for (int64_t N = 1; N <= maxN; ++N) call(shared, N, false);
+  for (int64_t N : {int64_t(1), int64_t(2), int64_t(37), maxN}) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N);
+    Handle fresh;
+    const Out want = call(fresh, N, false);
+    EXPECT_TRUE(call(shared, N, false).bits == want.bits) << "a plan made again changed the bits";
+    const Out odd = call(shared, N, true);
+    for (auto [got, ref, what] : {std::tuple{&odd.dh, &want.dh, "dhidden"}, std::tuple{&odd.dw, &want.dw, "dweight"}}) {
+      double mx = 0;
+      for (double v : *ref) mx = std::max(mx, std::fabs(v));
+      ASSERT_GT(mx, 0.0);
+      for (size_t i = 0; i < ref->size(); ++i)
+        ASSERT_NEAR((*got)[i], (*ref)[i], std::fabs((*ref)[i]) / 128 + mx * 1e-3) << what << " " << i;
+    }
+  }
 }
