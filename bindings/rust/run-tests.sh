@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Meson `rust` suite: bindings/rust/run-tests.sh <meson build dir>
 #   1. generate.sh --check: fusedce-sys/src/bindings.rs must be what bindgen makes of the header today;
+#      cargo fmt --check: the crates' sources as rustfmt.toml formats them;
 #   2. cargo test --offline on both crates against the library in the build dir (bindgen's layout tests,
 #      every op against float64 references, errors, versions, the real-input sample when present, doctests;
 #      the example is compiled too);
@@ -41,6 +42,9 @@ export LD_LIBRARY_PATH="$build${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export CARGO_TARGET_DIR="$build/bindings/rust/target"
 export CARGO_TERM_COLOR=never
 cd "$here"
+
+echo "== cargo fmt --check"
+cargo fmt --all --check
 
 echo "== cargo test --offline --workspace (FUSEDCE_LIB_DIR=$FUSEDCE_LIB_DIR)"
 cargo test --offline --workspace

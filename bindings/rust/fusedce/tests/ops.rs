@@ -894,11 +894,8 @@ fn linear_cross_entropy_bf16_weights() {
     let o = CeRef::default();
     let zero = vec![0.0; v];
     // The contract rounds the logits of bf16 inputs to bf16 (as torch's linear does) before the loss.
-    let logits16: Vec<f64> = p
-        .logits(&hd, &wd, &zero)
-        .iter()
-        .map(|&z| bits::bf16_to_f32(bits::f32_to_bf16(z as f32)) as f64)
-        .collect();
+    let logits16: Vec<f64> =
+        p.logits(&hd, &wd, &zero).iter().map(|&z| bits::bf16_to_f32(bits::f32_to_bf16(z as f32)) as f64).collect();
     let rows: Vec<f64> = o.rows(&logits16, v, &p.targets).iter().map(|r| r.loss).collect();
     assert_close("bf16 loss", &widen(&loss), &rows, 1e-5, 1e-5);
     let g = fd_grad(&hd, |y| o.rows(&p.logits(y, &wd, &zero), v, &p.targets).iter().map(|r| r.loss).sum());
