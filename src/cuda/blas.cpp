@@ -4,11 +4,13 @@
 #include <dlfcn.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <mutex>
 #include <vector>
 
 #include "common/error.hpp"
 #include "common/force_path.hpp"
+#include "cuda/plan.hpp"
 
 namespace fce::cuda {
 
@@ -55,12 +57,24 @@ uint32_t alignment(const void* p) {  // the largest power of two up to 256 divid
   return a == 0 ? 256u : uint32_t(std::min<uintptr_t>(a & (~a + 1), 256));
 }
 
-// The tiles each role runs fastest with on sm_90 (H100), by cublasLt's tile ids: logits 176x128 and 168x128
-// (the GEMM's rows are the vocabulary), dweight 128x160. Elsewhere the heuristic's first algorithm.
+// plan.cpp holds cuBLASLt's tile ids as plain numbers (it is built without CUDA's headers).
+static_assert(CUBLASLT_MATMUL_TILE_176x128 == 201 && CUBLASLT_MATMUL_TILE_168x128 == 197 &&
+                  CUBLASLT_MATMUL_TILE_128x160 == 29,
+              "cuBLASLt's tile ids moved: update kTunings in plan.cpp");
+
+// Whether the architecture's tuning (plan.cpp) names this tile for the role.
 bool preferred(int arch, GemmRole role, int tile) {
-  if (arch != 90) return false;
-  if (role == GemmRole::Logits) return tile == CUBLASLT_MATMUL_TILE_176x128 || tile == CUBLASLT_MATMUL_TILE_168x128;
-  return tile == CUBLASLT_MATMUL_TILE_128x160;
+  const Tuning& t = tuning_for(arch);
+  if (tile == 0) return false;
+  if (role == GemmRole::Logits) return tile == t.lce_logits_tiles[0] || tile == t.lce_logits_tiles[1];
+  return tile == t.lce_dweight_tile;
+}
+
+// The first of `names` that dlopen finds, or null.
+void* open_first(std::initializer_list<const char*> names) {
+  for (const char* name : names)
+    if (void* lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) return lib;
+  return nullptr;
 }
 
 }  // namespace
@@ -70,11 +84,7 @@ const CublasLtApi& cublas_lt() {
   static std::once_flag once;
   std::call_once(once, [] {
     // libcublas links libcublasLt: loading cuBLAS first makes this find the same library.
-    void* lib = nullptr;
-    for (const char* name : {"libcublasLt.so.13", "libcublasLt.so"}) {
-      lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-      if (lib) break;
-    }
+    void* lib = open_first({"libcublasLt.so.13", "libcublasLt.so"});
     if (!lib) return;
     bind_opt(lib, api.create, "cublasLtCreate");
     bind_opt(lib, api.destroy, "cublasLtDestroy");
@@ -102,11 +112,7 @@ const CublasApi& cublas() {
   static std::once_flag once;
   static std::string error;
   std::call_once(once, [] {
-    void* lib = nullptr;
-    for (const char* name : {"libcublas.so.13", "libcublas.so"}) {
-      lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-      if (lib) break;
-    }
+    void* lib = open_first({"libcublas.so.13", "libcublas.so"});
     if (!lib) {
       const char* e = dlerror();
       error = e ? e : "dlopen failed";

@@ -70,9 +70,9 @@ struct GemmArgs {
 enum class GemmRole { Logits, DWeight };
 
 // Runs `g` on `stream` through cuBLASLt with the first of its heuristic algorithms (no split-K, no workspace)
-// whose tile the role prefers on this device, else the heuristic's first; the choice is cached in the handle
-// per shape, strides and alignments. cublasGemmEx where cuBLASLt has no algorithm or is forced
-// (FCE_FORCE_PATH=lce_gemm:gemmex). Why the tiles: docs/lab-notes.md (2026-11-27, the chunk GEMMs).
+// whose tile the role prefers on this device (Tuning's lce_* tiles, plan.cpp), else the heuristic's first;
+// the choice is cached in the handle per shape, strides and alignments. cublasGemmEx where cuBLASLt has no
+// algorithm or is forced (FCE_FORCE_PATH=lce_gemm:gemmex). Why the tiles: docs/lab-notes.md.
 void gemm(fce_handle* h, cudaStream_t stream, const GemmArgs& g, GemmRole role, const char* what);
 
 }  // namespace fce::cuda

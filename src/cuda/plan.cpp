@@ -14,13 +14,17 @@ namespace fce::cuda {
 //   softmax_reg_rows 64: as lse_reg_rows, with the softmax's stores.
 //   replicate_bytes 24 KiB: one SM's store rate bounds a block's stores from about here.
 //   max_replicas 8: more copies add loads (from L2) and no store rate.
+//   lce_logits_tiles 176x128, 168x128 and lce_dweight_tile 128x160 (cuBLASLt's ids; src/cuda/blas.cpp takes
+//   the first heuristic algorithm with one): 2-10 % above cublasGemmEx's logits GEMM, and the chunked dweight
+//   GEMM, which adds into its output, at the whole GEMM's rate where cublasGemmEx's ran at 85 %.
 // Measurements behind each: docs/lab-notes.md, "Kernel choices" (H100). sm_80 and the default carry the
-// H100's values: not measured on those devices.
+// H100's values, not measured on those devices, but for the cuBLASLt tiles (Hopper's kernels): none.
 namespace {
+// cuBLASLt's tile ids (cublasLtMatmulTile_t) of the sm_90 entry: 201 = 176x128, 197 = 168x128, 29 = 128x160.
 constexpr Tuning kTunings[] = {
-    {90, 2, 4096, size_t(64) << 10, 64, 64, 24 << 10, 8},
-    {80, 2, 4096, size_t(64) << 10, 64, 64, 24 << 10, 8},
-    {0, 2, 4096, size_t(64) << 10, 64, 64, 24 << 10, 8},
+    {90, 2, 4096, size_t(64) << 10, 64, 64, 24 << 10, 8, {201, 197}, 29},
+    {80, 2, 4096, size_t(64) << 10, 64, 64, 24 << 10, 8, {0, 0}, 0},
+    {0, 2, 4096, size_t(64) << 10, 64, 64, 24 << 10, 8, {0, 0}, 0},
 };
 }  // namespace
 

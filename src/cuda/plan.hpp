@@ -38,6 +38,8 @@ struct Tuning {
   int64_t softmax_reg_rows;    // rows up to which the softmax tries the register path
   int64_t replicate_bytes;     // stores per block from which a register plan replicates its clusters
   int max_replicas;            // most copies of a row's cluster
+  int lce_logits_tiles[2];     // linear CE's logits GEMM: cuBLASLt tile ids to take first (0: none)
+  int lce_dweight_tile;        // linear CE's dweight GEMM (adding into its output): the same
 };
 const Tuning& tuning_for(int arch);
 
