@@ -14,12 +14,15 @@
 // heuristic algorithms over the chunks. A chunk of N rows gives each algorithm's whole GEMM.
 //
 //     probe_lce_gemms --gemm logits|dhidden|dweight N H V C[,C...] [LT_ALGOS] [ROUNDS]
+//
+// --search: every configuration cuBLASLt accepts for the chunk's GEMM (see search_mode).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -241,9 +244,134 @@ int gemm_mode(const std::string& which, int N, int H, int V, std::vector<int> cs
   return 0;
 }
 
+
+// --search: the heuristic's algorithms (no workspace, no split-K) varied in cluster shape, custom option and CTA
+// swizzling, every variant cublasLtMatmulAlgoCheck accepts timed once over the chunks (40 s at most); the
+// fastest TOP then timed in rotating rounds beside cublasGemmEx over the chunks and the
+// heuristic's first algorithm. Configurations the heuristic never offers are how a tuning table can name one.
+//
+//     probe_lce_gemms --search logits|dhidden|dweight N H V C [TOP] [ROUNDS]
+int search_mode(const std::string& which, int N, int H, int V, int C, int top, int rounds) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  const Operands o(N, H, V);
+  const int ldl = o.ldl;
+  __nv_bfloat16 *hid = o.hid, *w = o.w, *dl = o.dl, *dh = o.dh, *dw = o.dw;
+  const int kind = which == "logits" ? 0 : which == "dhidden" ? 1 : 2;
+  CK(cublasCreate(&g_blas));
+  CK(cublasSetMathMode(g_blas, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  CK(cublasSetWorkspace(g_blas, g_ws, kWs));
+  CK(cublasLtCreate(&g_lt));
+  auto gemm = [&](int r0, int rows) {
+    if (kind == 0) return Gemm{CUBLAS_OP_T, CUBLAS_OP_N, V, rows, H, w, H, hid + size_t(r0) * H, H, dl, CUDA_R_16BF, ldl};
+    if (kind == 1)
+      return Gemm{CUBLAS_OP_N, CUBLAS_OP_N, H, rows, V, w, H, dl + size_t(r0) * ldl, ldl, dh + size_t(r0) * H,
+                  CUDA_R_16BF, H};
+    return Gemm{CUBLAS_OP_N, CUBLAS_OP_T, H, V, rows, hid + size_t(r0) * H, H, dl + size_t(r0) * ldl, ldl, dw,
+                CUDA_R_16BF, H};
+  };
+  auto beta = [&](int r0) { return kind == 2 && r0 ? 1.f : 0.f; };
+  std::vector<std::pair<int, int>> chunks;
+  for (int r = 0; r < N; r += C) chunks.push_back({r, std::min(C, N - r)});
+  setenv("PROBE_LIB", "1", 1);
+  LtPlan pf = lt_plan(gemm(0, chunks[0].second), 24), pl = lt_plan(gemm(chunks.back().first, chunks.back().second), 24);
+  // Seeds: the heuristic's algorithms (their tiles and stages are valid for the shape); each varied in its
+  // cluster shape, custom option and CTA swizzling, kept where the check accepts it for both chunk shapes.
+  std::vector<cublasLtMatmulHeuristicResult_t> cand;
+  size_t checked = 0;
+  for (const auto& seed : pf.algos)
+    for (int cl : {-1, 2, 3, 4, 5, 6, 8})
+      for (int opt = -1; opt < 8; ++opt)
+        for (int swz : {0, 1}) {
+          cublasLtMatmulHeuristicResult_t r = seed;
+          const uint16_t cl16 = uint16_t(cl);
+          if (cl >= 0 && cublasLtMatmulAlgoConfigSetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cl16,
+                                                              sizeof cl16) != CUBLAS_STATUS_SUCCESS)
+            continue;
+          if (opt >= 0 && cublasLtMatmulAlgoConfigSetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &opt,
+                                                               sizeof opt) != CUBLAS_STATUS_SUCCESS)
+            continue;
+          if (cublasLtMatmulAlgoConfigSetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz, sizeof swz) !=
+              CUBLAS_STATUS_SUCCESS)
+            continue;
+          ++checked;
+          cublasLtMatmulHeuristicResult_t res{}, res2{};
+          const cublasStatus_t sf = cublasLtMatmulAlgoCheck(g_lt, pf.desc, pf.a, pf.b, pf.c, pf.c, &r.algo, &res);
+          const cublasStatus_t sl = cublasLtMatmulAlgoCheck(g_lt, pl.desc, pl.a, pl.b, pl.c, pl.c, &r.algo, &res2);
+          if (cl < 0 && opt < 0 && swz == 0)  // the seed itself (its swizzling set to 0)
+            std::printf("seed [%s]: check %d / %d (full / last chunk), workspace %zu / %zu\n",
+                        algo_name(seed).c_str(), int(sf), int(sl), res.workspaceSize, res2.workspaceSize);
+          if (sf != CUBLAS_STATUS_SUCCESS || sl != CUBLAS_STATUS_SUCCESS || res.workspaceSize || res2.workspaceSize)
+            continue;
+          r.wavesCount = res.wavesCount;
+          bool dup = false;
+          for (const auto& c : cand) dup = dup || std::memcmp(&c.algo, &r.algo, sizeof r.algo) == 0;
+          if (!dup) cand.push_back(r);
+        }
+  std::printf("%zu configurations checked, %zu accepted with no workspace\n", checked, cand.size());
+  auto run_cfg = [&](const cublasLtMatmulHeuristicResult_t& r) {
+    const float one = 1.f;
+    for (auto [r0, n] : chunks) {
+      const Gemm g = gemm(r0, n);
+      const LtPlan& p = n == C ? pf : pl;
+      const float b = beta(r0);
+      if (cublasLtMatmul(g_lt, p.desc, &one, g.A, p.a, g.B, p.b, &b, g.C, p.c, g.C, p.c, &r.algo, nullptr, 0, 0) !=
+          CUBLAS_STATUS_SUCCESS)
+        return false;
+    }
+    return true;
+  };
+  // one timed pass each (after one untimed), fastest first
+  std::vector<std::pair<float, size_t>> quick;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < cand.size(); ++i) {
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(40)) {
+      std::printf("quick pass stopped after 40 s, at %zu of %zu\n", i, cand.size());
+      break;
+    }
+    if (!run_cfg(cand[i])) continue;
+    if (cudaDeviceSynchronize() != cudaSuccess) {
+      std::printf("config %zu failed at run time\n", i);
+      return 1;
+    }
+    quick.push_back({once_ms([&] { run_cfg(cand[i]); }), i});
+  }
+  std::sort(quick.begin(), quick.end());
+  std::vector<std::string> names{"GemmEx over the chunks", "heuristic's first [" + algo_name(pf.algos[0]) + "]"};
+  std::vector<std::function<void()>> fns{
+      [&] { for (auto [r0, n] : chunks) gemm_ex(g_blas, gemm(r0, n), beta(r0)); },
+      [&] { run_cfg(pf.algos[0]); }};
+  for (size_t k = 0; k < quick.size() && int(k) < top; ++k) {
+    const size_t i = quick[k].second;
+    names.push_back("[" + algo_name(cand[i]) + "] quick " + std::to_string(quick[k].first));
+    fns.push_back([&, i] { run_cfg(cand[i]); });
+  }
+  const size_t nv = fns.size();
+  std::vector<std::vector<float>> t(nv);
+  for (int r = 0; r < rounds; ++r)
+    for (size_t j = 0; j < nv; ++j) {
+      const size_t v = (j + size_t(r)) % nv;
+      t[v].push_back(once_ms(fns[v]));
+    }
+  const double flop = 2.0 * N * double(H) * V;
+  std::printf("\n%s GEMMs, N=%d H=%d V=%d over chunks of %d rows; median of %d rounds\n| variant | ms (min..max) | "
+              "TFLOP/s | of GemmEx |\n|---|---|---|---|\n", which.c_str(), N, H, V, C, rounds);
+  std::vector<float> med(nv);
+  for (size_t v = 0; v < nv; ++v) {
+    std::sort(t[v].begin(), t[v].end());
+    med[v] = t[v][t[v].size() / 2];
+  }
+  for (size_t v = 0; v < nv; ++v)
+    std::printf("| %s | %.3f (%.3f..%.3f) | %.0f | %.1f%% |\n", names[v].c_str(), med[v], t[v].front(), t[v].back(),
+                flop / med[v] / 1e9, 100.0 * med[0] / med[v]);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 7 && std::strcmp(argv[1], "--search") == 0)
+    return search_mode(argv[2], std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), std::atoi(argv[6]),
+                       argc > 7 ? std::atoi(argv[7]) : 12, argc > 8 ? std::atoi(argv[8]) : 7);
   if (argc >= 7 && std::strcmp(argv[1], "--gemm") == 0) {
     std::vector<int> cs;
     for (char* t = std::strtok(argv[6], ","); t; t = std::strtok(nullptr, ",")) cs.push_back(std::atoi(t));
