@@ -6,6 +6,7 @@ fusedce.torch next to torch.compile, in one process.
     python3 benchmarks/lce_accuracy.py --shape 16384,4096,151936 --shape 8192,2304,256000
     python3 benchmarks/lce_accuracy.py --real data/smollm2_kjv_sample.safetensors   # real hidden states
     python3 benchmarks/lce_accuracy.py --modes default,ce:split,default  # forced paths, alternating
+    python3 benchmarks/lce_accuracy.py --rounds 15 --shape ...          # head-to-head only (no accuracy)
 
 For each shape (N tokens, H hidden, V vocabulary; bf16 hidden states and LM head, mean loss, 1/16 of the
 targets ignored) it times forward + backward (loss, dhidden, dweight: 6NHV flops) of
@@ -17,6 +18,13 @@ library's workspace, on a stream, so a handle, of its own). Then
 dhidden and dweight of each against float64 (the logits, softmax and both gradient GEMMs in float64, in row
 chunks): RMS and max absolute error, and their ratio to torch.compile's. --modes runs the library once per mode,
 with FCE_FORCE_PATH set to the mode (the planners' paths, e.g. "ce:split"); "default" leaves it unset.
+
+--rounds R: instead, the head-to-head in interleaved rounds. Each round times, in a rotating order and each
+after a 256 MiB L2 flush, the three cuBLAS GEMMs, the one N x V x H GEMM, and forward + backward and forward
+alone (under torch.no_grad) of fusedce.torch and of torch.compile; medians over the rounds, and per round the
+ratio of fusedce's time to torch.compile's (the GPU's clocks drift over a run; a ratio inside one round does
+not). Forward alone is compared with the one GEMM's rate, forward + backward with the three GEMMs' and the
+one GEMM's.
 """
 import argparse
 import json
@@ -134,6 +142,90 @@ def run_one(step, hid, w, tgt, iters):
     return ms, (max(peak, 0) + max(outside, 0)) / 2**20, h.grad.detach(), ww.grad.detach()
 
 
+def compiled_peer():
+    """torch.compile of the unfused loss, made afresh for each shape with dynamic=False (a training run's fixed
+    shape): one function compiled for several shapes turns shape-generic (dynamic) from the second."""
+    return torch.compile(lambda h_, w_, t_: F.cross_entropy((h_ @ w_.T).float(), t_), dynamic=False)
+
+
+def head_to_head(n, hdim, v, real, rounds, ft):
+    """Interleaved rounds (the module docstring): rows of (variant, median ms, min, max) and the per-round
+    fusedce / torch.compile ratios (fwd+bwd, forward)."""
+    compiled = compiled_peer()
+    hid, w, tgt = inputs(n, hdim, v, real)
+    g = torch.randn(n, v, device="cuda").to(torch.bfloat16)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    h = hid.detach().clone().requires_grad_()
+    ww = w.detach().clone().requires_grad_()
+
+    def both(step):
+        def f():
+            h.grad = ww.grad = None
+            step(h, ww, tgt).backward()
+        return f
+
+    def fwd(step):
+        def f():
+            with torch.no_grad():
+                step(hid, w, tgt)
+        return f
+
+    def three():
+        torch.matmul(hid, w.T)
+        torch.matmul(g, w)
+        torch.matmul(g.T, hid)
+
+    lib = lambda h_, w_, t_: ft.linear_cross_entropy(h_, w_, t_)  # noqa: E731
+    variants = [("three cuBLAS GEMMs (torch.matmul)", three), ("one GEMM, N x V x H", lambda: torch.matmul(hid, w.T)),
+                ("fusedce.torch fwd+bwd", both(lib)), ("torch.compile fwd+bwd", both(compiled)),
+                ("fusedce.torch forward", fwd(lib)), ("torch.compile forward", fwd(compiled))]
+    for _, f in variants:  # compilation, the library's handle and workspace
+        f()
+        f()
+    torch.cuda.synchronize()
+    times = [[] for _ in variants]
+    for r in range(rounds):
+        for j in range(len(variants)):
+            k = (j + r) % len(variants)
+            flush.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            variants[k][1]()
+            b.record()
+            torch.cuda.synchronize()
+            times[k].append(a.elapsed_time(b))
+    del g, flush, h, ww, hid, w, tgt
+    torch.cuda.empty_cache()
+    rows = [(name, statistics.median(t), min(t), max(t)) for (name, _), t in zip(variants, times)]
+    ratios = ([x / y for x, y in zip(times[2], times[3])], [x / y for x, y in zip(times[4], times[5])])
+    return rows, ratios
+
+
+def main_rounds(a, shapes, ft):
+    out = []
+    print("# lce_accuracy.py --rounds %d on %s, torch %s%s" % (a.rounds, torch.cuda.get_device_name(),
+                                                               torch.__version__, ", real" if a.real else ""))
+    for n, hdim, v in shapes:
+        rows, (rb, rf) = head_to_head(n, hdim, v, a.real, a.rounds, ft)
+        three, one = rows[0][1], rows[1][1]
+        print("\n%d×%d×%d, %d rounds\n| variant | ms median (min..max) | of the one GEMM's rate | of the three "
+              "GEMMs' rate |\n|---|---|---|---|" % (n, hdim, v, a.rounds))
+        for i, (name, med, lo, hi) in enumerate(rows):
+            k = 1 if i in (1, 4, 5) else 3  # forward alone is one GEMM's flops
+            print("| %s | %.2f (%.2f..%.2f) | %.1f%% | %s |" % (name, med, lo, hi, 100 * k * one / med,
+                                                              "" if k == 1 else "%.1f%%" % (100 * three / med)))
+        for what, r in (("fwd+bwd", rb), ("forward", rf)):
+            print("fusedce / torch.compile, %s: median %.3f per round, faster in %d of %d rounds"
+                  % (what, statistics.median(r), sum(x < 1 for x in r), len(r)))
+        out.append(dict(shape=[n, hdim, v], rounds=a.rounds, real=a.real,
+                        rows=[dict(variant=nm, ms=m, min_ms=lo, max_ms=hi) for nm, m, lo, hi in rows],
+                        ratio_fwd_bwd=rb, ratio_forward=rf))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, head_to_head=out), fh,
+                      indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", help="N,H,V (repeatable); default 8192,4096,128256")
@@ -141,15 +233,17 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192, help="rows with --real (the sample tiled)")
     ap.add_argument("--modes", default="default")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--rounds", type=int, help="the interleaved head-to-head instead (module docstring)")
     ap.add_argument("--json")
     a = ap.parse_args()
     import fusedce.torch as ft
 
-    compiled = torch.compile(lambda h, w, t: F.cross_entropy((h @ w.T).float(), t))
     shapes = [tuple(int(x) for x in s.split(",")) for s in (a.shape or ["8192,4096,128256"])]
     if a.real:
         t = read_safetensors(a.real, ["lm_head"])["lm_head"]
         shapes = [(a.tokens, t.shape[1], t.shape[0])]
+    if a.rounds:
+        return main_rounds(a, shapes, ft)
     rows = []
     print("# lce_accuracy.py on %s, torch %s%s" % (torch.cuda.get_device_name(), torch.__version__,
                                                    ", real hidden states of " + a.real if a.real else ", random"))
@@ -160,7 +254,7 @@ def main():
         hid, w, tgt = inputs(n, hdim, v, a.real)
         ref_dh, ref_dw = reference(hid, w, tgt)
         gemm = cublas_ms(n, hdim, v, a.iters)
-        impls = [("torch.compile", None, compiled)]
+        impls = [("torch.compile", None, compiled_peer())]
         for m in a.modes.split(","):
             impls.append(("fusedce" + ("" if m == "default" else " (%s)" % m), m,
                           lambda h, w_, t: ft.linear_cross_entropy(h, w_, t)))
