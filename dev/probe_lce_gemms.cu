@@ -16,6 +16,7 @@
 //     probe_lce_gemms --gemm logits|dhidden|dweight N H V C[,C...] [LT_ALGOS] [ROUNDS]
 //
 // --search: every configuration cuBLASLt accepts for the chunk's GEMM (see search_mode).
+// --fwdblocks: the forward's chunk in vocabulary blocks that stay in L2 (see fwdblocks_mode).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -369,9 +370,126 @@ int search_mode(const std::string& which, int N, int H, int V, int C, int top, i
   return 0;
 }
 
+
+// Per token, the max and sum of exp over `cols` contiguous bf16 logits (a chunk's column of the col-major
+// logits): what the cross-entropy forward reads. One block per token.
+__global__ void row_stats(const __nv_bfloat16* x, int cols, int ld, float2* out) {
+  const __nv_bfloat16* r = x + size_t(blockIdx.x) * ld;
+  float m = -INFINITY, sum = 0.f;
+  for (int j = threadIdx.x * 8; j < cols; j += blockDim.x * 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(r + j);
+    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+    for (int k = 0; k < 8 && j + k < cols; ++k) {
+      const float f = __bfloat162float(e[k]);
+      if (f > m) {
+        sum *= __expf(m - f);
+        m = f;
+      }
+      sum += __expf(f - m);
+    }
+  }
+  __shared__ float2 red[32];
+  for (int o = 16; o; o >>= 1) {
+    const float m2 = __shfl_xor_sync(~0u, m, o), s2 = __shfl_xor_sync(~0u, sum, o), mm = fmaxf(m, m2);
+    sum = (m == -INFINITY ? 0.f : sum * __expf(m - mm)) + (m2 == -INFINITY ? 0.f : s2 * __expf(m2 - mm));
+    m = mm;
+  }
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = make_float2(m, sum);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float2 a = red[0];
+    for (int w = 1; w < int(blockDim.x >> 5); ++w) {
+      const float mm = fmaxf(a.x, red[w].x);
+      a = make_float2(mm, a.y * __expf(a.x - mm) + red[w].y * __expf(red[w].x - mm));
+    }
+    out[blockIdx.x] = a;
+  }
+}
+
+// --fwdblocks: the forward's logits GEMM of one C-row chunk, then the read of its logits for the loss's
+// statistics (row_stats), whole (one GEMM, one read of 2 C V bytes from HBM) against vocabulary blocks of VB
+// rows of the weight (a GEMM per block into a buffer small enough for L2, each read right after it is
+// written), cuBLASLt's heuristic first algorithm. Every variant once per round, rotating, medians.
+//
+//     probe_lce_gemms --fwdblocks N H V C VB[,VB...] [ROUNDS]
+int fwdblocks_mode(int N, int H, int V, int C, std::vector<int> vbs, int rounds) {
+  const Operands o(N, H, V);
+  CK(cublasLtCreate(&g_lt));
+  setenv("PROBE_LIB", "1", 1);
+  float2* stats;
+  CK(cudaMalloc(&stats, size_t(C) * 64 * sizeof(float2)));
+  auto logits_gemm = [&](int v0, int vn, int ld) {  // logits[v0 : v0 + vn] of every chunk token
+    return Gemm{CUBLAS_OP_T, CUBLAS_OP_N, vn, C, H, o.w + size_t(v0) * H, H, o.hid, H, o.dl, CUDA_R_16BF, ld};
+  };
+  std::vector<std::string> names;
+  std::vector<std::function<void()>> fns;
+  std::vector<LtPlan> plans;
+  plans.reserve(64);
+  const int ldw = o.ldl;
+  plans.push_back(lt_plan(logits_gemm(0, V, ldw), 8));
+  const LtPlan* whole = &plans.back();
+  names.push_back("whole chunk: GEMM alone");
+  fns.push_back([&, whole] { lt_run(*whole, logits_gemm(0, V, ldw), 0, 0.f); });
+  names.push_back("whole chunk: GEMM, then the read");
+  fns.push_back([&, whole] {
+    lt_run(*whole, logits_gemm(0, V, ldw), 0, 0.f);
+    row_stats<<<C, 512>>>(o.dl, V, ldw, stats);
+  });
+  for (int vb : vbs) {
+    const int ld = (vb + 127) / 128 * 128;
+    std::vector<std::pair<int, int>> blocks;
+    for (int v0 = 0; v0 < V; v0 += vb) blocks.push_back({v0, std::min(vb, V - v0)});
+    const size_t first = plans.size();
+    for (auto [v0, vn] : blocks) plans.push_back(lt_plan(logits_gemm(v0, vn, ld), 8));
+    names.push_back("blocks of " + std::to_string(vb) + " (" + std::to_string(size_t(C) * ld * 2 >> 20) +
+                    " MiB): GEMMs alone");
+    fns.push_back([&, blocks, first, ld] {
+      for (size_t b = 0; b < blocks.size(); ++b)
+        lt_run(plans[first + b], logits_gemm(blocks[b].first, blocks[b].second, ld), 0, 0.f);
+    });
+    names.push_back("blocks of " + std::to_string(vb) + ": GEMM, read, GEMM, read...");
+    fns.push_back([&, blocks, first, ld] {
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        lt_run(plans[first + b], logits_gemm(blocks[b].first, blocks[b].second, ld), 0, 0.f);
+        row_stats<<<C, 512>>>(o.dl, blocks[b].second, ld, stats + size_t(C) * (b % 64));
+      }
+    });
+  }
+  for (auto& f : fns) f();
+  CK(cudaDeviceSynchronize());
+  const size_t nv = fns.size();
+  std::vector<std::vector<float>> t(nv);
+  void* flush;
+  CK(cudaMalloc(&flush, 256u << 20));
+  for (int r = 0; r < rounds; ++r)
+    for (size_t j = 0; j < nv; ++j) {
+      const size_t v = (j + size_t(r)) % nv;
+      CK(cudaMemsetAsync(flush, r, 256u << 20));
+      t[v].push_back(once_ms(fns[v]));
+    }
+  const double flop = 2.0 * C * double(H) * V;
+  std::printf("forward of one %d-token chunk, H=%d V=%d, %d rounds, medians\n| variant | ms (min..max) | TFLOP/s | of "
+              "the whole GEMM alone |\n|---|---|---|---|\n", C, H, V, rounds);
+  std::vector<float> med(nv);
+  for (size_t v = 0; v < nv; ++v) {
+    std::sort(t[v].begin(), t[v].end());
+    med[v] = t[v][t[v].size() / 2];
+  }
+  for (size_t v = 0; v < nv; ++v)
+    std::printf("| %s | %.3f (%.3f..%.3f) | %.0f | %.1f%% |\n", names[v].c_str(), med[v], t[v].front(), t[v].back(),
+                flop / med[v] / 1e9, 100.0 * med[0] / med[v]);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 7 && std::strcmp(argv[1], "--fwdblocks") == 0) {
+    std::vector<int> vbs;
+    for (char* t = std::strtok(argv[6], ","); t; t = std::strtok(nullptr, ",")) vbs.push_back(std::atoi(t));
+    return fwdblocks_mode(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), vbs,
+                          argc > 7 ? std::atoi(argv[7]) : 9);
+  }
   if (argc >= 7 && std::strcmp(argv[1], "--search") == 0)
     return search_mode(argv[2], std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), std::atoi(argv[6]),
                        argc > 7 ? std::atoi(argv[7]) : 12, argc > 8 ? std::atoi(argv[8]) : 7);
