@@ -4,6 +4,7 @@ use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::ptr::{self, NonNull};
 
+use crate::comm::Comm;
 use crate::error::{check, Error, Result, Status};
 use crate::options::{
     CeBwdInputs, CeOptions, CeOutputs, KdOptions, KdOutputs, LinearCeGrads, LinearCeOutputs, LseOptions,
@@ -220,7 +221,7 @@ impl Handle {
         outputs: &mut CeOutputs<'_>,
     ) -> Result<()> {
         let mut l = logits.as_dl();
-        self.ce_fwd(&mut l, targets, options, outputs, false, Call::Run)
+        self.ce_fwd(&mut l, targets, options, outputs, false, None, Call::Run)
     }
 
     /// [`Handle::cross_entropy_fwd`] writing the gradient over the logits themselves (in place):
@@ -240,7 +241,7 @@ impl Handle {
             ));
         }
         let mut l = logits.as_dl();
-        self.ce_fwd(&mut l, targets, options, outputs, true, Call::Run)
+        self.ce_fwd(&mut l, targets, options, outputs, true, None, Call::Run)
     }
 
     /// Workspace bytes [`Handle::cross_entropy_fwd`] needs for these arguments (same validation).
@@ -253,10 +254,77 @@ impl Handle {
     ) -> Result<usize> {
         let mut l = logits.as_dl();
         let mut bytes = 0usize;
-        self.ce_fwd(&mut l, targets, options, outputs, false, Call::Query(&mut bytes))?;
+        self.ce_fwd(&mut l, targets, options, outputs, false, None, Call::Query(&mut bytes))?;
         Ok(bytes)
     }
 
+    /// NCCL mode's cross-entropy forward (`fce_cross_entropy_fwd_vp`), one call per rank: this rank's
+    /// shard's records, their all-gather over `comm` on the handle's stream, their combine in rank order,
+    /// and with `outputs.dlogits` the shard's gradient from the combined lse. Every rank gets the same
+    /// bits, those of [`Handle::cross_entropy_partial`] and [`Handle::cross_entropy_combine`] (then
+    /// [`Handle::cross_entropy_bwd`] for the gradient) over the same shards on one device.
+    ///
+    /// * `logits`: `[N, V_local]` fp32, bf16 or fp16, this rank's global columns
+    ///   `[options.vocab_start, options.vocab_start + V_local)` (those at or past `vocab_total` are padding).
+    /// * `targets`: `[N]` i32 or i64, global indices, the same on every rank.
+    /// * `options`: [`CeOptions::vocab_start`] (this rank's first column, ranks in vocabulary order) and
+    ///   [`CeOptions::vocab_total`] required; the rest as for [`Handle::cross_entropy_fwd`], the same on
+    ///   every rank.
+    /// * `outputs`: as for [`Handle::cross_entropy_fwd`] (the whole rows' loss, lse, z-loss, argmax,
+    ///   entropy); `dlogits` `[N, V_local]` the shard's columns of the unsharded gradient, padding 0.
+    ///
+    /// Errors: the validation statuses of [`Handle::cross_entropy_fwd`] (`INVALID_ARGUMENT` also without
+    /// `vocab_total`, on a CPU handle), `DEVICE_MISMATCH` (`comm` on another device), `WORKSPACE_TOO_SMALL`,
+    /// `COMMUNICATOR_ERROR` (the all-gather failed), `CUDA_ERROR`.
+    pub fn cross_entropy_fwd_vp(
+        &self,
+        comm: &Comm,
+        logits: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut CeOutputs<'_>,
+    ) -> Result<()> {
+        let mut l = logits.as_dl();
+        self.ce_fwd(&mut l, targets, options, outputs, false, Some(comm), Call::Run)
+    }
+
+    /// [`Handle::cross_entropy_fwd_vp`] writing the shard's gradient over its logits (in place);
+    /// `outputs.dlogits` must be None (else `INVALID_ARGUMENT`).
+    pub fn cross_entropy_fwd_vp_in_place(
+        &self,
+        comm: &Comm,
+        logits: &mut TensorMut<'_>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut CeOutputs<'_>,
+    ) -> Result<()> {
+        if outputs.dlogits.is_some() {
+            return Err(Error::new(
+                Status::INVALID_ARGUMENT,
+                "fusedce (Rust): cross_entropy_fwd_vp_in_place writes the gradient into the logits; outputs.dlogits must be None",
+            ));
+        }
+        let mut l = logits.as_dl();
+        self.ce_fwd(&mut l, targets, options, outputs, true, Some(comm), Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::cross_entropy_fwd_vp`] needs for these arguments (same validation): every
+    /// rank's records and the steps' own.
+    pub fn cross_entropy_fwd_vp_workspace_size(
+        &self,
+        comm: &Comm,
+        logits: &TensorRef<'_>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut CeOutputs<'_>,
+    ) -> Result<usize> {
+        let mut l = logits.as_dl();
+        let mut bytes = 0usize;
+        self.ce_fwd(&mut l, targets, options, outputs, false, Some(comm), Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn ce_fwd(
         &self,
         logits: *mut sys::DLTensor,
@@ -264,6 +332,7 @@ impl Handle {
         options: &CeOptions<'_>,
         outputs: &mut CeOutputs<'_>,
         in_place: bool,
+        comm: Option<&Comm>,
         call: Call<'_>,
     ) -> Result<()> {
         let t = targets.as_dl();
@@ -274,8 +343,8 @@ impl Handle {
         // slices checked to cover their shapes, or raw memory the caller vouched for); the library
         // keeps none of them past the call (on CUDA: past the enqueued work).
         let st = with_ce_outputs(outputs, dlogits, |out| unsafe {
-            match call {
-                Call::Run => sys::fce_cross_entropy_fwd(
+            match (comm, call) {
+                (None, Call::Run) => sys::fce_cross_entropy_fwd(
                     self.as_raw(),
                     self.stream,
                     logits,
@@ -285,8 +354,22 @@ impl Handle {
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                Call::Query(bytes) => {
+                (None, Call::Query(bytes)) => {
                     sys::fce_cross_entropy_fwd_workspace_size(self.as_raw(), logits, &t, &o, out, bytes)
+                }
+                (Some(c), Call::Run) => sys::fce_cross_entropy_fwd_vp(
+                    self.as_raw(),
+                    c.as_raw(),
+                    self.stream,
+                    logits,
+                    &t,
+                    &o,
+                    out,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                (Some(c), Call::Query(bytes)) => {
+                    sys::fce_cross_entropy_fwd_vp_workspace_size(self.as_raw(), c.as_raw(), logits, &t, &o, out, bytes)
                 }
             }
         });
@@ -671,7 +754,7 @@ impl Handle {
     /// `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`,
     /// `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     pub fn logsumexp(&self, x: &TensorRef<'_>, options: &LseOptions, lse: &mut TensorMut<'_>) -> Result<()> {
-        self.lse_impl(x, options, lse, Call::Run)
+        self.lse_impl(x, options, lse, None, Call::Run)
     }
 
     /// Workspace bytes [`Handle::logsumexp`] needs for these arguments.
@@ -682,18 +765,60 @@ impl Handle {
         lse: &mut TensorMut<'_>,
     ) -> Result<usize> {
         let mut bytes = 0usize;
-        self.lse_impl(x, options, lse, Call::Query(&mut bytes))?;
+        self.lse_impl(x, options, lse, None, Call::Query(&mut bytes))?;
         Ok(bytes)
     }
 
-    fn lse_impl(&self, x: &TensorRef<'_>, options: &LseOptions, lse: &mut TensorMut<'_>, call: Call<'_>) -> Result<()> {
+    /// NCCL mode's logsumexp (`fce_logsumexp_vp`), one call per rank: this rank's shard's records, their
+    /// all-gather over `comm` on the handle's stream and their combine in rank order; every rank gets the
+    /// whole rows' lse, the same bits as [`Handle::logsumexp_partial`] and [`Handle::logsumexp_combine`]
+    /// over the same shards on one device.
+    ///
+    /// * `x`: `[N, V_local]` fp32, bf16 or fp16, this rank's global columns (padding past `vocab_total`).
+    /// * `options`: [`LseOptions::vocab_start`] (this rank's first column, ranks in vocabulary order),
+    ///   [`LseOptions::vocab_total`] and [`LseOptions::scale`] required, the last two the same on every rank.
+    /// * `lse`: `[N]` fp32, `log Σ_j exp(scale·x_ij)` over the whole rows, written on every rank.
+    ///
+    /// Errors: those of [`Handle::logsumexp_partial`] (`INVALID_ARGUMENT` also without `vocab_total`, on a
+    /// CPU handle), `DEVICE_MISMATCH`, `WORKSPACE_TOO_SMALL`, `COMMUNICATOR_ERROR`, `CUDA_ERROR`.
+    pub fn logsumexp_vp(
+        &self,
+        comm: &Comm,
+        x: &TensorRef<'_>,
+        options: &LseOptions,
+        lse: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        self.lse_impl(x, options, lse, Some(comm), Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::logsumexp_vp`] needs for these arguments (every rank's records).
+    pub fn logsumexp_vp_workspace_size(
+        &self,
+        comm: &Comm,
+        x: &TensorRef<'_>,
+        options: &LseOptions,
+        lse: &mut TensorMut<'_>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        self.lse_impl(x, options, lse, Some(comm), Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    fn lse_impl(
+        &self,
+        x: &TensorRef<'_>,
+        options: &LseOptions,
+        lse: &mut TensorMut<'_>,
+        comm: Option<&Comm>,
+        call: Call<'_>,
+    ) -> Result<()> {
         let xd = x.as_dl();
         let o = options.to_raw();
         let mut l = lse.as_dl();
         // SAFETY: as in ce_fwd.
         let st = unsafe {
-            match call {
-                Call::Run => sys::fce_logsumexp(
+            match (comm, call) {
+                (None, Call::Run) => sys::fce_logsumexp(
                     self.as_raw(),
                     self.stream,
                     &xd,
@@ -702,7 +827,20 @@ impl Handle {
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                Call::Query(bytes) => sys::fce_logsumexp_workspace_size(self.as_raw(), &xd, &o, &l, bytes),
+                (None, Call::Query(bytes)) => sys::fce_logsumexp_workspace_size(self.as_raw(), &xd, &o, &l, bytes),
+                (Some(c), Call::Run) => sys::fce_logsumexp_vp(
+                    self.as_raw(),
+                    c.as_raw(),
+                    self.stream,
+                    &xd,
+                    &o,
+                    &mut l,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                (Some(c), Call::Query(bytes)) => {
+                    sys::fce_logsumexp_vp_workspace_size(self.as_raw(), c.as_raw(), &xd, &o, &l, bytes)
+                }
             }
         };
         check(st)
@@ -799,7 +937,7 @@ impl Handle {
         probs: Option<&mut TensorMut<'_>>,
         logprobs: Option<&mut TensorMut<'_>>,
     ) -> Result<()> {
-        self.softmax_impl(logits, options, probs, logprobs, Call::Run)
+        self.softmax_impl(logits, options, probs, logprobs, None, Call::Run)
     }
 
     /// Workspace bytes [`Handle::temp_softmax`] needs for these arguments.
@@ -811,16 +949,62 @@ impl Handle {
         logprobs: Option<&mut TensorMut<'_>>,
     ) -> Result<usize> {
         let mut bytes = 0usize;
-        self.softmax_impl(logits, options, probs, logprobs, Call::Query(&mut bytes))?;
+        self.softmax_impl(logits, options, probs, logprobs, None, Call::Query(&mut bytes))?;
         Ok(bytes)
     }
 
+    /// NCCL mode's temperature softmax of a vocabulary shard (`fce_temp_softmax_vp`), one call per rank:
+    /// the whole rows' lse of logits/T ([`Handle::logsumexp_vp`] at scale 1/T), then this shard's
+    /// probabilities and log-probabilities of the whole rows, `p_j = exp(x_j/T − lse)`, `log p_j = x_j/T −
+    /// lse` (padding columns 0 and −inf): the same bits as those steps on one device.
+    ///
+    /// * `logits`: `[N, V_local]` fp32, bf16 or fp16, this rank's global columns.
+    /// * `options`: [`SoftmaxOptions::vocab_start`], [`SoftmaxOptions::vocab_total`] and one finite
+    ///   temperature > 0 ([`SoftmaxOptions::temperature`]), the same on every rank but vocab_start; no
+    ///   per-row temperatures and no [`SoftmaxOptions::lse`] (the call computes it).
+    /// * `probs` / `logprobs`: optional `[N, V_local]` (at least one), as for [`Handle::temp_softmax`].
+    /// * `lse`: optional `[N]` fp32, receives the whole rows' lse of logits/T.
+    ///
+    /// Errors: `INVALID_ARGUMENT` (no output, without `vocab_total`, with `options.lse`, on a CPU handle),
+    /// `NOT_IMPLEMENTED` (per-row, zero or infinite temperatures), `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE`,
+    /// `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `WORKSPACE_TOO_SMALL`, `COMMUNICATOR_ERROR`,
+    /// `CUDA_ERROR`.
+    pub fn temp_softmax_vp(
+        &self,
+        comm: &Comm,
+        logits: &TensorRef<'_>,
+        options: &SoftmaxOptions<'_>,
+        probs: Option<&mut TensorMut<'_>>,
+        logprobs: Option<&mut TensorMut<'_>>,
+        lse: Option<&mut TensorMut<'_>>,
+    ) -> Result<()> {
+        self.softmax_impl(logits, options, probs, logprobs, Some((comm, lse)), Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::temp_softmax_vp`] needs for these arguments (every rank's records and,
+    /// without `lse`, the lse).
+    pub fn temp_softmax_vp_workspace_size(
+        &self,
+        comm: &Comm,
+        logits: &TensorRef<'_>,
+        options: &SoftmaxOptions<'_>,
+        probs: Option<&mut TensorMut<'_>>,
+        logprobs: Option<&mut TensorMut<'_>>,
+        lse: Option<&mut TensorMut<'_>>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        self.softmax_impl(logits, options, probs, logprobs, Some((comm, lse)), Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    /// `vp`: NCCL mode, with its optional lse output.
     fn softmax_impl(
         &self,
         logits: &TensorRef<'_>,
         options: &SoftmaxOptions<'_>,
         probs: Option<&mut TensorMut<'_>>,
         logprobs: Option<&mut TensorMut<'_>>,
+        vp: Option<(&Comm, Option<&mut TensorMut<'_>>)>,
         call: Call<'_>,
     ) -> Result<()> {
         let l = logits.as_dl();
@@ -829,10 +1013,15 @@ impl Handle {
         let o = options.to_raw(temps.as_ref(), lse.as_ref());
         let mut p = probs.map(|p| p.as_dl());
         let mut lp = logprobs.map(|p| p.as_dl());
+        let (comm, lse_out) = match vp {
+            Some((c, out)) => (Some(c), out.map(|t| t.as_dl())),
+            None => (None, None),
+        };
+        let mut lo = lse_out;
         // SAFETY: as in ce_fwd.
         let st = unsafe {
-            match call {
-                Call::Run => sys::fce_temp_softmax(
+            match (comm, call) {
+                (None, Call::Run) => sys::fce_temp_softmax(
                     self.as_raw(),
                     self.stream,
                     &l,
@@ -842,9 +1031,31 @@ impl Handle {
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                Call::Query(bytes) => {
+                (None, Call::Query(bytes)) => {
                     sys::fce_temp_softmax_workspace_size(self.as_raw(), &l, &o, cptr(&p), cptr(&lp), bytes)
                 }
+                (Some(c), Call::Run) => sys::fce_temp_softmax_vp(
+                    self.as_raw(),
+                    c.as_raw(),
+                    self.stream,
+                    &l,
+                    &o,
+                    mptr(&mut p),
+                    mptr(&mut lp),
+                    mptr(&mut lo),
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                (Some(c), Call::Query(bytes)) => sys::fce_temp_softmax_vp_workspace_size(
+                    self.as_raw(),
+                    c.as_raw(),
+                    &l,
+                    &o,
+                    cptr(&p),
+                    cptr(&lp),
+                    cptr(&lo),
+                    bytes,
+                ),
             }
         };
         check(st)
@@ -870,7 +1081,7 @@ impl Handle {
         options: &KdOptions,
         outputs: &mut KdOutputs<'_>,
     ) -> Result<()> {
-        self.kd_impl(student, teacher, targets, options, outputs, Call::Run)
+        self.kd_impl(student, teacher, targets, options, outputs, None, Call::Run)
     }
 
     /// Workspace bytes [`Handle::kd_loss`] needs for these arguments.
@@ -883,10 +1094,61 @@ impl Handle {
         outputs: &mut KdOutputs<'_>,
     ) -> Result<usize> {
         let mut bytes = 0usize;
-        self.kd_impl(student, teacher, targets, options, outputs, Call::Query(&mut bytes))?;
+        self.kd_impl(student, teacher, targets, options, outputs, None, Call::Query(&mut bytes))?;
         Ok(bytes)
     }
 
+    /// NCCL mode's knowledge distillation (`fce_kd_fwd_vp`), one call per rank: the steps of
+    /// [`Handle::kd_partial`]'s recipe on this rank's shard, the records' all-gathers over `comm` on the
+    /// handle's stream (two for JSD with 0 < β < 1 and for a top-K teacher), the combines in rank order,
+    /// and with `outputs.dstudent` the shard's gradient ([`Handle::kd_bwd`]). The loss is the same bits on
+    /// every rank, those of the partial and combine calls over the same shards on one device.
+    ///
+    /// * `student`, `teacher`, `targets`: as for [`Handle::kd_partial`] (this rank's shard; a top-K teacher
+    ///   whole, the same on every rank).
+    /// * `options`: [`KdOptions::vocab_start`] (this rank's) and [`KdOptions::vocab_total`] required; any
+    ///   divergence and temperature, the same on every rank but vocab_start.
+    /// * `outputs`: the loss (nats, as [`Handle::kd_combine`]'s); `dstudent` optional, the shard's
+    ///   `[N, V_local]` (with `grad_loss` as for [`Handle::kd_bwd`]).
+    /// * `row_stats`: optional `[N, KD_ROW_STATS_FIELDS]` fp32 ([`crate::KD_ROW_STATS_FIELDS`]), receives
+    ///   the rows' final statistics: what [`Handle::kd_bwd`] takes for the shard's gradient later.
+    ///
+    /// Errors: the validation statuses of [`Handle::kd_partial`] (`INVALID_ARGUMENT` also on a CPU handle),
+    /// `DEVICE_MISMATCH`, `NOT_IMPLEMENTED` (a top-K teacher of K > 8192 with dstudent),
+    /// `WORKSPACE_TOO_SMALL`, `COMMUNICATOR_ERROR`, `CUDA_ERROR`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kd_fwd_vp(
+        &self,
+        comm: &Comm,
+        student: &TensorRef<'_>,
+        teacher: &Teacher<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        outputs: &mut KdOutputs<'_>,
+        row_stats: Option<&mut TensorMut<'_>>,
+    ) -> Result<()> {
+        self.kd_impl(student, teacher, targets, options, outputs, Some((comm, row_stats)), Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::kd_fwd_vp`] needs for these arguments.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kd_fwd_vp_workspace_size(
+        &self,
+        comm: &Comm,
+        student: &TensorRef<'_>,
+        teacher: &Teacher<'_>,
+        targets: Option<&TensorRef<'_>>,
+        options: &KdOptions,
+        outputs: &mut KdOutputs<'_>,
+        row_stats: Option<&mut TensorMut<'_>>,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        self.kd_impl(student, teacher, targets, options, outputs, Some((comm, row_stats)), Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    /// `vp`: NCCL mode, with its optional row_stats output.
+    #[allow(clippy::too_many_arguments)]
     fn kd_impl(
         &self,
         student: &TensorRef<'_>,
@@ -894,8 +1156,14 @@ impl Handle {
         targets: Option<&TensorRef<'_>>,
         options: &KdOptions,
         outputs: &mut KdOutputs<'_>,
+        vp: Option<(&Comm, Option<&mut TensorMut<'_>>)>,
         call: Call<'_>,
     ) -> Result<()> {
+        let (comm, stats) = match vp {
+            Some((c, rs)) => (Some(c), rs.map(|t| t.as_dl())),
+            None => (None, None),
+        };
+        let mut rs = stats;
         let s = student.as_dl();
         let tt = RawTeacher::new(teacher);
         let t = tt.to_raw();
@@ -913,8 +1181,8 @@ impl Handle {
         }
         // SAFETY: as in ce_fwd.
         let st = unsafe {
-            match call {
-                Call::Run => sys::fce_kd_loss(
+            match (comm, call) {
+                (None, Call::Run) => sys::fce_kd_loss(
                     self.as_raw(),
                     self.stream,
                     &s,
@@ -925,9 +1193,33 @@ impl Handle {
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                Call::Query(bytes) => {
+                (None, Call::Query(bytes)) => {
                     sys::fce_kd_loss_workspace_size(self.as_raw(), &s, &t, cptr(&tg), &o, &out, bytes)
                 }
+                (Some(c), Call::Run) => sys::fce_kd_fwd_vp(
+                    self.as_raw(),
+                    c.as_raw(),
+                    self.stream,
+                    &s,
+                    &t,
+                    cptr(&tg),
+                    &o,
+                    &out,
+                    mptr(&mut rs),
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                (Some(c), Call::Query(bytes)) => sys::fce_kd_fwd_vp_workspace_size(
+                    self.as_raw(),
+                    c.as_raw(),
+                    &s,
+                    &t,
+                    cptr(&tg),
+                    &o,
+                    &out,
+                    cptr(&rs),
+                    bytes,
+                ),
             }
         };
         check(st)
@@ -1437,7 +1729,7 @@ impl Handle {
         outputs: &mut LinearCeOutputs<'_>,
     ) -> Result<()> {
         let mut out = RawLce::from_outputs(outputs);
-        self.lce_impl(hidden, weight, bias, targets, None, options, &mut out, Call::Run)
+        self.lce_impl(hidden, weight, bias, targets, None, None, options, &mut out, Call::Run)
     }
 
     /// Workspace bytes [`Handle::linear_cross_entropy_fwd`] needs for a chunk of the default size. A
@@ -1456,7 +1748,7 @@ impl Handle {
     ) -> Result<usize> {
         let mut out = RawLce::from_outputs(outputs);
         let mut bytes = 0usize;
-        self.lce_impl(hidden, weight, bias, targets, None, options, &mut out, Call::Query(&mut bytes))?;
+        self.lce_impl(hidden, weight, bias, targets, None, None, options, &mut out, Call::Query(&mut bytes))?;
         Ok(bytes)
     }
 
@@ -1495,7 +1787,7 @@ impl Handle {
         grads: &mut LinearCeGrads<'_>,
     ) -> Result<()> {
         let mut out = RawLce::from_grads(grads);
-        self.lce_impl(hidden, weight, bias, targets, Some(lse), options, &mut out, Call::Run)
+        self.lce_impl(hidden, weight, bias, targets, Some(lse), None, options, &mut out, Call::Run)
     }
 
     /// Workspace bytes [`Handle::linear_cross_entropy_bwd`] needs (as the forward's query).
@@ -1512,10 +1804,66 @@ impl Handle {
     ) -> Result<usize> {
         let mut out = RawLce::from_grads(grads);
         let mut bytes = 0usize;
-        self.lce_impl(hidden, weight, bias, targets, Some(lse), options, &mut out, Call::Query(&mut bytes))?;
+        self.lce_impl(hidden, weight, bias, targets, Some(lse), None, options, &mut out, Call::Query(&mut bytes))?;
         Ok(bytes)
     }
 
+    /// NCCL mode's linear cross-entropy over an LM head split by vocabulary rows
+    /// (`fce_linear_cross_entropy_fwd_vp`), one call per rank: in each token chunk the shard's logits, their
+    /// records, an all-gather of the chunk's records over `comm` on the handle's stream, the combine in rank
+    /// order, and with gradients the chunk's dlogits from the combined lse, then the dhidden and dweight
+    /// GEMMs; dhidden is every rank's part summed in fp32 in rank order and rounded once. The same bits on
+    /// every rank, those of [`Handle::linear_cross_entropy_partial`] and [`Handle::cross_entropy_combine`]
+    /// (and the backward) over the same shards on one device.
+    ///
+    /// * `hidden` `[N, H]`, `weight` `[V_local, H]` (this rank's rows of the head), `bias` `[V_local]`,
+    ///   `targets` `[N]` global indices: as for [`Handle::linear_cross_entropy_partial`].
+    /// * `options`: [`CeOptions::vocab_start`] (this rank's first row, ranks in vocabulary order) and
+    ///   [`CeOptions::vocab_total`] required; the rest the same on every rank.
+    /// * `outputs`: as for [`Handle::linear_cross_entropy_fwd`] (the whole rows' statistics); `dhidden`
+    ///   `[N, H]` (any float dtype: the ranks' sum), `dweight` `[V_local, H]` and `dbias` `[V_local]` this
+    ///   shard's rows. Every rank passes the same outputs.
+    ///
+    /// Every rank must cut the same token chunks, so they are planned from `vocab_total / W` and the default
+    /// workspace on every rank: a caller's workspace below this rank's query is refused
+    /// (`WORKSPACE_TOO_SMALL`), not cut into more chunks.
+    ///
+    /// Errors: the validation statuses (`INVALID_ARGUMENT` also on a CPU handle), `WORKSPACE_TOO_SMALL`,
+    /// `COMMUNICATOR_ERROR` (a collective failed), `BLAS_ERROR`, `CUDA_ERROR`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_cross_entropy_fwd_vp(
+        &self,
+        comm: &Comm,
+        hidden: &TensorRef<'_>,
+        weight: &TensorRef<'_>,
+        bias: Option<&TensorRef<'_>>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut LinearCeOutputs<'_>,
+    ) -> Result<()> {
+        let mut out = RawLce::from_outputs(outputs);
+        self.lce_impl(hidden, weight, bias, targets, None, Some(comm), options, &mut out, Call::Run)
+    }
+
+    /// Workspace bytes [`Handle::linear_cross_entropy_fwd_vp`] uses (its default plan; the least it takes).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_cross_entropy_fwd_vp_workspace_size(
+        &self,
+        comm: &Comm,
+        hidden: &TensorRef<'_>,
+        weight: &TensorRef<'_>,
+        bias: Option<&TensorRef<'_>>,
+        targets: &TensorRef<'_>,
+        options: &CeOptions<'_>,
+        outputs: &mut LinearCeOutputs<'_>,
+    ) -> Result<usize> {
+        let mut out = RawLce::from_outputs(outputs);
+        let mut bytes = 0usize;
+        self.lce_impl(hidden, weight, bias, targets, None, Some(comm), options, &mut out, Call::Query(&mut bytes))?;
+        Ok(bytes)
+    }
+
+    /// `lse`: the backward (no `comm`); `comm`: NCCL mode's forward.
     #[allow(clippy::too_many_arguments)]
     fn lce_impl(
         &self,
@@ -1524,6 +1872,7 @@ impl Handle {
         bias: Option<&TensorRef<'_>>,
         targets: &TensorRef<'_>,
         lse: Option<&TensorRef<'_>>,
+        comm: Option<&Comm>,
         options: &CeOptions<'_>,
         out: &mut RawLce,
         call: Call<'_>,
@@ -1552,8 +1901,32 @@ impl Handle {
         }
         // SAFETY: as in ce_fwd.
         let st = unsafe {
-            match (lse, call) {
-                (None, Call::Run) => sys::fce_linear_cross_entropy_fwd(
+            match (lse, comm, call) {
+                (_, Some(c), Call::Run) => sys::fce_linear_cross_entropy_fwd_vp(
+                    self.as_raw(),
+                    c.as_raw(),
+                    self.stream,
+                    &h,
+                    &w,
+                    cptr(&b),
+                    &t,
+                    &o,
+                    &raw_out,
+                    self.workspace,
+                    self.workspace_bytes,
+                ),
+                (_, Some(c), Call::Query(bytes)) => sys::fce_linear_cross_entropy_fwd_vp_workspace_size(
+                    self.as_raw(),
+                    c.as_raw(),
+                    &h,
+                    &w,
+                    cptr(&b),
+                    &t,
+                    &o,
+                    &raw_out,
+                    bytes,
+                ),
+                (None, None, Call::Run) => sys::fce_linear_cross_entropy_fwd(
                     self.as_raw(),
                     self.stream,
                     &h,
@@ -1565,7 +1938,7 @@ impl Handle {
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                (None, Call::Query(bytes)) => sys::fce_linear_cross_entropy_fwd_workspace_size(
+                (None, None, Call::Query(bytes)) => sys::fce_linear_cross_entropy_fwd_workspace_size(
                     self.as_raw(),
                     &h,
                     &w,
@@ -1575,7 +1948,7 @@ impl Handle {
                     &raw_out,
                     bytes,
                 ),
-                (Some(l), Call::Run) => sys::fce_linear_cross_entropy_bwd(
+                (Some(l), None, Call::Run) => sys::fce_linear_cross_entropy_bwd(
                     self.as_raw(),
                     self.stream,
                     &h,
@@ -1588,7 +1961,7 @@ impl Handle {
                     self.workspace,
                     self.workspace_bytes,
                 ),
-                (Some(l), Call::Query(bytes)) => sys::fce_linear_cross_entropy_bwd_workspace_size(
+                (Some(l), None, Call::Query(bytes)) => sys::fce_linear_cross_entropy_bwd_workspace_size(
                     self.as_raw(),
                     &h,
                     &w,

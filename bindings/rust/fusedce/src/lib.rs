@@ -42,12 +42,14 @@
 
 pub use fusedce_sys as sys;
 
+mod comm;
 mod error;
 mod handle;
 mod options;
 mod raw;
 mod tensor;
 
+pub use comm::Comm;
 pub use error::{Error, Result, Status, VersionMismatch};
 pub use handle::{Handle, Stream};
 pub use options::{
