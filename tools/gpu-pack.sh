@@ -28,6 +28,22 @@ for l in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libcjso
   [ -n "$p" ] && cp -L "$p" $G/lib/
 done
 cp -L /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 $G/lib/ 2>/dev/null || true
+# The Rust binding's NCCL-mode test (bindings/rust/fusedce/tests/nccl_mode_gpu.rs; gpu-session.sh rust), when
+# cargo is here: linked against this build, CUDA's runtime (packed in rt/, not lib/, so that nothing else
+# picks it up) and NCCL (the GPU machine's).
+export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
+if command -v cargo >/dev/null 2>&1; then
+  cuda_lib=${CUDA_HOME:-/usr/local/cuda}/lib64
+  exe=$(cd bindings/rust/fusedce && FUSEDCE_LIB_DIR="$OLDPWD/$BUILD" RUSTFLAGS="-L $cuda_lib" \
+        CARGO_TARGET_DIR="$OLDPWD/$BUILD/cargo-gpu" cargo test --offline --features gpu-tests --test nccl_mode_gpu \
+        --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
+  if [ -n "$exe" ]; then
+    cp "$exe" $G/bin/rust_nccl_mode_gpu
+    mkdir -p $G/rt && cp -L "$cuda_lib/libcudart.so.13" $G/rt/
+  else
+    echo "gpu-pack.sh: the Rust NCCL-mode test did not build; not packed" >&2
+  fi
+fi
 mkdir -p $G/compat && cp -L /lib/x86_64-linux-gnu/libstdc++.so.6 $G/compat/
 # Extra files to ship (e.g. tuning builds of the library): GPU_EXTRA="dir=path ..."
 for e in ${GPU_EXTRA:-}; do mkdir -p "$G/${e%%=*}" && cp -L "${e#*=}" "$G/${e%%=*}/"; done

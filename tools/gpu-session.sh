@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, with .gpu/ (tools/gpu-pack.sh) carried: the gpu
 # suite, compute-sanitizer, and the benchmarks. Logs go to $OUT.
-# Usage: gpu-session.sh [tests|paths|sanitize|bench|ab|torch|peers|demo]...
+# Usage: gpu-session.sh [tests|paths|rust|sanitize|bench|ab|torch|peers|demo]...
+#   rust: the Rust binding's NCCL-mode test (bindings/rust/fusedce/tests/nccl_mode_gpu.rs) on up to two GPUs.
 #   paths: every path of every op, forced (tests/gpu/forced_paths.txt; meson's suite gpu-paths).
 #   torch: the Python binding on the GPU with .gpu's library: its torch tests, then benchmarks/bench_torch.py
 #       --host (host cost per call) and its fwd+bwd table (TORCH_OPS, default ce,kd,linear_ce) against the
@@ -52,6 +53,19 @@ for step in $steps; do
           [ $rc -ne 0 ] && [ $rc -ne 77 ] && tail -20 "$OUT/path_${force}_${op}_$prog.log"
         done
       done ;;
+    rust)  # the Rust binding's NCCL mode on the visible GPUs (up to two ranks), when gpu-pack.sh built it
+      if [ -x .gpu/bin/rust_nccl_mode_gpu ]; then
+        nccl=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+          LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$PWD/.gpu/rt${nccl:+:$nccl}" .gpu/bin/rust_nccl_mode_gpu --nocapture \
+          > "$OUT/rust_nccl_mode_gpu.log" 2>&1
+        rc=$?
+        case $rc in 0) pass=$((pass+1)); r=PASS;; *) fail=$((fail+1)); r="FAIL($rc)";; esac
+        summary+=("rust NCCL mode $r: $(grep -m1 'NCCL mode over\|no CUDA device' "$OUT/rust_nccl_mode_gpu.log")")
+        [ $rc -ne 0 ] && tail -20 "$OUT/rust_nccl_mode_gpu.log"
+      else
+        skip=$((skip+1)); summary+=("rust NCCL mode SKIP (not packed: no cargo where gpu-pack.sh ran)")
+      fi ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
         filter='CrossEntropy.ShapesDtypesReductions:CrossEntropy.EveryOption:CrossEntropy.FewRows*:CrossEntropy.ManyRowsFusedGradient:Logsumexp.*:TempSoftmax.*:KdLoss.FullVocabularyDivergences:KdLoss.TopK:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:LinearCrossEntropy.*'
