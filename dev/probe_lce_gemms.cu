@@ -179,10 +179,19 @@ struct Operands {
   }
 };
 
+// The chunk's GEMM of `kind` (0 logits, 1 dhidden, 2 dweight) for the tokens [r0, r0 + rows).
+Gemm chunk_gemm(const Operands& o, int kind, int H, int V, int r0, int rows) {
+  if (kind == 0)
+    return Gemm{CUBLAS_OP_T, CUBLAS_OP_N, V, rows, H, o.w, H, o.hid + size_t(r0) * H, H, o.dl, CUDA_R_16BF, o.ldl};
+  if (kind == 1)
+    return Gemm{CUBLAS_OP_N, CUBLAS_OP_N, H, rows, V, o.w, H, o.dl + size_t(r0) * o.ldl, o.ldl,
+                o.dh + size_t(r0) * H, CUDA_R_16BF, H};
+  return Gemm{CUBLAS_OP_N, CUBLAS_OP_T, H, V, rows, o.hid + size_t(r0) * H, H, o.dl + size_t(r0) * o.ldl, o.ldl, o.dw,
+              CUDA_R_16BF, H};
+}
+
 int gemm_mode(const std::string& which, int N, int H, int V, std::vector<int> cs, int lt_algos, int rounds) {
   const Operands o(N, H, V);
-  const int ldl = o.ldl;
-  __nv_bfloat16 *hid = o.hid, *w = o.w, *dl = o.dl, *dh = o.dh, *dw = o.dw;
   const int kind = which == "logits" ? 0 : which == "dhidden" ? 1 : 2;
   CK(cublasCreate(&g_blas));
   CK(cublasSetMathMode(g_blas, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
@@ -191,14 +200,7 @@ int gemm_mode(const std::string& which, int N, int H, int V, std::vector<int> cs
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   const double flop = 2.0 * N * double(H) * V;
-  auto gemm = [&](int r0, int rows) {
-    if (kind == 0) return Gemm{CUBLAS_OP_T, CUBLAS_OP_N, V, rows, H, w, H, hid + size_t(r0) * H, H, dl, CUDA_R_16BF, ldl};
-    if (kind == 1)
-      return Gemm{CUBLAS_OP_N, CUBLAS_OP_N, H, rows, V, w, H, dl + size_t(r0) * ldl, ldl, dh + size_t(r0) * H,
-                  CUDA_R_16BF, H};
-    return Gemm{CUBLAS_OP_N, CUBLAS_OP_T, H, V, rows, hid + size_t(r0) * H, H, dl + size_t(r0) * ldl, ldl, dw,
-                CUDA_R_16BF, H};
-  };
+  auto gemm = [&](int r0, int rows) { return chunk_gemm(o, kind, H, V, r0, rows); };
   auto beta = [&](int r0) { return kind == 2 && r0 ? 1.f : 0.f; };
   std::printf("%s, %d SMs; %s GEMMs, N=%d H=%d V=%d; median ms over %d rounds (TFLOP/s, %% of the whole "
               "GEMM's rate in the same rounds)\n",
@@ -255,21 +257,12 @@ int gemm_mode(const std::string& which, int N, int H, int V, std::vector<int> cs
 int search_mode(const std::string& which, int N, int H, int V, int C, int top, int rounds) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   const Operands o(N, H, V);
-  const int ldl = o.ldl;
-  __nv_bfloat16 *hid = o.hid, *w = o.w, *dl = o.dl, *dh = o.dh, *dw = o.dw;
   const int kind = which == "logits" ? 0 : which == "dhidden" ? 1 : 2;
   CK(cublasCreate(&g_blas));
   CK(cublasSetMathMode(g_blas, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   CK(cublasSetWorkspace(g_blas, g_ws, kWs));
   CK(cublasLtCreate(&g_lt));
-  auto gemm = [&](int r0, int rows) {
-    if (kind == 0) return Gemm{CUBLAS_OP_T, CUBLAS_OP_N, V, rows, H, w, H, hid + size_t(r0) * H, H, dl, CUDA_R_16BF, ldl};
-    if (kind == 1)
-      return Gemm{CUBLAS_OP_N, CUBLAS_OP_N, H, rows, V, w, H, dl + size_t(r0) * ldl, ldl, dh + size_t(r0) * H,
-                  CUDA_R_16BF, H};
-    return Gemm{CUBLAS_OP_N, CUBLAS_OP_T, H, V, rows, hid + size_t(r0) * H, H, dl + size_t(r0) * ldl, ldl, dw,
-                CUDA_R_16BF, H};
-  };
+  auto gemm = [&](int r0, int rows) { return chunk_gemm(o, kind, H, V, r0, rows); };
   auto beta = [&](int r0) { return kind == 2 && r0 ? 1.f : 0.f; };
   std::vector<std::pair<int, int>> chunks;
   for (int r = 0; r < N; r += C) chunks.push_back({r, std::min(C, N - r)});

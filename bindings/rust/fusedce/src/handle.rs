@@ -88,6 +88,17 @@ fn mptr(t: &mut Option<sys::DLTensor>) -> *mut sys::DLTensor {
     t.as_mut().map_or(ptr::null_mut(), |t| t as *mut sys::DLTensor)
 }
 
+/// The in-place forward forms write the gradient over the logits: `outputs.dlogits` must be None.
+fn no_dlogits(outputs: &CeOutputs<'_>, call: &str) -> Result<()> {
+    if outputs.dlogits.is_some() {
+        return Err(Error::new(
+            Status::INVALID_ARGUMENT,
+            format!("fusedce (Rust): {} writes the gradient into the logits; outputs.dlogits must be None", call),
+        ));
+    }
+    Ok(())
+}
+
 /// Calls `f` with the C outputs struct of `outputs` (its DLTensors live for the call), `dlogits`
 /// replacing outputs.dlogits where given (the in-place gradient: the logits themselves).
 fn with_ce_outputs(
@@ -234,12 +245,7 @@ impl Handle {
         options: &CeOptions<'_>,
         outputs: &mut CeOutputs<'_>,
     ) -> Result<()> {
-        if outputs.dlogits.is_some() {
-            return Err(Error::new(
-                Status::INVALID_ARGUMENT,
-                "fusedce (Rust): cross_entropy_fwd_in_place writes the gradient into the logits; outputs.dlogits must be None",
-            ));
-        }
+        no_dlogits(outputs, "cross_entropy_fwd_in_place")?;
         let mut l = logits.as_dl();
         self.ce_fwd(&mut l, targets, options, outputs, true, None, Call::Run)
     }
@@ -298,12 +304,7 @@ impl Handle {
         options: &CeOptions<'_>,
         outputs: &mut CeOutputs<'_>,
     ) -> Result<()> {
-        if outputs.dlogits.is_some() {
-            return Err(Error::new(
-                Status::INVALID_ARGUMENT,
-                "fusedce (Rust): cross_entropy_fwd_vp_in_place writes the gradient into the logits; outputs.dlogits must be None",
-            ));
-        }
+        no_dlogits(outputs, "cross_entropy_fwd_vp_in_place")?;
         let mut l = logits.as_dl();
         self.ce_fwd(&mut l, targets, options, outputs, true, Some(comm), Call::Run)
     }

@@ -115,6 +115,24 @@ fn cols(x: &[f32], s: usize, e: usize) -> Vec<f32> {
 /// What each op returns: (name, values) in a fixed order.
 type Results = Vec<(&'static str, Vec<f32>)>;
 
+const NAMES: [&str; 11] = [
+    "ce loss",
+    "ce lse",
+    "ce dlogits",
+    "lse at 1/T",
+    "softmax probs",
+    "kd loss",
+    "kd dstudent",
+    "lce loss",
+    "lce lse",
+    "lce dhidden",
+    "lce dweight",
+];
+
+fn named(values: Vec<Vec<f32>>) -> Results {
+    NAMES.iter().copied().zip(values).collect()
+}
+
 struct Inputs {
     logits: Vec<f32>,
     teacher: Vec<f32>,
@@ -173,19 +191,19 @@ fn unsharded(inp: &Inputs) -> Results {
         &mut LinearCeOutputs::new(ll.m(&[])).lse(llse.m(&[n])).dhidden(dh.m(&[n, hd])).dweight(dw.m(&[v, hd])),
     )
     .unwrap();
-    vec![
-        ("ce loss", loss.get()),
-        ("ce lse", lse.get()),
-        ("ce dlogits", dl.get()),
-        ("lse at 1/T", lse_t.get()),
-        ("softmax probs", probs.get()),
-        ("kd loss", kl.get()),
-        ("kd dstudent", ds.get()),
-        ("lce loss", ll.get()),
-        ("lce lse", llse.get()),
-        ("lce dhidden", dh.get()),
-        ("lce dweight", dw.get()),
-    ]
+    named(vec![
+        loss.get(),
+        lse.get(),
+        dl.get(),
+        lse_t.get(),
+        probs.get(),
+        kl.get(),
+        ds.get(),
+        ll.get(),
+        llse.get(),
+        dh.get(),
+        dw.get(),
+    ])
 }
 
 /// One rank's calls on its shard [s, e); the sharded outputs come back as the rank's columns (rows of
@@ -286,20 +304,21 @@ fn rank(r: i32, w: i32, nccl: usize, s: usize, e: usize, inp: &Inputs) -> Result
     }
     let st = stats.get();
     assert!(st.iter().all(|x| !x.is_nan()), "row statistics written");
-    vec![
-        ("ce loss", loss.get()),
-        ("ce lse", lse.get()),
-        ("ce dlogits", dl.get()),
-        ("lse at 1/T", lse_t.get()),
-        ("softmax probs", probs.get()),
-        ("kd loss", kl.get()),
-        ("kd dstudent", ds.get()),
-        ("lce loss", ll.get()),
-        ("lce lse", llse.get()),
-        ("lce dhidden", dh.get()),
-        ("lce dweight", dw.get()),
-        ("softmax's lse (vs lse at 1/T)", sm_lse.get()),
-    ]
+    let mut r = named(vec![
+        loss.get(),
+        lse.get(),
+        dl.get(),
+        lse_t.get(),
+        probs.get(),
+        kl.get(),
+        ds.get(),
+        ll.get(),
+        llse.get(),
+        dh.get(),
+        dw.get(),
+    ]);
+    r.push(("softmax's lse (vs lse at 1/T)", sm_lse.get()));
+    r
 }
 
 #[test]
