@@ -179,6 +179,19 @@ struct Operands {
   }
 };
 
+// Rows of a rounds table: each variant's median (min..max) over its rounds, its rate, and its rate against
+// the first variant's.
+void print_rows(const std::vector<std::string>& names, std::vector<std::vector<float>>& t, double flop) {
+  std::vector<float> med(t.size());
+  for (size_t v = 0; v < t.size(); ++v) {
+    std::sort(t[v].begin(), t[v].end());
+    med[v] = t[v][t[v].size() / 2];
+  }
+  for (size_t v = 0; v < t.size(); ++v)
+    std::printf("| %s | %.3f (%.3f..%.3f) | %.0f | %.1f%% |\n", names[v].c_str(), med[v], t[v].front(), t[v].back(),
+                flop / med[v] / 1e9, 100.0 * med[0] / med[v]);
+}
+
 // The chunk's GEMM of `kind` (0 logits, 1 dhidden, 2 dweight) for the tokens [r0, r0 + rows).
 Gemm chunk_gemm(const Operands& o, int kind, int H, int V, int r0, int rows) {
   if (kind == 0)
@@ -352,14 +365,7 @@ int search_mode(const std::string& which, int N, int H, int V, int C, int top, i
   const double flop = 2.0 * N * double(H) * V;
   std::printf("\n%s GEMMs, N=%d H=%d V=%d over chunks of %d rows; median of %d rounds\n| variant | ms (min..max) | "
               "TFLOP/s | of GemmEx |\n|---|---|---|---|\n", which.c_str(), N, H, V, C, rounds);
-  std::vector<float> med(nv);
-  for (size_t v = 0; v < nv; ++v) {
-    std::sort(t[v].begin(), t[v].end());
-    med[v] = t[v][t[v].size() / 2];
-  }
-  for (size_t v = 0; v < nv; ++v)
-    std::printf("| %s | %.3f (%.3f..%.3f) | %.0f | %.1f%% |\n", names[v].c_str(), med[v], t[v].front(), t[v].back(),
-                flop / med[v] / 1e9, 100.0 * med[0] / med[v]);
+  print_rows(names, t, flop);
   return 0;
 }
 
@@ -463,14 +469,7 @@ int fwdblocks_mode(int N, int H, int V, int C, std::vector<int> vbs, int rounds)
   const double flop = 2.0 * C * double(H) * V;
   std::printf("forward of one %d-token chunk, H=%d V=%d, %d rounds, medians\n| variant | ms (min..max) | TFLOP/s | of "
               "the whole GEMM alone |\n|---|---|---|---|\n", C, H, V, rounds);
-  std::vector<float> med(nv);
-  for (size_t v = 0; v < nv; ++v) {
-    std::sort(t[v].begin(), t[v].end());
-    med[v] = t[v][t[v].size() / 2];
-  }
-  for (size_t v = 0; v < nv; ++v)
-    std::printf("| %s | %.3f (%.3f..%.3f) | %.0f | %.1f%% |\n", names[v].c_str(), med[v], t[v].front(), t[v].back(),
-                flop / med[v] / 1e9, 100.0 * med[0] / med[v]);
+  print_rows(names, t, flop);
   return 0;
 }
 

@@ -129,8 +129,9 @@ const NAMES: [&str; 11] = [
     "lce dweight",
 ];
 
-fn named(values: Vec<Vec<f32>>) -> Results {
-    NAMES.iter().copied().zip(values).collect()
+/// The outputs of the ops, in NAMES' order, copied back from the device.
+fn named(outputs: [&Buf; 11]) -> Results {
+    NAMES.iter().copied().zip(outputs.iter().map(|b| b.get())).collect()
 }
 
 struct Inputs {
@@ -191,19 +192,7 @@ fn unsharded(inp: &Inputs) -> Results {
         &mut LinearCeOutputs::new(ll.m(&[])).lse(llse.m(&[n])).dhidden(dh.m(&[n, hd])).dweight(dw.m(&[v, hd])),
     )
     .unwrap();
-    named(vec![
-        loss.get(),
-        lse.get(),
-        dl.get(),
-        lse_t.get(),
-        probs.get(),
-        kl.get(),
-        ds.get(),
-        ll.get(),
-        llse.get(),
-        dh.get(),
-        dw.get(),
-    ])
+    named([&loss, &lse, &dl, &lse_t, &probs, &kl, &ds, &ll, &llse, &dh, &dw])
 }
 
 /// One rank's calls on its shard [s, e); the sharded outputs come back as the rank's columns (rows of
@@ -304,19 +293,7 @@ fn rank(r: i32, w: i32, nccl: usize, s: usize, e: usize, inp: &Inputs) -> Result
     }
     let st = stats.get();
     assert!(st.iter().all(|x| !x.is_nan()), "row statistics written");
-    let mut r = named(vec![
-        loss.get(),
-        lse.get(),
-        dl.get(),
-        lse_t.get(),
-        probs.get(),
-        kl.get(),
-        ds.get(),
-        ll.get(),
-        llse.get(),
-        dh.get(),
-        dw.get(),
-    ]);
+    let mut r = named([&loss, &lse, &dl, &lse_t, &probs, &kl, &ds, &ll, &llse, &dh, &dw]);
     r.push(("softmax's lse (vs lse at 1/T)", sm_lse.get()));
     r
 }
