@@ -377,14 +377,18 @@ Base.getindex(s::CStruct{T}) where {T} = GC.@preserve s unsafe_load(Ptr{T}(point
 """
     _cstruct(T; fields...)
 
-A `CStruct{T}` filled by the library's init function (see `_init!`), then with `fields` set.
+A `CStruct{T}` filled by the library's init function (see `_init!`), then with `fields` set. A name
+that is not a field of `T` throws (it would otherwise leave the field at its default unnoticed).
 """
 function _cstruct(::Type{T}; fields...) where {T}
+    kw = (; fields...)
+    for k in keys(kw)
+        hasfield(T, k) || throw(ArgumentError("FusedCE: $(T) has no field $(k)"))
+    end
     buf = Vector{UInt8}(undef, sizeof(T))
     GC.@preserve buf begin
         p = _init!(Ptr{T}(pointer(buf)))
         v = unsafe_load(p)
-        kw = (; fields...)
         v = T(ntuple(i -> get(kw, fieldname(T, i), getfield(v, i)), fieldcount(T))...)
         unsafe_store!(p, v)
     end

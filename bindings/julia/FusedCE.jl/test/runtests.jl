@@ -237,6 +237,8 @@ end
     # a struct for a call: the library's defaults, with the fields given
     s = FusedCE._cstruct(L.fce_kd_options_t; beta = 0.25f0)
     @test s[].beta == 0.25f0 && s[].temperature == 1.0f0 && s[].struct_size == sizeof(L.fce_kd_options_t)
+    # a name that is no field (a misspelling) throws instead of leaving the field at its default
+    @test_throws ArgumentError FusedCE._cstruct(L.fce_kd_options_t; bta = 0.25f0)
 end
 
 V, N = 11, 7
