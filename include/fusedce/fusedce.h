@@ -1105,7 +1105,14 @@ FCE_API fce_status_t fce_linear_ce_outputs_init(fce_linear_ce_outputs_t* outputs
  * the inputs' dtype before the gradient GEMMs (fp32 accumulation). fp32 inputs stay fp32 throughout.
  * Gradients requested in `outputs` are computed in the same call (6*N*H*V flops); forward only is
  * 2*N*H*V. GEMMs go through cuBLAS and cuBLASLt on the GPU (fp32 accumulation, no split-K) and BLAS
- * (OpenBLAS) on the CPU.
+ * (OpenBLAS) on the CPU. One exception (since 0.2.0): the forward alone on a compute capability 9.0 GPU
+ * (H100, H200) with bf16 inputs and no bias, asking for loss, lse and z_loss only (no argmax, entropy or
+ * gradient; softcap 0, logit_scale 1; label smoothing only without class weights), runs one fused GEMM of
+ * the library's own (CUTLASS, where the build had its headers: fce_build_info's cuda_architectures then lists
+ * sm_90a) that never writes the logits. Each 256-column tile of the logits, rounded to bf16 as above, gives
+ * a row its max, sum of exp, sum and the target's logit, merged per row in a fixed order (fp64), as the
+ * vocabulary-parallel combine merges shards. Same bits run to run, whatever the workspace; not the chunked
+ * path's bits (another GEMM's summation order, another merge), within fp32 rounding of the same statistics.
  * @param hidden  [N,H] fp32, bf16 or fp16.
  * @param weight  [V,H], same dtype as hidden.
  * @param bias    optional [V], same dtype as hidden.

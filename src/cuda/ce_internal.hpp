@@ -53,8 +53,10 @@ void ce_finalize(cudaStream_t s, const float* loss_rows, const float* zl_rows, i
 
 // The combine's per-row outputs of p's rows (vocab_parallel.cu's kernel, no reduction): losses into loss_rows
 // (and zl_rows), p.lse, p.entropy, p.argmax; prep from ce_prep over the call's targets and vocab_total when
-// ce_needs_prep.
+// ce_needs_prep. many_shards (linear CE's fused forward: hundreds of loss records a row) merges each row's
+// records with a warp, lane by lane then over the lanes, instead of one thread in shard order: other bits
+// than fce_cross_entropy_combine's (and the CPU's), so only for records that never leave the library.
 void ce_combine_rows(cudaStream_t s, const CeCombineProblem& p, const double* prep, float* loss_rows,
-                     float* zl_rows);
+                     float* zl_rows, bool many_shards = false);
 
 }  // namespace fce::cuda

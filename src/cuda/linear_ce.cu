@@ -7,12 +7,16 @@
 // A vocabulary shard runs the same loop over its real weight rows: the partial writes each chunk's records;
 // the backward forms dlogits from the whole rows' lse (CeParams col0, vt); NCCL mode gathers and combines
 // each chunk's records before its gradient, and sums the ranks' fp32 dhidden once at the end, in rank order.
+// The forward alone on an sm_90 device (bf16, no bias): the fused GEMM of lce_fused.hpp writes records, never
+// logits, and the vocabulary-parallel combine merges them (run_fused).
 #include <algorithm>
 
 #include "common/comm.hpp"
+#include "common/force_path.hpp"
 #include "cuda/blas.hpp"
 #include "cuda/ce_internal.hpp"
 #include "cuda/common.cuh"
+#include "cuda/lce_fused.hpp"
 
 namespace fce::cuda {
 namespace {
@@ -130,6 +134,116 @@ struct LceLayout {
   }
 };
 
+// ---- the fused forward (lce_fused.hpp) ----------------------------------------------------------------------
+
+// The records' budget of the default plan: [tiles, C, 4] fp32 (C up to 21120 tokens at V = 151936).
+constexpr size_t kFusedRecordsBytes = size_t(192) << 20;
+
+LceFusedArgs fused_args(fce_handle* h, const LinearCeProblem& p, int64_t r0, int64_t rows, float* records) {
+  LceFusedArgs a;
+  a.hidden = p.hidden.data + size_t(r0) * size_t(p.hidden.ld) * 2;
+  a.ldh = p.hidden.ld;
+  a.weight = p.weight.data;
+  a.ldw = p.weight.ld;
+  a.rows = rows;
+  a.H = p.hidden.cols;
+  a.V = p.weight.rows;
+  a.t64 = p.targets.dtype == DType::I64;
+  a.targets = p.targets.data + size_t(r0) * (a.t64 ? 8 : 4);
+  a.records = records;
+  a.sm_count = h->caps.sm_count;
+  a.device = h->device_id;
+  return a;
+}
+
+// The forward alone, unsharded, bf16 without a bias, on a device that runs sm_90a code, with the options the
+// records of width 4 carry (no softcap, logit scale 1, no argmax or entropy; label smoothing without class
+// weights). FCE_FORCE_PATH=linear_ce:chunked turns it off, linear_ce:fused asks for it where it applies.
+bool use_fused(fce_handle* h, const LinearCeProblem& p) {
+  static const char* const kPaths[] = {"chunked", "fused"};
+  if (forced_path("linear_ce", kPaths) == 0) return false;
+#if FCE_LCE_FUSED
+  const CeOpts& o = p.o;
+  if (h->caps.arch != 90 || p.wants_grad() || p.saved_lse || p.records || p.records_width || o.sharded() ||
+      p.bias || p.argmax || p.entropy || p.hidden.dtype != DType::BF16)
+    return false;
+  if (o.softcap != 0.f || o.logit_scale != 1.f || (o.label_smoothing != 0.f && o.class_weights)) return false;
+  return lce_fused_can(fused_args(h, p, 0, p.hidden.rows, nullptr));
+#else
+  (void)h;
+  (void)p;
+  return false;
+#endif
+}
+
+// Its workspace: prep and a reduction's row losses (as the chunked plan's), then the records of C tokens. C is
+// the default plan's (all N where the records fit kFusedRecordsBytes, else equal parts in multiples of the
+// GEMM's 128-row tile), shorter only for a caller's smaller workspace; each row's records, so the results, do
+// not depend on C.
+struct FusedLayout {
+  double* prep = nullptr;
+  float *row_loss = nullptr, *row_zl = nullptr, *records = nullptr;
+  int64_t C = 0;
+  size_t total = 0;
+  FusedLayout(const LinearCeProblem& p, void* base, size_t bytes_or_zero, bool minimum) {
+    const int64_t N = p.hidden.rows;
+    const bool reduced = p.o.reduction != FCE_REDUCTION_NONE;
+    const size_t per_row = size_t(lce_fused_tiles(p.weight.rows)) * kLceFusedRecordFields * 4;
+    auto carve = [&](void* at, int64_t C_) {
+      Carver c(at);
+      prep = ce_needs_prep(p.o) ? c.take<double>(2) : nullptr;
+      row_loss = reduced ? c.take<float>(size_t(N)) : nullptr;
+      row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
+      records = c.take<float>(size_t(C_) * per_row / 4);
+      return c.used;
+    };
+    // Records within the budget, and hidden's rows within 64 MiB: at 16384 x 4096 one launch ran 10 % slower
+    // than two (each wave of CTAs, going down the tokens, reads all of its rows; L2 holds 50 MB).
+    const int64_t by_records = int64_t(kFusedRecordsBytes / per_row);
+    const int64_t by_hidden = int64_t((size_t(64) << 20) / (size_t(p.hidden.cols) * 2));
+    const int64_t fit = std::max<int64_t>(std::min(by_records, by_hidden) / 128 * 128, 128);
+    const int64_t parts = (N + fit - 1) / fit;
+    C = minimum ? 1 : parts <= 1 ? N : ((N + parts - 1) / parts + 127) / 128 * 128;
+    if (bytes_or_zero && carve(nullptr, C) > bytes_or_zero) {
+      const size_t fixed = carve(nullptr, 0);
+      FCE_CHECK(bytes_or_zero >= fixed + per_row, FCE_STATUS_WORKSPACE_TOO_SMALL,
+                "workspace of %zu bytes holds no token's records (%zu needed)", bytes_or_zero, fixed + per_row);
+      C = std::min<int64_t>(C, int64_t((bytes_or_zero - fixed) / per_row));
+    }
+    total = carve(base, C);
+  }
+};
+
+void run_fused(fce_handle* h, cudaStream_t s, const LinearCeProblem& p, Workspace w) {
+#if FCE_LCE_FUSED
+  const int64_t N = p.hidden.rows, V = p.weight.rows, T = lce_fused_tiles(V);
+  const FusedLayout lay(p, w.ptr, w.bytes, false);
+  const bool t64 = p.targets.dtype == DType::I64, none = p.o.reduction == FCE_REDUCTION_NONE;
+  if (lay.prep) ce_prep(s, p.o, p.targets.data, t64, N, V, lay.prep);
+  CeCombineProblem comb;
+  comb.W = T;
+  comb.o = p.o;
+  comb.o.vocab_total = V;  // the combine's range of the targets; the tiles are the shards
+  for (int64_t r0 = 0; r0 < N; r0 += lay.C) {
+    const int64_t rows = std::min(lay.C, N - r0);
+    lce_fused_records(s, fused_args(h, p, r0, rows, lay.records));
+    comb.records = Mat{reinterpret_cast<char*>(lay.records), DType::F32, T * rows, kLceFusedRecordFields,
+                       kLceFusedRecordFields};
+    comb.targets = Vec{p.targets.data + size_t(r0) * (t64 ? 8 : 4), p.targets.dtype, rows, false};
+    comb.lse = p.lse ? Vec{p.lse.data + size_t(r0) * 4, DType::F32, rows, false} : Vec{};
+    float* lr = (none ? reinterpret_cast<float*>(p.loss.data) : lay.row_loss) + r0;
+    float* zr = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) + r0 : nullptr) : lay.row_zl + r0;
+    ce_combine_rows(s, comb, lay.prep, lr, zr, true);
+  }
+  if (!none)
+    ce_finalize(s, lay.row_loss, lay.row_zl, N, p.o.reduction, lay.prep, reinterpret_cast<float*>(p.loss.data),
+                p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr);
+#else
+  (void)h, (void)s, (void)p, (void)w;
+  raise(FCE_STATUS_INTERNAL_ERROR, "the fused linear cross-entropy path is not built");
+#endif
+}
+
 // Grid rows stride by gridDim.y: grid.y is capped at 65535.
 template <class T>
 __global__ void bias_rows_kernel(T* logits, int64_t rows, int64_t ldl, int64_t V, const T* bias) {
@@ -177,6 +291,7 @@ struct VpStep {
 void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace w, const VpStep* vp) {
   DeviceGuard guard(h->device_id);
   const cudaStream_t s = stream_of(stream);
+  if (!vp && use_fused(h, p)) return run_fused(h, s, p, w);
   // A vocabulary shard's padding rows of the weight are never read: V is the real rows from here on.
   const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.real_rows(), ldl = padded(V);
   const DType dt = p.hidden.dtype;
@@ -355,6 +470,7 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
 }  // namespace
 
 size_t linear_ce_workspace(fce_handle* h, const LinearCeProblem& p, bool minimum) {
+  if (use_fused(h, p)) return FusedLayout(p, nullptr, 0, minimum).total;
   return LceLayout(h, p, nullptr, 0, minimum).total;
 }
 

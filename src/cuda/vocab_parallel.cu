@@ -77,11 +77,8 @@ void launch_partial(const VpArgs& a, cudaStream_t s) {
   else vp_partial_kernel<T, kSoftcap, false, false><<<n, kRowThreads, 0, s>>>(a);
 }
 
-// One thread per row: the records of the W shards merged in rank order (fp64), the row's outputs.
-__global__ void vp_combine_kernel(VpArgs a) {
-  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i >= a.N) return;
-  const CeCombined m = ce_combine_records(a.rec + i * a.K, a.W, a.N * a.K, a.K);
+// A row's outputs from its combined statistics.
+__device__ void combine_finish(const VpArgs& a, int64_t i, const CeCombined& m) {
   const float lse = m.lse, ent = m.entropy;
   const int64_t t = load_index(a.targets, a.t64, i);
   float loss = 0.f, zl = 0.f;
@@ -100,6 +97,44 @@ __global__ void vp_combine_kernel(VpArgs a) {
     if (a.a64) static_cast<int64_t*>(a.argmax)[i] = ai;
     else static_cast<int32_t*>(a.argmax)[i] = int32_t(ai);
   }
+}
+
+// One thread per row: the records of the W shards merged in rank order (fp64), the row's outputs.
+__global__ void vp_combine_kernel(VpArgs a) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= a.N) return;
+  combine_finish(a, i, ce_combine_records(a.rec + i * a.K, a.W, a.N * a.K, a.K));
+}
+
+// A warp per row, for many shards of loss records (K = 4; linear CE's fused forward has one per 256-column
+// tile): lane l merges shards l, l + 32, ... in order (ce_combine_records), then lane 0 merges the lanes'
+// lse, target logits and sums in lane order (fp64). A fixed order: the same bits run to run.
+__global__ void vp_combine_warp_kernel(VpArgs a) {
+  const int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (i >= a.N) return;
+  const int64_t w = a.W > lane ? (a.W - lane + 31) / 32 : 0;
+  const CeCombined c = w ? ce_combine_records(a.rec + (int64_t(lane) * a.N + i) * a.K, w, 32 * a.N * a.K, a.K)
+                         : CeCombined{-INFINITY, NAN, 0.0, 0.0, kNoRecordIndex};
+  float lse[32];
+  double zt = 0, swz = 0;
+  for (int l = 0; l < 32; ++l) {
+    lse[l] = __shfl_sync(0xffffffffu, c.lse, l);
+    zt += __shfl_sync(0xffffffffu, c.zt, l);
+    swz += __shfl_sync(0xffffffffu, c.swz, l);
+  }
+  if (lane != 0) return;
+  bool nan = false;
+  float M = -INFINITY;
+  for (int l = 0; l < 32; ++l) {
+    if (lse[l] != lse[l]) nan = true;
+    else if (lse[l] > M) M = lse[l];
+  }
+  double D = 0;
+  for (int l = 0; l < 32; ++l)
+    if (!nan && M != -INFINITY && lse[l] != -INFINITY) D += ::exp(double(lse[l]) - double(M));
+  CeCombined m{nan ? NAN : M == -INFINITY ? -INFINITY : float(double(M) + ::log(D)), NAN, zt, swz, kNoRecordIndex};
+  combine_finish(a, i, m);
 }
 
 // Logsumexp's record of a shard's row: the statistics of fce_logsumexp's row kernel over the n real columns
@@ -227,7 +262,7 @@ void ce_partial(fce_handle* h, fce_stream_t stream, const CePartialProblem& p) {
 size_t ce_combine_workspace(fce_handle*, const CeCombineProblem& p) { return CombineWorkspace(p, nullptr).bytes; }
 
 void ce_combine_rows(cudaStream_t s, const CeCombineProblem& p, const double* prep, float* loss_rows,
-                     float* zl_rows) {
+                     float* zl_rows, bool many_shards) {
   const int64_t N = p.targets.n;
   VpArgs a = args_of(p.o, p.targets);
   a.N = N;
@@ -241,7 +276,10 @@ void ce_combine_rows(cudaStream_t s, const CeCombineProblem& p, const double* pr
   a.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) : nullptr;
   a.argmax = p.argmax ? p.argmax.data : nullptr;
   a.a64 = p.argmax && p.argmax.dtype == DType::I64;
-  vp_combine_kernel<<<unsigned((N + 127) / 128), 128, 0, s>>>(a);
+  if (many_shards && a.K == kCeRecordLoss && !a.entropy && !a.argmax)
+    vp_combine_warp_kernel<<<unsigned((N + 3) / 4), 128, 0, s>>>(a);
+  else
+    vp_combine_kernel<<<unsigned((N + 127) / 128), 128, 0, s>>>(a);
   check_launch("vocabulary-parallel combine kernel");
 }
 

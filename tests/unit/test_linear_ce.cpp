@@ -14,6 +14,7 @@ struct LceCase {
   int ws_rows = 0;  // 0: NULL workspace (default chunk); 1: the one-token minimum; k: k * minimum;
                     // -1: a caller's workspace of the size the query reports for this very call
   DT grad_dt = DT::F32;
+  bool forward_only = false;  // no gradient asked for: loss, lse and z-loss only
 };
 
 void run_case(const LceCase& lc) {
@@ -21,7 +22,8 @@ void run_case(const LceCase& lc) {
   SCOPED_TRACE(::testing::Message() << "N=" << c.N << " H=" << lc.H << " V=" << c.V << " " << dt_name(c.dt)
                                     << " bias=" << lc.bias << " ws_rows=" << lc.ws_rows << " red=" << c.reduction
                                     << " eps=" << c.eps << " zq=" << c.zq << " cap=" << c.cap << " grad_dt="
-                                    << dt_name(lc.grad_dt));
+                                    << dt_name(lc.grad_dt) << " weights=" << c.weights
+                                    << " forward_only=" << lc.forward_only);
   Handle h;
   const int64_t N = c.N, V = c.V, H = lc.H;
   Tensor hidden(c.dt, {N, H}), weight(c.dt, {V, H}), bias(c.dt, {V});
@@ -30,7 +32,7 @@ void run_case(const LceCase& lc) {
   std::normal_distribution<double> nd(0, 1);
   for (int64_t v = 0; v < V; ++v) bias.set(v, lc.bias ? nd(rng()) : 0.0);
   bias.upload();
-  Tensor targets(DT::I64, {N});
+  Tensor targets(c.tdt, {N});
   std::vector<int64_t> tg(N);
   for (int64_t i = 0; i < N; ++i) {
     tg[i] = i % 5 == 3 ? -100 : int64_t(rng()() % uint64_t(V));
@@ -45,18 +47,21 @@ void run_case(const LceCase& lc) {
       for (int64_t k = 0; k < H; ++k) acc += hv[size_t(i * H + k)] * wv[size_t(v * H + k)];
       x[size_t(i * V + v)] = acc;
     }
-  const Ref ref = reference(c, x, tg, {}, {});
+  std::vector<double> wts;
+  Tensor weights = class_weights(c, V, wts);
+  const Ref ref = reference(c, x, tg, wts, {});
 
-  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
-  o.reduction = c.reduction; o.label_smoothing = float(c.eps); o.z_loss_scale = float(c.zq); o.softcap = float(c.cap);
-  o.logit_scale = float(c.scale);
+  fce_ce_options_t o = options_of(c, weights);
   const bool none = c.reduction == FCE_REDUCTION_NONE;
   Tensor loss = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
+  Tensor zl = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {});
   Tensor lse(DT::F32, {N}), dh(lc.grad_dt, {N, H}), dw(lc.grad_dt, {V, H}), db(lc.grad_dt, {V});
-  for (Tensor* t : {&loss, &lse, &dh, &dw, &db}) { t->poison(); t->upload(); }
+  for (Tensor* t : {&loss, &zl, &lse, &dh, &dw, &db}) { t->poison(); t->upload(); }
   fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
-  out.loss = loss.dl(); out.lse = lse.dl(); out.dhidden = dh.dl(); out.dweight = dw.dl();
-  if (lc.bias) out.dbias = db.dl();
+  out.loss = loss.dl(); out.lse = lse.dl();
+  if (lc.forward_only) out.z_loss = zl.dl();
+  else { out.dhidden = dh.dl(); out.dweight = dw.dl(); }
+  if (lc.bias && !lc.forward_only) out.dbias = db.dl();
   const DLTensor* b = lc.bias ? bias.dl() : nullptr;
 
   Tensor ws;
@@ -65,7 +70,8 @@ void run_case(const LceCase& lc) {
     // The minimum workspace is what the query reports for N = 1 with the same options.
     Tensor h1(c.dt, {1, H}), t1(DT::I64, {1}), l1(DT::F32, {1}), dh1(lc.grad_dt, {1, H});
     fce_linear_ce_outputs_t o1 = out;
-    o1.loss = none ? l1.dl() : loss.dl(); o1.lse = nullptr; o1.dhidden = dh1.dl();
+    o1.loss = none ? l1.dl() : loss.dl(); o1.lse = nullptr; o1.dhidden = lc.forward_only ? nullptr : dh1.dl();
+    o1.z_loss = nullptr;
     size_t one = 0;
     FCE_OK(fce_linear_cross_entropy_fwd_workspace_size(h, h1.dl(), weight.dl(), b, t1.dl(), &o, &o1, &one));
     ws_bytes = one * size_t(lc.ws_rows);
@@ -78,16 +84,37 @@ void run_case(const LceCase& lc) {
   }
   FCE_OK(fce_linear_cross_entropy_fwd(h, test_stream(), hidden.dl(), weight.dl(), b, targets.dl(), &o, &out,
                                       lc.ws_rows ? ws.dl()->data : nullptr, ws_bytes));
-  for (Tensor* t : {&loss, &lse, &dh, &dw, &db}) t->download();
+  for (Tensor* t : {&loss, &zl, &lse, &dh, &dw, &db}) t->download();
   // The logits rounded to the inputs' dtype: the bounds of ce_reference.hpp's linear_ce_grads.
   const double u = logit_roundoff(c.dt);
   const std::vector<double> zabs = scaled_row_max(c, x, N, V);
   auto row_tol = [&](int64_t i) { return linear_row_tol(c, ref, u, zabs, i); };
-  double mean_tol = 0;
-  for (int64_t i = 0; i < N; ++i) mean_tol = std::max(mean_tol, row_tol(i));
+  // A mean's error is at most the largest row's; a sum's the rows' weighted sum.
+  double mean_tol = 0, sum_tol = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    mean_tol = std::max(mean_tol, row_tol(i));
+    sum_tol += row_tol(i) * (wts.empty() || tg[i] < 0 || tg[i] >= V ? 1.0 : wts[size_t(tg[i])]);
+  }
   for (int64_t i = 0; i < N; ++i) ASSERT_TRUE(close(lse.get(i), ref.lse[i], 1e-5, row_tol(i))) << "lse " << i;
   if (none) for (int64_t i = 0; i < N; ++i) ASSERT_TRUE(close(loss.get(i), ref.loss[i], 1e-4, row_tol(i))) << "loss " << i;
-  else ASSERT_TRUE(close(loss.get(0), ref.total, 1e-4, mean_tol));
+  else ASSERT_TRUE(close(loss.get(0), ref.total, 1e-4, c.reduction == FCE_REDUCTION_SUM ? sum_tol : mean_tol));
+  if (lc.forward_only) {
+    // z-loss = zq * lse^2 per row (ignored rows 0): its error is 2 zq |lse| times lse's.
+    if (none)
+      for (int64_t i = 0; i < N; ++i)
+        ASSERT_TRUE(close(zl.get(i), ref.zl[i], 1e-4, 2 * c.zq * std::fabs(ref.lse[i]) * row_tol(i) + 1e-7))
+            << "z_loss " << i;
+    // The same call again gives the same bits.
+    Tensor loss2 = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {}), lse2(DT::F32, {N});
+    for (Tensor* t : {&loss2, &lse2}) { t->poison(); t->upload(); }
+    fce_linear_ce_outputs_t again = FCE_LINEAR_CE_OUTPUTS_INIT;
+    again.loss = loss2.dl(); again.lse = lse2.dl();
+    FCE_OK(fce_linear_cross_entropy_fwd(h, test_stream(), hidden.dl(), weight.dl(), b, targets.dl(), &o, &again,
+                                        lc.ws_rows ? ws.dl()->data : nullptr, ws_bytes));
+    for (Tensor* t : {&loss2, &lse2}) t->download();
+    EXPECT_TRUE(loss2.bytes() == loss.bytes() && lse2.bytes() == lse.bytes()) << "a second call changed the bits";
+    return;
+  }
 
   // Reference gradients, and the sums of |terms| that bound the error.
   const LinearCeGrads rg = linear_ce_grads(c, ref, x, tg, hv, wv, zabs, N, V, H, 0, V);
@@ -159,6 +186,44 @@ TEST(LinearCrossEntropy, ChunkSizesAgree) {
     lc.ce.reduction = FCE_REDUCTION_NONE;
     lc.ws_rows = ws_rows;
     lc.grad_dt = DT::BF16;
+    run_case(lc);
+  }
+}
+
+// The forward alone, no gradient asked for. On an sm_90 GPU bf16 without a bias takes the fused GEMM (records
+// per 256-column tile, never logits: src/cuda/linear_ce_fused.cu) and everything else the chunked path; under
+// FCE_FORCE_PATH=linear_ce:chunked (the gpu-paths suite) all of it is chunked. Vocabularies within, at and
+// across a tile (prime, 256, 4099, 129920), rows across the GEMM's 128-row tile, H a multiple of 8 (the fused
+// kernel's 16-byte rows) and not, every reduction, label smoothing, z-loss, class weights, int32 targets,
+// and one- and 7-token workspaces (the fused path's records in chunks of rows).
+TEST(LinearCrossEntropy, ForwardOnly) {
+  struct Shape {
+    int64_t N, V, H;
+  };
+  for (Shape sh : {Shape{1, 1031, 64}, Shape{37, 256, 64}, Shape{130, 4099, 72}, Shape{45, 777, 36},
+                   Shape{8, 129920, 16}})
+    for (DT dt : {DT::BF16, DT::F16, DT::F32}) {
+      LceCase lc{CeCase{sh.N, sh.V, dt}, sh.H};
+      lc.forward_only = true;
+      lc.ce.reduction = FCE_REDUCTION_NONE;
+      lc.ce.zq = 1e-3;
+      run_case(lc);
+      lc.ce.reduction = FCE_REDUCTION_MEAN;
+      lc.ce.eps = 0.1;
+      run_case(lc);
+      lc.ce.reduction = FCE_REDUCTION_SUM;
+      lc.ce.eps = 0;
+      lc.ce.weights = true;
+      lc.ce.tdt = DT::I32;
+      run_case(lc);
+      lc.ce.eps = 0.1;  // smoothing with class weights: the chunked path on every device
+      run_case(lc);
+    }
+  for (int ws_rows : {1, 7}) {
+    LceCase lc{CeCase{130, 4099, DT::BF16}, 72};
+    lc.forward_only = true;
+    lc.ce.reduction = FCE_REDUCTION_NONE;
+    lc.ws_rows = ws_rows;
     run_case(lc);
   }
 }

@@ -1,0 +1,686 @@
+// Linear CE's forward with the loss's statistics in the GEMM's epilogue: a CUTLASS sm90 warp-specialized GEMM
+// (TMA + WGMMA mainloop, bf16 inputs, fp32 accumulation) whose epilogue never stores the logits. Each output
+// tile's rows give (max, sum of exp) of their bf16-rounded logits over the tile's columns, and the target's
+// logit where the tile holds it; a second kernel merges a row's tiles in a fixed order into lse and the loss.
+// Against, in the same run: cublasGemmEx's whole logits GEMM (bf16 out, the library's math mode) and the
+// library's fce_linear_cross_entropy_fwd. Checked against a float64 lse of cuBLAS's logits.
+//
+//     probe_lce_fused N H V [ROUNDS]
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "fusedce/fusedce.h"
+
+#define CK(x)                                                                    \
+  do {                                                                           \
+    auto e_ = (x);                                                               \
+    if (int(e_) != 0) {                                                          \
+      std::fprintf(stderr, "%s:%d %s -> %d\n", __FILE__, __LINE__, #x, int(e_)); \
+      std::exit(1);                                                              \
+    }                                                                            \
+  } while (0)
+
+namespace probe {
+
+constexpr float kLog2e = 1.4426950408889634f;
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+struct CeStatsArgs {
+  const int64_t* targets = nullptr;  // [M]
+  float2* partials = nullptr;        // [ceil(N / tile N), M]: per tile (max, sum exp(x - max))
+  float* target_logit = nullptr;     // [M]
+};
+
+// An operator-style epilogue (the interface of cutlass::epilogue::collective::DefaultEpilogue, run by the sm90
+// kernels through Sm90TmaWarpSpecializedAdapter) that reduces each accumulator row instead of storing it.
+// WGMMA's accumulator layout: a warp's quad of lanes holds one row (values ((2, 2, N/8), THR_M, THR_N): mode
+// 0.1 steps 8 rows), so a row's tile reduces in registers, then over the quad by two shuffles.
+template <bool kNoop = false>
+class CeStatsEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementC = float;
+  using StrideC = cute::Stride<int64_t, cute::_1, int64_t>;
+  using ElementD = float;
+  using StrideD = StrideC;
+  using ElementOutput = float;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<float, 1, float, float>;  // unused
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  struct SharedStorage {};
+  using TensorStorage = SharedStorage;
+  using Arguments = CeStatsArgs;
+  using Params = Arguments;
+
+  template <class P>
+  static constexpr Params to_underlying_arguments(P const&, Arguments const& a, void*) {
+    return a;
+  }
+  template <class P>
+  static size_t get_workspace_size(P const&, Arguments const&) {
+    return 0;
+  }
+  template <class P>
+  static cutlass::Status initialize_workspace(P const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class P>
+  static bool can_implement(P const&, Arguments const&) {
+    return true;
+  }
+  CUTLASS_HOST_DEVICE CeStatsEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    const int M = int(get<0>(problem_shape_mnkl));
+    const int N = int(get<1>(problem_shape_mnkl));
+    auto m_coord = get<0>(blk_coord_mnkl);
+    auto n_coord = get<1>(blk_coord_mnkl);
+    Tensor cD = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(blk_shape_MNK),
+                           make_coord(m_coord, n_coord));
+    Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(cD);  // (VEC, THR_M, THR_N) -> (m, n)
+    static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "WGMMA accumulator layout expected");
+    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "WGMMA accumulator layout expected");
+    constexpr int V2 = size<0, 2>(FrgLayout{});
+    constexpr int TM = size<1>(FrgLayout{});
+    constexpr int TN = size<2>(FrgLayout{});
+    if constexpr (kNoop) {  // the mainloop alone: one accumulator per row kept
+      CUTLASS_PRAGMA_UNROLL
+      for (int tm = 0; tm < TM; ++tm) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < 2; ++v1) {
+          auto c = make_coord(make_coord(0, v1, 0), tm, 0);
+          const int row = int(get<0>(tCcD(c)));
+          if ((thread_idx & 3) == 0 && row < M) params.partials[int64_t(n_coord) * M + row] = make_float2(acc(c), 1.f);
+        }
+      }
+      return;
+    }
+    // A tile of a cluster's padding, wholly outside the problem, has nothing to write.
+    if (int(get<0>(cD(0))) >= M || int(get<1>(cD(0))) >= N) return;
+    // Columns of element (v0, v2, tn) relative to the thread's first: static. A tile wholly inside V needs no mask.
+    const int n_base = int(get<1>(tCcD(0)));
+    const bool full = int(get<1>(tCcD(size(tCcD) - 1))) < N;
+    CUTLASS_PRAGMA_UNROLL
+    for (int tm = 0; tm < TM; ++tm) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int row = int(get<0>(tCcD(make_coord(make_coord(0, v1, 0), tm, 0))));
+        auto at = [&](int v0, int v2, int tn) { return make_coord(make_coord(v0, v1, v2), tm, tn); };
+        auto col = [&](int v0, int v2, int tn) { return int(get<1>(tCcD(at(v0, v2, tn)))); };
+        // Max of the raw accumulators: rounding is monotonic, so it rounds to the max of the rounded logits.
+        float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        CUTLASS_PRAGMA_UNROLL
+        for (int tn = 0; tn < TN; ++tn) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int v2 = 0; v2 < V2; ++v2) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int v0 = 0; v0 < 2; ++v0) {
+              const float x = acc(at(v0, v2, tn));
+              float& m = m4[(v2 & 1) * 2 + v0];
+              m = full || col(v0, v2, tn) < N ? fmaxf(m, x) : m;
+            }
+          }
+        }
+        float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = __bfloat162float(__float2bfloat16_rn(mx));
+        const float nm = -mx * kLog2e;
+        float s4[4] = {0.f, 0.f, 0.f, 0.f};
+        CUTLASS_PRAGMA_UNROLL
+        for (int tn = 0; tn < TN; ++tn) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int v2 = 0; v2 < V2; ++v2) {
+            const float2 x = __bfloat1622float2(__floats2bfloat162_rn(acc(at(0, v2, tn)), acc(at(1, v2, tn))));
+            const float e0 = ex2(fmaf(x.x, kLog2e, nm)), e1 = ex2(fmaf(x.y, kLog2e, nm));
+            s4[(v2 & 1) * 2] += full || col(0, v2, tn) < N ? e0 : 0.f;
+            s4[(v2 & 1) * 2 + 1] += full || col(1, v2, tn) < N ? e1 : 0.f;
+          }
+        }
+        float s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if ((thread_idx & 3) == 0 && row < M) params.partials[int64_t(n_coord) * M + row] = make_float2(mx, s);
+        // The target's logit, where this tile holds it (one tile of the row's ceil(V / tile) does).
+        const int64_t t = row < M ? params.targets[row] : -1;
+        if (t >= n_base && t < n_base + int(size<1>(blk_shape_MNK))) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int tn = 0; tn < TN; ++tn) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int v2 = 0; v2 < V2; ++v2) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int v0 = 0; v0 < 2; ++v0) {
+                if (col(v0, v2, tn) == t) params.target_logit[row] = __bfloat162float(__float2bfloat16_rn(acc(at(v0, v2, tn))));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  Params params;
+};
+
+// Staged: the consumer warp groups round their accumulators to bf16 into a shared-memory tile and go on to the
+// next tile's mainloop; the producer warp group's epilogue warp (the kernel's epilogue-load role, idle without a
+// C operand) reduces the staged tile meanwhile. Two named barriers hand the one buffer over: kFull (staged) and
+// kEmpty (read). A collective epilogue of the sm90 warp-specialized kernels' interface (load/store per tile).
+template <int kTileM, int kTileN>
+class CeStatsStaged {
+ public:
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementC = float;
+  using StrideC = cute::Stride<int64_t, cute::_1, int64_t>;
+  using ElementD = float;
+  using StrideD = StrideC;
+  using ElementOutput = float;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<float, 1, float, float>;  // unused
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  using LoadPipeline = cutlass::PipelineTransactionAsync<0>;
+  using LoadPipelineState = cutlass::PipelineState<0>;
+  static constexpr uint32_t TmaTransactionBytes = 0;
+  static constexpr bool RequiresTransactionBytes = false;
+  using StorePipeline = cutlass::PipelineTmaStore<0>;
+  using StorePipelineState = cutlass::PipelineState<0>;
+  // 16 bytes of padding per row: a quad's 8 rows of a store fall in distinct banks.
+  static constexpr int kStride = kTileN + 8;
+  struct TensorStorage {
+    alignas(128) __nv_bfloat16 tile[kTileM * kStride];
+  };
+  using SharedStorage = TensorStorage;
+  using TensorMapStorage = TensorStorage;
+  using PipelineStorage = typename LoadPipeline::SharedStorage;
+  using Arguments = CeStatsArgs;
+  using Params = Arguments;
+  static constexpr uint32_t kBarThreads = 256 + 32;  // the consumers and the epilogue warp
+  static constexpr uint32_t kFull = 0, kEmpty = 1;   // named barriers after CUTLASS's reserved ones
+  static_assert(kTileN == 256, "one warp's 16-byte loads span a staged row");
+
+  template <class P>
+  static constexpr Params to_underlying_arguments(P const&, Arguments const& a, void*) {
+    return a;
+  }
+  template <class P>
+  static size_t get_workspace_size(P const&, Arguments const&) {
+    return 0;
+  }
+  template <class P>
+  static cutlass::Status initialize_workspace(P const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class P>
+  static bool can_implement(P const&, Arguments const&) {
+    return true;
+  }
+  template <class T>
+  CUTLASS_HOST_DEVICE static constexpr int get_load_pipe_increment(T) {
+    return 1;
+  }
+  template <class T>
+  CUTLASS_HOST_DEVICE static constexpr int get_store_pipe_increment(T) {
+    return 1;
+  }
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const&) {}
+  CUTLASS_HOST_DEVICE CeStatsStaged(Params const& p, TensorStorage&) : params(p) {}
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return true; }
+  CUTLASS_DEVICE auto load_init(Params const&, TensorMapStorage&, int32_t, int32_t) { return cute::make_tuple(nullptr); }
+  CUTLASS_DEVICE auto store_init(Params const&, TensorMapStorage&, int32_t, int32_t, int32_t) {
+    return cute::make_tuple(nullptr);
+  }
+
+  // The epilogue warp, once per tile: a lane per row (rows lane, lane + 32, ...), two passes over its staged row
+  // in column order (max, then the sum of exp): no shuffles, and the 16-byte loads of 8 lanes cover the 32 banks.
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class TiledMma>
+  CUTLASS_DEVICE LoadPipelineState load(LoadPipeline, LoadPipelineState state, ProblemShapeMNKL problem_shape_mnkl,
+                                        TileShapeMNK, TileCoordMNKL tile_coord_mnkl, TiledMma, int lane,
+                                        TensorStorage& smem, int = -1) {
+    using namespace cute;
+    const int M = int(get<0>(problem_shape_mnkl));
+    const int N = int(get<1>(problem_shape_mnkl));
+    const int n_tile = int(get<1>(tile_coord_mnkl));
+    const int m0 = int(get<0>(tile_coord_mnkl)) * kTileM, n0 = n_tile * kTileN;
+    if (tiles++ > 0) cutlass::arch::NamedBarrier::arrive(kBarThreads, kEmpty);  // the previous tile is read
+    int tg[kTileM / 32];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kTileM / 32; ++k) {
+      const int row = m0 + 32 * k + lane;
+      tg[k] = row < M ? int(params.targets[row]) - n0 : -1;
+    }
+    const int cols = min(kTileN, N - n0);  // valid columns of this tile
+    cutlass::arch::NamedBarrier::arrive_and_wait(kBarThreads, kFull);
+    if (m0 >= M || n0 >= N) return state;  // a cluster's padding tile
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kTileM / 32; ++k) {
+      const int row = m0 + 32 * k + lane;
+      const __nv_bfloat16* x = &smem.tile[(32 * k + lane) * kStride];
+      auto chunk = [&](int c, float (&v)[8]) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(x + c);
+        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          v[2 * j] = __uint_as_float(w[j] << 16);
+          v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        }
+      };
+      float m2[2] = {-INFINITY, -INFINITY};
+      if (cols == kTileN) {
+#pragma unroll 4
+        for (int c = 0; c < kTileN; c += 8) {
+          float v[8];
+          chunk(c, v);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < 8; ++j) m2[j & 1] = fmaxf(m2[j & 1], v[j]);
+        }
+      } else {
+        for (int c = 0; c < kTileN; c += 8) {
+          float v[8];
+          chunk(c, v);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < 8; ++j) m2[j & 1] = c + j < cols ? fmaxf(m2[j & 1], v[j]) : m2[j & 1];
+        }
+      }
+      const float m = fmaxf(m2[0], m2[1]);
+      const float nm = -m * kLog2e;
+      float s2[2] = {0.f, 0.f};
+      if (cols == kTileN) {
+#pragma unroll 4
+        for (int c = 0; c < kTileN; c += 8) {
+          float v[8];
+          chunk(c, v);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < 8; ++j) s2[j & 1] += ex2(fmaf(v[j], kLog2e, nm));
+        }
+      } else {
+        for (int c = 0; c < kTileN; c += 8) {
+          float v[8];
+          chunk(c, v);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < 8; ++j) s2[j & 1] += c + j < cols ? ex2(fmaf(v[j], kLog2e, nm)) : 0.f;
+        }
+      }
+      if (row < M) {
+        params.partials[int64_t(n_tile) * M + row] = make_float2(m, s2[0] + s2[1]);
+        const int t = tg[k];
+        if (t >= 0 && t < cols) params.target_logit[row] = __bfloat162float(x[t]);
+      }
+    }
+    return state;
+  }
+
+  template <class... Ts>
+  CUTLASS_DEVICE LoadPipelineState load_tail(LoadPipeline, LoadPipelineState state) {
+    return state;
+  }
+
+  // The consumers, once per tile: wait until the epilogue warp has read the previous tile, stage this one.
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
+            class TiledMma>
+  CUTLASS_DEVICE auto store(LoadPipeline, LoadPipelineState load_state, StorePipeline, StorePipelineState store_state,
+                            ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_mnk,
+                            TileCoordMNKL tile_coord_mnkl, cute::Tensor<AccEngine, AccLayout> accumulators,
+                            TiledMma tiled_mma, int thread_idx, TensorStorage& smem, int = -1) {
+    using namespace cute;
+    using FrgLayout = AccLayout;
+    static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "WGMMA accumulator layout expected");
+    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "WGMMA accumulator layout expected");
+    constexpr int V2 = size<0, 2>(FrgLayout{});
+    constexpr int TM = size<1>(FrgLayout{});
+    constexpr int TN = size<2>(FrgLayout{});
+    const int M = int(get<0>(problem_shape_mnkl));
+    const int N = int(get<1>(problem_shape_mnkl));
+    Tensor cD = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(tile_shape_mnk),
+                           make_coord(get<0>(tile_coord_mnkl), get<1>(tile_coord_mnkl)));
+    Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(cD);
+    const int m0 = int(get<0>(cD(0))), n0 = int(get<1>(cD(0)));
+    if (tiles++ > 0) cutlass::arch::NamedBarrier::arrive_and_wait(kBarThreads, kEmpty);
+    CUTLASS_PRAGMA_UNROLL
+    for (int tm = 0; tm < TM; ++tm) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int tn = 0; tn < TN; ++tn) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int v2 = 0; v2 < V2; ++v2) {
+            auto c = make_coord(make_coord(0, v1, v2), tm, tn);
+            const int r = int(get<0>(tCcD(c))) - m0, col = int(get<1>(tCcD(c))) - n0;
+            const __nv_bfloat162 v =
+                __floats2bfloat162_rn(accumulators(c), accumulators(make_coord(make_coord(1, v1, v2), tm, tn)));
+            *reinterpret_cast<__nv_bfloat162*>(&smem.tile[r * kStride + col]) = v;
+          }
+        }
+      }
+    }
+    cutlass::arch::NamedBarrier::arrive(kBarThreads, kFull);
+    return cute::make_tuple(load_state, store_state);
+  }
+
+  CUTLASS_DEVICE auto store_tail(LoadPipeline, LoadPipelineState load_state, StorePipeline,
+                                 StorePipelineState store_state) {
+    return cute::make_tuple(load_state, store_state);
+  }
+
+ private:
+  Params params;
+  int tiles = 0;
+};
+
+template <class Tile, class Cluster>
+struct StagedGemm {
+  using Epi = CeStatsStaged<int(cute::size<0>(Tile{})), int(cute::size<1>(Tile{}))>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t, cutlass::layout::RowMajor, 8,
+      cutlass::bfloat16_t, cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<int(sizeof(typename Epi::TensorStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epi,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static constexpr int kTileN = int(cute::size<1>(Tile{}));
+};
+
+using namespace cute;
+
+template <class Tile, class Cluster, class Schedule, bool kNoop = false, int kCarveout = 0>
+struct FusedGemm {
+  using Epi = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<CeStatsEpilogue<kNoop>>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t, cutlass::layout::RowMajor, 8,
+      cutlass::bfloat16_t, cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<int(sizeof(typename Epi::SharedStorage)) + kCarveout>,
+      Schedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epi,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static constexpr int kTileN = int(size<1>(Tile{}));
+};
+
+// Merges a row's tiles in order: lse = m + log(sum_t s_t 2^((m_t - m) log2 e)); loss = lse - x_target.
+__global__ void combine(const float2* partials, const float* target_logit, const int64_t* targets, int M, int T,
+                        float* lse, float* loss) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= M) return;
+  float m = -INFINITY;
+  for (int t = 0; t < T; ++t) m = fmaxf(m, partials[int64_t(t) * M + row].x);
+  float s = 0.f;
+  for (int t = 0; t < T; ++t) {
+    const float2 p = partials[int64_t(t) * M + row];
+    s += p.y * ex2((p.x - m) * kLog2e);
+  }
+  const float l = m + logf(s);
+  lse[row] = l;
+  loss[row] = targets[row] < 0 ? 0.f : l - target_logit[row];
+}
+
+__global__ void fill(__nv_bfloat16* p, size_t n, float scale, unsigned seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    unsigned x = unsigned(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    p[i] = __float2bfloat16(scale * (float(x & 0xffffff) / float(0x800000) - 1.f));
+  }
+}
+
+// float64 lse of a row of cuBLAS's bf16 logits, and its target's logit.
+__global__ void ref_rows(const __nv_bfloat16* logits, int V, const int64_t* targets, double* lse, float* tl) {
+  const int row = blockIdx.x;
+  const __nv_bfloat16* x = logits + int64_t(row) * V;
+  __shared__ double red[256];
+  double m = -INFINITY;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmax(m, double(__bfloat162float(x[j])));
+  red[threadIdx.x] = m;
+  __syncthreads();
+  for (int o = 128; o > 0; o >>= 1) {
+    if (threadIdx.x < o) red[threadIdx.x] = fmax(red[threadIdx.x], red[threadIdx.x + o]);
+    __syncthreads();
+  }
+  m = red[0];
+  __syncthreads();
+  double s = 0;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) s += exp(double(__bfloat162float(x[j])) - m);
+  red[threadIdx.x] = s;
+  __syncthreads();
+  for (int o = 128; o > 0; o >>= 1) {
+    if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    lse[row] = m + log(red[0]);
+    tl[row] = __bfloat162float(x[targets[row]]);
+  }
+}
+
+__global__ void targets_fill(int64_t* t, int M, int V) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < M) t[i] = (i % 17 == 5) ? -100 : int64_t((uint64_t(i) * 2654435761ull) % uint64_t(V));
+}
+
+float once_ms(const std::function<void()>& f) {
+  static cudaEvent_t a = nullptr, b = nullptr;
+  if (!a) {
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+  }
+  CK(cudaEventRecord(a));
+  f();
+  CK(cudaEventRecord(b));
+  CK(cudaEventSynchronize(b));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  return ms;
+}
+
+struct Problem {
+  int M, K, N;
+  __nv_bfloat16 *h, *w, *logits;
+  int64_t* targets;
+  float2* partials;
+  float *tl, *lse, *loss;
+};
+
+template <class G>
+struct Runner {
+  typename G::Gemm gemm;
+  void* ws = nullptr;
+  int T = 0;
+  std::string name;
+  bool setup(const Problem& p, int raster, int swizzle, const char* label) {
+    T = (p.N + G::kTileN - 1) / G::kTileN;
+    typename G::Kernel::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm, {p.M, p.N, p.K, 1},
+                                       {reinterpret_cast<cutlass::bfloat16_t*>(p.h),
+                                        make_stride(int64_t(p.K), _1{}, int64_t(p.M) * p.K),
+                                        reinterpret_cast<cutlass::bfloat16_t*>(p.w),
+                                        make_stride(int64_t(p.K), _1{}, int64_t(p.N) * p.K)},
+                                       {p.targets, p.partials, p.tl}};
+    using R = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params::RasterOrderOptions;
+    args.scheduler.raster_order = raster == 0 ? R::Heuristic : raster == 1 ? R::AlongM : R::AlongN;
+    args.scheduler.max_swizzle_size = swizzle;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+      std::printf("%s: cannot implement\n", label);
+      return false;
+    }
+    size_t wsb = G::Gemm::get_workspace_size(args);
+    if (wsb) CK(cudaMalloc(&ws, wsb));
+    CK(int(gemm.initialize(args, ws)));
+    name = std::string(label) + " r" + std::to_string(raster) + " s" + std::to_string(swizzle);
+    return true;
+  }
+  void run(const Problem& p) {
+    CK(int(gemm.run()));
+    combine<<<(p.M + 255) / 256, 256>>>(p.partials, p.tl, p.targets, p.M, T, p.lse, p.loss);
+  }
+};
+
+}  // namespace probe
+
+using namespace probe;
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: probe_lce_fused N H V [ROUNDS]\n");
+    return 2;
+  }
+  Problem p{};
+  p.M = std::atoi(argv[1]);
+  p.K = std::atoi(argv[2]);
+  p.N = std::atoi(argv[3]);
+  const int rounds = argc > 4 ? std::atoi(argv[4]) : 7;
+  CK(cudaMalloc(&p.h, size_t(p.M) * p.K * 2));
+  CK(cudaMalloc(&p.w, size_t(p.N) * p.K * 2));
+  CK(cudaMalloc(&p.logits, size_t(p.M) * p.N * 2));
+  CK(cudaMalloc(&p.targets, size_t(p.M) * 8));
+  CK(cudaMalloc(&p.partials, size_t(p.M) * ((p.N + 127) / 128) * 8));
+  CK(cudaMalloc(&p.tl, size_t(p.M) * 4));
+  CK(cudaMalloc(&p.lse, size_t(p.M) * 4));
+  CK(cudaMalloc(&p.loss, size_t(p.M) * 4));
+  fill<<<1024, 256>>>(p.h, size_t(p.M) * p.K, 2.f, 1);
+  fill<<<1024, 256>>>(p.w, size_t(p.N) * p.K, 0.05f, 2);
+  targets_fill<<<(p.M + 255) / 256, 256>>>(p.targets, p.M, p.N);
+  void* flush = nullptr;
+  const size_t flush_bytes = size_t(256) << 20;
+  CK(cudaMalloc(&flush, flush_bytes));
+
+  cublasHandle_t cb;
+  CK(cublasCreate(&cb));
+  CK(cublasSetMathMode(cb, CUBLAS_DEFAULT_MATH));
+  const float one = 1.f, zero = 0.f;
+  // logits^T [N, M] column-major = W [N, K] row-major times h^T: the library's column-major view.
+  auto cublas_logits = [&] {
+    CK(cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, p.N, p.M, p.K, &one, p.w, CUDA_R_16BF, p.K, p.h, CUDA_R_16BF, p.K,
+                    &zero, p.logits, CUDA_R_16BF, p.N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  };
+
+  // Reference: float64 over cuBLAS's logits.
+  cublas_logits();
+  double* ref_lse;
+  float* ref_tl;
+  CK(cudaMalloc(&ref_lse, size_t(p.M) * 8));
+  CK(cudaMalloc(&ref_tl, size_t(p.M) * 4));
+  ref_rows<<<p.M, 256>>>(p.logits, p.N, p.targets, ref_lse, ref_tl);
+  CK(cudaDeviceSynchronize());
+  std::vector<double> rl(p.M);
+  std::vector<float> rt(p.M);
+  std::vector<int64_t> tg(p.M);
+  CK(cudaMemcpy(rl.data(), ref_lse, size_t(p.M) * 8, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(rt.data(), ref_tl, size_t(p.M) * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(tg.data(), p.targets, size_t(p.M) * 8, cudaMemcpyDeviceToHost));
+
+  // The library's forward (loss + lse), for the same run.
+  fce_handle_t lib = nullptr;
+  CK(fce_handle_create(kDLCUDA, 0, &lib));
+  int64_t shp_h[2] = {p.M, p.K}, shp_w[2] = {p.N, p.K}, shp_m[1] = {p.M};
+  DLTensor th{p.h, {kDLCUDA, 0}, 2, {kDLBfloat, 16, 1}, shp_h, nullptr, 0};
+  DLTensor tw{p.w, {kDLCUDA, 0}, 2, {kDLBfloat, 16, 1}, shp_w, nullptr, 0};
+  DLTensor tt{p.targets, {kDLCUDA, 0}, 1, {kDLInt, 64, 1}, shp_m, nullptr, 0};
+  float *lib_loss, *lib_lse;
+  CK(cudaMalloc(&lib_loss, size_t(p.M) * 4));
+  CK(cudaMalloc(&lib_lse, size_t(p.M) * 4));
+  DLTensor tlo{lib_loss, {kDLCUDA, 0}, 1, {kDLFloat, 32, 1}, shp_m, nullptr, 0};
+  DLTensor tls{lib_lse, {kDLCUDA, 0}, 1, {kDLFloat, 32, 1}, shp_m, nullptr, 0};
+  fce_ce_options_t opts = FCE_CE_OPTIONS_INIT;
+  opts.reduction = FCE_REDUCTION_NONE;
+  fce_linear_ce_outputs_t outs = FCE_LINEAR_CE_OUTPUTS_INIT;
+  outs.loss = &tlo;
+  outs.lse = &tls;
+  auto library_fwd = [&] {
+    CK(fce_linear_cross_entropy_fwd(lib, nullptr, &th, &tw, nullptr, &tt, &opts, &outs, nullptr, 0));
+  };
+
+  using Coop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Ping = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  Runner<FusedGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>, Coop>> c21;
+  Runner<FusedGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>, Coop, true>> c21n;
+  Runner<StagedGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>>> s21;
+  Runner<StagedGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>>> s12;
+  std::vector<std::pair<std::string, std::function<void()>>> variants;
+  variants.push_back({"cublasGemmEx logits (bf16 out)", cublas_logits});
+  variants.push_back({"library fce_linear_cross_entropy_fwd", library_fwd});
+  auto add = [&](auto& r, int raster, int swz, const char* label) {
+    if (r.setup(p, raster, swz, label)) variants.push_back({r.name, [&] { r.run(p); }});
+  };
+  add(c21, 1, 1, "coop 128x256 c2x1");
+  add(c21n, 1, 1, "coop 128x256 c2x1 NOOP");
+  add(s21, 1, 1, "staged 128x256 c2x1");
+  add(s12, 1, 1, "staged 128x256 c1x2");
+
+  // Correctness of every fused variant and of the library against the float64 reference.
+  std::vector<float> lse(p.M), loss(p.M);
+  for (size_t v = 1; v < variants.size(); ++v) {
+    if (variants[v].first.find("NOOP") != std::string::npos) continue;
+    CK(cudaMemset(p.lse, 0xff, size_t(p.M) * 4));
+    CK(cudaMemset(p.loss, 0xff, size_t(p.M) * 4));
+    CK(cudaMemset(p.tl, 0xff, size_t(p.M) * 4));
+    variants[v].second();
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(lse.data(), v == 1 ? lib_lse : p.lse, size_t(p.M) * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(loss.data(), v == 1 ? lib_loss : p.loss, size_t(p.M) * 4, cudaMemcpyDeviceToHost));
+    double e_lse = 0, e_loss = 0;
+    for (int r = 0; r < p.M; ++r) {
+      e_lse = std::max(e_lse, std::fabs(lse[r] - rl[r]) / std::max(1.0, std::fabs(rl[r])));
+      const double want = tg[r] < 0 ? 0.0 : rl[r] - rt[r];
+      const double d = std::fabs(loss[r] - want);
+      e_loss = std::max(e_loss, std::isnan(d) ? INFINITY : d);
+    }
+    std::printf("check %-40s max rel err lse %.3g, max abs err loss %.3g\n", variants[v].first.c_str(), e_lse, e_loss);
+  }
+
+  // Timing: rotating order, each call after an L2 flush, median over rounds.
+  std::vector<std::vector<float>> t(variants.size());
+  for (int r = 0; r < rounds + 1; ++r) {
+    for (size_t k = 0; k < variants.size(); ++k) {
+      const size_t v = (k + r) % variants.size();
+      CK(cudaMemset(flush, r, flush_bytes));
+      const float ms = once_ms(variants[v].second);
+      if (r > 0) t[v].push_back(ms);
+    }
+  }
+  const double gemm_flops = 2.0 * p.M * p.K * double(p.N);
+  std::vector<float> med(variants.size());
+  for (size_t v = 0; v < variants.size(); ++v) {
+    std::sort(t[v].begin(), t[v].end());
+    med[v] = t[v][t[v].size() / 2];
+  }
+  std::printf("\nN=%d H=%d V=%d, %d rounds, medians (%% = cuBLAS logits GEMM time / this)\n", p.M, p.K, p.N, rounds);
+  for (size_t v = 0; v < variants.size(); ++v)
+    std::printf("%-42s %8.3f ms %7.1f TFLOP/s %6.1f %%\n", variants[v].first.c_str(), med[v],
+                gemm_flops / med[v] * 1e-9, 100.0 * med[0] / med[v]);
+  return 0;
+}
