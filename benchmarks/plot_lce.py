@@ -26,8 +26,8 @@ LABELS = {"three whole cuBLAS GEMMs": "3 whole cuBLAS GEMMs (no CE)",
 def head_to_head(path, out):
     data = json.load(open(path))
     runs = data["head_to_head"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.8 * len(runs), 3.0))
-    for ax, run in zip(axes, runs):
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.8 * len(runs), 3.0), squeeze=False)
+    for ax, run in zip(axes[0], runs):
         ms = {r["variant"]: r["ms"] for r in run["rows"]}
         wins_b = sum(x < 1 for x in run["ratio_fwd_bwd"])
         wins_f = sum(x < 1 for x in run["ratio_forward"])
@@ -60,8 +60,8 @@ def main():
     ab, acc, out = sys.argv[1:4]
     runs = json.load(open(ab))["runs"]
     acc_rows = json.load(open(acc))["rows"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.6 * len(runs), 3.2))
-    for ax, run in zip(axes, runs):
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.6 * len(runs), 3.2), squeeze=False)
+    for ax, run in zip(axes[0], runs):
         rows = [r for r in run["rows"] if r["variant"] in LABELS]
         shape = rows[0]["shape"]
         n, h, v = (int(p.split("=")[1]) for p in shape.split())
