@@ -30,25 +30,17 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "cuda/cutlass_epilogue.hpp"
+#include "cuda/online_softmax.cuh"
 #include "fusedce/fusedce.h"
-
-#define CK(x)                                                                    \
-  do {                                                                           \
-    auto e_ = (x);                                                               \
-    if (int(e_) != 0) {                                                          \
-      std::fprintf(stderr, "%s:%d %s -> %d\n", __FILE__, __LINE__, #x, int(e_)); \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
+#include "probe_util.cuh"
 
 namespace probe {
 
-constexpr float kLog2e = 1.4426950408889634f;
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+using probe_util::fill;
+using probe_util::once_ms;
+using fce::cuda::ex2;
+using fce::cuda::kLog2e;
 
 struct CeStatsArgs {
   const int64_t* targets = nullptr;  // [M]
@@ -61,42 +53,11 @@ struct CeStatsArgs {
 // WGMMA's accumulator layout: a warp's quad of lanes holds one row (values ((2, 2, N/8), THR_M, THR_N): mode
 // 0.1 steps 8 rows), so a row's tile reduces in registers, then over the quad by two shuffles.
 template <bool kNoop = false>
-class CeStatsEpilogue {
+class CeStatsEpilogue : public fce::cuda::NoOperandEpilogue<CeStatsArgs> {
  public:
-  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementC = float;
-  using StrideC = cute::Stride<int64_t, cute::_1, int64_t>;
-  using ElementD = float;
-  using StrideD = StrideC;
-  using ElementOutput = float;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<float, 1, float, float>;  // unused
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
   struct SharedStorage {};
   using TensorStorage = SharedStorage;
-  using Arguments = CeStatsArgs;
-  using Params = Arguments;
 
-  template <class P>
-  static constexpr Params to_underlying_arguments(P const&, Arguments const& a, void*) {
-    return a;
-  }
-  template <class P>
-  static size_t get_workspace_size(P const&, Arguments const&) {
-    return 0;
-  }
-  template <class P>
-  static cutlass::Status initialize_workspace(P const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class P>
-  static bool can_implement(P const&, Arguments const&) {
-    return true;
-  }
   CUTLASS_HOST_DEVICE CeStatsEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
@@ -231,15 +192,6 @@ __global__ void combine(const float2* partials, const float* target_logit, const
   loss[row] = targets[row] < 0 ? 0.f : l - target_logit[row];
 }
 
-__global__ void fill(__nv_bfloat16* p, size_t n, float scale, unsigned seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    unsigned x = unsigned(i) * 2654435761u ^ seed;
-    x ^= x >> 13;
-    x *= 0x5bd1e995u;
-    x ^= x >> 15;
-    p[i] = __float2bfloat16(scale * (float(x & 0xffffff) / float(0x800000) - 1.f));
-  }
-}
 
 // float64 lse of a row of cuBLAS's bf16 logits, and its target's logit.
 __global__ void ref_rows(const __nv_bfloat16* logits, int V, const int64_t* targets, double* lse, float* tl) {
@@ -275,20 +227,6 @@ __global__ void targets_fill(int64_t* t, int M, int V) {
   if (i < M) t[i] = (i % 17 == 5) ? -100 : int64_t((uint64_t(i) * 2654435761ull) % uint64_t(V));
 }
 
-float once_ms(const std::function<void()>& f) {
-  static cudaEvent_t a = nullptr, b = nullptr;
-  if (!a) {
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-  }
-  CK(cudaEventRecord(a));
-  f();
-  CK(cudaEventRecord(b));
-  CK(cudaEventSynchronize(b));
-  float ms = 0;
-  CK(cudaEventElapsedTime(&ms, a, b));
-  return ms;
-}
 
 struct Problem {
   int M, K, N;

@@ -16,27 +16,18 @@
 // throughout (no atomics): the records, and so the loss, are the same bits run to run.
 #include <cuda_bf16.h>
 
-#include <cute/tensor.hpp>
-#include <cutlass/cutlass.h>
-#include <cutlass/epilogue/collective/detail.hpp>
-#include <cutlass/epilogue/thread/linear_combination.h>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/gemm/kernel/tile_scheduler.hpp>
 
 #include "common/error.hpp"
+#include "cuda/cutlass_epilogue.hpp"
 #include "cuda/lce_fused.hpp"
+#include "cuda/online_softmax.cuh"
 
 namespace fce::cuda {
 namespace {
-
-constexpr float kLog2e = 1.4426950408889634f;
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 struct RecordArgs {
   const void* targets = nullptr;
@@ -45,21 +36,8 @@ struct RecordArgs {
 };
 
 template <int kTileM, int kTileN>
-class CeRecordEpilogue {
+class CeRecordEpilogue : public NoOperandEpilogue<RecordArgs> {
  public:
-  // The kernel's typedefs of a collective epilogue (no C or D operand is read or written).
-  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementC = float;
-  using StrideC = cute::Stride<int64_t, cute::_1, int64_t>;
-  using ElementD = float;
-  using StrideD = StrideC;
-  using ElementOutput = float;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<float, 1, float, float>;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
   using LoadPipeline = cutlass::PipelineTransactionAsync<0>;
   using LoadPipelineState = cutlass::PipelineState<0>;
   static constexpr bool RequiresTransactionBytes = false;
@@ -74,29 +52,10 @@ class CeRecordEpilogue {
   using SharedStorage = TensorStorage;
   using TensorMapStorage = TensorStorage;
   using PipelineStorage = typename LoadPipeline::SharedStorage;
-  using Arguments = RecordArgs;
-  using Params = Arguments;
   static constexpr uint32_t kBarThreads = 256 + 32;  // the two consumer warp groups and the epilogue warp
   static constexpr uint32_t kFull = 0, kEmpty = 1;   // named barriers after CUTLASS's reserved ones
   static_assert(kTileM % 32 == 0 && kTileN % 8 == 0, "a lane per row, 16-byte loads");
 
-  template <class P>
-  static constexpr Params to_underlying_arguments(P const&, Arguments const& a, void*) {
-    return a;
-  }
-  template <class P>
-  static size_t get_workspace_size(P const&, Arguments const&) {
-    return 0;
-  }
-  template <class P>
-  static cutlass::Status initialize_workspace(P const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class P>
-  static bool can_implement(P const&, Arguments const&) {
-    return true;
-  }
   template <class T>
   CUTLASS_HOST_DEVICE static constexpr int get_load_pipe_increment(T) {
     return 1;

@@ -100,10 +100,11 @@ void run_case(const LceCase& lc) {
   else ASSERT_TRUE(close(loss.get(0), ref.total, 1e-4, c.reduction == FCE_REDUCTION_SUM ? sum_tol : mean_tol));
   if (lc.forward_only) {
     // z-loss = zq * lse^2 per row (ignored rows 0): its error is 2 zq |lse| times lse's.
-    if (none)
+    if (none) {
       for (int64_t i = 0; i < N; ++i)
         ASSERT_TRUE(close(zl.get(i), ref.zl[i], 1e-4, 2 * c.zq * std::fabs(ref.lse[i]) * row_tol(i) + 1e-7))
             << "z_loss " << i;
+    }
     // The same call again gives the same bits.
     Tensor loss2 = none ? Tensor(DT::F32, {N}) : Tensor(DT::F32, {}), lse2(DT::F32, {N});
     for (Tensor* t : {&loss2, &lse2}) { t->poison(); t->upload(); }
