@@ -277,7 +277,12 @@ typedef struct fce_ce_outputs {
   uint32_t struct_size; /**< sizeof(fce_ce_outputs_t) */
   /** Required. fp32: [N] for FCE_REDUCTION_NONE, a scalar otherwise. Nats. */
   DLTensor* loss;
-  /** [N] fp32: logsumexp of the transformed logits z (save it for fce_cross_entropy_bwd). */
+  /** The logsumexp of the transformed logits z, fp32, in one of two forms (save it for
+   *  fce_cross_entropy_bwd): [N], the lse itself; or [N, 2] contiguous, its pair (m, l), m = max_j z_j and
+   *  l = log sum_j exp(z_j - m), lse = m + l (since 0.3.0). The backward forms every probability from the
+   *  pair as the forward does, p_j = exp((z_j - m) - l), so its gradient holds docs/numerics.md's bound
+   *  whatever the logits' common offset and gives the fused gradient's bits; from the [N] form each p_j
+   *  carries the lse's fp32 rounding, up to |lse| 2^-24 relative (6e-3 at |lse| = 1e5). */
   DLTensor* lse;
   /** The z-loss part of `loss` (q * lse^2 per non-ignored row), shaped and reduced like `loss`. */
   DLTensor* z_loss;
@@ -340,7 +345,9 @@ FCE_API fce_status_t fce_cross_entropy_fwd_workspace_size(fce_handle_t handle, c
  * being global indices; padding columns (global index >= vocab_total) get 0.
  * @param logits    [N,V] fp32, bf16 or fp16 (as given to the forward).
  * @param targets   [N] int32 or int64.
- * @param lse       [N] fp32 from fce_cross_entropy_fwd with the same options.
+ * @param lse       [N] fp32, or its pairs [N, 2] (fce_ce_outputs_t.lse), from fce_cross_entropy_fwd with the
+ *                  same options (a shard: from fce_cross_entropy_combine). Probabilities are formed from it
+ *                  as exp((z_j - m) - l), (m, l) = (lse, 0) for the [N] form.
  * @param grad_loss fp32 scalar (SUM/MEAN) or [N] or scalar (NONE); NULL = 1.
  * @param options   the forward's options (NULL = defaults).
  * @param dlogits   [N,V] in the logits' dtype; may be the logits' memory (in-place).
@@ -363,7 +370,7 @@ FCE_API fce_status_t fce_cross_entropy_bwd_workspace_size(fce_handle_t handle, c
  */
 typedef struct fce_ce_bwd_inputs {
   uint32_t struct_size;          /**< sizeof(fce_ce_bwd_inputs_t) */
-  const DLTensor* lse;           /**< required: [N] fp32, the forward's lse (same options) */
+  const DLTensor* lse;           /**< required: [N] or [N, 2] fp32, the forward's lse (same options) */
   /** Upstream gradient of the loss, as fce_cross_entropy_bwd's grad_loss; NULL = 1. */
   const DLTensor* grad_loss;
   /** [N] fp32, the forward's entropy output (same options); required with grad_entropy, else ignored. The
@@ -422,22 +429,29 @@ FCE_API fce_status_t fce_cross_entropy_bwd_ex_workspace_size(fce_handle_t handle
  * records' sums (docs/numerics.md).
  * Record fields, per row and shard (z the transformed logits of the shard's real columns, m their max):
  *   0 m, 1 sum exp(z - m), 2 z at the target if the shard holds it (else 0), 3 sum w_j z_j (label
- *   smoothing; 0 without it), 4 sum exp(z - m) (z - m) (entropy), 5 the largest raw logit, 6 its global
- *   index (int32 bits).
- * A record may be narrower, a prefix of these fields: FCE_CE_RECORD_FIELDS_LOSS (4) for the loss, lse and
- * z-loss, FCE_CE_RECORD_FIELDS_ENTROPY (5) with the entropy as well, FCE_CE_RECORD_FIELDS_ALL (7) with the
+ *   smoothing; 0 without it), 4 and 5 the shard's column range [vocab_start, end) with end one past its last
+ *   real column (int32 bits), 6 sum exp(z - m) (z - m) (entropy), 7 the largest raw logit, 8 its global
+ *   index (int32 bits). (0.3.0 added the range and renumbered the last three.)
+ * A record may be narrower, a prefix of these fields: FCE_CE_RECORD_FIELDS_LOSS (6) for the loss, lse and
+ * z-loss, FCE_CE_RECORD_FIELDS_ENTROPY (7) with the entropy as well, FCE_CE_RECORD_FIELDS_ALL (9) with the
  * argmax. The partial writes what the records' width holds and skips the sums it does not (the entropy's
  * costs the partial time); the all-gather moves fewer bytes. Every rank uses the same width.
+ * The combine checks the layout from the ranges: in rank order they must tile [0, vocab_total), the first
+ * beginning at 0 and each where the one before ends. Overlapping shards, a gap, shards out of vocabulary
+ * order or another vocab_total give NaN loss, lse, z_loss and entropy and argmax -1 in every row (ignored
+ * rows included), never a plausible number (no status: the records may be on the device). A shard of
+ * padding alone (vocab_start = vocab_total, as padding a small vocabulary to a multiple of the ranks gives)
+ * has the empty range [vocab_total, vocab_total) and a neutral record.
  * The caller all-gathers the records with any communicator, or lets the library do it over NCCL
  * (fce_cross_entropy_fwd_vp below: partial, all-gather, combine and gradient in one call).
  */
 
-/** Record width for the loss, lse and z-loss only (fields 0-3). */
-#define FCE_CE_RECORD_FIELDS_LOSS 4
-/** Record width that adds the entropy (fields 0-4). */
-#define FCE_CE_RECORD_FIELDS_ENTROPY 5
-/** Record width with every field (0-6): what fce_cross_entropy_record_fields returns. */
-#define FCE_CE_RECORD_FIELDS_ALL 7
+/** Record width for the loss, lse and z-loss only (fields 0-5). */
+#define FCE_CE_RECORD_FIELDS_LOSS 6
+/** Record width that adds the entropy (fields 0-6). */
+#define FCE_CE_RECORD_FIELDS_ENTROPY 7
+/** Record width with every field (0-8): what fce_cross_entropy_record_fields returns. */
+#define FCE_CE_RECORD_FIELDS_ALL 9
 
 /** Fields K of a full cross-entropy record for these options (NULL = defaults): FCE_CE_RECORD_FIELDS_ALL.
  *  @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT when fields is NULL or the options are invalid. */
@@ -447,8 +461,9 @@ FCE_API fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* opt
  * The records of a vocabulary shard.
  * @param logits  [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, possibly padded past vocab_total).
  * @param targets [N] int32 or int64, global indices (as for the unsharded call).
- * @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); class weights, if
- *                any, of the whole vocabulary.
+ * @param options vocab_start and vocab_total required (0 <= vocab_start <= vocab_total <= 2^31 - 1;
+ *                vocab_start = vocab_total: a shard of padding alone); class weights, if any, of the whole
+ *                vocabulary.
  * @param records [N,K] fp32, written; K one of the record widths (FCE_CE_RECORD_FIELDS_*).
  * @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options;
  *         SHAPE_MISMATCH for another K), CUDA_ERROR.
@@ -464,8 +479,11 @@ FCE_API fce_status_t fce_cross_entropy_partial(fce_handle_t handle, fce_stream_t
  * @param options the partial calls' options (vocab_total required; vocab_start is not read).
  * @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set);
  *                entropy needs K >= FCE_CE_RECORD_FIELDS_ENTROPY and argmax K = FCE_CE_RECORD_FIELDS_ALL
- *                (INVALID_ARGUMENT otherwise).
- * @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+ *                (INVALID_ARGUMENT otherwise). lse [N] or its pairs [N, 2] (m the rows' max z over every
+ *                shard, l the log of the shifted sum): the pairs are what a shard's backward should take
+ *                (fce_ce_outputs_t.lse).
+ * @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR. Records whose ranges do not tile the
+ *         vocabulary are not a status: those rows are NaN (see above).
  */
 FCE_API fce_status_t fce_cross_entropy_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
                                                const DLTensor* targets, const fce_ce_options_t* options,
@@ -579,22 +597,29 @@ FCE_API fce_status_t fce_logsumexp_workspace_size(fce_handle_t handle, const DLT
                                                   size_t* bytes);
 
 /* Vocabulary-parallel logsumexp: x split across ranks by columns (options->vocab_start and vocab_total as
- * for cross-entropy; uneven and padded shards allowed). Each rank's fce_logsumexp_partial writes records
- * [N, FCE_LSE_RECORD_FIELDS] fp32 of its shard: 0 m = the max of s * x over its real columns (NaN when one
- * is NaN), 1 sum exp(s * x - m) (1 when m is +inf, 0 when it is -inf); the caller gathers every rank's records
- * in rank order ([W, N, K]); fce_logsumexp_combine returns the lse of the whole rows, the same bits on every
- * rank: M + log sum_r d_r exp(m_r - M) in fp64 in rank order, NaN when a record is NaN, +inf when a max is
- * +inf, -inf for rows of all -inf, as fce_logsumexp gives them. With scale 1/T this is the lse that
- * fce_temp_softmax takes for a shard's probabilities. */
+ * for cross-entropy; uneven and padded shards allowed, and a shard of padding alone). Each rank's
+ * fce_logsumexp_partial writes records [N, FCE_LSE_RECORD_FIELDS] fp32 of its shard: 0 m = the max of the
+ * raw x over its real columns (NaN when one is NaN), 1 sum exp((x - m) s) (1 when m is +inf, 0 when it is
+ * -inf), 2 and 3 its column range [vocab_start, end) (int32 bits, as cross-entropy's records), 4 the scale
+ * s, 5 vocab_total (int32 bits). In raw units, so that s x never overflows (a small T keeps every value
+ * finite). The caller gathers every rank's records in rank order ([W, N, K]); fce_logsumexp_combine returns
+ * the lse of the whole rows, the same bits on every rank: s M + log sum_r d_r exp((m_r - M) s) in fp64 in
+ * rank order, NaN when a record is NaN, when the records' scales or vocab_total differ or their ranges do not
+ * tile [0, vocab_total) in rank order, +inf when a max is +inf, -inf for rows of all -inf, as fce_logsumexp
+ * gives them. Into an [N, 2] lse it writes the pairs (M, log D), lse = s M + log D: the form a shard's
+ * softmax takes at any T without overflow or the rounding of a large lse. With scale 1/T this is the lse that
+ * fce_temp_softmax takes for a shard's probabilities. (0.3.0: raw maxima, the range, scale and vocab_total;
+ * 0.2.0's records had 2 fields.) */
 
 /** Fields of a logsumexp record (fce_logsumexp_partial). */
-#define FCE_LSE_RECORD_FIELDS 2
+#define FCE_LSE_RECORD_FIELDS 6
 
 /**
  * The records of a vocabulary shard of x.
  * @param x       [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total).
- * @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); scale as for
- *                fce_logsumexp.
+ * @param options vocab_start and vocab_total required (0 <= vocab_start <= vocab_total <= 2^31 - 1); scale
+ *                as for fce_logsumexp (for a shard's softmax at T, the fp32 value 1.0f / T that
+ *                fce_temp_softmax forms).
  * @param records [N, FCE_LSE_RECORD_FIELDS] fp32, written.
  * @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard), CUDA_ERROR.
  */
@@ -604,7 +629,7 @@ FCE_API fce_status_t fce_logsumexp_partial(fce_handle_t handle, fce_stream_t str
 /**
  * The logsumexp of whole rows from every shard's records.
  * @param records [W, N, FCE_LSE_RECORD_FIELDS] fp32, contiguous, in rank (vocabulary) order.
- * @param lse     [N] fp32, written.
+ * @param lse     [N] fp32, or the pairs [N, 2] fp32 (since 0.3.0), written.
  * @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
  */
 FCE_API fce_status_t fce_logsumexp_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
@@ -651,12 +676,17 @@ typedef struct fce_softmax_options {
   /** A shard of the vocabulary (since 0.2.0): the global index of its first column; default 0. */
   int64_t vocab_start;
   /** The whole vocabulary's size, 0 (default) when the logits are not a shard. With a shard the call writes
-   *  the shard's probabilities of the whole rows from `lse`: p_j = exp(x_j / T - lse), log p_j = x_j / T -
-   *  lse (padding columns: 0 and -inf); T must be finite and > 0 and `temperatures` NULL (else
+   *  the shard's probabilities of the whole rows from `lse`: log p_j = x_j / T - lse, p_j its exp (padding
+   *  columns: 0 and -inf); T must be finite and > 0 and `temperatures` NULL (else
    *  FCE_STATUS_NOT_IMPLEMENTED). */
   int64_t vocab_total;
-  /** With a shard: [N] fp32, the rows' logsumexp of logits / T over the whole vocabulary
-   *  (fce_logsumexp_combine of every shard's fce_logsumexp_partial with scale 1/T); required then. */
+  /** With a shard, required: the rows' logsumexp of logits / T over the whole vocabulary
+   *  (fce_logsumexp_combine of every shard's fce_logsumexp_partial with scale 1.0f / T), fp32, as its pairs
+   *  [N, 2] (M, log D) or as [N]. From the pairs, log p_j = (x_j - M) / T - log D, formed as the unsharded
+   *  call forms it: no NaN for finite logits at any T > 0, and no rounding of the size of x / T. From [N],
+   *  ((x_j - u_hi) - u_lo) / T with u = lse T: finite wherever lse is, but every value carries the lse's
+   *  rounding (|lse| 2^-24: at T = 1e-3 and logits of 65504 the probabilities are off by e^2), and an lse
+   *  that overflowed fp32 gives probabilities 0. */
   const DLTensor* lse;
 } fce_softmax_options_t;
 
@@ -705,9 +735,10 @@ FCE_API fce_status_t fce_temp_softmax_workspace_size(fce_handle_t handle, const 
  *                 but vocab_start; temperatures and lse NULL (the call computes the lse).
  * @param probs    optional [N,V], fp32 or the logits' dtype, as for fce_temp_softmax.
  * @param logprobs optional [N,V], as for fce_temp_softmax; at least one of the two.
- * @param lse      optional [N] fp32: receives the whole rows' lse of logits / T.
- * @param workspace as everywhere (fce_temp_softmax_vp_workspace_size): every rank's records and, without
- *                 `lse`, the lse.
+ * @param lse      optional [N] fp32, or [N, 2] for the pairs: receives the whole rows' lse of logits / T (the
+ *                 call's own softmax reads the pairs it keeps in the workspace).
+ * @param workspace as everywhere (fce_temp_softmax_vp_workspace_size): every rank's records and the rows'
+ *                 pairs.
  * @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or options, without
  *         vocab_total, or with options->lse; NOT_IMPLEMENTED for per-row, zero or infinite temperatures;
  *         DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR.
@@ -870,14 +901,17 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
  *   3a. each rank: fce_kd_terms_partial -> records [N, FCE_KD_TERMS_RECORD_FIELDS] of its shard: the sums over
  *       its columns (a top-K teacher: its ids in the shard) of the element terms of the divergence and of a_j
  *       (as fce_kd_loss forms them);
- *   3b. the caller gathers those in rank order ([W, N, 3], a second all-gather);
+ *   3b. the caller gathers those in rank order ([W, N, FCE_KD_TERMS_RECORD_FIELDS], a second all-gather);
  *   3c. each rank: fce_kd_terms_combine -> the loss, and A into the rows' statistics;
  *   4. each rank: fce_kd_bwd as above.
  * Steps 3a-3c work for every divergence (for KL with teacher logits they give its loss a second way).
  * With z = logits / T, P the divergence's weighting distribution (the teacher for forward KL, the student
  * for reverse KL) and Q the other, a record holds, over the shard's real columns: 0 m_P = max z_P,
  * 1 sum exp(z_P - m_P), 2 m_Q, 3 sum exp(z_Q - m_Q), 4 X = sum exp(z_P - m_P) ((z_P - m_P) - (z_Q - m_Q)),
- * terms of zero probability under P adding 0. The combine shifts each record to the row's maxima M and
+ * terms of zero probability under P adding 0, and 5-6 the shard's column range [vocab_start, end) (int32
+ * bits, as cross-entropy's records; since 0.3.0). Both combines check that the ranges tile [0, vocab_total)
+ * in rank order: otherwise every row's loss (masked rows included) and statistics are NaN, never a plausible
+ * number; a shard of padding alone (vocab_start = vocab_total) is neutral. The combine shifts each record to the row's maxima M and
  * merges them in rank order in fp64: KL(P || Q) = X / D_P - log D_P + log D_Q (identical distributions give
  * exactly 0; a column where P > 0 and Q = 0 gives +inf; NaN propagates; a row without a finite logit in
  * either distribution gives NaN, as fce_kd_loss does). Row statistics: 0 M_student, 1 log D_student,
@@ -891,8 +925,8 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
  * slot is masked (loss 0, not counted by the mean, gradient 0).
  * The terms' records hold 0 sum L_j and 1 sum a_j over the shard's real columns (a top-K teacher: its slots
  * whose ids fall in the shard) in fp32 from the shard's sum (fp64 on the CPU), L_j and a_j the element terms
- * of fce_kd_loss from the row's log-probabilities above, and 2 the number of those slots (-1 with teacher
- * logits); the terms' combine adds them in rank order in fp64: loss = sum L_j (times T^2 with scale_by_t2),
+ * of fce_kd_loss from the row's log-probabilities above, 2 the number of those slots (-1 with teacher
+ * logits), 3-4 the column range; the terms' combine adds them in rank order in fp64: loss = sum L_j (times T^2 with scale_by_t2),
  * A = sum a_j (for KL with teacher logits, A as fce_kd_combine forms it: -1, or KL + 1). For JSD,
  * dL/dz_j = (1 - beta) q_j (log(q_j / m_j) - sum_k q_k log(q_k / m_k)).
  * Against fce_kd_loss of the whole rows: masked rows, all-masked means, NaN and +inf losses and identical
@@ -900,12 +934,12 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
  * sums (docs/numerics.md).
  */
 
-/** Fields of a knowledge-distillation record (fce_kd_partial). */
-#define FCE_KD_RECORD_FIELDS 5
+/** Fields of a knowledge-distillation record (fce_kd_partial; 5 before 0.3.0). */
+#define FCE_KD_RECORD_FIELDS 7
 /** Fields of a row's knowledge-distillation statistics (fce_kd_combine, fce_kd_bwd). */
 #define FCE_KD_ROW_STATS_FIELDS 5
-/** Fields of a record of the divergence's terms (fce_kd_terms_partial; since 0.2.0). */
-#define FCE_KD_TERMS_RECORD_FIELDS 3
+/** Fields of a record of the divergence's terms (fce_kd_terms_partial; since 0.2.0; 3 before 0.3.0). */
+#define FCE_KD_TERMS_RECORD_FIELDS 5
 
 /**
  * The records of a vocabulary shard of student and teacher.
@@ -1060,7 +1094,8 @@ FCE_API fce_status_t fce_kd_fwd_vp_workspace_size(fce_handle_t handle, fce_comm_
 typedef struct fce_linear_ce_outputs {
   uint32_t struct_size; /**< sizeof(fce_linear_ce_outputs_t) */
   DLTensor* loss;       /**< required; as fce_ce_outputs_t.loss */
-  DLTensor* lse;        /**< optional [N] fp32 (save it for fce_linear_cross_entropy_bwd) */
+  DLTensor* lse;        /**< optional [N] fp32, or its pairs [N, 2] (fce_ce_outputs_t.lse): save it for
+                             fce_linear_cross_entropy_bwd */
   DLTensor* z_loss;     /**< optional; as fce_ce_outputs_t.z_loss */
   DLTensor* argmax;     /**< optional [N] int32/int64 */
   DLTensor* entropy;    /**< optional [N] fp32 */
@@ -1144,7 +1179,8 @@ FCE_API fce_status_t fce_linear_cross_entropy_fwd_workspace_size(
  * below), weight and bias are the shard's rows, lse (and saved_entropy) the whole rows' from
  * fce_cross_entropy_combine, dweight and dbias the shard's, and dhidden must be fp32: this shard's part of
  * the sum over ranks.
- * @param lse       [N] fp32 from the forward with the same options.
+ * @param lse       [N] fp32, or its pairs [N, 2] (the form whose gradient holds at any offset of the
+ *                  logits: fce_ce_outputs_t.lse), from the forward with the same options.
  * `outputs->grad_loss` is the upstream gradient (NULL = 1); `outputs->grad_entropy`, with
  * `outputs->saved_entropy` (the forward's entropy), adds the entropy's gradient.
  */

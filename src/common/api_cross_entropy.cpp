@@ -76,7 +76,10 @@ CeStatOutputs read_ce_stat_outputs(Validator& val, int reduction, int64_t N, DLT
   FCE_CHECK(loss || !loss_required, FCE_STATUS_INVALID_ARGUMENT, "outputs->loss is NULL");
   if (loss) o.loss = reduced_output(val, loss, "outputs->loss", reduction, N);
   if (z_loss) o.z_loss = reduced_output(val, z_loss, "outputs->z_loss", reduction, N);
-  if (lse) o.lse = row_output(val, lse, "outputs->lse", kF32, N);
+  if (lse) {
+    o.lse = val.lse(lse, "outputs->lse", N);
+    val.output("outputs->lse", o.lse.data, Validator::span(o.lse));
+  }
   if (argmax) o.argmax = row_output(val, argmax, "outputs->argmax", kInts, N);
   if (entropy) o.entropy = row_output(val, entropy, "outputs->entropy", kF32, N);
   return o;
@@ -93,6 +96,12 @@ Vec read_grad_loss(Validator& val, const DLTensor* g, int reduction, int64_t N) 
 Vec read_grad_entropy(Validator& val, const DLTensor* g, const char* name, int64_t N) {
   if (!g) return Vec{};
   Vec v = val.scalar_or_vector(g, name, kF32, N);
+  val.input(name, v.data, Validator::span(v));
+  return v;
+}
+
+Vec read_saved_lse(Validator& val, const DLTensor* t, const char* name, int64_t N) {
+  Vec v = val.lse(t, name, N);
   val.input(name, v.data, Validator::span(v));
   return v;
 }
@@ -163,7 +172,7 @@ CeProblem ce_backward_problem(fce_handle* h, const DLTensor* logits, const DLTen
   const fce_ce_bwd_inputs_t in = checked_struct(inputs, "inputs");
   const char* lse_name = ex ? "inputs->lse" : "lse";
   FCE_CHECK(in.lse != nullptr, FCE_STATUS_INVALID_ARGUMENT, "%s is NULL", lse_name);
-  p.saved_lse = read_saved_rows(val, in.lse, lse_name, N);
+  p.saved_lse = read_saved_lse(val, in.lse, lse_name, N);
   p.grad_loss = read_grad_loss(val, in.grad_loss, p.o.reduction, N);
   p.grad_entropy = read_grad_entropy(val, in.grad_entropy, "inputs->grad_entropy", N);
   if (p.grad_entropy) {

@@ -60,10 +60,7 @@ LinearCeProblem linear_ce_problem(fce_handle* h, Mode mode, const DLTensor* hidd
   const fce_linear_ce_outputs_t out = checked_struct(outputs, "outputs");
   const bool bwd = lse != nullptr;
   if (bwd) {
-    p.saved_lse = val.vector(lse, "lse", kF32);
-    FCE_CHECK(p.saved_lse.n == N, FCE_STATUS_SHAPE_MISMATCH, "lse has length %lld; expected N = %lld",
-              (long long)p.saved_lse.n, (long long)N);
-    val.input("lse", p.saved_lse.data, Validator::span(p.saved_lse));
+    p.saved_lse = read_saved_lse(val, lse, "lse", N);
     FCE_CHECK(!out.loss && !out.lse && !out.z_loss && !out.argmax && !out.entropy, FCE_STATUS_INVALID_ARGUMENT,
               "the backward writes gradients only: outputs->loss, lse, z_loss, argmax and entropy must be NULL");
     FCE_CHECK(out.dhidden || out.dweight || out.dbias, FCE_STATUS_INVALID_ARGUMENT,

@@ -47,9 +47,7 @@ LseCombineProblem lse_combine_problem(fce_handle* h, const DLTensor* records, DL
   p.records = read_gathered_records(val, records, {kLseRecordFields}, &W, &N);
   p.W = W;
   p.N = N;
-  p.lse = val.vector(lse, "lse", kF32);
-  FCE_CHECK(p.lse.n == N, FCE_STATUS_SHAPE_MISMATCH, "lse has length %lld; expected N = %lld", (long long)p.lse.n,
-            (long long)N);
+  p.lse = val.lse(lse, "lse", N);
   val.output("lse", p.lse.data, Validator::span(p.lse));
   return p;
 }

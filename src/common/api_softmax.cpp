@@ -50,10 +50,7 @@ SoftmaxProblem softmax_problem(Validator& val, const DLTensor* logits, const fce
       } else {
         FCE_CHECK(o.lse != nullptr, FCE_STATUS_INVALID_ARGUMENT,
                   "options->lse is NULL: a shard's softmax needs the whole rows' lse (fce_logsumexp_combine)");
-        p.lse = val.vector(o.lse, "options->lse", kF32);
-        FCE_CHECK(p.lse.n == p.logits.rows, FCE_STATUS_SHAPE_MISMATCH,
-                  "options->lse has length %lld; expected N = %lld", (long long)p.lse.n, (long long)p.logits.rows);
-        val.input("options->lse", p.lse.data, Validator::span(p.lse));
+        p.lse = read_saved_lse(val, o.lse, "options->lse", p.logits.rows);
       }
       p.vocab_start = o.vocab_start;
       p.vocab_total = o.vocab_total;
@@ -99,7 +96,8 @@ SoftmaxVp softmax_vp(fce_handle* h, const fce_comm* c, const DLTensor* logits, c
   v.part.vocab_start = v.p.vocab_start;
   v.part.vocab_total = v.p.vocab_total;
   v.comb = lse_vp_combine(val, c, lse, N, &v.gathered, &v.lse);
-  v.bytes = v.lse + (lse ? 0 : vp_align(size_t(N) * 4));  // the lse after the records when the caller keeps none
+  // The rows' pairs after the records, for the shard's softmax (formed from max-shifted values at any T)
+  v.bytes = v.lse + vp_align(size_t(N) * 8);
   return v;
 }
 
@@ -150,9 +148,9 @@ FCE_API fce_status_t fce_temp_softmax_vp(fce_handle_t handle, fce_comm_t comm, f
     SoftmaxVp v = softmax_vp(h, c, logits, options, probs, logprobs, lse);
     const Workspace w = resolve_workspace(h, workspace, workspace_bytes, v.bytes, stream);
     char* base = static_cast<char*>(w.ptr);
-    if (!v.comb.lse) v.comb.lse = Vec{base + v.lse, DType::F32, v.comb.N, false};
+    v.comb.pair = Vec{base + v.lse, DType::F32, v.comb.N, false, true};
     lse_vp_run(h, c, stream, v.part, v.comb, base, v.gathered);
-    v.p.lse = v.comb.lse;
+    v.p.lse = v.comb.pair;
     cuda::softmax_shard(h, stream, v.p);
   });
 }

@@ -117,8 +117,10 @@ void take_stat_outputs(P& p, const CeStatOutputs& s) {
 Vec read_grad_loss(Validator& val, const DLTensor* g, int reduction, int64_t N);
 // Upstream gradient of the entropy (`name`): fp32 scalar or [N]; empty for NULL.
 Vec read_grad_entropy(Validator& val, const DLTensor* g, const char* name, int64_t N);
-// A saved [N] fp32 input (`name`): the forward's lse or entropy.
+// A saved [N] fp32 input (`name`): the forward's entropy.
 Vec read_saved_rows(Validator& val, const DLTensor* t, const char* name, int64_t N);
+// A saved lse (`name`): [N] fp32 or its pairs [N, 2] (Validator::lse).
+Vec read_saved_lse(Validator& val, const DLTensor* t, const char* name, int64_t N);
 // A forward's fused gradient (outputs->dlogits, of the logits' shape and dtype, in place allowed) and its
 // grad_loss, into p (p.logits, p.o set); nothing when outputs->dlogits is NULL.
 void read_fused_dlogits(Validator& val, const fce_ce_outputs_t& out, CeProblem& p);
@@ -126,8 +128,8 @@ void read_fused_dlogits(Validator& val, const fce_ce_outputs_t& out, CeProblem& 
 // records hold int32 indices).
 CeOpts sharded_options(Validator& val, const fce_ce_options_t* options, int64_t V, const char* fn);
 
-// A vocabulary shard's options->vocab_start and vocab_total: 0 <= vocab_start < vocab_total, or both 0 (no
-// shard).
+// A vocabulary shard's options->vocab_start and vocab_total: 0 <= vocab_start <= vocab_total <= 2^31 - 1
+// (vocab_start == vocab_total: a shard of padding alone), or both 0 (no shard).
 void check_vocab_shard(int64_t vocab_start, int64_t vocab_total);
 
 // Every rank's records of a vocabulary-parallel combine: a contiguous [W, N, K] fp32 tensor with K one of

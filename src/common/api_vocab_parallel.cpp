@@ -24,8 +24,13 @@ void fce::check_vocab_shard(int64_t vocab_start, int64_t vocab_total) {
     FCE_CHECK(vocab_start == 0, FCE_STATUS_INVALID_ARGUMENT,
               "options->vocab_start is %lld without a vocab_total (0: not sharded)", (long long)vocab_start);
   } else {
-    FCE_CHECK(vocab_start >= 0 && vocab_start < vocab_total, FCE_STATUS_INVALID_ARGUMENT,
-              "options->vocab_start %lld is outside [0, vocab_total = %lld)", (long long)vocab_start,
+    // vocab_start == vocab_total: a shard of padding alone (Megatron pads a small vocabulary to a multiple
+    // of the ranks), whose records are neutral.
+    FCE_CHECK(vocab_start >= 0 && vocab_start <= vocab_total, FCE_STATUS_INVALID_ARGUMENT,
+              "options->vocab_start %lld is outside [0, vocab_total = %lld]", (long long)vocab_start,
+              (long long)vocab_total);
+    FCE_CHECK(vocab_total <= INT32_MAX, FCE_STATUS_INVALID_ARGUMENT,
+              "options->vocab_total %lld is above 2^31 - 1 (the records hold int32 column indices)",
               (long long)vocab_total);
   }
 }

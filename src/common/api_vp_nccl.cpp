@@ -53,8 +53,8 @@ VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const D
   size_t all = 0;
   v.gathered = vp_records_bytes(N, v.K, W, &all);
   size_t at = v.gathered + all;
-  v.lse = at;
-  if (v.bwd.dlogits && !v.comb.lse) at += vp_align(size_t(N) * 4);
+  v.lse = at;  // the rows' pairs for the gradient (LsePair: p_j from max-shifted values)
+  if (v.bwd.dlogits && !(v.comb.lse && v.comb.lse.pair)) at += vp_align(size_t(N) * 8);
   v.ent = at;  // the entropy, for the entropy's gradient, when the caller does not keep it
   if (v.bwd.grad_entropy && !v.comb.entropy) at += vp_align(size_t(N) * 4);
   v.comb_ws = at;
@@ -64,7 +64,11 @@ VpCall vp_call(fce_handle* h, const fce_comm* c, const DLTensor* logits, const D
     CeProblem sizing = v.bwd;
     sizing.saved_lse.data = reinterpret_cast<char*>(&v);  // any non-null pointer: the size of a backward
     sizing.saved_lse.n = N;
-    if (sizing.grad_entropy) sizing.saved_entropy = sizing.saved_lse;
+    sizing.saved_lse.pair = true;
+    if (sizing.grad_entropy) {
+      sizing.saved_entropy = sizing.saved_lse;
+      sizing.saved_entropy.pair = false;
+    }
     at += vp_align(cuda::ce_workspace(h, sizing));
   }
   v.bytes = at;
@@ -78,8 +82,12 @@ void place(VpCall& v, const Workspace& w) {
   v.part.records = Mat{base, DType::F32, N, v.K, v.K};
   v.comb.records = Mat{base + v.gathered, DType::F32, v.comb.W * N, v.K, v.K};
   if (v.bwd.dlogits) {
-    v.bwd.saved_lse = v.comb.lse ? v.comb.lse : Vec{base + v.lse, DType::F32, N, false};
-    if (!v.comb.lse) v.comb.lse = v.bwd.saved_lse;
+    if (v.comb.lse && v.comb.lse.pair) {
+      v.bwd.saved_lse = v.comb.lse;
+    } else {
+      v.comb.pair = Vec{base + v.lse, DType::F32, N, false, true};
+      v.bwd.saved_lse = v.comb.pair;
+    }
   }
   if (v.bwd.grad_entropy) {
     v.bwd.saved_entropy = v.comb.entropy ? v.comb.entropy : Vec{base + v.ent, DType::F32, N, false};

@@ -39,15 +39,13 @@ inline size_t vp_records_bytes(int64_t N, int64_t K, int64_t W, size_t* all) {
 }
 
 // NCCL mode's logsumexp exchange of N rows (fce_logsumexp_vp, fce_temp_softmax_vp): the combine, into the
-// caller's `lse` ([N] fp32, validated as an output) when given, and the records' workspace: this rank's at
-// 0, every rank's at *gathered, *bytes in all.
+// caller's `lse` ([N] or [N, 2] fp32, validated as an output) when given, and the records' workspace: this
+// rank's at 0, every rank's at *gathered, *bytes in all.
 inline LseCombineProblem lse_vp_combine(Validator& val, const fce_comm* c, const DLTensor* lse, int64_t N,
                                         size_t* gathered, size_t* bytes) {
   LseCombineProblem comb;
   if (lse) {
-    comb.lse = val.vector(lse, "lse", kF32);
-    FCE_CHECK(comb.lse.n == N, FCE_STATUS_SHAPE_MISMATCH, "lse has length %lld; expected N = %lld",
-              (long long)comb.lse.n, (long long)N);
+    comb.lse = val.lse(lse, "lse", N);
     val.output("lse", comb.lse.data, Validator::span(comb.lse));
   }
   comb.W = c->size;

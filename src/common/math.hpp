@@ -45,32 +45,45 @@ struct LogitTransform {
   }
 };
 
+// A row's log-sum-exp as the pair lse = hi + lo: hi the largest of the values the softmax is taken over (the
+// transformed logits z for cross-entropy), lo = log sum_j e^(z_j - hi). Probabilities are formed from the
+// max-shifted values, log p_j = (z_j - hi) - lo: z_j - hi is exact near the maximum, so no rounding of the
+// size of the logits enters p_j (e^(z_j - lse) against a rounded fp32 lse is off by |lse| 2^-24 relative,
+// the whole distribution at once). A plain lse is the pair (lse, 0). A row without a finite maximum: hi is
+// the NaN or the infinity, lo 0 (or NaN with a NaN).
+struct LsePair {
+  float hi, lo;
+  FCE_HD float value() const { return hi + lo; }
+  FCE_HD float logp(float z) const { return (z - hi) - lo; }  // log p_j, in nats
+};
+
 // Gradient of one cross-entropy row w.r.t. z_j (before the transform's derivative), PyTorch semantics
 // with label smoothing e, class weights w, z-loss q:
 //   dL/dz_j = g*[(1-e)*w_t*(p_j - [j==t]) + (e/V)*(W*p_j - w_j) + 2*q*lse*p_j]
 //           = g*(cp*p_j - cw*w_j - [j==t]*ct)
 struct CeGrad {
   float cp, cw, ct;
-  // The entropy's term (grad_entropy): ge * dH/dz_j = ge * p_j (mu - z_j), mu = sum_k p_k z_k = lse - H.
-  float ge = 0.f, mu = 0.f;
+  // The entropy's term (grad_entropy): ge * dH/dz_j = ge * p_j (mu - z_j), mu = sum_k p_k z_k = lse - H, so
+  // mu - z_j = -log p_j - H: formed from log p_j, it keeps p_j's precision at any offset of the logits.
+  float ge = 0.f, H = 0.f;
   FCE_HD CeGrad(float g, float eps, float w_t, float W, float inv_v, float zq, float lse) {
     const float a = (1.f - eps) * w_t, b = eps * inv_v;
     cp = g * (a + b * W + 2.f * zq * lse);
     cw = g * b;
     ct = g * a;
   }
-  FCE_HD CeGrad& entropy(float g_entropy, float lse, float H) {
+  FCE_HD CeGrad& entropy(float g_entropy, float entropy) {
     ge = g_entropy;
-    mu = lse - H;
+    H = entropy;
     return *this;
   }
   FCE_HD float operator()(float p, float w_j, bool is_target) const {
     return cp * p - cw * w_j - (is_target ? ct : 0.f);
   }
-  // With the entropy's term; a logit of -inf (p = 0) gets none (its mu - z is +inf).
-  FCE_HD float operator()(float p, float w_j, bool is_target, float z) const {
+  // With the entropy's term, lp = log p_j; a logit of -inf (p = 0) gets none (its -log p is +inf).
+  FCE_HD float operator()(float p, float w_j, bool is_target, float lp) const {
     const float l = (*this)(p, w_j, is_target);
-    return p == 0.f ? l : fmaf(ge * p, mu - z, l);
+    return p == 0.f ? l : fmaf(ge * p, -lp - H, l);
   }
 };
 
@@ -147,6 +160,32 @@ struct SoftmaxShift {
     return fmaf(x, a, b) * c;
   }
 };
+// A vocabulary shard's log-probability x/T - lse from the whole rows' lse (fce_temp_softmax of a shard).
+// From the pair (M, log D) of fce_logsumexp_combine, (x - M)/T - log D as the unsharded softmax forms it
+// (SoftmaxShift): no overflow of x/T at any T, and no rounding of the size of x/T. From a plain fp32 lse,
+// ((x - u_hi) - u_lo) / T with u = lse T split in two floats: finite wherever lse is (x/T itself may
+// overflow), but the lse's own rounding, |lse| 2^-24, enters every value. A row of the pair without a
+// finite max (NaN, or every logit -inf) is NaN.
+struct ShardLogProb {
+  SoftmaxShift shift;
+  float lo, inv_t, u_hi, u_lo;
+  bool pair, none;
+  FCE_HD ShardLogProb(LsePair l, bool is_pair, float inv_t_)
+      : shift(is_pair ? l.hi : 0.f, inv_t_), lo(l.lo), inv_t(inv_t_), u_hi(0.f), u_lo(0.f), pair(is_pair),
+        none(is_pair && !(l.hi > -INFINITY)) {
+    if (!is_pair) {
+      const double u = double(l.hi) / double(inv_t_);
+      u_hi = float(u);
+      u_lo = u_hi == u_hi && u_hi - u_hi == 0.f ? float(u - double(u_hi)) : 0.f;  // 0 beside an infinity
+    }
+  }
+  FCE_HD float operator()(float x) const {
+    if (none) return NAN;
+    if (pair) return shift(x) - lo;
+    return ((x - u_hi) - u_lo) * inv_t;
+  }
+};
+
 // Largest temperature at which the softmax's lean kernels may form (x - max)/T directly: an overflowing
 // x - max there would drop a probability that is 0 in fp32 anyway (exp(-2^128/2^100) underflows).
 constexpr float kPlainMaxTemperature = 0x1p100f;
@@ -161,24 +200,82 @@ FCE_HD float kd_grad(float a, float q, float A, float scale) {
   return (q == 0.f ? a : a - q * A) * scale;
 }
 
+// ---- vocabulary-parallel records: their column ranges -----------------------------------------------
+
+constexpr int32_t kNoRecordIndex = INT32_MAX;  // a shard without real columns has no argmax
+
+FCE_HD float index_as_float(int32_t i) {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(i);
+#else
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+#endif
+}
+FCE_HD int32_t float_as_index(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_int(f);
+#else
+  int32_t i;
+  std::memcpy(&i, &f, 4);
+  return i;
+#endif
+}
+
+// Every record of a shard carries its column range: the shard's first global column and one past its last
+// real column (padding excluded), as int32 bits in fields `at` and `at` + 1. The combine takes the records
+// in rank order and checks that the ranges tile [0, total): the first begins at 0, each begins where the one
+// before ends, the last ends at total. Overlapping shards, a gap, shards out of vocabulary order or of
+// another vocabulary fail it: the row's outputs are NaN, never a plausible wrong number.
+FCE_HD void put_range(float* rec, int at, int64_t begin, int64_t end) {
+  rec[at] = index_as_float(int32_t(begin));
+  rec[at + 1] = index_as_float(int32_t(end));
+}
+FCE_HD bool ranges_tile(const float* rec, int64_t W, int64_t stride, int at, int64_t total) {
+  int64_t next = 0;
+  for (int64_t r = 0; r < W; ++r) {
+    const int64_t b = float_as_index(rec[r * stride + at]), e = float_as_index(rec[r * stride + at + 1]);
+    if (b != next || e < b) return false;
+    next = e;
+  }
+  return next == total;
+}
+
 // ---- vocabulary-parallel logsumexp: the combine of the shards' records --------------------------------
 
-// The lse of a row from W records (m, d) in rank order (record r at rec + r * stride), in fp64: NaN when a
-// record is NaN, +inf when a max is +inf (its d is 1, the others' terms vanish), -inf without a finite max.
-FCE_HD float lse_combine_records(const float* rec, int64_t W, int64_t stride) {
+// A logsumexp record (fce_logsumexp_partial): 0 m, the largest raw x of the shard's real columns (NaN when
+// the shard holds a NaN, -inf without a column above -inf), 1 d = sum exp((x - m) s) (1 when m is +inf, 0
+// when -inf; NaN with m), 2-3 the column range, 4 the scale s, 5 vocab_total (int32 bits). In raw units, so
+// that x s never overflows: a shard's softmax at a small T stays finite.
+constexpr int kLseRange = 2, kLseScale = 4, kLseTotal = 5;
+
+// The lse of a row from W records in rank order (record r at rec + r * stride), in fp64: NaN when a record
+// is NaN, when the records' scales or vocabularies differ or their ranges do not tile [0, vocab_total);
+// +inf when a max is +inf (its d is 1, the others' terms vanish); -inf without a finite max. pair: (M, log D)
+// with lse = s M + log D (M the rows' largest raw x), from which a shard's softmax forms (x - M) / T - log D.
+struct LseCombined {
+  float lse;
+  LsePair pair;
+};
+FCE_HD LseCombined lse_combine_records(const float* rec, int64_t W, int64_t stride) {
+  const float s = rec[kLseScale], total = rec[kLseTotal];
+  bool nan = !ranges_tile(rec, W, stride, kLseRange, float_as_index(total));
   double M = -INFINITY;
   for (int64_t r = 0; r < W; ++r) {
-    const float m = rec[r * stride];
-    if (m != m) return NAN;
-    if (m > M) M = m;
+    const float* q = rec + r * stride;
+    const float m = q[0];
+    if (m != m || q[kLseScale] != s || float_as_index(q[kLseTotal]) != float_as_index(total)) nan = true;
+    else if (m > M) M = m;
   }
-  if (M == INFINITY || M == -INFINITY) return float(M);
+  if (nan) return {NAN, {NAN, NAN}};
+  if (M == INFINITY || M == -INFINITY) return {float(M), {float(M), 0.f}};
   double D = 0;
   for (int64_t r = 0; r < W; ++r) {
     const float* q = rec + r * stride;
-    if (q[0] != -INFINITY) D += double(q[1]) * ::exp(double(q[0]) - M);
+    if (q[0] != -INFINITY) D += double(q[1]) * ::exp((double(q[0]) - M) * double(s));
   }
-  return float(M + ::log(D));
+  return {float(double(s) * M + ::log(D)), {float(M), float(::log(D))}};
 }
 
 // ---- vocabulary-parallel knowledge distillation: the cross statistics of KL(P || Q) -------------------
@@ -217,12 +314,17 @@ FCE_HD KdCross<R> kd_cross_merge(const KdCross<R>& a, const KdCross<R>& b) {
 
 // A row of the vocabulary-parallel KD from the W shards' records (rank order, record r at rec + r * stride):
 // the maxima first, then each record's sums in fp64. kl = KL(P || Q) (NaN for a row without a finite z in P
-// or in Q, as fce_kd_loss's log-softmax); the log-probabilities' shifts M and log D of P and Q.
+// or in Q, as fce_kd_loss's log-softmax); the log-probabilities' shifts M and log D of P and Q. Records whose
+// column ranges (fields kKdRange, kKdRange + 1) do not tile [0, total) give NaN in all of them.
+constexpr int kKdRange = 5;       // a KD record: m_P, d_P, m_Q, d_Q, X, then the column range
+constexpr int kKdTermsRange = 3;  // a terms record: sum L, sum a, the top-K slots, then the column range
 struct KdCombined {
   double kl;
   float mp, logdp, mq, logdq;
+  bool bad;  // the shards do not tile the vocabulary
 };
-FCE_HD KdCombined kd_combine_records(const float* rec, int64_t W, int64_t stride) {
+FCE_HD KdCombined kd_combine_records(const float* rec, int64_t W, int64_t stride, int64_t total) {
+  if (!ranges_tile(rec, W, stride, kKdRange, total)) return {double(NAN), NAN, NAN, NAN, NAN, true};
   double MP = -INFINITY, MQ = -INFINITY;
   for (int64_t r = 0; r < W; ++r) {
     const float* q = rec + r * stride;
@@ -235,6 +337,7 @@ FCE_HD KdCombined kd_combine_records(const float* rec, int64_t W, int64_t stride
     kd_cross_add(c, KdCross<double>{q[0], q[1], q[2], q[3], q[4]}, MP, MQ);
   }
   KdCombined k;
+  k.bad = false;
   const bool none = MP == -INFINITY || MQ == -INFINITY;
   k.kl = none ? NAN : c.x / c.dp - ::log(c.dp) + ::log(c.dq);
   k.mp = float(MP);
@@ -246,39 +349,43 @@ FCE_HD KdCombined kd_combine_records(const float* rec, int64_t W, int64_t stride
 
 // ---- vocabulary-parallel cross-entropy: the combine of the shards' records ----------------------------
 
-constexpr int32_t kNoRecordIndex = INT32_MAX;  // a shard without real columns has no argmax
+// Where a cross-entropy record keeps its fields: 0 m, the max of the transformed logits z of the shard's
+// real columns, 1 sum e^(z-m), 2 z at the target if the shard holds it (else 0), 3 sum w z; then, for the
+// records of the header (widths kCeRecordLoss 6, kCeRecordEntropy 7, kCeRecordFields 9), 4-5 the column range,
+// 6 sum e^(z-m) (z-m) (the entropy), 7 the largest raw logit and 8 its global index (int32 bits). Records
+// that never leave the library (linear CE's fused forward, one per 256-column tile) are 4 wide: no range.
+struct CeRecordLayout {
+  int range = -1, s1 = -1, arg = -1;  // field of each, -1 when the record has none
+  FCE_HD explicit CeRecordLayout(int64_t K) {
+    if (K >= 6) range = 4;
+    if (K >= 7) s1 = 6;
+    if (K >= 9) arg = 7;
+  }
+};
 
-FCE_HD float index_as_float(int32_t i) {
-#if defined(__CUDA_ARCH__)
-  return __int_as_float(i);
-#else
-  float f;
-  std::memcpy(&f, &i, 4);
-  return f;
-#endif
-}
-FCE_HD int32_t float_as_index(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_int(f);
-#else
-  int32_t i;
-  std::memcpy(&i, &f, 4);
-  return i;
-#endif
-}
-
-// A row's statistics from the W shards' records (rank order, record r at rec + r * stride; the first K of the
-// kCeRecordFields fields: m, sum e^(z-m), z_t if owned, sum w z, then with K >= 5 sum e^(z-m) (z-m), and with
-// K = 7 the largest raw logit and its global index as int32 bits). fp64, in rank order: the max first (a NaN
-// max wins), then each shard's sums rescaled to it; the argmax takes NaN as the largest value, then the larger
-// value, ties to the lower index. The same code on the CPU and in the CUDA combine kernel, so both give the
-// same bits. Fields a record does not hold give entropy NaN and argmax kNoRecordIndex.
+// A row's statistics from the W shards' records (rank order, record r at rec + r * stride; K fields, laid
+// out as CeRecordLayout says). fp64, in rank order: the max first (a NaN max wins), then each shard's sums
+// rescaled to it; the argmax takes NaN as the largest value, then the larger value, ties to the lower index.
+// The same code on the CPU and in the CUDA combine kernel, so both give the same bits. Fields a record does
+// not hold give entropy NaN and argmax kNoRecordIndex. Ranges that do not tile [0, total): `bad`, and
+// lse, pair, entropy and zt NaN.
 struct CeCombined {
   float lse, entropy;
   double zt, swz;   // the target's logit (from the shard that owns it), sum of w z
   int32_t argmax;   // kNoRecordIndex when no shard has a column
+  LsePair pair;     // (M, log D): lse = M + log D, M the rows' max z
+  bool bad;         // the shards do not tile the vocabulary
 };
-FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride, int64_t K) {
+FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride, int64_t K, int64_t total) {
+  const CeRecordLayout L(K);
+  CeCombined c{0.f, 0.f, 0.0, 0.0, kNoRecordIndex, {0.f, 0.f}, false};
+  if (L.range >= 0 && !ranges_tile(rec, W, stride, L.range, total)) {
+    c.lse = c.entropy = NAN;
+    c.zt = c.swz = double(NAN);
+    c.pair = {NAN, NAN};
+    c.bad = true;
+    return c;
+  }
   bool nan = false;
   float M = -INFINITY;
   for (int64_t r = 0; r < W; ++r) {
@@ -287,20 +394,19 @@ FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride
     else if (m > M) M = m;
   }
   double D = 0, SE = 0;
-  CeCombined c{0.f, 0.f, 0.0, 0.0, kNoRecordIndex};
   float bv = -INFINITY;
   for (int64_t r = 0; r < W; ++r) {
     const float* q = rec + r * stride;
     if (!nan && M != -INFINITY && q[0] != -INFINITY) {
       const double e = ::exp(double(q[0]) - double(M));
       D += double(q[1]) * e;
-      if (K > 4) SE += (double(q[4]) + (double(q[0]) - double(M)) * double(q[1])) * e;  // shifted to M
+      if (L.s1 >= 0) SE += (double(q[L.s1]) + (double(q[0]) - double(M)) * double(q[1])) * e;  // shifted to M
     }
     c.swz += q[3];
     c.zt += q[2];
-    if (K < 7) continue;
-    const float v = q[5];
-    const int32_t ix = float_as_index(q[6]);
+    if (L.arg < 0) continue;
+    const float v = q[L.arg];
+    const int32_t ix = float_as_index(q[L.arg + 1]);
     if (ix == kNoRecordIndex) continue;
     const bool vn = v != v, bn = bv != bv;
     const bool better = c.argmax == kNoRecordIndex ? true
@@ -315,12 +421,15 @@ FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride
   }
   if (nan) {
     c.lse = c.entropy = NAN;
+    c.pair = {NAN, NAN};
   } else if (M == -INFINITY) {
     c.lse = -INFINITY;
     c.entropy = NAN;
+    c.pair = {-INFINITY, 0.f};
   } else {
     c.lse = float(double(M) + ::log(D));
-    c.entropy = K > 4 ? float(::log(D) - SE / D) : NAN;
+    c.entropy = L.s1 >= 0 ? float(::log(D) - SE / D) : NAN;
+    c.pair = {M, float(::log(D))};
   }
   return c;
 }

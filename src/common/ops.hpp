@@ -46,10 +46,12 @@ struct CeProblem {
 // Vocabulary-parallel cross-entropy: the records of a shard, and the forward of whole rows from the records
 // of every shard (the header's "Vocabulary-parallel cross-entropy"; the gradient is a CeProblem backward
 // with a sharded CeOpts).
-// A record is a prefix of the full width: the loss's fields, then the entropy's, then the argmax's.
-constexpr int64_t kCeRecordFields = 7;  // m, sum exp(z - m), z_t, sum w z, sum exp(z - m) (z - m), max x, its index
-constexpr int64_t kCeRecordLoss = 4;     // m, sum exp(z - m), z_t, sum w z: loss, lse, z-loss
-constexpr int64_t kCeRecordEntropy = 5;  // and sum exp(z - m) (z - m): the entropy
+// A record is a prefix of the full width: the loss's fields and the column range, then the entropy's, then
+// the argmax's (math.hpp: CeRecordLayout).
+constexpr int64_t kCeRecordFields = 9;   // ..., and the largest raw logit, its global index
+constexpr int64_t kCeRecordLoss = 6;     // m, sum exp(z - m), z_t, sum w z, column range: loss, lse, z-loss
+constexpr int64_t kCeRecordEntropy = 7;  // and sum exp(z - m) (z - m): the entropy
+constexpr int64_t kCeRecordCore = 4;     // the first four alone: records that never leave the library
 inline bool ce_record_width_ok(int64_t K) {
   return K == kCeRecordLoss || K == kCeRecordEntropy || K == kCeRecordFields;
 }
@@ -65,6 +67,7 @@ struct CeCombineProblem {
   Vec targets;
   CeOpts o;
   Vec loss, lse, z_loss, argmax, entropy;
+  Vec pair;  // optional, within the library: the rows' LsePair [N, 2] besides lse (a shard's backward reads it)
 };
 
 struct LseProblem {
@@ -83,7 +86,7 @@ struct SoftmaxProblem {
 };
 
 // Vocabulary-parallel logsumexp (the header's fce_logsumexp_partial / _combine).
-constexpr int64_t kLseRecordFields = 2;  // m, sum exp(s x - m)
+constexpr int64_t kLseRecordFields = 6;  // m (raw), sum exp((x - m) s), column range, s, vocab_total (math.hpp)
 struct LsePartialProblem {
   Mat x;
   float scale = 1.f;
@@ -93,7 +96,8 @@ struct LsePartialProblem {
 struct LseCombineProblem {
   Mat records;  // [W * N, kLseRecordFields]: rank r's row i at r * N + i
   int64_t W = 0, N = 0;
-  Vec lse;
+  Vec lse;   // [N], or [N, 2]: (max x, log D), lse = s max + log D
+  Vec pair;  // optional, within the library: the pairs besides lse (NCCL mode's softmax reads them)
 };
 
 struct KdOpts {
@@ -115,9 +119,9 @@ struct KdOpts {
 
 // Vocabulary-parallel KD (the header's "Vocabulary-parallel knowledge distillation"): a shard's records, their
 // combine into whole rows, and a shard's dstudent from the rows' statistics.
-constexpr int64_t kKdRecordFields = 5;    // m_P, sum exp(z_P - m_P), m_Q, sum exp(z_Q - m_Q), cross sum X
+constexpr int64_t kKdRecordFields = 7;    // m_P, sum exp(z_P - m_P), m_Q, sum exp(z_Q - m_Q), cross sum X, range
 constexpr int64_t kKdRowStatsFields = 5;  // M_s, log D_s, M_t, log D_t, A
-constexpr int64_t kKdTermsRecordFields = 3;  // the shard's sums of the terms and of a_j; its top-K slots (-1: dense)
+constexpr int64_t kKdTermsRecordFields = 5;  // the shard's sums of the terms and of a_j; its top-K slots (-1: dense); range
 // The teacher of a shard call: the shard's columns of full logits, or a top-K teacher's [N, K] ids (global
 // vocabulary indices) and log-probabilities, the same on every rank.
 // The largest K of a top-K teacher over shards on CUDA (fce_kd_bwd keeps a row's slot values on chip).

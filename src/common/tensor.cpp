@@ -160,10 +160,32 @@ Vec Validator::scalar_or_vector(const DLTensor* t, const char* name, unsigned ac
   return v;
 }
 
+Vec Validator::lse(const DLTensor* t, const char* name, int64_t n) const {
+  FCE_CHECK(t != nullptr, FCE_STATUS_INVALID_ARGUMENT, "%s is NULL", name);
+  Vec v;
+  if (t->ndim == 2) {
+    const Mat m = matrix(t, name, kF32);
+    FCE_CHECK(m.rows == n && m.cols == 2, FCE_STATUS_SHAPE_MISMATCH,
+              "%s has shape [%lld, %lld]; expected [N] or [N, 2] with N = %lld", name, (long long)m.rows,
+              (long long)m.cols, (long long)n);
+    FCE_CHECK(m.ld == 2 || m.rows == 1, FCE_STATUS_UNSUPPORTED_LAYOUT,
+              "%s [N, 2] must be contiguous (row stride 2, has %lld)", name, (long long)m.ld);
+    v.data = m.data;
+    v.n = n;
+    v.pair = true;
+    return v;
+  }
+  FCE_CHECK(t->ndim == 1, FCE_STATUS_SHAPE_MISMATCH, "%s must be [N] or [N, 2], has ndim %d", name, t->ndim);
+  v = vector(t, name, kF32);
+  FCE_CHECK(v.n == n, FCE_STATUS_SHAPE_MISMATCH, "%s has length %lld; expected N = %lld", name, (long long)v.n,
+            (long long)n);
+  return v;
+}
+
 size_t Validator::span(const Mat& m) {
   return static_cast<size_t>((m.rows - 1) * m.ld + m.cols) * dtype_size(m.dtype);
 }
-size_t Validator::span(const Vec& v) { return static_cast<size_t>(v.n) * dtype_size(v.dtype); }
+size_t Validator::span(const Vec& v) { return static_cast<size_t>(v.n) * dtype_size(v.dtype) * (v.pair ? 2 : 1); }
 
 void Validator::add(const char* name, const void* begin, size_t bytes, bool is_output, const char* exempt) {
   const uintptr_t b = reinterpret_cast<uintptr_t>(begin), e = b + bytes;

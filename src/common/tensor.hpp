@@ -26,12 +26,14 @@ struct Mat {
   size_t row_bytes_span() const;  // bytes from first to one past last element
 };
 
-// A vector [n] with unit stride, or a scalar (n == 1, `scalar` set).
+// A vector [n] with unit stride, or a scalar (n == 1, `scalar` set); `pair`: an lse tensor [n, 2] fp32,
+// contiguous, holding each row's LsePair (src/common/math.hpp).
 struct Vec {
   char* data = nullptr;
   DType dtype = DType::F32;
   int64_t n = 0;
   bool scalar = false;
+  bool pair = false;
   explicit operator bool() const { return data != nullptr; }
 };
 
@@ -58,6 +60,8 @@ class Validator {
   Vec scalar(const DLTensor* t, const char* name, unsigned accept) const;  // ndim 0 or [1]
   // ndim 0 / [1] gives a scalar, otherwise [n] expected.
   Vec scalar_or_vector(const DLTensor* t, const char* name, unsigned accept, int64_t n) const;
+  // An lse tensor of n rows: [n] fp32 (the plain lse) or [n, 2] fp32 contiguous (each row's LsePair).
+  Vec lse(const DLTensor* t, const char* name, int64_t n) const;
 
   // Registers an output range; fails with ALIASING when it overlaps an input or output already
   // registered, unless it is exactly `may_equal` (same start, same layout).

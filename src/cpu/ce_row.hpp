@@ -62,6 +62,7 @@ struct CeContext {
 
 struct CeRow {
   float lse = 0, loss = 0, z_loss = 0, entropy = 0;
+  LsePair pair{0.f, 0.f};  // the lse as (max z, log sum e^(z - max)), from which the gradient's p_j come
   int64_t argmax = 0;
   const float* z = nullptr;  // the transformed logits (CeContext::transformed)
 };
@@ -79,15 +80,18 @@ inline CeRow ce_row_forward(const CeContext& c, const float* x, float* zbuf, int
   const float m = simd::transform1(c.tf, mx.max);
   if (mx.nan) {
     r.lse = r.entropy = NAN;
+    r.pair = {NAN, NAN};
   } else if (m == -INFINITY) {  // every logit -inf: no distribution
     r.lse = -INFINITY;
     r.entropy = NAN;
+    r.pair = {-INFINITY, 0.f};
   }
   if (!mx.nan) {
     const simd::CeSums s = simd::ce_sums(z, V, m, c.weights(), smooth);
     swz = s.swz;
     if (m != -INFINITY) {
       r.lse = float(double(m) + std::log(s.s));
+      r.pair = {m, float(std::log(s.s))};
       // log s - sum p (z - m) in float64: lse - sum p z with lse rounded to fp32 would keep that rounding
       r.entropy = float(std::log(s.s) - (s.sz / s.s - double(m)));
     }
@@ -115,9 +119,10 @@ inline EntropyGrad entropy_grad(const Vec& grad_entropy, int64_t i, float H) {
 }
 
 // Gradient of the row's loss (times g) and entropy (times eg.ge) w.r.t. the raw logits of columns [0, n),
-// from the transformed logits z and the lse. A vocabulary shard passes its n real columns, its weights `w`
-// and its local target; unsharded n = V, w = c.weights(), local_target = target.
-inline void ce_row_grad(const CeContext& c, const float* z, int64_t n, const float* w, float lse, int64_t target,
+// from the transformed logits z and the lse (its pair: the probabilities from max-shifted values). A
+// vocabulary shard passes its n real columns, its weights `w` and its local target; unsharded n = V,
+// w = c.weights(), local_target = target.
+inline void ce_row_grad(const CeContext& c, const float* z, int64_t n, const float* w, LsePair lse, int64_t target,
                         int64_t local_target, float g, const EntropyGrad& eg, float* dx) {
   if (!c.ignored(target) && !c.in_range(target)) {  // NaN whatever the upstream gradient (the contract)
     std::fill(dx, dx + n, NAN);
@@ -129,11 +134,11 @@ inline void ce_row_grad(const CeContext& c, const float* z, int64_t n, const flo
     return;
   }
   CeGrad grad(loss_grad ? g : 0.f, c.o.label_smoothing, loss_grad ? c.weight(target) : 1.f, float(c.W),
-              1.f / float(c.V), c.o.z_loss_scale, lse);
-  if (eg.ge != 0.f) grad.entropy(eg.ge, lse, eg.H);
+              1.f / float(c.V), c.o.z_loss_scale, lse.value());
+  if (eg.ge != 0.f) grad.entropy(eg.ge, eg.H);
   simd::ce_grad(z, n, lse, grad, w, local_target, c.tf, dx);
 }
-inline void ce_row_grad(const CeContext& c, const float* z, float lse, int64_t target, float g,
+inline void ce_row_grad(const CeContext& c, const float* z, LsePair lse, int64_t target, float g,
                         const EntropyGrad& eg, float* dx) {
   ce_row_grad(c, z, c.V, c.weights(), lse, target, target, g, eg, dx);
 }

@@ -129,4 +129,19 @@ inline void row_out_done(const Mat& m, int64_t r, const float* buf) {
 inline float load_f32(const Vec& v, int64_t i) { return load(v.data + 4 * size_t(v.scalar ? 0 : i), DType::F32); }
 inline void store_f32(const Vec& v, int64_t i, float x) { std::memcpy(v.data + 4 * size_t(i), &x, 4); }
 
+// Row i's lse from an [N] fp32 tensor (the pair (lse, 0)) or an [N, 2] one (the pair itself, LsePair).
+inline LsePair load_lse(const Vec& v, int64_t i) {
+  if (!v.pair) return {load_f32(v, i), 0.f};
+  LsePair p;
+  std::memcpy(&p.hi, v.data + 8 * size_t(i), 4);
+  std::memcpy(&p.lo, v.data + 8 * size_t(i) + 4, 4);
+  return p;
+}
+// Stores row i's lse: the pair into an [N, 2] tensor, else the value `lse`.
+inline void store_lse(const Vec& v, int64_t i, LsePair p, float lse) {
+  if (!v.pair) return store_f32(v, i, lse);
+  std::memcpy(v.data + 8 * size_t(i), &p.hi, 4);
+  std::memcpy(v.data + 8 * size_t(i) + 4, &p.lo, 4);
+}
+
 }  // namespace fce::cpu

@@ -23,20 +23,21 @@ void ce(const CeProblem& p, Workspace) {
     for (int64_t i = 0; i < N; ++i) {
       const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
       const float* x = row_in(p.logits, i, xbuf.data());
-      float lse, H = 0.f;
+      LsePair lse;
+      float H = 0.f;
       const float* z;
       if (p.backward()) {
-        lse = load_f32(p.saved_lse, i);
+        lse = load_lse(p.saved_lse, i);
         if (p.grad_entropy) H = load_f32(p.saved_entropy, i);
         z = c.transformed(x, zbuf.data());
       } else {
         const CeRow r = ce_row_forward(c, x, zbuf.data(), t, static_cast<bool>(p.argmax));
         z = r.z;
-        lse = r.lse;
+        lse = r.pair;
         H = r.entropy;
         row_loss[size_t(i)] = r.loss;
         row_zl[size_t(i)] = r.z_loss;
-        if (p.lse) store_f32(p.lse, i, r.lse);
+        if (p.lse) store_lse(p.lse, i, r.pair, r.lse);
         if (p.entropy) store_f32(p.entropy, i, r.entropy);
         if (p.argmax) store_index(p.argmax.data, p.argmax.dtype, i, r.argmax);
         if (p.o.reduction == FCE_REDUCTION_NONE) {

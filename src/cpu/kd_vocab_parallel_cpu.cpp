@@ -111,6 +111,7 @@ void topk_partial(const KdPartialProblem& p) {
       r[2] = rev ? mk : ms;
       r[3] = float(rev ? dk : ds);
       r[4] = NAN;
+      put_range(r, kKdRange, p.o.vocab_start, p.o.vocab_start + n);
     }
   }
 }
@@ -152,6 +153,7 @@ void kd_partial(const KdPartialProblem& p) {
       r[2] = mq;
       r[3] = float(dq);
       r[4] = float(x);
+      put_range(r, kKdRange, p.o.vocab_start, p.o.vocab_start + n);
     }
   }
 }
@@ -168,9 +170,10 @@ void kd_combine(const KdCombineProblem& p) {
     const float* rec = reinterpret_cast<const float*>(p.records.data) + size_t(i) * size_t(p.records.ld);
     float* s = p.row_stats ? reinterpret_cast<float*>(row_ptr_mut(p.row_stats, i)) : nullptr;
     double kl = 0, asum = 0;
-    bool no_slot = false;
+    bool no_slot = false, bad = false;
     if (p.terms) {  // the terms' records: the loss and A summed in rank order
       double slots = 0;
+      bad = !ranges_tile(rec, W, stride, kKdTermsRange, p.o.vocab_total);
       for (int64_t r = 0; r < W; ++r) {
         kl += double(rec[r * stride]);
         asum += double(rec[r * stride + 1]);
@@ -180,10 +183,11 @@ void kd_combine(const KdCombineProblem& p) {
       no_slot = !dense && slots == 0;   // a top-K row without a used slot: masked
       // A dense KL's A as the one-exchange combine forms it (sum q = 1 exactly: identical rows keep a 0
       // gradient); a top-K teacher's sums its slots' a_k, as fce_kd_loss does.
-      s[4] = p.o.mixture() || !dense ? float(asum) : rev ? float(kl + 1.0) : -1.f;
+      s[4] = bad ? NAN : p.o.mixture() || !dense ? float(asum) : rev ? float(kl + 1.0) : -1.f;
     } else {
-      const KdCombined k = kd_combine_records(rec, W, stride);
+      const KdCombined k = kd_combine_records(rec, W, stride, p.o.vocab_total);
       kl = k.kl;
+      bad = k.bad;
       if (s) {
         s[0] = rev ? k.mp : k.mq;  // the student's shift
         s[1] = rev ? k.logdp : k.logdq;
@@ -194,8 +198,8 @@ void kd_combine(const KdCombineProblem& p) {
       }
     }
     if (!p.loss) continue;  // JSD's first combine
-    const bool skip = masked(p.targets, p.o, i) || no_slot;
-    const float loss = skip ? 0.f : float(kl) * t2;
+    const bool skip = !bad && (masked(p.targets, p.o, i) || no_slot);  // bad shards: NaN, masked or not
+    const float loss = bad ? NAN : skip ? 0.f : float(kl) * t2;
     row_loss[size_t(i)] = loss;
     row_used[size_t(i)] = !skip;
     if (p.o.reduction == FCE_REDUCTION_NONE) store_f32(p.loss, i, loss);
@@ -243,6 +247,7 @@ void kd_terms_partial(const KdTermsPartialProblem& p) {
         r[0] = t.bad ? NAN : float(loss);
         r[1] = t.bad ? NAN : float(asum);
         r[2] = float(slots);
+        put_range(r, kKdTermsRange, p.o.vocab_start, p.o.vocab_start + n);
       }
     }
     return;
@@ -267,6 +272,7 @@ void kd_terms_partial(const KdTermsPartialProblem& p) {
       r[0] = float(loss);
       r[1] = float(asum);
       r[2] = -1.f;  // dense
+      put_range(r, kKdTermsRange, p.o.vocab_start, p.o.vocab_start + n);
     }
   }
 }

@@ -115,20 +115,21 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       if (p.hidden.dtype != DType::F32)
         for (int64_t j = 0; j < V; ++j) x[j] = round_to(p.hidden.dtype, x[j]);
       const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
-      float lse, Hr = 0.f;
+      LsePair lse;
+      float Hr = 0.f;
       if (bwd) {
-        lse = load_f32(p.saved_lse, i);
+        lse = load_lse(p.saved_lse, i);
         if (p.grad_entropy) Hr = load_f32(p.saved_entropy, i);
         simd::transform(c.tf, x, V, x);
       } else if (partial) {
         continue;  // the chunk's records below
       } else {
         const CeRow cr = ce_row_forward(c, x, x, t, static_cast<bool>(p.argmax));  // z overwrites x in place
-        lse = cr.lse;
+        lse = cr.pair;
         Hr = cr.entropy;
         row_loss[size_t(i)] = cr.loss;
         row_zl[size_t(i)] = cr.z_loss;
-        if (p.lse) store_f32(p.lse, i, cr.lse);
+        if (p.lse) store_lse(p.lse, i, cr.pair, cr.lse);
         if (p.entropy) store_f32(p.entropy, i, cr.entropy);
         if (p.argmax) store_index(p.argmax.data, p.argmax.dtype, i, cr.argmax);
         if (p.o.reduction == FCE_REDUCTION_NONE) {

@@ -207,21 +207,23 @@ CeSums CeSumsImpl(const float* z, int64_t n, float m, const float* w, bool want_
   return {s.sum(), sz.sum(), want_swz ? swz.sum() : 0.0};
 }
 
-void CeGradImpl(const float* z, int64_t n, float lse, const CeGrad& g, const float* w, int64_t target,
+void CeGradImpl(const float* z, int64_t n, LsePair lse, const CeGrad& g, const float* w, int64_t target,
                 const LogitTransform& tf, float* dx) {
   const D d;
   const int64_t N = int64_t(hn::Lanes(d));
-  const V lv = hn::Set(d, lse), cp = hn::Set(d, g.cp), cw = hn::Set(d, g.cw), ct = hn::Set(d, g.ct);
-  const V gev = hn::Set(d, g.ge), muv = hn::Set(d, g.mu);
+  const V hi = hn::Set(d, lse.hi), lo = hn::Set(d, lse.lo), cp = hn::Set(d, g.cp), cw = hn::Set(d, g.cw),
+          ct = hn::Set(d, g.ct);
+  const V gev = hn::Set(d, g.ge), nh = hn::Set(d, -g.H);
   const V one = hn::Set(d, 1.f), iota = hn::Iota(d, 0.f);
   for (int64_t j = 0; j < n; j += N) {
     const V zj = Ld(d, z + j, n - j);
-    const V p = ExpFull(d, hn::Sub(zj, lv));
+    const V lp = hn::Sub(hn::Sub(zj, hi), lo);  // log p_j from the max-shifted value (LsePair)
+    const V p = ExpFull(d, lp);
     V dz = hn::Sub(hn::Mul(cp, p), hn::Mul(cw, w ? Ld(d, w + j, n - j) : one));
     if (target >= j && target < j + N)
       dz = hn::Sub(dz, hn::IfThenElseZero(hn::Eq(iota, hn::Set(d, float(target - j))), ct));
-    if (g.ge != 0.f)  // CeGrad's entropy term, none where p = 0
-      dz = hn::IfThenElse(hn::Gt(p, hn::Zero(d)), hn::MulAdd(hn::Mul(gev, p), hn::Sub(muv, zj), dz), dz);
+    if (g.ge != 0.f)  // CeGrad's entropy term, ge p_j (-log p_j - H), none where p = 0
+      dz = hn::IfThenElse(hn::Gt(p, hn::Zero(d)), hn::MulAdd(hn::Mul(gev, p), hn::Sub(nh, lp), dz), dz);
     St(hn::Mul(dz, Derivative(d, tf, zj)), d, dx + j, n - j);
   }
 }
@@ -375,7 +377,7 @@ float transform1(const LogitTransform& tf, float x) { return HWY_DYNAMIC_DISPATC
 CeSums ce_sums(const float* z, int64_t n, float m, const float* w, bool want_swz) {
   return HWY_DYNAMIC_DISPATCH(CeSumsImpl)(z, n, m, w, want_swz);
 }
-void ce_grad(const float* z, int64_t n, float lse, const CeGrad& g, const float* w, int64_t target,
+void ce_grad(const float* z, int64_t n, LsePair lse, const CeGrad& g, const float* w, int64_t target,
              const LogitTransform& tf, float* dx) {
   HWY_DYNAMIC_DISPATCH(CeGradImpl)(z, n, lse, g, w, target, tf, dx);
 }

@@ -45,9 +45,9 @@ struct CeSums {
   double s, sz, swz;
 };
 CeSums ce_sums(const float* z, int64_t n, float m, const float* w, bool want_swz);
-// dx_j = g(p_j, w_j, j == target, z_j) * tf'(z_j), p_j = exp(z_j - lse) (CeGrad, with its entropy term);
-// w null = ones.
-void ce_grad(const float* z, int64_t n, float lse, const CeGrad& g, const float* w, int64_t target,
+// dx_j = g(p_j, w_j, j == target, log p_j) * tf'(z_j), log p_j = (z_j - lse.hi) - lse.lo (CeGrad, with its
+// entropy term); w null = ones.
+void ce_grad(const float* z, int64_t n, LsePair lse, const CeGrad& g, const float* w, int64_t target,
              const LogitTransform& tf, float* dx);
 
 // sum_j exp((x_j - m) * scale) in float64.

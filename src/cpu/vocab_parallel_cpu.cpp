@@ -64,7 +64,8 @@ void ce_partial(const CePartialProblem& p) {
         const int64_t tl = local_target(p.o, t, n);
         if (tl >= 0) zt = z[tl];
       }
-      const float r[kCeRecordFields] = {m, d, zt, swz, se, av, index_as_float(ai)};
+      float r[kCeRecordFields] = {m, d, zt, swz, 0.f, 0.f, se, av, index_as_float(ai)};
+      put_range(r, CeRecordLayout(kCeRecordFields).range, p.o.vocab_start, p.o.vocab_start + n);
       std::memcpy(rec, r, size_t(p.records.cols) * sizeof(float));  // the record's width: a prefix
     }
   }
@@ -80,21 +81,23 @@ void ce_combine(const CeCombineProblem& p) {
     auto rec = [&](int64_t r) {
       return reinterpret_cast<const float*>(p.records.data) + size_t(r * N + i) * size_t(p.records.ld);
     };
-    const CeCombined m = ce_combine_records(rec(0), W, int64_t(p.records.ld) * N, p.records.cols);
+    const CeCombined m = ce_combine_records(rec(0), W, int64_t(p.records.ld) * N, p.records.cols, p.o.vocab_total);
     CeRow row;
     row.lse = m.lse;
     row.entropy = m.entropy;
     const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
-    if (!c.ignored(t)) {
-      if (!c.in_range(t)) row.loss = row.z_loss = NAN;
+    if (!c.ignored(t) || m.bad) {  // shards that do not tile the vocabulary: NaN even for an ignored row
+      if (!c.in_range(t) || m.bad) row.loss = row.z_loss = NAN;
       else ce_combined_loss(m, c.weight(t), p.o.label_smoothing, double(c.V), c.W, p.o.z_loss_scale, &row.loss,
                             &row.z_loss);
     }
     row_loss[size_t(i)] = row.loss;
     row_zl[size_t(i)] = row.z_loss;
-    if (p.lse) store_f32(p.lse, i, row.lse);
+    if (p.lse) store_lse(p.lse, i, m.pair, row.lse);
+    if (p.pair) store_lse(p.pair, i, m.pair, row.lse);
     if (p.entropy) store_f32(p.entropy, i, row.entropy);
-    if (p.argmax) store_index(p.argmax.data, p.argmax.dtype, i, m.argmax == kNoRecordIndex ? 0 : m.argmax);
+    if (p.argmax)
+      store_index(p.argmax.data, p.argmax.dtype, i, m.bad ? -1 : m.argmax == kNoRecordIndex ? 0 : m.argmax);
     if (p.o.reduction == FCE_REDUCTION_NONE) {
       store_f32(p.loss, i, row.loss);
       if (p.z_loss) store_f32(p.z_loss, i, row.z_loss);
@@ -120,7 +123,7 @@ void ce_shard_backward(const CeProblem& p) {
       float* dx = row_out(p.dlogits, i, gbuf.data());
       const float g = c.grad_scale(p.grad_loss, i, denom);
       const EntropyGrad eg = entropy_grad(p.grad_entropy, i, p.grad_entropy ? load_f32(p.saved_entropy, i) : 0.f);
-      ce_row_grad(c, z, n, w, load_f32(p.saved_lse, i), t, local_target(p.o, t, n), g, eg, dx);
+      ce_row_grad(c, z, n, w, load_lse(p.saved_lse, i), t, local_target(p.o, t, n), g, eg, dx);
       std::fill(dx + n, dx + V, !c.ignored(t) && !c.in_range(t) ? NAN : 0.f);  // padding
       row_out_done(p.dlogits, i, dx);
     }
@@ -136,19 +139,19 @@ void lse_partial(const LsePartialProblem& p) {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
       const float* x = row_in(p.x, i, xbuf.data());
-      float m = -INFINITY;
-      bool nan = false;
-      for (int64_t j = 0; j < n; ++j) {
-        nan = nan || std::isnan(x[j]);
-        m = std::fmax(m, x[j] * p.scale);
-      }
+      // The raw max first, then exp((x - m) s) in float64 (x s itself may overflow fp32 at a small T).
+      const simd::MaxNan mx = simd::max_nan(x, n);
+      const float m = mx.max;
       double d = 0;
       if (m == INFINITY) d = 1;  // +inf: the lse is +inf (the GPU's convention)
       else if (m != -INFINITY)
-        for (int64_t j = 0; j < n; ++j) d += std::exp(double(x[j] * p.scale) - double(m));
+        for (int64_t j = 0; j < n; ++j) d += std::exp((double(x[j]) - double(m)) * double(p.scale));
       float* r = reinterpret_cast<float*>(row_ptr_mut(p.records, i));
-      r[0] = nan ? NAN : m;
-      r[1] = nan ? NAN : float(d);
+      r[0] = mx.nan ? NAN : m;
+      r[1] = mx.nan ? NAN : float(d);
+      put_range(r, kLseRange, p.vocab_start, p.vocab_start + n);
+      r[kLseScale] = p.scale;
+      r[kLseTotal] = index_as_float(int32_t(p.vocab_total));
     }
   }
 }
@@ -157,7 +160,9 @@ void lse_combine(const LseCombineProblem& p) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < p.N; ++i) {
     const float* rec = reinterpret_cast<const float*>(p.records.data) + size_t(i) * size_t(p.records.ld);
-    store_f32(p.lse, i, lse_combine_records(rec, p.W, int64_t(p.records.ld) * p.N));
+    const LseCombined c = lse_combine_records(rec, p.W, int64_t(p.records.ld) * p.N);
+    if (p.lse) store_lse(p.lse, i, c.pair, c.lse);
+    if (p.pair) store_lse(p.pair, i, c.pair, c.lse);
   }
 }
 
@@ -171,11 +176,11 @@ void softmax_shard(const SoftmaxProblem& p) {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
       const float* x = row_in(p.logits, i, xbuf.data());  // read whole: an output may be the logits
-      const float lse = load_f32(p.lse, i);
+      const ShardLogProb lpf(load_lse(p.lse, i), p.lse.pair, inv_t);
       float* pr = p.probs ? row_out(p.probs, i, pbuf.data()) : nullptr;
       float* lp = p.logprobs ? row_out(p.logprobs, i, lbuf.data()) : nullptr;
       for (int64_t j = 0; j < V; ++j) {
-        const float l = j < n ? x[j] * inv_t - lse : -INFINITY;
+        const float l = j < n ? lpf(x[j]) : -INFINITY;
         if (pr) pr[j] = j < n ? std::exp(l) : 0.f;
         if (lp) lp[j] = l;
       }

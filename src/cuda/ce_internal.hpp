@@ -17,6 +17,7 @@ struct CeRows {
   const CeOpts* o;
   const double* prep;  // from ce_prep when ce_needs_prep, else null
   float *loss_rows, *zl_rows, *lse, *entropy;  // per-row outputs ([N]); zl_rows, lse, entropy optional
+  bool lse_pair;                               // lse is [N, 2] of LsePair
   void* argmax;                                // optional [N]
   bool a64;
   void* dx;  // optional dlogits [N, V] with row stride ldd, of dtype dxt
@@ -24,7 +25,8 @@ struct CeRows {
   int64_t ldd;
   const float* grad_loss;  // optional: scalar, or [N] (already offset to this block)
   bool grad_scalar;
-  const float* saved_lse;  // backward only: [N]
+  const float* saved_lse;  // backward only: [N], or [N, 2] of LsePair with saved_pair
+  bool saved_pair;
   const float* grad_entropy;  // optional: scalar, or [N] (already offset to this block)
   bool ge_scalar;
   const float* saved_entropy;  // backward with grad_entropy: [N]

@@ -61,8 +61,9 @@ struct CeParams {
   const float* weights;
   int reduction;
   const double* prep;  // [0] mean denominator, [1] sum of class weights
-  // outputs (row losses go to the workspace when reduced)
+  // outputs (row losses go to the workspace when reduced); lse: [N], or [N, 2] of LsePair with lse_pair
   float *loss_rows, *zl_rows, *lse, *entropy;
+  bool lse_pair;
   void* argmax;
   bool a64;
   void* dx;
@@ -73,8 +74,9 @@ struct CeParams {
   int splits;
   int chunk;  // lse_regs_kernel: slice width, slice_cols(V, splits)
   CeAcc* partial;
-  float* row_lse;  // lse for the gradient kernel
-  const float* saved_lse;
+  LsePair* row_lse;        // the lse for the gradient kernel
+  const float* saved_lse;  // [N], or [N, 2] of LsePair with saved_pair
+  bool saved_pair;
   // the entropy's upstream gradient (scalar or [N]); the entropy of the backward's rows, or of split rows
   const float* grad_entropy;
   bool ge_scalar;
@@ -192,17 +194,33 @@ __device__ RowHints row_hints(const CeParams& p, int64_t row) {
   return h;
 }
 
-// Writes row outputs from the merged statistics (one thread); returns the row's lse, and its entropy in *H
-// when H is not null.
+// A saved lse of the backward: the pair (lse, 0) of an [N] tensor, or the row's LsePair.
+__device__ __forceinline__ LsePair saved_lse_of(const CeParams& p, int64_t row) {
+  if (!p.saved_pair) return {p.saved_lse[row], 0.f};
+  const float2 v = reinterpret_cast<const float2*>(p.saved_lse)[row];
+  return {v.x, v.y};
+}
+
+// p_j = e^((z_j - hi) - lo) in base 2 (LsePair): every gradient kernel forms it so, from the row's pair.
+__device__ __forceinline__ float pair_exp(float z, float hi, float nlo2) {
+  return ex2(__fmaf_rn(__fsub_rn(z, hi), kLog2e, nlo2));
+}
+
+// Writes row outputs from the merged statistics (one thread); returns the row's lse as its pair (the max z
+// and the log of the shifted sum), and its entropy in *H when H is not null.
 template <class T>
-__device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& a, const RowHints* hint = nullptr,
-                                   float* H = nullptr) {
+__device__ LsePair write_row_outputs(const CeParams& p, int64_t row, const CeAcc& a, const RowHints* hint = nullptr,
+                                     float* H = nullptr) {
   const float lse = a.m == -INFINITY ? -INFINITY : a.m + logf(a.d);
+  const LsePair pair{a.m, a.m == -INFINITY ? 0.f : logf(a.d)};
   if (!p.full) {  // logsumexp: a NaN anywhere in the row (finish_stats marks it in av) wins over +-inf
     p.lse[row] = isnan(a.av) ? NAN : lse;
-    return lse;
+    return pair;
   }
-  if (p.lse) p.lse[row] = lse;
+  if (p.lse) {
+    if (p.lse_pair) reinterpret_cast<float2*>(p.lse)[row] = make_float2(pair.hi, pair.lo);
+    else p.lse[row] = lse;
+  }
   const float ent = a.m == -INFINITY ? NAN : logf(a.d) - a.s1 / a.d;
   if (p.entropy) p.entropy[row] = ent;
   if (H) *H = ent;
@@ -231,20 +249,21 @@ __device__ float write_row_outputs(const CeParams& p, int64_t row, const CeAcc& 
   }
   p.loss_rows[row] = loss;
   if (p.zl_rows) p.zl_rows[row] = zl;
-  return lse;
+  return pair;
 }
 
-// The gradient with the entropy's term for plain rows (z = s x: no soft-cap, class weights or smoothing),
-// in base 2: dx_j = p_j (g0 + gz x_j) - [j == t] gt, p_j = 2^(x_j s log2(e) - lse log2(e)), g0 = s (cp +
-// ge mu), gz = -s^2 ge (CeGrad's terms); 0 where p_j = 0 (a -inf logit). The pipelined plain kernel and
-// write_grad (the backward) form it alike, so that both give the same bits.
+// The gradient with the entropy's term for plain rows (z = s x: no soft-cap, class weights or smoothing):
+// dx_j = p_j (g0 + gu u_j) - [j == t] gt with u_j = log p_j = (z_j - hi) - lo (the row's LsePair),
+// g0 = s (cp - ge H), gu = -s ge (CeGrad's terms, mu - z_j = -u_j - H); 0 where p_j = 0 (a -inf logit). The
+// pipelined plain kernel and write_grad (the backward) form it alike, so that both give the same bits.
 struct EntPlain {
-  float sl, nl, g0, gz, gt;
-  __device__ EntPlain(float s, float lse, const CeGrad& g)
-      : sl(s * kLog2e), nl(-lse * kLog2e), g0(s * fmaf(g.ge, g.mu, g.cp)), gz(-(s * s) * g.ge), gt(s * g.ct) {}
+  float s, hi, lo, g0, gu, gt;
+  __device__ EntPlain(float s_, LsePair l, const CeGrad& g)
+      : s(s_), hi(l.hi), lo(l.lo), g0(s_ * fmaf(-g.ge, g.H, g.cp)), gu(-s_ * g.ge), gt(s_ * g.ct) {}
   __device__ float operator()(float x, bool is_target) const {
-    const float pj = ex2(__fmaf_rn(x, sl, nl));
-    return (pj == 0.f ? 0.f : pj * __fmaf_rn(gz, x, g0)) - (is_target ? gt : 0.f);
+    const float u = __fsub_rn(__fsub_rn(__fmul_rn(x, s), hi), lo);
+    const float pj = ex2(__fmul_rn(u, kLog2e));
+    return (pj == 0.f ? 0.f : pj * __fmaf_rn(gu, u, g0)) - (is_target ? gt : 0.f);
   }
 };
 
@@ -252,7 +271,7 @@ struct EntPlain {
 // only with grad_entropy). With `next`, the cached slots are refilled with the next row as they are used
 // (row_map).
 template <class T, class O>
-__device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_t end, float lse, float H,
+__device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_t end, LsePair lse, float H,
                            uint4* cache = nullptr, int64_t cache_vecs = 0, const uint4* next = nullptr,
                            const RowHints* hint = nullptr) {
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
@@ -273,10 +292,11 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
   }
   // The class weights' sum enters with label smoothing only (prep holds it then, and only then).
   const float W = p.weights && p.eps > 0.f ? float(p.prep[1]) : float(p.vt);
-  CeGrad grad(lg ? g : 0.f, p.eps, lg && p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse);
+  CeGrad grad(lg ? g : 0.f, p.eps, lg && p.weights ? p.weights[t] : 1.f, W, p.inv_v, p.zq, lse.value());
   const int64_t tl = t - p.col0;  // the target's column in these logits (outside [0, V) in another shard's)
+  const float hi = lse.hi, nlo2 = -lse.lo * kLog2e;
   if (ge != 0.f) {  // the entropy's term as well (CeGrad)
-    grad.entropy(ge, lse, H);
+    grad.entropy(ge, H);
     if (p.softcap == 0.f && !p.weights && p.eps == 0.f) {
       const EntPlain ep(p.scale, lse, grad);
       row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
@@ -292,20 +312,20 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
         if (k < n) {
           const float z = tf(v[k]);
           const float w = p.weights ? p.weights[p.col0 + j0 + k] : 1.f;
-          v[k] = grad(ex2((z - lse) * kLog2e), w, j0 + k == tl, z) * tf.derivative(z);
+          v[k] = grad(pair_exp(z, hi, nlo2), w, j0 + k == tl, lse.logp(z)) * tf.derivative(z);
         }
       }
     }, cache, cache_vecs, next);
     return;
   }
   if (p.softcap == 0.f && !p.weights) {
-    // Common case: z = s*x, dz/dx = s, w = 1. Per element one FMA, one ex2, one FMA.
+    // Common case: z = s*x, dz/dx = s, w = 1. Per element z, z - hi, one FMA, one ex2, one FMA.
     const float s = p.scale, a = p.scale * grad.cp, b = -p.scale * grad.cw, at = p.scale * grad.ct;
     row_map<T, O>(x, dx, begin, end, [&](float (&v)[kVec<T>], int64_t j0, int n) {
       const int64_t kt = tl - j0;  // the target's position in this vector, if any
 #pragma unroll
       for (int k = 0; k < kVec<T>; ++k) {
-        if (k < n) v[k] = fmaf(a, ex2((v[k] * s - lse) * kLog2e), b) - (k == kt ? at : 0.f);
+        if (k < n) v[k] = fmaf(a, pair_exp(__fmul_rn(v[k], s), hi, nlo2), b) - (k == kt ? at : 0.f);
       }
     }, cache, cache_vecs, next);
     return;
@@ -316,7 +336,7 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
       if (k < n) {
         const float z = tf(v[k]);
         const float w = p.weights ? p.weights[p.col0 + j0 + k] : 1.f;
-        v[k] = grad(ex2((z - lse) * kLog2e), w, j0 + k == tl) * tf.derivative(z);
+        v[k] = grad(pair_exp(z, hi, nlo2), w, j0 + k == tl) * tf.derivative(z);
       }
     }
   }, cache, cache_vecs, next);
@@ -325,7 +345,7 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
 // One block per row: statistics, outputs, and the gradient.
 template <class T, class O>
 __global__ void __launch_bounds__(kRowThreads) row_kernel(CeParams p) {
-  __shared__ float s_lse;
+  __shared__ LsePair s_lse;
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
   const CeAcc a = row_stats<T>(p, x, 0, p.V);
@@ -344,7 +364,7 @@ constexpr int kCachedBlocks = 1;      // blocks per SM, each caching 1/kCachedBl
 template <class T, class O>
 __global__ void __launch_bounds__(kCachedThreads, kCachedBlocks) row_kernel_cached(CeParams p, int64_t cache_vecs) {
   extern __shared__ uint4 cache[];
-  __shared__ float s_lse;
+  __shared__ LsePair s_lse;
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(p.x) + row * p.ld;
   __shared__ float s_h;
@@ -385,7 +405,8 @@ __device__ __forceinline__ void pipe_start(const CeParams& p, int64_t row, uint4
 template <class T>
 __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe(CeParams p, int64_t cache_vecs) {
   extern __shared__ uint4 cache[];
-  __shared__ float s_lse, s_h;
+  __shared__ LsePair s_lse;
+  __shared__ float s_h;
   int64_t row = blockIdx.x;
   if (row >= p.N) return;
   pipe_start<T>(p, row, cache, cache_vecs);
@@ -412,10 +433,11 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe(CeParams p,
 template <class T, bool kEnt>
 __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CeParams p, int64_t cache_vecs) {
   extern __shared__ uint4 cache[];
-  __shared__ float s_lse, s_h;
+  __shared__ LsePair s_lse;
+  __shared__ float s_h;
   constexpr int K = kVec<T>, kThreads = kCachedThreads;
   const int nv = int(p.V / K), cvec = int(cache_vecs);
-  const float sl = p.scale * kLog2e;
+  const float s = p.scale;
   // L2 policies: the uncached rest is read twice (keep), the second read and the cached slots once.
   const unsigned long long keep = l2_policy_evict_last(), once = l2_policy_evict_first();
   int64_t row = blockIdx.x;
@@ -427,24 +449,27 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
     const T* x = static_cast<const T*>(p.x) + row * p.ld;
     const uint4* vp = reinterpret_cast<const uint4*>(x);
     const int64_t next = row + gridDim.x;
-    // The fused form (c = s log2(e)): m = max of x s log2(e), d = sum of 2^(x s log2(e) - m). The max of
-    // each vector is taken on packed pairs for a 16-bit vector.
-    // kEnt: s1b = sum of e (x s log2(e) - m), the entropy sum in base-2 units shifted by m (CeAcc's s1 / ln 2).
-    OnlineSoftmax st;
-    float s1b = 0.f;
+    // The statistics of z = s x as accumulate forms them (the shifted form: z - m exact near the max, so
+    // that the row's LsePair gives every p_j to fp32 precision at any offset of the logits). The max of each
+    // vector is taken on packed pairs for a 16-bit vector. kEnt: the entropy sum as well.
+    CeAcc a;
+    auto add_z = [&](const float (&z)[K], int n, float g) {
+      if constexpr (kEnt) {
+        a.add_shifted<K>(z, n, g, kLog2e, [&](float r) {  // a.d is rescaled already, a.m not yet
+          a.s1 = a.m == -INFINITY ? 0.f : __fmaf_rn(__fsub_rn(a.m, g), a.d, __fmul_rn(a.s1, r));
+        }, [&](int k, float e) {
+          a.s1 = __fmaf_rn(e, e > 0.f ? __fsub_rn(z[k], a.m) : 0.f, a.s1);  // a select: -inf z adds 0
+        });
+      } else {
+        a.add_shifted<K>(z, n, g, kLog2e);
+      }
+    };
     auto add = [&](const uint4& raw) {
       float v[K];
       unpack_words<T>(raw, v);
-      if constexpr (kEnt) {
-        const float g = vec_max<T>(raw);
-        st.add_fused(v, K, g, sl, [&](float r) {  // st.d is rescaled already, st.m not yet
-          s1b = st.m == -INFINITY ? 0.f : __fmaf_rn(__fsub_rn(st.m, fmaxf(st.m, __fmul_rn(g, sl))), st.d, __fmul_rn(s1b, r));
-        }, [&](int i, float e) {
-          s1b = __fmaf_rn(e, e > 0.f ? __fmaf_rn(v[i], sl, -st.m) : 0.f, s1b);
-        });
-      } else {
-        st.add_fused(v, K, vec_max<T>(raw), sl);
-      }
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] = __fmul_rn(v[k], s);
+      add_z(v, K, __fmul_rn(vec_max<T>(raw), s));  // max z = s max x: rounding is monotonic
     };
     for (int i = threadIdx.x; i < cvec; i += kThreads) add(cache[i]);
     for (int base = cvec + threadIdx.x; base < nv; base += 4 * kThreads) {
@@ -457,36 +482,27 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
         if (base + u * kThreads < nv) add(raw[u]);
     }
     for (int64_t j = int64_t(nv) * K + threadIdx.x; j < p.V; j += kThreads) {
-      const float v = to_float(x[j]);
-      if constexpr (kEnt) {
-        st.add_fused(&v, 1, v, sl, [&](float r) {
-          s1b = st.m == -INFINITY ? 0.f : __fmaf_rn(__fsub_rn(st.m, fmaxf(st.m, __fmul_rn(v, sl))), st.d, __fmul_rn(s1b, r));
-        }, [&](int, float e) {
-          s1b = __fmaf_rn(e, e > 0.f ? __fmaf_rn(v, sl, -st.m) : 0.f, s1b);
-        });
-      } else {
-        st.add_fused(&v, 1, v, sl);
-      }
+      float z[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) z[k] = -INFINITY;
+      z[0] = __fmul_rn(to_float(x[j]), s);
+      add_z(z, 1, z[0]);
     }
-    CeAcc a;
-    a.m = st.m * (1.f / kLog2e);
-    a.d = st.d;
-    if constexpr (kEnt) a.s1 = s1b * kLn2;
     a = finish_stats<T>(p, x, 0, p.V, a);
     if (threadIdx.x == 0) s_lse = write_row_outputs<T>(p, row, a, &hint, &s_h);
     __syncthreads();
     if (next < p.N) prefetch_rest<T>(p, next, cache_vecs);
     // dz_j = s [g (1 + 2 zq lse) p_j - g [j == t]]; a whole row of `fill` when the row has no gradient.
-    const float lse = s_lse;
+    const LsePair lse = s_lse;
     const int64_t t = hint.t;
     const bool bad = t != p.ignore_index && (t < 0 || t >= p.V);
     const bool lg = !bad && t != p.ignore_index && hint.g != 0.f;  // the loss has a gradient here
     const float ge = kEnt ? p.grad_entropy[p.ge_scalar ? 0 : row] : 0.f;
     const bool none = bad || (!lg && ge == 0.f);
     const float fill = bad ? NAN : 0.f;
-    CeGrad cg(lg ? hint.g : 0.f, 0.f, 1.f, float(p.V), p.inv_v, p.zq, lse);
-    if constexpr (kEnt) cg.entropy(ge, lse, s_h);
-    const float ga = p.scale * cg.cp, gt = p.scale * cg.ct, nl = -lse * kLog2e;
+    CeGrad cg(lg ? hint.g : 0.f, 0.f, 1.f, float(p.V), p.inv_v, p.zq, lse.value());
+    if constexpr (kEnt) cg.entropy(ge, s_h);
+    const float ga = p.scale * cg.cp, gt = p.scale * cg.ct, hi = lse.hi, nlo2 = -lse.lo * kLog2e;
     const EntPlain ep(p.scale, lse, cg);
     const int tl = lg ? int(t) : -1;
     T* dx = static_cast<T*>(p.dx) + row * p.ldd;
@@ -500,7 +516,7 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
         return pack<T>(v);
       }
 #pragma unroll
-      for (int k = 0; k < K; ++k) v[k] = none ? fill : ga * ex2(fmaf(v[k], sl, nl));
+      for (int k = 0; k < K; ++k) v[k] = none ? fill : ga * pair_exp(__fmul_rn(v[k], s), hi, nlo2);
       const unsigned kt = unsigned(tl - e0);  // the target's place in this vector, if it is here
       if (kt < unsigned(K)) {
 #pragma unroll
@@ -527,7 +543,7 @@ __global__ void __launch_bounds__(kCachedThreads, 1) row_kernel_pipe_plain(CePar
       const float v = to_float(x[j]);
       dx[j] = from_float<T>(none                         ? fill
                             : kEnt && ge != 0.f          ? ep(v, j == tl)
-                                                         : ga * ex2(fmaf(v, sl, nl)) - (j == tl ? gt : 0.f));
+                                                         : ga * pair_exp(__fmul_rn(v, s), hi, nlo2) - (j == tl ? gt : 0.f));
     }
     cp_async_commit();
   }

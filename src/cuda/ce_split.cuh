@@ -29,7 +29,7 @@ __global__ void merge_kernel(CeParams p) {
   CeAcc a = p.partial[row * p.splits];
   for (int k = 1; k < p.splits; ++k) a.merge(p.partial[row * p.splits + k]);
   float H;
-  const float lse = write_row_outputs<T>(p, row, a, nullptr, &H);
+  const LsePair lse = write_row_outputs<T>(p, row, a, nullptr, &H);
   if (p.row_lse) p.row_lse[row] = lse;
   if (p.row_ent) p.row_ent[row] = H;
 }
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kRowThreads, 4) split_cluster_kernel(CeParams 
   CeAcc m = from_wire(slot[0]);
   for (int k = 1; k < C; ++k) m.merge(from_wire(slot[k]));
   float H;
-  const float lse = write_row_outputs<T>(p, row, m, nullptr, &H);
+  const LsePair lse = write_row_outputs<T>(p, row, m, nullptr, &H);
   if (p.row_lse) p.row_lse[row] = lse;
   if (p.row_ent) p.row_ent[row] = H;
 }
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kRowThreads) grad_kernel(CeParams p) {
   int64_t b, e;
   split_range(p.V, p.splits, blockIdx.x, &b, &e);
   const float H = p.saved_entropy ? p.saved_entropy[row] : p.row_ent ? p.row_ent[row] : 0.f;
-  write_grad<T, O>(p, row, b, e, p.saved_lse ? p.saved_lse[row] : p.row_lse[row], H);
+  write_grad<T, O>(p, row, b, e, p.saved_lse ? saved_lse_of(p, row) : p.row_lse[row], H);
 }
 
 // Few rows of logsumexp in one launch: C blocks per row (a cluster of up to 16), each holding its slice in

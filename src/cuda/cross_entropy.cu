@@ -85,6 +85,7 @@ CeParams params_of(const CeRows& r) {
   k.loss_rows = r.loss_rows;
   k.zl_rows = r.zl_rows;
   k.lse = r.lse;
+  k.lse_pair = r.lse_pair;
   k.entropy = r.entropy;
   k.argmax = r.argmax;
   k.a64 = r.a64;
@@ -93,6 +94,7 @@ CeParams params_of(const CeRows& r) {
   k.grad_loss = r.grad_loss;
   k.grad_scalar = r.grad_scalar;
   k.saved_lse = r.saved_lse;
+  k.saved_pair = r.saved_pair;
   k.grad_entropy = r.grad_entropy;
   k.ge_scalar = r.ge_scalar;
   k.saved_entropy = r.saved_entropy;
@@ -102,12 +104,13 @@ CeParams params_of(const CeRows& r) {
 // Split-row scratch: per-split partial statistics, and the merged lse for the gradient kernel.
 struct RowsScratch {
   CeAcc* partial;
-  float *row_lse, *row_ent;  // row_ent: the entropy, for grad_entropy
+  LsePair* row_lse;  // the rows' lse for the gradient kernel
+  float* row_ent;    // the entropy, for grad_entropy
   size_t bytes;
   RowsScratch(void* base, int64_t N, int splits, bool grad) {
     Carver c(base);
     partial = splits > 1 ? c.take<CeAcc>(size_t(N) * size_t(splits)) : nullptr;
-    row_lse = splits > 1 && grad ? c.take<float>(size_t(N)) : nullptr;
+    row_lse = splits > 1 && grad ? c.take<LsePair>(size_t(N)) : nullptr;
     row_ent = splits > 1 && grad ? c.take<float>(size_t(N)) : nullptr;
     bytes = c.used;
   }
@@ -300,6 +303,7 @@ void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
   r.loss_rows = none ? reinterpret_cast<float*>(p.loss.data) : ws.row_loss;
   r.zl_rows = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) : nullptr) : ws.row_zl;
   r.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) : nullptr;
+  r.lse_pair = p.lse.pair;
   r.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) : nullptr;
   r.argmax = p.argmax ? p.argmax.data : nullptr;
   r.a64 = p.argmax && p.argmax.dtype == DType::I64;
@@ -309,6 +313,7 @@ void ce(fce_handle* h, fce_stream_t stream, const CeProblem& p, Workspace w) {
   r.grad_loss = p.grad_loss ? reinterpret_cast<const float*>(p.grad_loss.data) : nullptr;
   r.grad_scalar = p.grad_loss && p.grad_loss.scalar;
   r.saved_lse = p.backward() ? reinterpret_cast<const float*>(p.saved_lse.data) : nullptr;
+  r.saved_pair = p.saved_lse.pair;
   r.grad_entropy = p.grad_entropy ? reinterpret_cast<const float*>(p.grad_entropy.data) : nullptr;
   r.ge_scalar = p.grad_entropy && p.grad_entropy.scalar;
   r.saved_entropy = p.saved_entropy ? reinterpret_cast<const float*>(p.saved_entropy.data) : nullptr;

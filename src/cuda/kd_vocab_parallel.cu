@@ -31,8 +31,8 @@ __device__ __forceinline__ float shifted_exp(float zd, float m) { return m == -I
 
 // kRev: P is the student (reverse KL), else the teacher (forward KL). n real columns.
 template <class Ts, class Tt, bool kRev>
-__global__ void __launch_bounds__(kKdThreads) kd_vp_partial_kernel(const KdArgs a, int64_t n, float* rec,
-                                                                    int64_t ldr) {
+__global__ void __launch_bounds__(kKdThreads) kd_vp_partial_kernel(const KdArgs a, int64_t start, int64_t n,
+                                                                    float* rec, int64_t ldr) {
   constexpr int G = kGroup<Ts, Tt>;
   const int64_t row = blockIdx.x;
   const Ts* s = static_cast<const Ts*>(a.s) + row * a.lds;
@@ -70,11 +70,13 @@ __global__ void __launch_bounds__(kKdThreads) kd_vp_partial_kernel(const KdArgs 
   r[2] = acc.mq;
   r[3] = acc.dq;
   r[4] = acc.x;
+  put_range(r, kKdRange, start, start + n);
 }
 
 struct CombineArgs {
   const float* rec;  // [W * N, kKdRecordFields], or kKdTermsRecordFields with `terms`
   int64_t W, N;
+  int64_t vocab_total;  // the records' column ranges must tile [0, vocab_total)
   bool terms;    // the terms' records: the loss and A summed in rank order
   bool mixture;  // JSD's first combine: the statistics only, A NaN
   bool has_loss;
@@ -94,9 +96,11 @@ __global__ void kd_vp_combine_kernel(const CombineArgs a) {
   if (i >= a.N) return;
   float* s = a.stats ? a.stats + i * a.ld_stats : nullptr;
   double kl = 0;
-  bool no_slot = false;
+  bool no_slot = false, bad = false;
   if (a.terms) {
     double asum = 0, slots = 0;
+    bad = !ranges_tile(a.rec + i * kKdTermsRecordFields, a.W, a.N * kKdTermsRecordFields, kKdTermsRange,
+                       a.vocab_total);
     for (int64_t r = 0; r < a.W; ++r) {
       const float* q = a.rec + (r * a.N + i) * kKdTermsRecordFields;
       kl += double(q[0]);
@@ -107,10 +111,11 @@ __global__ void kd_vp_combine_kernel(const CombineArgs a) {
     no_slot = !dense && slots == 0;  // a top-K row without a used slot: masked
     // A dense KL's A as the one-exchange combine forms it (sum q = 1 exactly: identical rows keep a 0
     // gradient); a top-K teacher's sums its slots' a_k, as fce_kd_loss does.
-    s[4] = a.mixture || !dense ? float(asum) : a.rev ? float(kl + 1.0) : -1.f;
+    s[4] = bad ? NAN : a.mixture || !dense ? float(asum) : a.rev ? float(kl + 1.0) : -1.f;
   } else {
-    const KdCombined k = kd_combine_records(a.rec + i * kKdRecordFields, a.W, a.N * kKdRecordFields);
+    const KdCombined k = kd_combine_records(a.rec + i * kKdRecordFields, a.W, a.N * kKdRecordFields, a.vocab_total);
     kl = k.kl;
+    bad = k.bad;
     if (s) {
       s[0] = a.rev ? k.mp : k.mq;  // the student's shift
       s[1] = a.rev ? k.logdp : k.logdq;
@@ -121,8 +126,9 @@ __global__ void kd_vp_combine_kernel(const CombineArgs a) {
     }
   }
   if (!a.has_loss) return;
-  const bool masked = (a.targets && load_index(a.targets, a.tgt64, i) == a.ignore_index) || no_slot;
-  a.row_loss[i] = masked ? 0.f : float(kl) * a.t2;
+  // Shards that do not tile the vocabulary: NaN, masked or not.
+  const bool masked = !bad && ((a.targets && load_index(a.targets, a.tgt64, i) == a.ignore_index) || no_slot);
+  a.row_loss[i] = bad ? NAN : masked ? 0.f : float(kl) * a.t2;
   if (a.reduced) a.row_used[i] = !masked;
 }
 
@@ -145,8 +151,9 @@ struct TermsAcc {
 // One block per row: the shard's sums of the element terms L_j and a_j (KdTerm) over its n real columns,
 // from the rows' statistics.
 template <class Ts, class Tt>
-__global__ void __launch_bounds__(kKdThreads) kd_vp_terms_kernel(const KdArgs a, int64_t n, const float* stats,
-                                                                  int64_t ld_stats, float* rec, int64_t ldr) {
+__global__ void __launch_bounds__(kKdThreads) kd_vp_terms_kernel(const KdArgs a, int64_t start, int64_t n,
+                                                                  const float* stats, int64_t ld_stats, float* rec,
+                                                                  int64_t ldr) {
   constexpr int G = kGroup<Ts, Tt>;
   const int64_t row = blockIdx.x;
   const Ts* s = static_cast<const Ts*>(a.s) + row * a.lds;
@@ -167,6 +174,7 @@ __global__ void __launch_bounds__(kKdThreads) kd_vp_terms_kernel(const KdArgs a,
   rec[row * ldr] = acc.l;
   rec[row * ldr + 1] = acc.a;
   rec[row * ldr + 2] = -1.f;  // dense
+  put_range(rec + row * ldr, kKdTermsRange, start, start + n);
 }
 
 // One block per row: dstudent_j = kd_grad(a_j, q_j, A, scale) over the n real columns, 0 on the padding and
@@ -320,6 +328,7 @@ __global__ void __launch_bounds__(kKdThreads) kd_vp_topk_partial_kernel(const Kd
   r[2] = kRev ? sel.m : all.m;
   r[3] = kRev ? sel.d : all.d;
   r[4] = NAN;
+  put_range(r, kKdRange, start, start + n);
 }
 
 // One block per row: the terms at the teacher's ids in the shard (KdTerm), their slots counted; NaN for a row
@@ -351,6 +360,7 @@ __global__ void __launch_bounds__(kKdThreads) kd_vp_topk_terms_kernel(const KdAr
   rec[row * ldr] = t.bad ? NAN : acc.l;
   rec[row * ldr + 1] = t.bad ? NAN : acc.a;
   rec[row * ldr + 2] = count;
+  put_range(rec + row * ldr, kKdTermsRange, start, start + n);
 }
 
 // One block per row: dstudent of a top-K teacher, as fce_kd_loss forms it: a_k - q_k A at the ids in the
@@ -473,8 +483,9 @@ void kd_partial(fce_handle* h, fce_stream_t stream, const KdPartialProblem& p) {
     dispatch_float(p.teacher.logits.dtype, [&](auto ttag) {
       using Ts = decltype(stag);
       using Tt = decltype(ttag);
-      if (rev) kd_vp_partial_kernel<Ts, Tt, true><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, rec, p.records.ld);
-      else kd_vp_partial_kernel<Ts, Tt, false><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, rec, p.records.ld);
+      const int64_t vs = p.o.vocab_start;
+      if (rev) kd_vp_partial_kernel<Ts, Tt, true><<<unsigned(a.N), kKdThreads, 0, s>>>(a, vs, n, rec, p.records.ld);
+      else kd_vp_partial_kernel<Ts, Tt, false><<<unsigned(a.N), kKdThreads, 0, s>>>(a, vs, n, rec, p.records.ld);
     });
   });
   check_launch("vocabulary-parallel KD partial kernel");
@@ -501,7 +512,8 @@ void kd_terms_partial(fce_handle* h, fce_stream_t stream, const KdTermsPartialPr
     dispatch_float(p.teacher.logits.dtype, [&](auto ttag) {
       using Ts = decltype(stag);
       using Tt = decltype(ttag);
-      kd_vp_terms_kernel<Ts, Tt><<<unsigned(a.N), kKdThreads, 0, s>>>(a, n, stats, p.row_stats.ld, rec, p.records.ld);
+      kd_vp_terms_kernel<Ts, Tt><<<unsigned(a.N), kKdThreads, 0, s>>>(a, p.o.vocab_start, n, stats, p.row_stats.ld, rec,
+                                                                      p.records.ld);
     });
   });
   check_launch("vocabulary-parallel KD terms kernel");
@@ -517,6 +529,7 @@ void kd_combine(fce_handle* h, fce_stream_t stream, const KdCombineProblem& p, W
   a.rec = reinterpret_cast<const float*>(p.records.data);
   a.W = p.W;
   a.N = p.N;
+  a.vocab_total = p.o.vocab_total;
   a.targets = p.targets ? p.targets.data : nullptr;
   a.tgt64 = p.targets && p.targets.dtype == DType::I64;
   a.ignore_index = p.o.ignore_index;

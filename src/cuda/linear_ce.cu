@@ -62,7 +62,8 @@ int64_t chunk_rows(int64_t N, int64_t max_rows) {
 struct LceLayout {
   double* prep = nullptr;
   float *row_loss = nullptr, *row_zl = nullptr, *db_acc = nullptr;
-  float *lse = nullptr, *entropy = nullptr, *dh32 = nullptr;  // NCCL mode
+  LsePair* lse = nullptr;                        // NCCL mode: the rows' pairs, for the gradient
+  float *entropy = nullptr, *dh32 = nullptr;     // NCCL mode
   float *rec = nullptr, *gathered = nullptr;                  // NCCL mode: [C, K] and [W, C, K]
   char* logits = nullptr;  // [C, ldl] in the inputs' dtype; dlogits overwrite it in place
   void* rows = nullptr;
@@ -87,7 +88,7 @@ struct LceLayout {
       row_loss = reduced ? c.take<float>(size_t(N)) : nullptr;
       row_zl = reduced ? c.take<float>(size_t(N)) : nullptr;
       db_acc = p.dbias ? c.take<float>(size_t(Vc)) : nullptr;
-      lse = vp && !p.lse ? c.take<float>(size_t(N)) : nullptr;
+      lse = vp ? c.take<LsePair>(size_t(N)) : nullptr;
       entropy = vp && p.grad_entropy && !p.entropy ? c.take<float>(size_t(N)) : nullptr;
       dh32 = sum && (p.dhidden.dtype != DType::F32 || p.accumulate || p.dhidden.ld != H)
                  ? c.take<float>(size_t(N) * size_t(H))
@@ -216,6 +217,7 @@ struct FusedLayout {
 
 void run_fused(fce_handle* h, cudaStream_t s, const LinearCeProblem& p, Workspace w) {
 #if FCE_LCE_FUSED
+  static_assert(kLceFusedRecordFields == kCeRecordCore, "the fused forward's records are the core fields alone");
   const int64_t N = p.hidden.rows, V = p.weight.rows, T = lce_fused_tiles(V);
   const FusedLayout lay(p, w.ptr, w.bytes, false);
   const bool t64 = p.targets.dtype == DType::I64, none = p.o.reduction == FCE_REDUCTION_NONE;
@@ -230,7 +232,7 @@ void run_fused(fce_handle* h, cudaStream_t s, const LinearCeProblem& p, Workspac
     comb.records = Mat{reinterpret_cast<char*>(lay.records), DType::F32, T * rows, kLceFusedRecordFields,
                        kLceFusedRecordFields};
     comb.targets = Vec{p.targets.data + size_t(r0) * (t64 ? 8 : 4), p.targets.dtype, rows, false};
-    comb.lse = p.lse ? Vec{p.lse.data + size_t(r0) * 4, DType::F32, rows, false} : Vec{};
+    comb.lse = p.lse ? Vec{p.lse.data + size_t(r0) * (p.lse.pair ? 8 : 4), DType::F32, rows, false, p.lse.pair} : Vec{};
     float* lr = (none ? reinterpret_cast<float*>(p.loss.data) : lay.row_loss) + r0;
     float* zr = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) + r0 : nullptr) : lay.row_zl + r0;
     ce_combine_rows(s, comb, lay.prep, lr, zr, true);
@@ -327,9 +329,10 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
   const int64_t lddh = lay.dh32 ? H : p.dhidden ? p.dhidden.ld : 0;
   const DType dht = lay.dh32 ? DType::F32 : p.dhidden ? p.dhidden.dtype : dt;
   const bool dh_add = p.accumulate && !lay.dh32;
-  // NCCL mode's whole-row statistics, per row of the call.
-  float* lse_rows = vp ? (p.lse ? reinterpret_cast<float*>(p.lse.data) : lay.lse) : nullptr;
+  // NCCL mode's whole-row statistics, per row of the call: the pairs for the gradient (LsePair), besides the
+  // caller's lse.
   float* ent_rows = vp ? (p.entropy ? reinterpret_cast<float*>(p.entropy.data) : lay.entropy) : nullptr;
+  const size_t lse_es = p.lse.pair ? 8 : 4, saved_es = p.saved_lse.pair ? 8 : 4;
 
   for (int64_t r0 = 0; r0 < N; r0 += lay.C) {
     const int64_t rows = std::min(lay.C, N - r0);
@@ -371,7 +374,8 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
       comb.W = W;
       comb.targets = targets;
       comb.o = p.o;
-      comb.lse = Vec{reinterpret_cast<char*>(lse_rows + r0), DType::F32, rows, false};
+      if (p.lse) comb.lse = Vec{p.lse.data + size_t(r0) * lse_es, DType::F32, rows, false, p.lse.pair};
+      comb.pair = Vec{reinterpret_cast<char*>(lay.lse + r0), DType::F32, rows, false, true};
       if (ent_rows) comb.entropy = Vec{reinterpret_cast<char*>(ent_rows + r0), DType::F32, rows, false};
       if (p.argmax) comb.argmax = Vec{p.argmax.data + size_t(r0) * dtype_size(p.argmax.dtype), p.argmax.dtype, rows, false};
       float* lr = (none ? reinterpret_cast<float*>(p.loss.data) : lay.row_loss) + r0;
@@ -390,17 +394,20 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
     r.o = &p.o;
     r.prep = lay.prep;
     if (vp) {
-      r.saved_lse = lse_rows + r0;
+      r.saved_lse = reinterpret_cast<const float*>(lay.lse + r0);
+      r.saved_pair = true;
       if (p.grad_entropy) r.saved_entropy = ent_rows + r0;
     } else if (!bwd) {
       r.loss_rows = (none ? reinterpret_cast<float*>(p.loss.data) : lay.row_loss) + r0;
       r.zl_rows = none ? (p.z_loss ? reinterpret_cast<float*>(p.z_loss.data) + r0 : nullptr) : lay.row_zl + r0;
-      r.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) + r0 : nullptr;
+      r.lse = p.lse ? reinterpret_cast<float*>(p.lse.data + size_t(r0) * lse_es) : nullptr;
+      r.lse_pair = p.lse.pair;
       r.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) + r0 : nullptr;
       r.argmax = p.argmax ? p.argmax.data + size_t(r0) * dtype_size(p.argmax.dtype) : nullptr;
       r.a64 = p.argmax && p.argmax.dtype == DType::I64;
     } else {
-      r.saved_lse = reinterpret_cast<const float*>(p.saved_lse.data) + r0;
+      r.saved_lse = reinterpret_cast<const float*>(p.saved_lse.data + size_t(r0) * saved_es);
+      r.saved_pair = p.saved_lse.pair;
       r.saved_entropy = p.saved_entropy ? reinterpret_cast<const float*>(p.saved_entropy.data) + r0 : nullptr;
     }
     if (grad) {

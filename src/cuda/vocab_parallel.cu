@@ -28,8 +28,9 @@ struct VpArgs {
   float* rec;            // partial: [N, K] with row stride ldr; combine: [W * N, K] (read)
   int64_t ldr, W, K;     // K: the record's width (a prefix of kCeRecordFields)
   const double* prep;    // [0] mean denominator, [1] sum of class weights
-  // combine outputs
-  float *loss_rows, *zl_rows, *lse, *entropy;
+  // combine outputs; lse [N] or [N, 2] of LsePair (lse_pair); pair: a second [N, 2] output within the library
+  float *loss_rows, *zl_rows, *lse, *entropy, *pair;
+  bool lse_pair;
   void* argmax;
   bool a64;
 };
@@ -56,15 +57,17 @@ __global__ void __launch_bounds__(kRowThreads) vp_partial_kernel(VpArgs a) {
   float zt = 0.f;
   if (t >= a.vs && t < a.vs + a.n) zt = LogitTransform(a.scale, a.softcap)(to_float(x[t - a.vs]));
   const bool nan = isnan(s.av);
+  const CeRecordLayout L(a.K);
   float* r = a.rec + row * a.ldr;
   r[0] = nan ? NAN : s.m;
   r[1] = s.m == -INFINITY ? 0.f : s.d;
   r[2] = zt;
   r[3] = s.swz;
-  if (kEntropy) r[4] = s.m == -INFINITY ? 0.f : s.s1;
-  if (a.K < kCeRecordFields) return;
-  r[5] = s.av;
-  r[6] = index_as_float(s.ai == INT64_MAX ? kNoRecordIndex : int32_t(a.vs + s.ai));
+  put_range(r, L.range, a.vs, a.vs + a.n);
+  if (kEntropy) r[L.s1] = s.m == -INFINITY ? 0.f : s.s1;
+  if (L.arg < 0) return;
+  r[L.arg] = s.av;
+  r[L.arg + 1] = index_as_float(s.ai == INT64_MAX ? kNoRecordIndex : int32_t(a.vs + s.ai));
 }
 
 template <class T, bool kSoftcap>
@@ -88,12 +91,17 @@ __device__ void combine_finish(const VpArgs& a, int64_t i, const CeCombined& m) 
       ce_combined_loss(m, a.weights ? a.weights[t] : 1.0, a.eps, double(a.vt),
                        a.weights && a.eps > 0.f ? a.prep[1] : double(a.vt), a.zq, &loss, &zl);
   }
+  if (m.bad) loss = zl = NAN;  // shards that do not tile the vocabulary: NaN even for an ignored row
   a.loss_rows[i] = loss;
   if (a.zl_rows) a.zl_rows[i] = zl;
-  if (a.lse) a.lse[i] = lse;
+  if (a.lse) {
+    if (a.lse_pair) reinterpret_cast<float2*>(a.lse)[i] = make_float2(m.pair.hi, m.pair.lo);
+    else a.lse[i] = lse;
+  }
+  if (a.pair) reinterpret_cast<float2*>(a.pair)[i] = make_float2(m.pair.hi, m.pair.lo);
   if (a.entropy) a.entropy[i] = ent;
   if (a.argmax) {
-    const int64_t ai = m.argmax == kNoRecordIndex ? 0 : m.argmax;
+    const int64_t ai = m.bad ? -1 : m.argmax == kNoRecordIndex ? 0 : m.argmax;
     if (a.a64) static_cast<int64_t*>(a.argmax)[i] = ai;
     else static_cast<int32_t*>(a.argmax)[i] = int32_t(ai);
   }
@@ -103,23 +111,26 @@ __device__ void combine_finish(const VpArgs& a, int64_t i, const CeCombined& m) 
 __global__ void vp_combine_kernel(VpArgs a) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= a.N) return;
-  combine_finish(a, i, ce_combine_records(a.rec + i * a.K, a.W, a.N * a.K, a.K));
+  combine_finish(a, i, ce_combine_records(a.rec + i * a.K, a.W, a.N * a.K, a.K, a.vt));
 }
 
-// A warp per row, for many shards of loss records (K = 4; linear CE's fused forward has one per 256-column
-// tile): lane l merges shards l, l + 32, ... in order (ce_combine_records), then lane 0 merges the lanes'
-// lse, target logits and sums in lane order (fp64). A fixed order: the same bits run to run.
+// A warp per row, for many shards of the library's own loss records (K = 4, no column range; linear CE's
+// fused forward has one per 256-column tile): lane l merges shards l, l + 32, ... in order
+// (ce_combine_records), then lane 0 merges the lanes' maxima, sums, target logits and sums of w z in lane
+// order (fp64). A fixed order: the same bits run to run.
 __global__ void vp_combine_warp_kernel(VpArgs a) {
   const int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (i >= a.N) return;
   const int64_t w = a.W > lane ? (a.W - lane + 31) / 32 : 0;
-  const CeCombined c = w ? ce_combine_records(a.rec + (int64_t(lane) * a.N + i) * a.K, w, 32 * a.N * a.K, a.K)
-                         : CeCombined{-INFINITY, NAN, 0.0, 0.0, kNoRecordIndex};
-  float lse[32];
+  const CeCombined c = w ? ce_combine_records(a.rec + (int64_t(lane) * a.N + i) * a.K, w, 32 * a.N * a.K, a.K, 0)
+                         : CeCombined{-INFINITY, NAN, 0.0, 0.0, kNoRecordIndex, {-INFINITY, 0.f}, false};
+  // Each lane's (max, log of its sum) as a record of its own: (m, e^lo), merged by lane 0 in lane order.
+  float hi[32], lo[32];
   double zt = 0, swz = 0;
   for (int l = 0; l < 32; ++l) {
-    lse[l] = __shfl_sync(0xffffffffu, c.lse, l);
+    hi[l] = __shfl_sync(0xffffffffu, c.pair.hi, l);
+    lo[l] = __shfl_sync(0xffffffffu, c.pair.lo, l);
     zt += __shfl_sync(0xffffffffu, c.zt, l);
     swz += __shfl_sync(0xffffffffu, c.swz, l);
   }
@@ -127,45 +138,80 @@ __global__ void vp_combine_warp_kernel(VpArgs a) {
   bool nan = false;
   float M = -INFINITY;
   for (int l = 0; l < 32; ++l) {
-    if (lse[l] != lse[l]) nan = true;
-    else if (lse[l] > M) M = lse[l];
+    if (hi[l] != hi[l] || lo[l] != lo[l]) nan = true;
+    else if (hi[l] > M) M = hi[l];
   }
   double D = 0;
   for (int l = 0; l < 32; ++l)
-    if (!nan && M != -INFINITY && lse[l] != -INFINITY) D += ::exp(double(lse[l]) - double(M));
-  CeCombined m{nan ? NAN : M == -INFINITY ? -INFINITY : float(double(M) + ::log(D)), NAN, zt, swz, kNoRecordIndex};
+    if (!nan && M != -INFINITY && hi[l] != -INFINITY) D += ::exp(double(hi[l]) - double(M) + double(lo[l]));
+  CeCombined m{0.f, NAN, zt, swz, kNoRecordIndex, {NAN, NAN}, false};
+  if (nan) {
+    m.lse = NAN;
+  } else if (M == -INFINITY) {
+    m.lse = -INFINITY;
+    m.pair = {-INFINITY, 0.f};
+  } else {
+    m.lse = float(double(M) + ::log(D));
+    m.pair = {M, float(::log(D))};
+  }
   combine_finish(a, i, m);
 }
 
-// Logsumexp's record of a shard's row: the statistics of fce_logsumexp's row kernel over the n real columns
-// (NaN in m and d when the row holds a NaN; +inf rows give m = +inf, d = 1).
+// Logsumexp's record of a shard's row (math.hpp: kLseRecordFields): over the n real columns, the raw max m
+// and d = sum 2^((x - m) c), c = s log2(e), merged by the block in a fixed order (block_merge_all); NaN in m
+// and d when the row holds a NaN; +inf rows give m = +inf, d = 1. In raw units, so that s x never overflows.
 template <class T>
-__global__ void __launch_bounds__(kRowThreads) lse_partial_kernel(CeParams p, float* rec, int64_t ldr) {
+__global__ void __launch_bounds__(kRowThreads) lse_partial_kernel(const T* x0, int64_t ld, int64_t n, float s,
+                                                                   float* rec, int64_t ldr, int64_t vs, int64_t vt) {
   const int64_t row = blockIdx.x;
-  const T* x = static_cast<const T*>(p.x) + row * p.ld;
-  CeAcc a;
-  if (p.V > 0) a = row_stats<T>(p, x, 0, p.V);
+  const T* x = x0 + row * ld;
+  const float c = s * kLog2e;
+  OnlineSoftmax st;
+  bool nan = false;
+  if (n > 0)
+    row_visit<T>(x, 0, n, [&](float (&v)[kVec<T>], int64_t, int cnt) {
+      float g = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kVec<T>; ++k)
+        if (k < cnt) {
+          g = fmaxf(g, v[k]);
+          nan |= isnan(v[k]);
+        }
+      st.add_shifted<kVec<T>>(v, cnt, g, c);
+    });
+  nan = __syncthreads_or(nan);
+  st = block_merge_all(st, c);
   if (threadIdx.x != 0) return;
-  const bool nan = isnan(a.av);
-  rec[row * ldr] = nan ? NAN : a.m;
-  rec[row * ldr + 1] = nan ? NAN : a.m == -INFINITY ? 0.f : a.d;
+  float* r = rec + row * ldr;
+  r[0] = nan ? NAN : st.m;
+  r[1] = nan ? NAN : st.m == -INFINITY ? 0.f : st.m == INFINITY ? 1.f : st.d;
+  put_range(r, kLseRange, vs, vs + n);
+  r[kLseScale] = s;
+  r[kLseTotal] = index_as_float(int32_t(vt));
 }
 
-__global__ void lse_combine_kernel(const float* rec, int64_t W, int64_t N, float* lse) {
+__global__ void lse_combine_kernel(const float* rec, int64_t W, int64_t N, float* lse, bool lse_pair, float* pair) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i < N) lse[i] = lse_combine_records(rec + i * kLseRecordFields, W, N * kLseRecordFields);
+  if (i >= N) return;
+  const LseCombined c = lse_combine_records(rec + i * kLseRecordFields, W, N * kLseRecordFields);
+  if (lse) {
+    if (lse_pair) reinterpret_cast<float2*>(lse)[i] = make_float2(c.pair.hi, c.pair.lo);
+    else lse[i] = c.lse;
+  }
+  if (pair) reinterpret_cast<float2*>(pair)[i] = make_float2(c.pair.hi, c.pair.lo);
 }
 
-// A shard's probabilities (kLog: log-probabilities) from the rows' lse: x / T - lse over the n real columns,
-// 0 (-inf) on the padding.
+// A shard's probabilities (kLog: log-probabilities) from the rows' lse (ShardLogProb: from the pair, or from
+// a plain lse) over the n real columns, 0 (-inf) on the padding.
 template <class T, class O, bool kLog>
 __global__ void __launch_bounds__(kRowThreads) softmax_shard_kernel(const T* x, int64_t ldx, O* out, int64_t ldo,
                                                                      int64_t n, int64_t V, float inv_t,
-                                                                     const float* lse) {
+                                                                     const float* lse, bool lse_pair) {
   const int64_t row = blockIdx.x;
-  const float l = lse[row];
+  const LsePair l = lse_pair ? LsePair{lse[2 * row], lse[2 * row + 1]} : LsePair{lse[row], 0.f};
+  const ShardLogProb lp(l, lse_pair, inv_t);
   auto z = [&](float v, int64_t j) {
-    const float y = j < n ? __fsub_rn(__fmul_rn(v, inv_t), l) : -INFINITY;
+    const float y = j < n ? lp(v) : -INFINITY;
     return kLog ? y : ex2(y * kLog2e);
   };
   const T* xr = x + row * ldx;
@@ -273,10 +319,12 @@ void ce_combine_rows(cudaStream_t s, const CeCombineProblem& p, const double* pr
   a.loss_rows = loss_rows;
   a.zl_rows = zl_rows;
   a.lse = p.lse ? reinterpret_cast<float*>(p.lse.data) : nullptr;
+  a.lse_pair = p.lse.pair;
+  a.pair = p.pair ? reinterpret_cast<float*>(p.pair.data) : nullptr;
   a.entropy = p.entropy ? reinterpret_cast<float*>(p.entropy.data) : nullptr;
   a.argmax = p.argmax ? p.argmax.data : nullptr;
   a.a64 = p.argmax && p.argmax.dtype == DType::I64;
-  if (many_shards && a.K == kCeRecordLoss && !a.entropy && !a.argmax)
+  if (many_shards && a.K == kCeRecordCore && !a.entropy && !a.argmax)
     vp_combine_warp_kernel<<<unsigned((N + 3) / 4), 128, 0, s>>>(a);
   else
     vp_combine_kernel<<<unsigned((N + 127) / 128), 128, 0, s>>>(a);
@@ -301,16 +349,13 @@ void ce_combine(fce_handle* h, fce_stream_t stream, const CeCombineProblem& p, W
 void lse_partial(fce_handle* h, fce_stream_t stream, const LsePartialProblem& p) {
   DeviceGuard guard(h->device_id);
   const cudaStream_t s = stream_of(stream);
-  CeParams k{};
-  k.x = p.x.data;
-  k.ld = p.x.ld;
-  k.N = p.x.rows;
-  k.V = p.vocab_total - p.vocab_start < p.x.cols ? p.vocab_total - p.vocab_start : p.x.cols;
-  k.scale = p.scale;
-  k.full = false;
+  const int64_t n = p.vocab_total - p.vocab_start < p.x.cols ? p.vocab_total - p.vocab_start : p.x.cols;
   float* rec = reinterpret_cast<float*>(p.records.data);
   dispatch_float(p.x.dtype, [&](auto tag) {
-    lse_partial_kernel<decltype(tag)><<<unsigned(k.N), kRowThreads, 0, s>>>(k, rec, p.records.ld);
+    using T = decltype(tag);
+    lse_partial_kernel<T><<<unsigned(p.x.rows), kRowThreads, 0, s>>>(reinterpret_cast<const T*>(p.x.data), p.x.ld, n,
+                                                                      p.scale, rec, p.records.ld, p.vocab_start,
+                                                                      p.vocab_total);
   });
   check_launch("vocabulary-parallel logsumexp partial kernel");
 }
@@ -318,7 +363,9 @@ void lse_partial(fce_handle* h, fce_stream_t stream, const LsePartialProblem& p)
 void lse_combine(fce_handle* h, fce_stream_t stream, const LseCombineProblem& p) {
   DeviceGuard guard(h->device_id);
   lse_combine_kernel<<<unsigned((p.N + 127) / 128), 128, 0, stream_of(stream)>>>(
-      reinterpret_cast<const float*>(p.records.data), p.W, p.N, reinterpret_cast<float*>(p.lse.data));
+      reinterpret_cast<const float*>(p.records.data), p.W, p.N,
+      p.lse ? reinterpret_cast<float*>(p.lse.data) : nullptr, p.lse.pair,
+      p.pair ? reinterpret_cast<float*>(p.pair.data) : nullptr);
   check_launch("vocabulary-parallel logsumexp combine kernel");
 }
 
@@ -339,8 +386,9 @@ void softmax_shard(fce_handle* h, fce_stream_t stream, const SoftmaxProblem& p) 
       auto launch = [&](auto otag) {
         using O = decltype(otag);
         O* out = reinterpret_cast<O*>(m->data);
-        if (log) softmax_shard_kernel<T, O, true><<<unsigned(N), kRowThreads, 0, s>>>(x, p.logits.ld, out, m->ld, n, V, inv_t, lse);
-        else softmax_shard_kernel<T, O, false><<<unsigned(N), kRowThreads, 0, s>>>(x, p.logits.ld, out, m->ld, n, V, inv_t, lse);
+        const bool pr = p.lse.pair;
+        if (log) softmax_shard_kernel<T, O, true><<<unsigned(N), kRowThreads, 0, s>>>(x, p.logits.ld, out, m->ld, n, V, inv_t, lse, pr);
+        else softmax_shard_kernel<T, O, false><<<unsigned(N), kRowThreads, 0, s>>>(x, p.logits.ld, out, m->ld, n, V, inv_t, lse, pr);
       };
       if (m->dtype == DType::F32) launch(float{});
       else launch(T{});

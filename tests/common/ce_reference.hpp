@@ -80,24 +80,27 @@ inline Ref reference(const CeCase& c, const std::vector<double>& x, const std::v
     }
     double s = 0;
     for (int64_t j = 0; j < V; ++j) s += std::exp(z[j] - m);
-    const double lse = m + std::log(s);
+    const double lse = m + std::log(s), ls = std::log(s);
     r.lse[i] = lse;
+    // Every term from max-shifted values (z - m) - log s: even float64 loses log s beside a large m (at
+    // |m| = 1e15 its ulp is 0.125; bf16 logits reach 3e38).
+    auto logp = [&](int64_t j) { return (z[j] - m) - ls; };
     double ent = 0;
     for (int64_t j = 0; j < V; ++j) {
-      const double p = std::exp(z[j] - lse);
-      if (p > 0) ent -= p * (z[j] - lse);
+      const double p = std::exp(logp(j));
+      if (p > 0) ent -= p * logp(j);
     }
     r.ent[i] = ent;
     const int64_t t = tg[i];
     if (t == -100) continue;
     double smooth = 0;
-    for (int64_t j = 0; j < V; ++j) smooth += wt(j) * (lse - z[j]);
+    for (int64_t j = 0; j < V; ++j) smooth -= wt(j) * logp(j);
     r.zl[i] = c.zq * lse * lse;
-    r.loss[i] = (1 - c.eps) * wt(t) * (lse - z[t]) + c.eps / V * smooth + r.zl[i];
+    r.loss[i] = -(1 - c.eps) * wt(t) * logp(t) + c.eps / V * smooth + r.zl[i];
     double g = gup.size() == 1 ? gup[0] : gup.empty() ? 1.0 : gup[i];
     if (c.reduction == FCE_REDUCTION_MEAN) g /= r.denom;
     for (int64_t j = 0; j < V; ++j) {
-      const double p = std::exp(z[j] - lse);
+      const double p = std::exp(logp(j));
       double dz = (1 - c.eps) * wt(t) * (p - (j == t)) + c.eps / V * (W * p - wt(j)) + 2 * c.zq * lse * p;
       const double th = c.cap > 0 ? std::tanh(c.scale * xi[j] / c.cap) : 0;
       r.grad[size_t(i * V + j)] = g * dz * c.scale * (1 - th * th);

@@ -141,20 +141,40 @@ void run_fused(const EntCase& k) {
       ASSERT_TRUE(close(dl.get(i, j), want, rtol, atol)) << "dlogits (" << i << "," << j << ")";
     }
   }
-  // The backward from the saved lse and entropy: the same bits as the fused gradient.
-  Tensor dl2(c.dt, {N, V}, V + 3);
-  dl2.poison();
-  dl2.upload();
-  fce_ce_bwd_inputs_t b = FCE_CE_BWD_INPUTS_INIT;
-  b.lse = lse.dl();
-  b.entropy = ent.dl();
-  b.grad_loss = out.grad_loss;
-  b.grad_entropy = in.grad_entropy.dl();
-  FCE_OK(fce_cross_entropy_bwd_ex(h, test_stream(), logits.dl(), in.targets.dl(), &b, &o, dl2.dl(), nullptr, 0));
-  dl2.download();
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t j = 0; j < V; ++j)
-      ASSERT_EQ(dl2.get(i, j), dl.get(i, j)) << "bwd_ex differs from the fused gradient at (" << i << "," << j << ")";
+  // The same forward with the lse as its pairs [N, 2] (max z, log of the shifted sum): the same gradient bits,
+  // and pairs whose sum is the lse.
+  Tensor lsep(DT::F32, {N, 2}), dlp(c.dt, {N, V}, V + 3);
+  for (Tensor* t : {&lsep, &dlp}) { t->poison(); t->upload(); }
+  out.lse = lsep.dl();
+  out.dlogits = dlp.dl();
+  FCE_OK(fce_cross_entropy_fwd(h, test_stream(), logits.dl(), in.targets.dl(), &o, &out, nullptr, 0));
+  for (Tensor* t : {&lsep, &dlp}) t->download();
+  for (int64_t i = 0; i < N; ++i) {
+    ASSERT_TRUE(close(double(lsep.get(i, 0)) + lsep.get(i, 1), ref.lse[i], 2e-5, 1e-5)) << "lse pair row " << i;
+    for (int64_t j = 0; j < V; ++j) ASSERT_EQ(dlp.get(i, j), dl.get(i, j)) << "dlogits with the lse pair (" << i << "," << j << ")";
+  }
+  // The backward from the saved pairs and entropy: the same bits as the fused gradient; from the [N] lse,
+  // within the same bound (its p_j carry the lse's rounding, far below the bound at these magnitudes).
+  for (Tensor* saved : {&lsep, &lse}) {
+    Tensor dl2(c.dt, {N, V}, V + 3);
+    dl2.poison();
+    dl2.upload();
+    fce_ce_bwd_inputs_t b = FCE_CE_BWD_INPUTS_INIT;
+    b.lse = saved->dl();
+    b.entropy = ent.dl();
+    b.grad_loss = out.grad_loss;
+    b.grad_entropy = in.grad_entropy.dl();
+    FCE_OK(fce_cross_entropy_bwd_ex(h, test_stream(), logits.dl(), in.targets.dl(), &b, &o, dl2.dl(), nullptr, 0));
+    dl2.download();
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < V; ++j) {
+        if (saved == &lsep)
+          ASSERT_EQ(dl2.get(i, j), dl.get(i, j)) << "bwd_ex differs from the fused gradient at (" << i << "," << j << ")";
+        else
+          ASSERT_TRUE(close(dl2.get(i, j), ref.grad[size_t(i * V + j)] + eref[size_t(i * V + j)], rtol, atol))
+              << "bwd_ex from the [N] lse at (" << i << "," << j << ")";
+      }
+  }
   // padding between rows untouched
   const size_t es = dt_size(c.dt);
   for (int64_t i = 0; i + 1 < N; ++i)

@@ -657,7 +657,7 @@ TEST(KdVocabParallel, Validation) {
   EXPECT_NE(std::string(fce_last_error_message()).find("vocab_total"), std::string::npos);
   EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, nullptr, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
   o.vocab_total = 20;
-  o.vocab_start = 20;
+  o.vocab_start = 21;  // outside [0, vocab_total]
   EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
   o.vocab_start = 10;
   EXPECT_EQ(fce_kd_partial(h, test_stream(), s.dl(), &tt, &o, bad.dl()), FCE_STATUS_SHAPE_MISMATCH);

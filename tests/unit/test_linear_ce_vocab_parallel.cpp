@@ -227,7 +227,7 @@ TEST(LinearCeVocabParallel, Validation) {
             FCE_STATUS_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fce_last_error_message()).find("fce_linear_cross_entropy_partial"), std::string::npos);
 
-  Tensor rec(DT::F32, {N, 6});
+  Tensor rec(DT::F32, {N, 5});
   rec.poison();
   rec.upload();
   EXPECT_EQ(fce_linear_cross_entropy_partial(h, test_stream(), hidden.dl(), weight.dl(), nullptr, targets.dl(), &o,

@@ -19,7 +19,7 @@ struct Case {
 
 void run(const Case& k) {
   const CeCase& c = k.ce;
-  const int64_t N = c.N, V = c.V, K = 7;
+  const int64_t N = c.N, V = c.V, K = FCE_CE_RECORD_FIELDS_ALL;
   Handle h;
   Tensor full(c.dt, {N, V});
   fill_logits(full, c.logit_std, c.peaked);
@@ -361,7 +361,7 @@ TEST(VocabParallel, NarrowRecords) {
 
 TEST(VocabParallel, Validation) {
   Handle h;
-  Tensor x(DT::F32, {3, 10}), t(DT::I64, {3}), rec(DT::F32, {3, 7}), bad(DT::F32, {3, 6});
+  Tensor x(DT::F32, {3, 10}), t(DT::I64, {3}), rec(DT::F32, {3, FCE_CE_RECORD_FIELDS_ALL}), bad(DT::F32, {3, 8});
   fill_logits(x, 1.0, false);
   for (int64_t i = 0; i < 3; ++i) t.set_int(i, i);
   t.upload();
@@ -374,8 +374,12 @@ TEST(VocabParallel, Validation) {
   EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), nullptr, rec.dl()),
             FCE_STATUS_INVALID_ARGUMENT);
   o.vocab_total = 20;
-  o.vocab_start = 20;  // outside [0, vocab_total)
+  o.vocab_start = 21;  // outside [0, vocab_total] (vocab_total itself: a shard of padding alone)
   EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  o.vocab_total = int64_t(INT32_MAX) + 1;  // the records hold int32 columns
+  o.vocab_start = 0;
+  EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
+  o.vocab_total = 20;
   o.vocab_start = -1;
   EXPECT_EQ(fce_cross_entropy_partial(h, test_stream(), x.dl(), t.dl(), &o, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
   o.vocab_start = 10;
@@ -392,15 +396,17 @@ TEST(VocabParallel, Validation) {
   out.loss = loss.dl();
   EXPECT_EQ(fce_cross_entropy_fwd(h, test_stream(), x.dl(), t.dl(), &o, &out, nullptr, 0),
             FCE_STATUS_INVALID_ARGUMENT);
-  Records r(2, 3, 7);
+  Records r(2, 3, FCE_CE_RECORD_FIELDS_ALL);
   out.dlogits = x.dl();
   EXPECT_EQ(fce_cross_entropy_combine(h, test_stream(), &r.dl, t.dl(), &o, &out, nullptr, 0),
             FCE_STATUS_INVALID_ARGUMENT);
   out.dlogits = nullptr;
-  r.shape[2] = 6;
-  EXPECT_EQ(fce_cross_entropy_combine(h, test_stream(), &r.dl, t.dl(), &o, &out, nullptr, 0),
-            FCE_STATUS_SHAPE_MISMATCH);
-  r.shape[2] = 7;
+  for (int64_t k : {4, 5, 8}) {  // 4: the library's own records without a range, never a caller's
+    r.shape[2] = k;
+    EXPECT_EQ(fce_cross_entropy_combine(h, test_stream(), &r.dl, t.dl(), &o, &out, nullptr, 0),
+              FCE_STATUS_SHAPE_MISMATCH);
+  }
+  r.shape[2] = FCE_CE_RECORD_FIELDS_ALL;
   size_t bytes = 1;
   FCE_OK(fce_cross_entropy_combine_workspace_size(h, &r.dl, t.dl(), &o, &out, &bytes));
   if (target().cuda()) {
@@ -540,7 +546,7 @@ TEST(VocabParallel, LogsumexpAndSoftmaxValidation) {
   EXPECT_EQ(fce_logsumexp_partial(h, test_stream(), x.dl(), &lo, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);  // no shard
   EXPECT_EQ(fce_logsumexp_partial(h, test_stream(), x.dl(), nullptr, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
   lo.vocab_total = 20;
-  lo.vocab_start = 20;
+  lo.vocab_start = 21;
   EXPECT_EQ(fce_logsumexp_partial(h, test_stream(), x.dl(), &lo, rec.dl()), FCE_STATUS_INVALID_ARGUMENT);
   lo.vocab_start = 10;
   EXPECT_EQ(fce_logsumexp_partial(h, test_stream(), x.dl(), &lo, bad.dl()), FCE_STATUS_SHAPE_MISMATCH);
