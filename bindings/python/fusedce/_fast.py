@@ -9,6 +9,13 @@ straight from the tensors' metadata into this thread's preallocated slots, this 
 structs with every field set, output tensors from torch's caching allocator, and the C call. Workspaces:
 the handle's cached one (one handle per device and stream, so no two streams share it), or, while the
 stream is being captured into a CUDA graph, one from torch's allocator sized by the op's query.
+
+Lifetimes: a slot borrows its tensor's memory and holds no reference to it. Every tensor these functions
+put in a slot is a parameter or a local variable of the function that makes the library call, so that
+function's frame holds it until the call has returned; a tensor made for an argument (a cast, a copy, a
+number as a 0-d tensor) is made by the caller and passed in, never made inside a `_dl(...)` / `_at(...)`
+argument (tests/test_lifetimes.py checks this module for it). Everything runs on torch's current stream,
+where the temporaries are allocated too.
 """
 import struct
 

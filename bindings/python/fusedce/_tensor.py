@@ -10,7 +10,18 @@ Three kinds of arguments:
   - any other DLPack producer (CuPy, JAX, ...): through `__dlpack__` / `__dlpack_device__`; outputs are
     allocated with numpy for CPU inputs, with CuPy or torch (whichever is importable) for CUDA inputs.
 torch is never imported here unless a torch tensor is passed: a tensor is recognized by its type's module.
+
+Lifetimes: a DLTensor borrows its object's memory, so every object whose pointer a Call puts in a DLTensor
+(its arguments, and the temporaries made for them: numbers as 0-d arrays, casts, conversions from other
+array types, outputs, workspaces) is appended to the Call's `keep` list by the method that builds the
+DLTensor (`dl`, `workspace`). An op holds its Call in a local variable until the library call has returned,
+so nothing it passed can be freed before the library has read it, whatever the caller still holds. On CUDA,
+a call given a `stream` other than torch's current one also records that stream on every tensor it
+describes (Tensor.record_stream: the caching allocator then reuses the memory only after the stream's work
+so far), and makes its temporaries (conversions, filled scalars) on that stream; the DLPack path allocates
+and fills its arrays on the call's stream.
 """
+import contextlib
 import ctypes
 import threading
 
@@ -18,6 +29,7 @@ import numpy as np
 
 from ._lib import DEVICE_CPU, DEVICE_CUDA, check, default_handle, ffi, lib, new_struct
 
+_NO_CONTEXT = contextlib.nullcontext()
 _PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
 _PyCapsule_GetPointer.restype = ctypes.c_void_p
 _PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
@@ -70,6 +82,7 @@ class _ThreadState(threading.local):
         self.structs = {}  # ctype -> (struct pointer, its default bytes)
         self.streams = {}  # stream int -> fce_stream_t
         self.devices = {}  # (device index, stream int) or "cpu" -> (handle, stream pointer, type, id): _fast
+        self.side_streams = {}  # (device index, stream int) -> torch.cuda.ExternalStream (TorchCall.side)
 
 
 _state = _ThreadState()
@@ -90,6 +103,11 @@ def _struct(keep, ctype, reset=True):
     return entry[0]
 
 
+def _bfloat16():
+    import ml_dtypes
+    return ml_dtypes.bfloat16
+
+
 def is_torch(x):
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr") and hasattr(x, "__dlpack__")
 
@@ -105,8 +123,9 @@ def _np_dldtype(dt):
 
 class Call:
     """What one library call needs: the framework, device, handle and stream taken from its first
-    argument, DLTensors for its arguments, and the objects they point into (kept alive until the call
-    object is dropped). `Call(ref, ...)` makes a TorchCall for torch tensors."""
+    argument, DLTensors for its arguments, and the objects they point into (`keep`: every one that `dl` or
+    `workspace` described, temporaries included, alive until the call object is dropped; an op holds its
+    Call until the library call has returned). `Call(ref, ...)` makes a TorchCall for torch tensors."""
 
     def __new__(cls, ref=None, handle=None, stream=None):
         if cls is Call and is_torch(ref):
@@ -135,6 +154,12 @@ class Call:
         """A `ctype *` holding the library's defaults (its fce_*_init)."""
         return new_struct(ctype, self.keep)
 
+    def hold(self, x):
+        """Keeps x, an object whose memory this call's DLTensors point into, alive as long as this call (see
+        the module docstring); returns x."""
+        self.keep.append(x)
+        return x
+
     # ---- conversions -------------------------------------------------------------------------------
     def native(self, x, dtype=None):
         """x as an array this call can describe (lists and scalars converted to numpy), optionally cast."""
@@ -146,7 +171,8 @@ class Call:
         return x
 
     def dl(self, x, writable=False):
-        """A `DLTensor*` for x (NULL for None)."""
+        """A `DLTensor*` for x (NULL for None). The array it describes (x, or x converted to numpy) is kept
+        alive as long as this call: temporaries may be passed."""
         if x is None:
             return ffi.NULL
         if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__"):
@@ -205,17 +231,27 @@ class Call:
                 pass
         raise ImportError("fusedce: CUDA outputs for a %s array need CuPy or torch; pass output arrays" % self.module)
 
-    def empty(self, shape, dtype):
+    def empty(self, shape, dtype, fill=None):
+        """A new array on the call's device (filled with `fill` unless None). CUDA arrays are allocated and
+        filled on the call's stream, so that the allocator reuses their memory in that stream's order."""
         m = self._array_module()
+        if m is np:
+            a = np.empty(shape, dtype=_bfloat16() if dtype == "bfloat16" else dtype)
+            if fill is not None:
+                a[...] = fill
+            return a
         if m.__name__ == "torch":
-            return m.empty(shape, dtype=getattr(m, dtype), device="cuda:%d" % self.device_id)
-        if m.__name__ == "cupy":
-            with m.cuda.Device(self.device_id):
-                return m.empty(shape, dtype=dtype)
-        if dtype == "bfloat16":
-            import ml_dtypes
-            return np.empty(shape, dtype=ml_dtypes.bfloat16)
-        return np.empty(shape, dtype=dtype)
+            dev = "cuda:%d" % self.device_id
+            # stream 0, the legacy default stream, is ordered with every blocking stream: nothing to switch
+            with m.cuda.stream(m.cuda.ExternalStream(self.stream_int, device=dev)) if self.stream_int else _NO_CONTEXT:
+                return (m.empty(shape, dtype=getattr(m, dtype), device=dev) if fill is None
+                        else m.full(shape, fill, dtype=getattr(m, dtype), device=dev))
+        with m.cuda.Device(self.device_id):  # cupy
+            with m.cuda.ExternalStream(self.stream_int) if self.stream_int else _NO_CONTEXT:
+                a = m.empty(shape, dtype=dtype)
+                if fill is not None:
+                    a.fill(fill)
+                return a
 
     def empty_like(self, x, dtype=None):
         if dtype is None:
@@ -224,9 +260,7 @@ class Call:
         return self.empty(tuple(x.shape), dtype)
 
     def full(self, shape, value, dtype="float32"):
-        a = self.empty(shape, dtype)
-        a[...] = value
-        return a
+        return self.empty(shape, dtype, value)
 
     def output(self, spec, make):
         """An output argument: False/None = not requested, True = make(), an array = write into it."""
@@ -294,14 +328,21 @@ class TorchCall(Call):
         self.keep = []
         self.slot = 0
         self.device = ref.device
+        self.side = None  # the call's stream when it is not torch's current one (a torch.cuda.ExternalStream)
         st = _state
         if ref.is_cuda:
             self.device_type = DEVICE_CUDA
             self.device_id = ref.get_device()
+            current = torch._C._cuda_getCurrentRawStream(self.device_id)
             if stream is None:
-                s = torch._C._cuda_getCurrentRawStream(self.device_id)
+                s = current
             else:
                 s = int(stream) if isinstance(stream, int) else int(stream.cuda_stream)
+                if s != current:
+                    key = (self.device_id, s)
+                    self.side = st.side_streams.get(key)
+                    if self.side is None:
+                        self.side = st.side_streams[key] = torch.cuda.ExternalStream(s, device=self.device)
             self.stream_int = s
             p = st.streams.get(s)
             if p is None:
@@ -320,6 +361,13 @@ class TorchCall(Call):
         return _struct(self.keep, ctype)
 
     def native(self, x, dtype=None):
+        """x as a torch tensor on the call's device, cast to `dtype` if given (made on the call's stream)."""
+        if self.side is not None:
+            with self.torch.cuda.stream(self.side):
+                return self._native(x, dtype)
+        return self._native(x, dtype)
+
+    def _native(self, x, dtype):
         torch = self.torch
         if not isinstance(x, torch.Tensor):
             x = torch.as_tensor(np.asarray(x), device=self.device)
@@ -330,10 +378,15 @@ class TorchCall(Call):
         return x
 
     def dl(self, x, writable=False):
+        """A `DLTensor*` for x (NULL for None) in this thread's next slot; x (converted to a tensor when it is
+        not one) is kept alive as long as this call, and on a side stream recorded on it."""
         if x is None:
             return ffi.NULL
         if not isinstance(x, self.torch.Tensor):
             x = self.native(x)
+        self.keep.append(x)
+        if self.side is not None:
+            self._record(x)
         if x.dim() > _DIMS:  # the records of vocabulary-parallel calls [W, N, K]: through DLPack
             return self._capsule_dl(x)
         k = self.slot
@@ -367,7 +420,22 @@ class TorchCall(Call):
                                 device=self.device)
 
     def full(self, shape, value, dtype="float32"):
+        if self.side is not None:  # filled on the call's stream, which reads it
+            with self.torch.cuda.stream(self.side):
+                return self.torch.full(shape, value, dtype=getattr(self.torch, dtype), device=self.device)
         return self.torch.full(shape, value, dtype=getattr(self.torch, dtype), device=self.device)
+
+    def hold(self, x):
+        self.keep.append(x)
+        if self.side is not None:
+            self._record(x)
+        return x
+
+    def _record(self, x):
+        """The call's side stream recorded on a CUDA tensor of its device: the caching allocator reuses the
+        memory only once the stream's work so far (this call's) is done, whichever stream allocated it."""
+        if x.is_cuda and x.get_device() == self.device_id:
+            x.record_stream(self.side)
 
     def workspace(self, query, args, workspace):
         if workspace is not None:
@@ -380,8 +448,7 @@ class TorchCall(Call):
             check(getattr(lib, query)(self.handle.ptr, *args, need), query)
             if need[0] == 0:
                 return ffi.NULL, 0
-            buf = torch.empty(int(need[0]), dtype=torch.uint8, device=self.device)
-            self.keep.append(buf)
+            buf = self.hold(torch.empty(int(need[0]), dtype=torch.uint8, device=self.device))
             return ffi.cast("void *", buf.data_ptr()), int(need[0])
         return ffi.NULL, 0
 
