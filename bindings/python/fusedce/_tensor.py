@@ -416,8 +416,12 @@ class TorchCall(Call):
         return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device=self.device)
 
     def empty_like(self, x, dtype=None):
-        return self.torch.empty(tuple(x.shape), dtype=getattr(self.torch, dtype) if dtype is not None else x.dtype,
-                                device=self.device)
+        torch = self.torch
+        if dtype is not None:
+            dt = getattr(torch, dtype)
+        else:  # x's own; for a numpy array among torch arguments, the torch dtype of that name
+            dt = x.dtype if isinstance(x, torch.Tensor) else getattr(torch, np.dtype(x.dtype).name)
+        return torch.empty(tuple(x.shape), dtype=dt, device=self.device)
 
     def full(self, shape, value, dtype="float32"):
         if self.side is not None:  # filled on the call's stream, which reads it

@@ -13,6 +13,8 @@ handle's cached one. Failures raise FusedCEError subclasses carrying the library
 """
 from collections import namedtuple
 
+import numpy as np
+
 from ._generated import MACROS
 from ._lib import Handle, check, defaults, ffi, lib
 from ._tensor import Call, is_torch
@@ -33,9 +35,15 @@ _fast = None  # imported with torch, on the first torch call
 
 
 def _grad_torch(g, like):
+    """An upstream gradient for the lean path: None, or an fp32 tensor (a number as a 0-d tensor on like's
+    device, an array or a list converted), which the caller passes straight to fusedce._fast: the callee's
+    frame holds it until the library call has returned."""
+    torch = _fast.torch
     if g is None or is_torch(g):
-        return g if g is None else g.to(_fast.torch.float32)
-    return _fast.torch.full((), float(g), dtype=_fast.torch.float32, device=like.device)
+        return g if g is None else g.to(torch.float32)
+    if isinstance(g, (int, float)):
+        return torch.full((), float(g), dtype=torch.float32, device=like.device)
+    return torch.as_tensor(np.asarray(g, dtype=np.float32), device=like.device)
 
 _CE = defaults("fce_ce_options_t")
 _LSE = defaults("fce_lse_options_t")
@@ -426,7 +434,9 @@ def temp_softmax(logits, *, temperature=_SM["temperature"], temperatures=None, p
     if (not vocab_total and _lean(logits, handle, stream, workspace) and (temperatures is None or is_torch(temperatures))
             and all(isinstance(o, bool) or is_torch(o) for o in (probs, logprobs))):
         odt = None if dtype is None else getattr(_fast.torch, dtype)
-        p, lp = _fast.temp_softmax(logits, float(temperature), temperatures, probs is not False, logprobs is not False,
+        f32 = _fast.torch.float32
+        t = temperatures if temperatures is None or temperatures.dtype == f32 else temperatures.to(f32)  # as `c.native`
+        p, lp = _fast.temp_softmax(logits, float(temperature), t, probs is not False, logprobs is not False,
                                    odt, None if isinstance(probs, bool) else probs,
                                    None if isinstance(logprobs, bool) else logprobs)
         return SoftmaxOutput(p, lp)
