@@ -386,8 +386,10 @@ def _plain_rows(x, dim):
 
 
 def _rows(x, dim):
+    """(x as [N, V] rows over `dim`, the leading shape). A `dim` moved last is copied to the unit stride on its
+    last axis that the library reads (movedim alone leaves a strided view, which fce_* reject)."""
     if dim not in (-1, x.dim() - 1):
-        x = x.movedim(dim, -1)
+        x = x.movedim(dim, -1).contiguous()
     return x.reshape(-1, x.shape[-1]), x.shape[:-1]
 
 
