@@ -562,9 +562,9 @@ def kd_partial(student, teacher_logits=None, *, vocab_start, vocab_total, topk_i
 
     student: [N, V_local] fp32/bf16/fp16, the global columns [vocab_start, vocab_start + V_local) of a
     vocabulary of vocab_total; columns at or past vocab_total are padding and never read. The teacher is
-    either teacher_logits [N, V_local] (any float dtype, the same columns), or a top-K teacher as kd_loss
-    takes it: topk_ids [N, K] int32/int64 global vocabulary ids (negative = unused slot) and topk_logprobs
-    [N, K] fp32 log-probabilities, the same arrays on every rank (the teacher's distribution is
+    either teacher_logits [N, V_local] (fp32, bf16 or fp16, whatever the student's; the same columns), or a
+    top-K teacher as kd_loss takes it: topk_ids [N, K] int32/int64 global vocabulary ids (negative = unused
+    slot) and topk_logprobs [N, K] fp32 log-probabilities, the same arrays on every rank (the teacher's distribution is
     softmax(topk_logprobs / T) over the used slots; topk_norm "full_vocab" or "renormalize", as kd_loss). A
     top-K teacher always takes the second exchange (kd_combine with loss=False, kd_terms_partial,
     kd_terms_combine). divergence "forward_kl", "reverse_kl" or "jsd" (weight beta in [0, 1]; JSD's record is

@@ -664,7 +664,7 @@ def vocab_parallel_kd_loss(student_logits, teacher_logits=None, target=None, *, 
     every rank; its gradient flows to this rank's student logits (the teacher gets none).
 
     student_logits: [..., V_local], fp32/bf16/fp16, CPU or CUDA. The teacher: teacher_logits [..., V_local]
-    (any float dtype, this rank's columns), or the keywords topk_ids (..., K) int32/int64 global vocabulary ids
+    (fp32, bf16 or fp16, this rank's columns), or the keywords topk_ids (..., K) int32/int64 global vocabulary ids
     (negative = unused slot; an id >= vocab_total makes its row NaN) and topk_logprobs (..., K)
     log-probabilities (cast to fp32), the whole top-K teacher, the same on every rank, as kd_loss_topk takes
     them (topk_norm "full_vocab" or "renormalize"; a row without a used slot is masked: loss 0, not counted
