@@ -57,6 +57,12 @@ struct LsePair {
   FCE_HD float logp(float z) const { return (z - hi) - lo; }  // log p_j, in nats
 };
 
+// A class weight inside its domain, finite and >= 0. A row whose target's weight is outside it (NaN, negative,
+// infinite) is treated as a row with a target out of range: loss, z-loss and gradient row NaN, counted 1 in
+// the mean's denominator; with label smoothing every weight enters every row, so one such weight makes every
+// non-ignored row NaN (the weights' sum is NaN). Read on the device, so no status: a NaN that cannot vanish.
+FCE_HD bool class_weight_ok(float w) { return w >= 0.f && w < INFINITY; }
+
 // Gradient of one cross-entropy row w.r.t. z_j (before the transform's derivative), PyTorch semantics
 // with label smoothing e, class weights w, z-loss q:
 //   dL/dz_j = g*[(1-e)*w_t*(p_j - [j==t]) + (e/V)*(W*p_j - w_j) + 2*q*lse*p_j]

@@ -26,7 +26,7 @@ struct CeContext {
       W = 0;
       for (int64_t j = 0; j < V; ++j) {
         w[size_t(j)] = load_f32(o.class_weights, j);
-        W += w[size_t(j)];
+        W += class_weight_ok(w[size_t(j)]) ? double(w[size_t(j)]) : double(NAN);  // math.hpp: class_weight_ok
       }
     }
   }
@@ -41,13 +41,15 @@ struct CeContext {
   }
   bool ignored(int64_t t) const { return t == o.ignore_index; }
   bool in_range(int64_t t) const { return t >= 0 && t < V; }
+  // A target whose row has a loss: in range, and its class weight in the domain (class_weight_ok).
+  bool valid(int64_t t) const { return in_range(t) && class_weight_ok(weight(t)); }
 
   // Denominator of the mean: sum of w[t] over non-ignored rows; an out-of-range target counts 1.
   double mean_denominator(const Vec& targets) const {
     double d = 0;
     for (int64_t i = 0; i < targets.n; ++i) {
       const int64_t t = load_index(targets.data, targets.dtype, i);
-      if (!ignored(t)) d += in_range(t) ? weight(t) : 1.0;
+      if (!ignored(t)) d += valid(t) ? weight(t) : 1.0;
     }
     return d;
   }
@@ -97,7 +99,7 @@ inline CeRow ce_row_forward(const CeContext& c, const float* x, float* zbuf, int
     }
   }
   if (c.ignored(target)) return r;
-  if (!c.in_range(target)) {
+  if (!c.valid(target)) {
     r.loss = r.z_loss = NAN;
     return r;
   }
@@ -124,7 +126,7 @@ inline EntropyGrad entropy_grad(const Vec& grad_entropy, int64_t i, float H) {
 // w = c.weights(), local_target = target.
 inline void ce_row_grad(const CeContext& c, const float* z, int64_t n, const float* w, LsePair lse, int64_t target,
                         int64_t local_target, float g, const EntropyGrad& eg, float* dx) {
-  if (!c.ignored(target) && !c.in_range(target)) {  // NaN whatever the upstream gradient (the contract)
+  if (!c.ignored(target) && !c.valid(target)) {  // NaN whatever the upstream gradient (the contract)
     std::fill(dx, dx + n, NAN);
     return;
   }
@@ -133,10 +135,14 @@ inline void ce_row_grad(const CeContext& c, const float* z, int64_t n, const flo
     std::fill(dx, dx + n, 0.f);
     return;
   }
-  CeGrad grad(loss_grad ? g : 0.f, c.o.label_smoothing, loss_grad ? c.weight(target) : 1.f, float(c.W),
+  // The weights' sum enters with label smoothing only (it is NaN when a weight is outside the domain).
+  const float W = c.o.label_smoothing > 0.f ? float(c.W) : 0.f;
+  CeGrad grad(loss_grad ? g : 0.f, c.o.label_smoothing, loss_grad ? c.weight(target) : 1.f, W,
               1.f / float(c.V), c.o.z_loss_scale, lse.value());
   if (eg.ge != 0.f) grad.entropy(eg.ge, eg.H);
-  simd::ce_grad(z, n, lse, grad, w, local_target, c.tf, dx);
+  // The class weights of other columns enter with label smoothing only (a weight outside the domain of a
+  // column that is not the target would otherwise put 0 * NaN into every row).
+  simd::ce_grad(z, n, lse, grad, c.o.label_smoothing > 0.f ? w : nullptr, local_target, c.tf, dx);
 }
 inline void ce_row_grad(const CeContext& c, const float* z, LsePair lse, int64_t target, float g,
                         const EntropyGrad& eg, float* dx) {

@@ -87,7 +87,7 @@ void ce_combine(const CeCombineProblem& p) {
     row.entropy = m.entropy;
     const int64_t t = load_index(p.targets.data, p.targets.dtype, i);
     if (!c.ignored(t) || m.bad) {  // shards that do not tile the vocabulary: NaN even for an ignored row
-      if (!c.in_range(t) || m.bad) row.loss = row.z_loss = NAN;
+      if (!c.valid(t) || m.bad) row.loss = row.z_loss = NAN;
       else ce_combined_loss(m, c.weight(t), p.o.label_smoothing, double(c.V), c.W, p.o.z_loss_scale, &row.loss,
                             &row.z_loss);
     }
@@ -124,7 +124,7 @@ void ce_shard_backward(const CeProblem& p) {
       const float g = c.grad_scale(p.grad_loss, i, denom);
       const EntropyGrad eg = entropy_grad(p.grad_entropy, i, p.grad_entropy ? load_f32(p.saved_entropy, i) : 0.f);
       ce_row_grad(c, z, n, w, load_lse(p.saved_lse, i), t, local_target(p.o, t, n), g, eg, dx);
-      std::fill(dx + n, dx + V, !c.ignored(t) && !c.in_range(t) ? NAN : 0.f);  // padding
+      std::fill(dx + n, dx + V, !c.ignored(t) && !c.valid(t) ? NAN : 0.f);  // padding
       row_out_done(p.dlogits, i, dx);
     }
   }

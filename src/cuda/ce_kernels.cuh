@@ -232,7 +232,7 @@ __device__ LsePair write_row_outputs(const CeParams& p, int64_t row, const CeAcc
   const int64_t t = hint ? hint->t : load_index(p.targets, p.t64, row);
   float loss = 0.f, zl = 0.f;
   if (t != p.ignore_index) {
-    if (t < 0 || t >= p.V) {
+    if (t < 0 || t >= p.V || (p.weights && !class_weight_ok(p.weights[t]))) {
       loss = zl = NAN;
     } else {
       const LogitTransform tf(p.scale, p.softcap);
@@ -280,7 +280,8 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
   const float g = hint ? hint->g : row_grad_scale(p, row);
   const float ge = p.grad_entropy ? p.grad_entropy[p.ge_scalar ? 0 : row] : 0.f;
   const LogitTransform tf(p.scale, p.softcap);
-  const bool bad = t != p.ignore_index && (t < 0 || t >= p.vt);  // out of range: NaN always
+  // A target out of range, or of a class weight outside the domain: NaN always.
+  const bool bad = t != p.ignore_index && (t < 0 || t >= p.vt || (p.weights && !class_weight_ok(p.weights[t])));
   const bool lg = !bad && t != p.ignore_index && g != 0.f;      // the loss has a gradient here
   if (bad || (!lg && ge == 0.f)) {
     const float fill = bad ? NAN : 0.f;
@@ -311,7 +312,7 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
       for (int k = 0; k < kVec<T>; ++k) {
         if (k < n) {
           const float z = tf(v[k]);
-          const float w = p.weights ? p.weights[p.col0 + j0 + k] : 1.f;
+          const float w = p.weights && p.eps > 0.f ? p.weights[p.col0 + j0 + k] : 1.f;  // smoothing only
           v[k] = grad(pair_exp(z, hi, nlo2), w, j0 + k == tl, lse.logp(z)) * tf.derivative(z);
         }
       }
@@ -335,7 +336,7 @@ __device__ void write_grad(const CeParams& p, int64_t row, int64_t begin, int64_
     for (int k = 0; k < kVec<T>; ++k) {
       if (k < n) {
         const float z = tf(v[k]);
-        const float w = p.weights ? p.weights[p.col0 + j0 + k] : 1.f;
+        const float w = p.weights && p.eps > 0.f ? p.weights[p.col0 + j0 + k] : 1.f;  // smoothing only
         v[k] = grad(pair_exp(z, hi, nlo2), w, j0 + k == tl) * tf.derivative(z);
       }
     }

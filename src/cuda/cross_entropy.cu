@@ -28,7 +28,9 @@ __device__ double mean_denominator(const CeParams& p) {
   double den = 0;
   for (int64_t i = threadIdx.x; i < p.N; i += blockDim.x) {
     const int64_t t = load_index(p.targets, p.t64, i);
-    if (t != p.ignore_index) den += (t >= 0 && t < p.V) ? (p.weights ? double(p.weights[t]) : 1.0) : 1.0;
+    if (t == p.ignore_index) continue;
+    const bool in = t >= 0 && t < p.V;  // a target out of range or of a weight outside the domain counts 1
+    den += in && p.weights && class_weight_ok(p.weights[t]) ? double(p.weights[t]) : 1.0;
   }
   return block_reduce(SumD(den)).s;
 }
@@ -38,7 +40,8 @@ __global__ void __launch_bounds__(1024) prep_kernel(CeParams p, double* prep) { 
   const double den = mean_denominator(p);
   double W = 0;
   if (p.weights)
-    for (int64_t j = threadIdx.x; j < p.V; j += blockDim.x) W += p.weights[j];
+    for (int64_t j = threadIdx.x; j < p.V; j += blockDim.x)
+      W += class_weight_ok(p.weights[j]) ? double(p.weights[j]) : double(NAN);
   W = block_reduce(SumD(W)).s;
   if (threadIdx.x == 0) {
     prep[0] = den;

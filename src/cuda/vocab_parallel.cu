@@ -86,7 +86,7 @@ __device__ void combine_finish(const VpArgs& a, int64_t i, const CeCombined& m) 
   const int64_t t = load_index(a.targets, a.t64, i);
   float loss = 0.f, zl = 0.f;
   if (t != a.ignore_index) {
-    if (t < 0 || t >= a.vt) loss = zl = NAN;
+    if (t < 0 || t >= a.vt || (a.weights && !class_weight_ok(a.weights[t]))) loss = zl = NAN;
     else  // the class weights' sum enters with label smoothing only (prep holds it then)
       ce_combined_loss(m, a.weights ? a.weights[t] : 1.0, a.eps, double(a.vt),
                        a.weights && a.eps > 0.f ? a.prep[1] : double(a.vt), a.zq, &loss, &zl);

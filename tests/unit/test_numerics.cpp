@@ -168,6 +168,87 @@ TEST(Numerics, CrossEntropyOutOfRangeTargetNaNGradientEvenWithZeroUpstream) {
   for (int64_t j = 0; j < 3; ++j) EXPECT_TRUE(std::isnan(r.dl.get(0, j))) << j;
 }
 
+// Class weights outside their domain (finite and >= 0; issue 47 item 5): a NaN weight at a target with MEAN
+// gave loss 0.0 (the NaN vanished in the denominator's test) and a weight of -1 a negative loss. Now such a
+// row is NaN (loss, z-loss, gradient row) and counts 1 in the mean's denominator, as a target out of range;
+// with label smoothing, every non-ignored row. Fused forward, backward, the shards' combine, linear CE.
+TEST(Numerics, CrossEntropyClassWeightsOutsideTheirDomain) {
+  Tensor x = matrix(DT::F32, {{1, 2, 3, 4, 5}, {0, 1, 0, 1, 0}, {2, 2, 2, 2, 2}, {5, 4, 3, 2, 1}, {1, 1, 1, 1, 1}});
+  Tensor t = ints(DT::I64, {0, 1, 2, 3, -100});
+  Tensor w = floats({1.0, NAN, -1.0, INFINITY, 2.0});
+  fce_ce_options_t o = ce_none();
+  o.class_weights = w.dl();
+  Ce r = ce_fwd(x, t, o);
+  ASSERT_EQ(r.status, FCE_STATUS_SUCCESS);
+  const double l0 = lse_of({1, 2, 3, 4, 5});
+  EXPECT_TRUE(close(r.loss.get(0), l0 - 1, 1e-6, 1e-6));
+  EXPECT_EQ(r.loss.get(4), 0.0);  // ignored
+  for (int64_t i = 1; i <= 3; ++i) {
+    EXPECT_TRUE(std::isnan(r.loss.get(i))) << "row " << i << " loss " << r.loss.get(i);
+    for (int64_t j = 0; j < 5; ++j) EXPECT_TRUE(std::isnan(r.dl.get(i, j))) << "(" << i << "," << j << ")";
+  }
+  for (int64_t j = 0; j < 5; ++j) EXPECT_FALSE(std::isnan(r.dl.get(0, j)));
+  // MEAN and SUM: NaN, not 0 or a plausible number; row 0's gradient divided by 1 + 1 + 1 + 1.
+  o.reduction = FCE_REDUCTION_MEAN;
+  const Ce m = ce_fwd(x, t, o);
+  ASSERT_EQ(m.status, FCE_STATUS_SUCCESS);
+  EXPECT_TRUE(std::isnan(m.loss.get(0))) << m.loss.get(0);
+  EXPECT_TRUE(close(m.dl.get(0, 4), std::exp(5 - l0) / 4, 1e-5, 1e-7));
+  // The issue's cases alone: a NaN weight at the only target with MEAN; a weight of -1.
+  Tensor t1 = ints(DT::I64, {1}), x1 = matrix(DT::F32, {{1, 2, 3, 4, 5}}), t2 = ints(DT::I64, {2});
+  EXPECT_TRUE(std::isnan(ce_fwd(x1, t1, o).loss.get(0)));
+  EXPECT_TRUE(std::isnan(ce_fwd(x1, t2, o).loss.get(0)));
+  // The backward from the saved lse: the same NaN rows.
+  Handle h;
+  Tensor dl = poisoned(DT::F32, {5, 5});
+  fce_ce_options_t b = ce_none();
+  b.class_weights = w.dl();
+  FCE_OK(fce_cross_entropy_bwd(h, test_stream(), x.dl(), t.dl(), r.lse.dl(), nullptr, &b, dl.dl(), nullptr, 0));
+  dl.download();
+  for (int64_t j = 0; j < 5; ++j) {
+    EXPECT_TRUE(std::isnan(dl.get(2, j)));
+    EXPECT_FALSE(std::isnan(dl.get(0, j)));
+  }
+  // Label smoothing reads every weight: every non-ignored row NaN.
+  b.label_smoothing = 0.1f;
+  const Ce s = ce_fwd(x, t, b);
+  ASSERT_EQ(s.status, FCE_STATUS_SUCCESS);
+  for (int64_t i = 0; i < 4; ++i) EXPECT_TRUE(std::isnan(s.loss.get(i))) << "smoothing row " << i;
+  // The shards' combine (two shards of 5 = 2 + 3 columns).
+  fce_ce_options_t so = ce_none();
+  so.class_weights = w.dl();
+  so.vocab_total = 5;
+  Records rec(2, 5, FCE_CE_RECORD_FIELDS_LOSS);
+  Tensor a = matrix(DT::F32, {{1, 2}, {0, 1}, {2, 2}, {5, 4}, {1, 1}}), c = matrix(DT::F32, {{3, 4, 5}, {0, 1, 0}, {2, 2, 2}, {3, 2, 1}, {1, 1, 1}});
+  for (int r2 = 0; r2 < 2; ++r2) {
+    Tensor one = poisoned(DT::F32, {5, FCE_CE_RECORD_FIELDS_LOSS});
+    so.vocab_start = r2 == 0 ? 0 : 2;
+    FCE_OK(fce_cross_entropy_partial(h, test_stream(), (r2 == 0 ? a : c).dl(), t.dl(), &so, one.dl()));
+    one.download();
+    std::memcpy(rec.t.raw() + 4 * size_t(r2 * 5 * FCE_CE_RECORD_FIELDS_LOSS), one.bytes().data(),
+                4 * size_t(5 * FCE_CE_RECORD_FIELDS_LOSS));
+  }
+  rec.t.upload();
+  Tensor closs = poisoned(DT::F32, {5});
+  fce_ce_outputs_t co = FCE_CE_OUTPUTS_INIT;
+  co.loss = closs.dl();
+  FCE_OK(fce_cross_entropy_combine(h, test_stream(), &rec.dl, t.dl(), &so, &co, nullptr, 0));
+  closs.download();
+  EXPECT_TRUE(close(closs.get(0), l0 - 1, 1e-6, 1e-6));
+  for (int64_t i = 1; i <= 3; ++i) EXPECT_TRUE(std::isnan(closs.get(i))) << "combined row " << i;
+  // Linear CE: the rows NaN.
+  Tensor hid = matrix(DT::F32, {{1, 0}, {0, 1}, {1, 1}, {2, 0}, {0, 0}}), wt = matrix(DT::F32, {{1, 0}, {0, 1}, {1, 1}, {-1, 0}, {0, -1}});
+  Tensor lloss = poisoned(DT::F32, {5});
+  fce_linear_ce_outputs_t lo = FCE_LINEAR_CE_OUTPUTS_INIT;
+  lo.loss = lloss.dl();
+  fce_ce_options_t lco = ce_none();
+  lco.class_weights = w.dl();
+  FCE_OK(fce_linear_cross_entropy_fwd(h, test_stream(), hid.dl(), wt.dl(), nullptr, t.dl(), &lco, &lo, nullptr, 0));
+  lloss.download();
+  EXPECT_FALSE(std::isnan(lloss.get(0)));
+  for (int64_t i = 1; i <= 3; ++i) EXPECT_TRUE(std::isnan(lloss.get(i))) << "linear CE row " << i;
+}
+
 TEST(Numerics, CrossEntropyVocabularyOfOne) {
   for (DT dt : {DT::F32, DT::BF16, DT::F16}) {
     Tensor x = matrix(dt, {{2.5}, {-7}});
