@@ -1,7 +1,9 @@
 #include "common/tensor.hpp"
 
 #include <cstring>
+#include <initializer_list>
 #include <limits>
+#include <string>
 
 #include "common/error.hpp"
 
@@ -52,6 +54,36 @@ const char* accepted(unsigned accept) {
   }
 }
 
+// A DLPack dtype as frameworks name it ("float64", "uint8", "bool", "complex64", "float8_e4m3fn"; "float32x4"
+// with 4 lanes), or its codes "(code 7, bits 3, lanes 2)" when it has no name. Codes as numbers: DLPack 0.6's
+// header, the oldest the library builds with, lacks kDLBool (0.8) and the fp8, fp6 and fp4 codes (1.1).
+std::string dtype_name(DLDataType d) {
+  const unsigned code = d.code, bits = d.bits, lanes = d.lanes;
+  auto sized = [bits](const char* base, std::initializer_list<unsigned> sizes) -> std::string {
+    for (unsigned b : sizes)
+      if (b == bits) return base + std::to_string(bits);
+    return "";
+  };
+  static const char* const kFloat8[] = {"float8_e3m4",     "float8_e4m3",   "float8_e4m3b11fnuz",
+                                        "float8_e4m3fn",   "float8_e4m3fnuz", "float8_e5m2",
+                                        "float8_e5m2fnuz", "float8_e8m0fnu"};  // codes 7 to 14
+  std::string n;
+  if (code == kDLInt) n = sized("int", {8, 16, 32, 64});
+  else if (code == kDLUInt) n = sized("uint", {8, 16, 32, 64});
+  else if (code == kDLFloat) n = sized("float", {16, 32, 64});
+  else if (code == kDLBfloat) n = sized("bfloat", {16});
+  else if (code == kDLComplex) n = sized("complex", {32, 64, 128});
+  else if (code == 6 && bits == 8) n = "bool";
+  else if (code >= 7 && code <= 14 && bits == 8) n = kFloat8[code - 7];
+  else if (code == 15 && bits == 6) n = "float6_e2m3fn";
+  else if (code == 16 && bits == 6) n = "float6_e3m2fn";
+  else if (code == 17 && bits == 4) n = "float4_e2m1fn";
+  if (n.empty() || lanes == 0)
+    return "(code " + std::to_string(code) + ", bits " + std::to_string(bits) + ", lanes " + std::to_string(lanes) +
+           ")";
+  return lanes == 1 ? n : n + "x" + std::to_string(lanes);
+}
+
 DType parse_dtype(const DLTensor* t, const char* name, unsigned accept) {
   const DLDataType d = t->dtype;
   DType r;
@@ -64,8 +96,8 @@ DType parse_dtype(const DLTensor* t, const char* name, unsigned accept) {
   else ok = false;
   unsigned bit = ok ? (1u << static_cast<unsigned>(r)) : 0u;
   if (!ok || !(accept & bit))
-    raise(FCE_STATUS_UNSUPPORTED_DTYPE, "%s has dtype (code %u, bits %u, lanes %u); expected %s", name,
-          unsigned(d.code), unsigned(d.bits), unsigned(d.lanes), accepted(accept));
+    raise(FCE_STATUS_UNSUPPORTED_DTYPE, "%s has dtype %s; expected %s", name, dtype_name(d).c_str(),
+          accepted(accept));
   return r;
 }
 

@@ -1,5 +1,7 @@
 // Bad input gets its status and a message, and no output is written.
 #include <cctype>
+#include <functional>
+#include <string>
 
 #include "../common/testing.hpp"
 
@@ -192,4 +194,41 @@ TEST(Validation, HandlesStatusesAndVersion) {
   char v[32];
   snprintf(v, sizeof v, "%d.%d.%d", FCE_VERSION_MAJOR, FCE_VERSION_MINOR, FCE_VERSION_PATCH);
   EXPECT_STREQ(fce_version_string(), v);
+}
+
+// Issue 47, item 9: a refused dtype is named as frameworks name it (float64, uint8, bool, complex64, ...), in the
+// DLPack codes only when it has no name.
+TEST(Validation, DtypeMessagesNameTheDtype) {
+  const auto named = [](const char* what, DLDataType dt, bool targets, const char* want) {
+    Fixture f;
+    (targets ? f.targets : f.logits).dl()->dtype = dt;
+    f.expect(FCE_STATUS_UNSUPPORTED_DTYPE, what);
+    const std::string m = fce_last_error_message();
+    EXPECT_NE(m.find(std::string(targets ? "targets has dtype " : "logits has dtype ") + want), std::string::npos)
+        << what << ": " << m;
+  };
+  named("float64 logits", {kDLFloat, 64, 1}, false, "float64;");
+  named("int32 logits", {kDLInt, 32, 1}, false, "int32;");
+  named("int64 logits", {kDLInt, 64, 1}, false, "int64;");
+  named("int8 logits", {kDLInt, 8, 1}, false, "int8;");
+  named("uint8 targets", {kDLUInt, 8, 1}, true, "uint8;");
+  named("float32 targets", {kDLFloat, 32, 1}, true, "float32;");
+  named("bfloat16 targets", {kDLBfloat, 16, 1}, true, "bfloat16;");
+  named("float16 targets", {kDLFloat, 16, 1}, true, "float16;");
+  named("bool logits", {6, 8, 1}, false, "bool;");               // kDLBool (DLPack >= 0.8)
+  named("complex64 logits", {kDLComplex, 64, 1}, false, "complex64;");
+  named("complex128 logits", {kDLComplex, 128, 1}, false, "complex128;");
+  named("float8_e4m3fn logits", {10, 8, 1}, false, "float8_e4m3fn;");  // kDLFloat8_e4m3fn (DLPack 1.1)
+  named("float8_e5m2 logits", {12, 8, 1}, false, "float8_e5m2;");
+  named("4 lanes of float32", {kDLFloat, 32, 4}, false, "float32x4;");
+  named("no name", {7, 3, 2}, false, "(code 7, bits 3, lanes 2);");
+  named("float of 24 bits", {kDLFloat, 24, 1}, false, "(code 2, bits 24, lanes 1);");
+  named("no lanes", {kDLFloat, 32, 0}, false, "(code 2, bits 32, lanes 0);");
+  {
+    Fixture f;
+    f.logits.dl()->dtype = {kDLFloat, 64, 1};
+    f.expect(FCE_STATUS_UNSUPPORTED_DTYPE, "float64");
+    EXPECT_STREQ(fce_last_error_message(),
+                 "fce_cross_entropy_fwd: logits has dtype float64; expected float32, bfloat16 or float16");
+  }
 }
