@@ -454,7 +454,10 @@ FCE_API fce_status_t fce_cross_entropy_bwd_ex_workspace_size(fce_handle_t handle
 #define FCE_CE_RECORD_FIELDS_ALL 9
 
 /** Fields K of a full cross-entropy record for these options (NULL = defaults): FCE_CE_RECORD_FIELDS_ALL.
- *  @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT when fields is NULL or the options are invalid. */
+ *  @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (nothing written) when fields is NULL or the options are
+ *  invalid, checked as every cross-entropy call checks them (struct_size, reduction, label_smoothing,
+ *  z_loss_scale, softcap, logit_scale, vocab_start and vocab_total), but for class_weights: a tensor whose
+ *  device and length the calls that take the logits check. */
 FCE_API fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* options, int64_t* fields);
 
 /**

@@ -2,10 +2,8 @@
 
 namespace fce {
 
-CeOpts read_ce_options(const fce_ce_options_t* options, Validator& val, int64_t V) {
+CeOpts ce_option_values(const fce_ce_options_t& p) {
   CeOpts o;
-  if (!options) return o;
-  const fce_ce_options_t p = checked_struct(options, "options");
   FCE_CHECK(p.reduction >= FCE_REDUCTION_NONE && p.reduction <= FCE_REDUCTION_MEAN, FCE_STATUS_INVALID_ARGUMENT,
             "options->reduction %d is not an fce_reduction_t", p.reduction);
   FCE_CHECK(finite(p.label_smoothing) && p.label_smoothing >= 0.f && p.label_smoothing <= 1.f,
@@ -25,6 +23,13 @@ CeOpts read_ce_options(const fce_ce_options_t* options, Validator& val, int64_t 
   check_vocab_shard(p.vocab_start, p.vocab_total);
   o.vocab_start = p.vocab_start;
   o.vocab_total = p.vocab_total;
+  return o;
+}
+
+CeOpts read_ce_options(const fce_ce_options_t* options, Validator& val, int64_t V) {
+  if (!options) return CeOpts{};
+  const fce_ce_options_t p = checked_struct(options, "options");
+  CeOpts o = ce_option_values(p);
   const int64_t VW = o.sharded() ? o.vocab_total : V;  // class weights cover the whole vocabulary
   if (p.class_weights) {
     o.class_weights = val.vector(p.class_weights, "options->class_weights", kF32);

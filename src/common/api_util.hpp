@@ -94,8 +94,11 @@ T checked_struct(const T* p, const char* name) {
 
 inline bool finite(float x) { return std::isfinite(x); }
 
-// Validates cross-entropy options against a vocabulary of V.
+// Validates cross-entropy options against a vocabulary of V: ce_option_values, then the class weights.
 CeOpts read_ce_options(const fce_ce_options_t* options, Validator& val, int64_t V);
+// Validates the values of cross-entropy options (struct_size already checked by checked_struct): every option
+// but the class-weights tensor, whose device and length only a call with tensors can check.
+CeOpts ce_option_values(const fce_ce_options_t& options);
 
 // Validates the statistic outputs shared by cross-entropy and linear cross-entropy.
 struct CeStatOutputs {

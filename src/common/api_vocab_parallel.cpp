@@ -128,7 +128,7 @@ extern "C" {
 FCE_API fce_status_t fce_cross_entropy_record_fields(const fce_ce_options_t* options, int64_t* fields) {
   return guard(__func__, [&] {
     FCE_CHECK(fields != nullptr, FCE_STATUS_INVALID_ARGUMENT, "fields is NULL");
-    if (options) checked_struct(options, "options");
+    if (options) ce_option_values(checked_struct(options, "options"));  // the other CE calls' checks
     *fields = kCeRecordFields;
   });
 }

@@ -196,6 +196,52 @@ TEST(Validation, HandlesStatusesAndVersion) {
   EXPECT_STREQ(fce_version_string(), v);
 }
 
+// Issue 47, item 8: fce_cross_entropy_record_fields takes no tensors, but its options are the other CE calls'
+// and are validated as theirs are (read_ce_options' checks): an option out of its domain is INVALID_ARGUMENT
+// with the same message, and `fields` is left as it was.
+TEST(Validation, RecordFieldsValidatesTheOptions) {
+  const auto bad = [](const char* what, const std::function<void(fce_ce_options_t&)>& set, const char* names) {
+    fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+    set(o);
+    int64_t fields = -7;
+    EXPECT_EQ(fce_cross_entropy_record_fields(&o, &fields), FCE_STATUS_INVALID_ARGUMENT) << what;
+    EXPECT_NE(std::string(fce_last_error_message()).find(names), std::string::npos)
+        << what << ": " << fce_last_error_message();
+    EXPECT_EQ(fields, -7) << what << ": fields written";
+  };
+  bad("logit_scale -1", [](fce_ce_options_t& o) { o.logit_scale = -1.f; }, "options->logit_scale");
+  bad("logit_scale NaN", [](fce_ce_options_t& o) { o.logit_scale = NAN; }, "options->logit_scale");
+  bad("reduction 9", [](fce_ce_options_t& o) { o.reduction = 9; }, "options->reduction");
+  bad("label_smoothing 2", [](fce_ce_options_t& o) { o.label_smoothing = 2.f; }, "options->label_smoothing");
+  bad("z_loss_scale -1", [](fce_ce_options_t& o) { o.z_loss_scale = -1.f; }, "options->z_loss_scale");
+  bad("softcap inf", [](fce_ce_options_t& o) { o.softcap = INFINITY; }, "options->softcap");
+  bad("vocab_start past vocab_total", [](fce_ce_options_t& o) { o.vocab_start = 9; o.vocab_total = 8; },
+      "options->vocab_start");
+  bad("vocab_total negative", [](fce_ce_options_t& o) { o.vocab_total = -1; }, "options->vocab_total");
+  bad("struct_size 4", [](fce_ce_options_t& o) { o.struct_size = 4; }, "options->struct_size");
+  // The same options pass the other entry points' check identically: one validator.
+  {
+    Fixture f;
+    f.o.logit_scale = -1.f;
+    f.expect(FCE_STATUS_INVALID_ARGUMENT, "fwd logit_scale -1");
+    const std::string fwd = fce_last_error_message();
+    int64_t fields = 0;
+    EXPECT_EQ(fce_cross_entropy_record_fields(&f.o, &fields), FCE_STATUS_INVALID_ARGUMENT);
+    const std::string rec = fce_last_error_message();
+    EXPECT_EQ(fwd.substr(fwd.find(": ")), rec.substr(rec.find(": "))) << "the same check, the same words";
+  }
+  // Valid options (a shard's, the defaults, NULL) still give the full record width.
+  fce_ce_options_t o = FCE_CE_OPTIONS_INIT;
+  o.vocab_start = 3; o.vocab_total = 10; o.label_smoothing = 0.1f; o.logit_scale = 2.f; o.reduction = FCE_REDUCTION_SUM;
+  int64_t fields = 0;
+  FCE_OK(fce_cross_entropy_record_fields(&o, &fields));
+  EXPECT_EQ(fields, FCE_CE_RECORD_FIELDS_ALL);
+  fields = 0;
+  FCE_OK(fce_cross_entropy_record_fields(nullptr, &fields));
+  EXPECT_EQ(fields, FCE_CE_RECORD_FIELDS_ALL);
+  EXPECT_EQ(fce_cross_entropy_record_fields(&o, nullptr), FCE_STATUS_INVALID_ARGUMENT);
+}
+
 // Issue 47, item 9: a refused dtype is named as frameworks name it (float64, uint8, bool, complex64, ...), in the
 // DLPack codes only when it has no name.
 TEST(Validation, DtypeMessagesNameTheDtype) {

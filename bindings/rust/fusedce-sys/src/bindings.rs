@@ -1385,7 +1385,10 @@ extern "C" {
 }
 extern "C" {
     #[doc = " Fields K of a full cross-entropy record for these options (NULL = defaults): FCE_CE_RECORD_FIELDS_ALL."]
-    #[doc = "  @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT when fields is NULL or the options are invalid."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; INVALID_ARGUMENT (nothing written) when fields is NULL or the options are"]
+    #[doc = "  invalid, checked as every cross-entropy call checks them (struct_size, reduction, label_smoothing,"]
+    #[doc = "  z_loss_scale, softcap, logit_scale, vocab_start and vocab_total), but for class_weights: a tensor whose"]
+    #[doc = "  device and length the calls that take the logits check."]
     pub fn fce_cross_entropy_record_fields(
         options: *const fce_ce_options_t,
         fields: *mut i64,
