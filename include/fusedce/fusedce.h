@@ -21,7 +21,13 @@
  *   - A scalar is a tensor of ndim 0, or ndim 1 with shape [1].
  *   - Optional tensors are NULL when absent.
  * Handles: one per device, made by fce_handle_create. A handle may be used by one thread at a time;
- * different handles may be used concurrently from different threads.
+ * different handles may be used concurrently from different threads. A call that finds its handle inside
+ * another thread's call returns FCE_STATUS_HANDLE_BUSY at once, having done nothing, instead of racing on
+ * the handle's state (its cached workspace): give each thread its own handle, or serialize the calls. Every
+ * call that takes a handle may return it (fce_handle_destroy then leaves the handle alive) but
+ * fce_handle_get_device, which any thread may call at any time. The check is a flag, not a lock: a call
+ * never waits for another, and the caller still orders a handle's last calls before its destruction. It
+ * covers a call's host side: on CUDA, work a call enqueued runs after the call returns, in stream order.
  * Streams: every call takes the CUDA stream to enqueue on (ignored by CPU handles). CUDA calls are
  * asynchronous, never synchronize the host, never allocate when given a large enough workspace, and may
  * be captured in a CUDA graph. On sm_90 devices the few-row kernels are programmatic dependent launches:
@@ -138,7 +144,10 @@ typedef enum fce_status {
   FCE_STATUS_INTERNAL_ERROR = 14,
   /** NCCL cannot be loaded, or an NCCL call failed; the message has NCCL's error text, the communicator's
    *  last error and its asynchronous error (ncclCommGetAsyncError). */
-  FCE_STATUS_COMMUNICATOR_ERROR = 15
+  FCE_STATUS_COMMUNICATOR_ERROR = 15,
+  /** The handle is inside another thread's call (a handle takes one thread at a time); nothing was done.
+   *  The message names the handle. (Since 0.2.0.) */
+  FCE_STATUS_HANDLE_BUSY = 16
 } fce_status_t;
 
 /** Short static description of a status; never NULL ("unknown status" for values this build lacks). */
@@ -200,9 +209,12 @@ typedef struct fce_handle* fce_handle_t;
  */
 FCE_API fce_status_t fce_handle_create(int32_t device_type, int32_t device_id, fce_handle_t* out);
 /** Frees the handle and its cached workspace. NULL is accepted. Work still enqueued on CUDA streams
- *  that uses the handle's cached workspace must be complete (the call synchronizes the device). */
+ *  that uses the handle's cached workspace must be complete (the call synchronizes the device).
+ *  @return FCE_STATUS_SUCCESS; FCE_STATUS_HANDLE_BUSY (nothing freed) while another thread's call is
+ *          inside the handle. */
 FCE_API fce_status_t fce_handle_destroy(fce_handle_t handle);
-/** Device type (kDLCPU or kDLCUDA) and ordinal of a handle. Either output pointer may be NULL. */
+/** Device type (kDLCPU or kDLCUDA) and ordinal of a handle. Either output pointer may be NULL. Any thread
+ *  may call it at any time, while another thread's call is inside the handle too (never HANDLE_BUSY). */
 FCE_API fce_status_t fce_handle_get_device(fce_handle_t handle, int32_t* device_type, int32_t* device_id);
 
 /* ------------------------------------------------------------------------------------------------ */

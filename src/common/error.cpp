@@ -45,6 +45,7 @@ FCE_API const char* fce_status_string(fce_status_t status) {
     case FCE_STATUS_BLAS_ERROR: return "BLAS error";
     case FCE_STATUS_INTERNAL_ERROR: return "internal error";
     case FCE_STATUS_COMMUNICATOR_ERROR: return "communicator error";
+    case FCE_STATUS_HANDLE_BUSY: return "handle in use by another thread";
   }
   return "unknown status";
 }

@@ -19,6 +19,19 @@ struct Error {
 void set_error_message(const std::string& msg);
 void clear_error();
 
+// The handle an entry point holds (check_handle took its busy flag), given back when the entry point returns,
+// whatever the path; one per guard() on the calling thread, linked to the scope of the entry point this
+// thread is inside, if any (so that an entry point calling another one on its handle does not find it busy).
+class HandleScope {
+ public:
+  HandleScope() noexcept;
+  ~HandleScope();
+  HandleScope(const HandleScope&) = delete;
+  HandleScope& operator=(const HandleScope&) = delete;
+  fce_handle* held = nullptr;
+  HandleScope* const outer;
+};
+
 #define FCE_CHECK(cond, status, ...)          \
   do {                                        \
     if (!(cond)) ::fce::raise(status, __VA_ARGS__); \
@@ -28,6 +41,7 @@ void clear_error();
 template <class F>
 fce_status_t guard(const char* fn, F&& body) noexcept {
   clear_error();
+  HandleScope scope;
   try {
     body();
     return FCE_STATUS_SUCCESS;

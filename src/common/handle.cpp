@@ -6,8 +6,29 @@
 
 namespace fce {
 
+namespace {
+thread_local HandleScope* t_scope = nullptr;  // the innermost entry point the calling thread is inside
+}
+
+HandleScope::HandleScope() noexcept : outer(t_scope) { t_scope = this; }
+
+HandleScope::~HandleScope() {
+  if (held) held->busy.store(false, std::memory_order_release);
+  t_scope = outer;
+}
+
 fce_handle* check_handle(fce_handle_t h) {
   FCE_CHECK(h != nullptr, FCE_STATUS_INVALID_ARGUMENT, "handle is NULL");
+  HandleScope* s = t_scope;
+  FCE_CHECK(s != nullptr && s->held == nullptr, FCE_STATUS_INTERNAL_ERROR,
+            "a handle checked outside an entry point, or twice in one");
+  for (const HandleScope* o = s->outer; o; o = o->outer)
+    if (o->held == h) return h;  // an entry point this thread is inside holds it already
+  // One atomic exchange per call; acquire/release order a call's use of the handle after the previous one's.
+  FCE_CHECK(!h->busy.exchange(true, std::memory_order_acquire), FCE_STATUS_HANDLE_BUSY,
+            "handle %p is in use by another thread's call (a handle takes one thread at a time: give each thread "
+            "its own handle, or serialize the calls)", static_cast<void*>(h));
+  s->held = h;
   return h;
 }
 
@@ -70,18 +91,22 @@ FCE_API fce_status_t fce_handle_create(int32_t device_type, int32_t device_id, f
 FCE_API fce_status_t fce_handle_destroy(fce_handle_t h) {
   return fce::guard(__func__, [&] {
     if (!h) return;
+    fce::check_handle(h);  // HANDLE_BUSY, the handle left alive, while another thread's call is inside
     if (h->backend == fce::Backend::CPU) {
       std::free(h->cached_ws);
     } else {
       fce::cuda::destroy_device(h);  // synchronizes the device, frees the cached workspace
     }
+    fce::t_scope->held = nullptr;  // freed: nothing to give back
     delete h;
   });
 }
 
 FCE_API fce_status_t fce_handle_get_device(fce_handle_t h, int32_t* device_type, int32_t* device_id) {
   return fce::guard(__func__, [&] {
-    fce_handle* hh = fce::check_handle(h);
+    // Reads only what fce_handle_create set: any thread, any time, the handle not taken.
+    FCE_CHECK(h != nullptr, FCE_STATUS_INVALID_ARGUMENT, "handle is NULL");
+    const fce_handle* hh = h;
     if (device_type) *device_type = static_cast<int32_t>(hh->backend);
     if (device_id) *device_id = hh->backend == fce::Backend::CPU ? 0 : hh->device_id;
   });

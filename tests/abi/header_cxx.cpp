@@ -8,7 +8,8 @@ static_assert(std::is_same<decltype(&fce_cross_entropy_fwd),
                            fce_status_t (*)(fce_handle_t, fce_stream_t, const DLTensor*, const DLTensor*,
                                             const fce_ce_options_t*, const fce_ce_outputs_t*, void*, size_t)>::value,
               "signature");
-static_assert(FCE_STATUS_SUCCESS == 0 && FCE_STATUS_INTERNAL_ERROR == 14 && FCE_STATUS_COMMUNICATOR_ERROR == 15,
+static_assert(FCE_STATUS_SUCCESS == 0 && FCE_STATUS_INTERNAL_ERROR == 14 && FCE_STATUS_COMMUNICATOR_ERROR == 15 &&
+                  FCE_STATUS_HANDLE_BUSY == 16,
               "pinned status values");
 
 int main() {

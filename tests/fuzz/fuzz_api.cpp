@@ -730,8 +730,10 @@ Opt<T> make_opt(Env& e, const T& v, bool* ok) {
 // -------------------------------------------------------------------------------------------------
 // Status checks shared by every call.
 void check_status(const char* fn, fce_status_t s) {
-  if (int(s) < 0 || int(s) > FCE_STATUS_COMMUNICATOR_ERROR) die("%s returned %d, not an fce_status_t", fn, int(s));
+  if (int(s) < 0 || int(s) > FCE_STATUS_HANDLE_BUSY) die("%s returned %d, not an fce_status_t", fn, int(s));
   if (s == FCE_STATUS_INTERNAL_ERROR) die("%s returned FCE_STATUS_INTERNAL_ERROR", fn);
+  // One thread: a busy handle is a call that never gave its handle back.
+  if (s == FCE_STATUS_HANDLE_BUSY) die("%s returned FCE_STATUS_HANDLE_BUSY with one thread: %s", fn, fce_last_error_message());
   if (s == FCE_STATUS_NO_DEVICE || s == FCE_STATUS_CUDA_ERROR)
     die("%s returned %s on a CPU handle", fn, fce_status_string(s));
   const char* m = fce_last_error_message();
@@ -1285,7 +1287,7 @@ void fuzz_misc(Env& e) {
   const bool null_out = e.coin(10);
   const fce_status_t s = fce_handle_create(dt, id, null_out ? nullptr : &h);
   count("fce_handle_create", s, dt == kDLCPU && !null_out);
-  if (int(s) < 0 || int(s) > FCE_STATUS_COMMUNICATOR_ERROR || s == FCE_STATUS_INTERNAL_ERROR)
+  if (int(s) < 0 || int(s) > FCE_STATUS_HANDLE_BUSY || s == FCE_STATUS_INTERNAL_ERROR)
     die("fce_handle_create returned %d", int(s));
   const char* m = fce_last_error_message();
   if (!m || (s == FCE_STATUS_SUCCESS) != (m[0] == '\0')) die("fce_handle_create: message/status disagree");
@@ -1307,10 +1309,10 @@ void fuzz_misc(Env& e) {
   if (fce_handle_get_device(nullptr, &t, &i) != FCE_STATUS_INVALID_ARGUMENT || t != -7 || i != -7)
     die("fce_handle_get_device(NULL) misbehaved");
   if (fce_handle_destroy(nullptr) != FCE_STATUS_SUCCESS) die("fce_handle_destroy(NULL) failed");
-  const int code = known_bugs() ? e.fdp.ConsumeIntegral<int32_t>() : e.fdp.ConsumeIntegralInRange(0, 15);  // F1
+  const int code = known_bugs() ? e.fdp.ConsumeIntegral<int32_t>() : e.fdp.ConsumeIntegralInRange(0, 16);  // F1
   const char* str = fce_status_string(fce_status_t(code));
   if (!str || !str[0]) die("fce_status_string(%d) is NULL or empty", code);
-  if ((code < 0 || code > FCE_STATUS_COMMUNICATOR_ERROR) && std::strcmp(str, "unknown status") != 0)
+  if ((code < 0 || code > FCE_STATUS_HANDLE_BUSY) && std::strcmp(str, "unknown status") != 0)
     die("fce_status_string(%d) = \"%s\"", code, str);
   if (fce_version_number() != FCE_VERSION_NUMBER || fce_abi_version() != FCE_ABI_VERSION || !fce_version_string())
     die("version mismatch");

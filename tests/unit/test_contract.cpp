@@ -7,7 +7,11 @@
 #include <dlfcn.h>
 
 #include <cfloat>
+#include <cstdio>
+#include <atomic>
 #include <functional>
+#include <string>
+#include <thread>
 
 #include "../common/calls.hpp"
 #include "../common/ce_reference.hpp"
@@ -946,4 +950,143 @@ TEST(Contract, InitFunctionsMatchTheMacros) {
     EXPECT_EQ(fce_kd_options_init(k, bad), FCE_STATUS_INVALID_ARGUMENT) << bad;
     for (unsigned char c : buf) ASSERT_EQ(c, 0xcd) << "written for size " << bad;
   }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// 12. One handle, several threads (issue 47, item 10). A handle takes one thread at a time (the header's
+// Handles paragraph); a call that enters a handle another thread's call is inside returns
+// FCE_STATUS_HANDLE_BUSY, writing nothing, instead of racing on the handle's cached workspace (which a
+// growing call frees under the other's feet). Threads hammer one handle with linear CE forwards that use the
+// cached workspace (NULL workspace), each its own N (the cache grows while they run: a fresh handle each
+// round): every call succeeds with the bits of the same call on a private handle, or is refused with
+// HANDLE_BUSY and its outputs untouched; after the threads, the handle works. Then a thread polls a query while
+// another runs forwards: it sees HANDLE_BUSY (the flag exists, and covers the queries too).
+
+TEST(Contract, HandleSharedByThreadsIsRefusedNotRaced) {
+  constexpr int kThreads = 4, kCalls = 20, kRounds = 4;
+  const int64_t H = 64, V = 1000;
+  Tensor w(DT::BF16, {V, H});
+  fill_logits(w, 0.1, false);
+  struct Job {
+    int64_t N = 0;
+    Tensor hid, tg;
+    std::vector<uint8_t> loss, lse;  // the bits of a call on a private handle
+    int ok = 0, busy = 0, wrong = 0, untouched = 0;
+    std::vector<std::string> other;  // other statuses, messages of HANDLE_BUSY without the words
+  };
+  std::vector<Job> jobs(kThreads);
+  fce_ce_options_t o = ce_none();
+  auto run = [&](fce_handle_t h, Job& j, Tensor& loss, Tensor& lse) {
+    loss.poison(); loss.upload();
+    lse.poison(); lse.upload();
+    fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
+    out.loss = loss.dl();
+    out.lse = lse.dl();
+    const fce_status_t s =
+        fce_linear_cross_entropy_fwd(h, test_stream(), j.hid.dl(), w.dl(), nullptr, j.tg.dl(), &o, &out, nullptr, 0);
+    loss.download();
+    lse.download();
+    return s;
+  };
+  for (int t = 0; t < kThreads; ++t) {
+    Job& j = jobs[size_t(t)];
+    j.N = 40 + 37 * t;
+    j.hid = Tensor(DT::BF16, {j.N, H});
+    fill_logits(j.hid, 1.0, false);
+    j.tg = Tensor(DT::I64, {j.N});
+    for (int64_t i = 0; i < j.N; ++i) j.tg.set_int(i, (i * 97 + t) % V);
+    j.tg.upload();
+    Handle own;
+    Tensor loss(DT::F32, {j.N}), lse(DT::F32, {j.N});
+    FCE_OK(run(own, j, loss, lse));
+    j.loss = loss.bytes();
+    j.lse = lse.bytes();
+  }
+  for (int round = 0; round < kRounds; ++round) {
+    Handle h;  // an empty cache: it grows while the threads run
+    std::atomic<int> ready{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t)
+      threads.emplace_back([&, t] {
+        Job& j = jobs[size_t(t)];
+        Tensor loss(DT::F32, {j.N}), lse(DT::F32, {j.N});
+        ready.fetch_add(1);
+        while (ready.load() < kThreads) std::this_thread::yield();  // all start together
+        // kCalls successful calls each, a refused one retried: the threads' calls interleave, and the
+        // cache grows whenever a larger N follows a smaller one.
+        for (int done = 0, tries = 0; done < kCalls && tries < 1000000; ++tries) {
+          const fce_status_t s = run(h, j, loss, lse);
+          if (s == FCE_STATUS_SUCCESS) {
+            ++done;
+            ++j.ok;
+            if (loss.bytes() != j.loss || lse.bytes() != j.lse) ++j.wrong;
+          } else if (s == FCE_STATUS_HANDLE_BUSY) {
+            ++j.busy;
+            const std::string m = fce_last_error_message();
+            if (m.find("fce_linear_cross_entropy_fwd: handle") != 0 || m.find("another thread") == std::string::npos)
+              j.other.push_back(m);
+            bool poisoned = true;
+            for (uint8_t b : loss.bytes()) poisoned = poisoned && b == 0xff;
+            for (uint8_t b : lse.bytes()) poisoned = poisoned && b == 0xff;
+            j.untouched += poisoned;
+            std::this_thread::yield();
+          } else {
+            j.other.push_back(std::string(fce_status_string(s)) + ": " + fce_last_error_message());
+            break;
+          }
+        }
+      });
+    for (std::thread& th : threads) th.join();
+    for (Job& j : jobs) {  // after the others, every call succeeds
+      Tensor loss(DT::F32, {j.N}), lse(DT::F32, {j.N});
+      FCE_OK(run(h, j, loss, lse));
+      EXPECT_TRUE(loss.bytes() == j.loss && lse.bytes() == j.lse) << "N = " << j.N << " after the threads";
+    }
+  }
+  int ok = 0, busy = 0;
+  for (const Job& j : jobs) {
+    SCOPED_TRACE("N = " + std::to_string(j.N));
+    EXPECT_EQ(j.wrong, 0) << "successful calls whose results differ from a private handle's";
+    EXPECT_EQ(j.untouched, j.busy) << "refused calls that wrote outputs";
+    for (const std::string& m : j.other) ADD_FAILURE() << m;
+    ok += j.ok;
+    busy += j.busy;
+  }
+  EXPECT_EQ(ok, kRounds * kThreads * kCalls);
+  std::printf("%d calls succeeded, %d were refused (HANDLE_BUSY)\n", ok, busy);
+
+  // A query polled while another thread runs forwards on the handle sees it busy.
+  Handle h;
+  Job& big = jobs.back();
+  std::atomic<bool> seen{false}, done{false};
+  std::string msg;
+  std::thread worker([&] {
+    Tensor loss(DT::F32, {big.N}), lse(DT::F32, {big.N});
+    // Until the query has seen it busy, or 500 forwards (refused ones, by the query, do not count).
+    for (int ok = 0, c = 0; ok < 500 && c < 1000000 && !seen.load(); ++c) {
+      const fce_status_t s = run(h, big, loss, lse);
+      if (s != FCE_STATUS_SUCCESS && s != FCE_STATUS_HANDLE_BUSY) break;
+      ok += s == FCE_STATUS_SUCCESS;
+    }
+    done.store(true);
+  });
+  fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
+  Tensor loss(DT::F32, {big.N});
+  out.loss = loss.dl();
+  while (!done.load() && !seen.load()) {
+    size_t bytes = 0;
+    const fce_status_t s =
+        fce_linear_cross_entropy_fwd_workspace_size(h, big.hid.dl(), w.dl(), nullptr, big.tg.dl(), &o, &out, &bytes);
+    if (s == FCE_STATUS_HANDLE_BUSY) {
+      msg = fce_last_error_message();
+      seen.store(true);
+    } else {
+      EXPECT_EQ(s, FCE_STATUS_SUCCESS) << fce_last_error_message();
+    }
+  }
+  worker.join();
+  EXPECT_TRUE(seen.load()) << "a query never saw the handle busy while another thread ran forwards on it";
+  EXPECT_NE(msg.find("fce_linear_cross_entropy_fwd_workspace_size: handle"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("another thread"), std::string::npos) << msg;
+  std::printf("the query's message: %s\n", msg.c_str());
 }

@@ -187,7 +187,7 @@ TEST(Validation, HandlesStatusesAndVersion) {
   EXPECT_EQ(dt, kDLCPU);
   EXPECT_STREQ(fce_last_error_message(), "");
   fce_handle_destroy(h);
-  for (int s = 0; s <= 15; ++s) EXPECT_STRNE(fce_status_string(fce_status_t(s)), "unknown status");
+  for (int s = 0; s <= 16; ++s) EXPECT_STRNE(fce_status_string(fce_status_t(s)), "unknown status");
   EXPECT_STREQ(fce_status_string(fce_status_t(999)), "unknown status");
   EXPECT_EQ(fce_version_number(), unsigned(FCE_VERSION_NUMBER));
   EXPECT_EQ(fce_abi_version(), unsigned(FCE_ABI_VERSION));

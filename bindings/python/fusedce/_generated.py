@@ -67,7 +67,8 @@ typedef enum fce_status {
   FCE_STATUS_CUDA_ERROR = 12,
   FCE_STATUS_BLAS_ERROR = 13,
   FCE_STATUS_INTERNAL_ERROR = 14,
-  FCE_STATUS_COMMUNICATOR_ERROR = 15
+  FCE_STATUS_COMMUNICATOR_ERROR = 15,
+  FCE_STATUS_HANDLE_BUSY = 16
 } fce_status_t;
 const char* fce_status_string(fce_status_t status);
 const char* fce_last_error_message(void);

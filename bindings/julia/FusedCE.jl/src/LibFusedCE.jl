@@ -242,6 +242,9 @@ const FCE_STATUS_INTERNAL_ERROR = fce_status(14)
 # NCCL cannot be loaded, or an NCCL call failed; the message has NCCL's error text, the communicator's
 #  last error and its asynchronous error (ncclCommGetAsyncError).
 const FCE_STATUS_COMMUNICATOR_ERROR = fce_status(15)
+# The handle is inside another thread's call (a handle takes one thread at a time); nothing was done.
+#  The message names the handle. (Since 0.2.0.)
+const FCE_STATUS_HANDLE_BUSY = fce_status(16)
 
 const fce_status_t = fce_status
 
@@ -336,13 +339,16 @@ end
 """
 Frees the handle and its cached workspace. NULL is accepted. Work still enqueued on CUDA streams
  that uses the handle's cached workspace must be complete (the call synchronizes the device).
+ @return FCE_STATUS_SUCCESS; FCE_STATUS_HANDLE_BUSY (nothing freed) while another thread's call is
+         inside the handle.
 """
 function fce_handle_destroy(handle)
     @ccall $(_fptr_fce_handle_destroy[])(handle::fce_handle_t)::fce_status_t
 end
 
 """
-Device type (kDLCPU or kDLCUDA) and ordinal of a handle. Either output pointer may be NULL.
+Device type (kDLCPU or kDLCUDA) and ordinal of a handle. Either output pointer may be NULL. Any thread
+ may call it at any time, while another thread's call is inside the handle too (never HANDLE_BUSY).
 """
 function fce_handle_get_device(handle, device_type, device_id)
     @ccall $(_fptr_fce_handle_get_device[])(handle::fce_handle_t, device_type::Ptr{Int32}, device_id::Ptr{Int32})::fce_status_t

@@ -450,6 +450,11 @@ impl fce_status {
     #[doc = "  last error and its asynchronous error (ncclCommGetAsyncError)."]
     pub const FCE_STATUS_COMMUNICATOR_ERROR: fce_status = fce_status(15);
 }
+impl fce_status {
+    #[doc = " The handle is inside another thread's call (a handle takes one thread at a time); nothing was done."]
+    #[doc = "  The message names the handle. (Since 0.2.0.)"]
+    pub const FCE_STATUS_HANDLE_BUSY: fce_status = fce_status(16);
+}
 #[repr(transparent)]
 #[doc = " Result of every call. Values are pinned; new codes are only appended."]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
@@ -678,10 +683,13 @@ extern "C" {
 extern "C" {
     #[doc = " Frees the handle and its cached workspace. NULL is accepted. Work still enqueued on CUDA streams"]
     #[doc = "  that uses the handle's cached workspace must be complete (the call synchronizes the device)."]
+    #[doc = "  @return FCE_STATUS_SUCCESS; FCE_STATUS_HANDLE_BUSY (nothing freed) while another thread's call is"]
+    #[doc = "          inside the handle."]
     pub fn fce_handle_destroy(handle: fce_handle_t) -> fce_status_t;
 }
 extern "C" {
-    #[doc = " Device type (kDLCPU or kDLCUDA) and ordinal of a handle. Either output pointer may be NULL."]
+    #[doc = " Device type (kDLCPU or kDLCUDA) and ordinal of a handle. Either output pointer may be NULL. Any thread"]
+    #[doc = "  may call it at any time, while another thread's call is inside the handle too (never HANDLE_BUSY)."]
     pub fn fce_handle_get_device(
         handle: fce_handle_t,
         device_type: *mut i32,

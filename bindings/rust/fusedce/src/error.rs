@@ -45,6 +45,9 @@ impl Status {
     pub const INTERNAL_ERROR: Status = Status(sys::fce_status::FCE_STATUS_INTERNAL_ERROR.0);
     /// 15: NCCL cannot be loaded, or an NCCL call failed (NCCL mode).
     pub const COMMUNICATOR_ERROR: Status = Status(sys::fce_status::FCE_STATUS_COMMUNICATOR_ERROR.0);
+    /// 16: the handle is inside another thread's call (a handle takes one thread at a time); nothing was
+    /// done.
+    pub const HANDLE_BUSY: Status = Status(sys::fce_status::FCE_STATUS_HANDLE_BUSY.0);
 
     /// Wraps a raw status returned by a `fusedce_sys` call.
     pub fn from_raw(raw: sys::fce_status_t) -> Status {
@@ -74,7 +77,7 @@ impl Status {
 
     /// The C name of a known code (`"FCE_STATUS_SHAPE_MISMATCH"`), None for others.
     pub fn name(self) -> Option<&'static str> {
-        const NAMES: [&str; 16] = [
+        const NAMES: [&str; 17] = [
             "FCE_STATUS_SUCCESS",
             "FCE_STATUS_INVALID_ARGUMENT",
             "FCE_STATUS_SHAPE_MISMATCH",
@@ -91,6 +94,7 @@ impl Status {
             "FCE_STATUS_BLAS_ERROR",
             "FCE_STATUS_INTERNAL_ERROR",
             "FCE_STATUS_COMMUNICATOR_ERROR",
+            "FCE_STATUS_HANDLE_BUSY",
         ];
         NAMES.get(self.0 as usize).copied()
     }
