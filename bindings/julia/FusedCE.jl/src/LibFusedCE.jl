@@ -17,15 +17,15 @@ const FCE_VERSION_NUMBER = (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 
 const FCE_ABI_VERSION = 0
 const FCE_WORKSPACE_ALIGNMENT = 16
 const FCE_MAX_STRUCT_SIZE = 4096
-const FCE_CE_RECORD_FIELDS_LOSS = 4
-const FCE_CE_RECORD_FIELDS_ENTROPY = 5
-const FCE_CE_RECORD_FIELDS_ALL = 7
-const FCE_LSE_RECORD_FIELDS = 2
+const FCE_CE_RECORD_FIELDS_LOSS = 6
+const FCE_CE_RECORD_FIELDS_ENTROPY = 7
+const FCE_CE_RECORD_FIELDS_ALL = 9
+const FCE_LSE_RECORD_FIELDS = 6
 const FCE_KD_TEMPERATURE_MIN = 1.0f-4
 const FCE_KD_TEMPERATURE_MAX = 100.0f0
-const FCE_KD_RECORD_FIELDS = 5
+const FCE_KD_RECORD_FIELDS = 7
 const FCE_KD_ROW_STATS_FIELDS = 5
-const FCE_KD_TERMS_RECORD_FIELDS = 3
+const FCE_KD_TERMS_RECORD_FIELDS = 5
 const FCE_LINEAR_CE_ACCUMULATE = 1
 
 # ---- types and functions, in header order ----
@@ -443,7 +443,12 @@ struct fce_ce_outputs
     struct_size::UInt32
     # Required. fp32: [N] for FCE_REDUCTION_NONE, a scalar otherwise. Nats.
     loss::Ptr{DLTensor}
-    # [N] fp32: logsumexp of the transformed logits z (save it for fce_cross_entropy_bwd).
+    # The logsumexp of the transformed logits z, fp32, in one of two forms (save it for
+    #  fce_cross_entropy_bwd): [N], the lse itself; or [N, 2] contiguous, its pair (m, l), m = max_j z_j and
+    #  l = log sum_j exp(z_j - m), lse = m + l (since 0.3.0). The backward forms every probability from the
+    #  pair as the forward does, p_j = exp((z_j - m) - l), so its gradient holds docs/numerics.md's bound
+    #  whatever the logits' common offset and gives the fused gradient's bits; from the [N] form each p_j
+    #  carries the lse's fp32 rounding, up to |lse| 2^-24 relative (6e-3 at |lse| = 1e5).
     lse::Ptr{DLTensor}
     # The z-loss part of `loss` (q * lse^2 per non-ignored row), shaped and reduced like `loss`.
     z_loss::Ptr{DLTensor}
@@ -519,7 +524,9 @@ shard (options->vocab_total > 0): the shard's dlogits from the lse of fce_cross_
 being global indices; padding columns (global index >= vocab_total) get 0.
 @param logits    [N,V] fp32, bf16 or fp16 (as given to the forward).
 @param targets   [N] int32 or int64.
-@param lse       [N] fp32 from fce_cross_entropy_fwd with the same options.
+@param lse       [N] fp32, or its pairs [N, 2] (fce_ce_outputs_t.lse), from fce_cross_entropy_fwd with the
+                 same options (a shard: from fce_cross_entropy_combine). Probabilities are formed from it
+                 as exp((z_j - m) - l), (m, l) = (lse, 0) for the [N] form.
 @param grad_loss fp32 scalar (SUM/MEAN) or [N] or scalar (NONE); NULL = 1.
 @param options   the forward's options (NULL = defaults).
 @param dlogits   [N,V] in the logits' dtype; may be the logits' memory (in-place).
@@ -543,7 +550,7 @@ the upstream gradients. Initialize with FCE_CE_BWD_INPUTS_INIT.
 struct fce_ce_bwd_inputs
     # sizeof(fce_ce_bwd_inputs_t)
     struct_size::UInt32
-    # required: [N] fp32, the forward's lse (same options)
+    # required: [N] or [N, 2] fp32, the forward's lse (same options)
     lse::Ptr{DLTensor}
     # Upstream gradient of the loss, as fce_cross_entropy_bwd's grad_loss; NULL = 1.
     grad_loss::Ptr{DLTensor}
@@ -606,8 +613,9 @@ end
 The records of a vocabulary shard.
 @param logits  [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, possibly padded past vocab_total).
 @param targets [N] int32 or int64, global indices (as for the unsharded call).
-@param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); class weights, if
-               any, of the whole vocabulary.
+@param options vocab_start and vocab_total required (0 <= vocab_start <= vocab_total <= 2^31 - 1;
+               vocab_start = vocab_total: a shard of padding alone); class weights, if any, of the whole
+               vocabulary.
 @param records [N,K] fp32, written; K one of the record widths (FCE_CE_RECORD_FIELDS_*).
 @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options;
         SHAPE_MISMATCH for another K), CUDA_ERROR.
@@ -623,8 +631,11 @@ The cross-entropy forward of whole rows from the records of all shards.
 @param options the partial calls' options (vocab_total required; vocab_start is not read).
 @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set);
                entropy needs K >= FCE_CE_RECORD_FIELDS_ENTROPY and argmax K = FCE_CE_RECORD_FIELDS_ALL
-               (INVALID_ARGUMENT otherwise).
-@return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
+               (INVALID_ARGUMENT otherwise). lse [N] or its pairs [N, 2] (m the rows' max z over every
+               shard, l the log of the shifted sum): the pairs are what a shard's backward should take
+               (fce_ce_outputs_t.lse).
+@return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR. Records whose ranges do not tile the
+        vocabulary are not a status: those rows are NaN (see above).
 """
 function fce_cross_entropy_combine(handle, stream, records, targets, options, outputs, workspace, workspace_bytes)
     @ccall $(_fptr_fce_cross_entropy_combine[])(handle::fce_handle_t, stream::fce_stream_t, records::Ptr{DLTensor}, targets::Ptr{DLTensor}, options::Ptr{fce_ce_options_t}, outputs::Ptr{fce_ce_outputs_t}, workspace::Ptr{Cvoid}, workspace_bytes::Csize_t)::fce_status_t
@@ -759,8 +770,9 @@ end
 """
 The records of a vocabulary shard of x.
 @param x       [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total).
-@param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); scale as for
-               fce_logsumexp.
+@param options vocab_start and vocab_total required (0 <= vocab_start <= vocab_total <= 2^31 - 1); scale
+               as for fce_logsumexp (for a shard's softmax at T, the fp32 value 1.0f / T that
+               fce_temp_softmax forms).
 @param records [N, FCE_LSE_RECORD_FIELDS] fp32, written.
 @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard), CUDA_ERROR.
 """
@@ -771,7 +783,7 @@ end
 """
 The logsumexp of whole rows from every shard's records.
 @param records [W, N, FCE_LSE_RECORD_FIELDS] fp32, contiguous, in rank (vocabulary) order.
-@param lse     [N] fp32, written.
+@param lse     [N] fp32, or the pairs [N, 2] fp32 (since 0.3.0), written.
 @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
 """
 function fce_logsumexp_combine(handle, stream, records, lse)
@@ -821,12 +833,17 @@ struct fce_softmax_options
     # A shard of the vocabulary (since 0.2.0): the global index of its first column; default 0.
     vocab_start::Int64
     # The whole vocabulary's size, 0 (default) when the logits are not a shard. With a shard the call writes
-    #  the shard's probabilities of the whole rows from `lse`: p_j = exp(x_j / T - lse), log p_j = x_j / T -
-    #  lse (padding columns: 0 and -inf); T must be finite and > 0 and `temperatures` NULL (else
+    #  the shard's probabilities of the whole rows from `lse`: log p_j = x_j / T - lse, p_j its exp (padding
+    #  columns: 0 and -inf); T must be finite and > 0 and `temperatures` NULL (else
     #  FCE_STATUS_NOT_IMPLEMENTED).
     vocab_total::Int64
-    # With a shard: [N] fp32, the rows' logsumexp of logits / T over the whole vocabulary
-    #  (fce_logsumexp_combine of every shard's fce_logsumexp_partial with scale 1/T); required then.
+    # With a shard, required: the rows' logsumexp of logits / T over the whole vocabulary
+    #  (fce_logsumexp_combine of every shard's fce_logsumexp_partial with scale 1.0f / T), fp32, as its pairs
+    #  [N, 2] (M, log D) or as [N]. From the pairs, log p_j = (x_j - M) / T - log D, formed as the unsharded
+    #  call forms it: no NaN for finite logits at any T > 0, and no rounding of the size of x / T. From [N],
+    #  ((x_j - u_hi) - u_lo) / T with u = lse T: finite wherever lse is, but every value carries the lse's
+    #  rounding (|lse| 2^-24: at T = 1e-3 and logits of 65504 the probabilities are off by e^2), and an lse
+    #  that overflowed fp32 gives probabilities 0.
     lse::Ptr{DLTensor}
 end
 @assert sizeof(fce_softmax_options) == 40
@@ -887,9 +904,10 @@ capturable in a CUDA graph. Since 0.2.0.
                 but vocab_start; temperatures and lse NULL (the call computes the lse).
 @param probs    optional [N,V], fp32 or the logits' dtype, as for fce_temp_softmax.
 @param logprobs optional [N,V], as for fce_temp_softmax; at least one of the two.
-@param lse      optional [N] fp32: receives the whole rows' lse of logits / T.
-@param workspace as everywhere (fce_temp_softmax_vp_workspace_size): every rank's records and, without
-                `lse`, the lse.
+@param lse      optional [N] fp32, or [N, 2] for the pairs: receives the whole rows' lse of logits / T (the
+                call's own softmax reads the pairs it keeps in the workspace).
+@param workspace as everywhere (fce_temp_softmax_vp_workspace_size): every rank's records and the rows'
+                pairs.
 @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or options, without
         vocab_total, or with options->lse; NOT_IMPLEMENTED for per-row, zero or infinite temperatures;
         DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR.
@@ -1231,7 +1249,8 @@ struct fce_linear_ce_outputs
     struct_size::UInt32
     # required; as fce_ce_outputs_t.loss
     loss::Ptr{DLTensor}
-    # optional [N] fp32 (save it for fce_linear_cross_entropy_bwd)
+    #  optional [N] fp32, or its pairs [N, 2] (fce_ce_outputs_t.lse): save it for
+    # fce_linear_cross_entropy_bwd
     lse::Ptr{DLTensor}
     # optional; as fce_ce_outputs_t.z_loss
     z_loss::Ptr{DLTensor}
@@ -1331,7 +1350,8 @@ With a vocabulary shard in the options (vocab_total set; "Vocabulary-parallel li
 below), weight and bias are the shard's rows, lse (and saved_entropy) the whole rows' from
 fce_cross_entropy_combine, dweight and dbias the shard's, and dhidden must be fp32: this shard's part of
 the sum over ranks.
-@param lse       [N] fp32 from the forward with the same options.
+@param lse       [N] fp32, or its pairs [N, 2] (the form whose gradient holds at any offset of the
+                 logits: fce_ce_outputs_t.lse), from the forward with the same options.
 `outputs->grad_loss` is the upstream gradient (NULL = 1); `outputs->grad_entropy`, with
 `outputs->saved_entropy` (the forward's entropy), adds the entropy's gradient.
 """

@@ -7,15 +7,15 @@ pub const FCE_VERSION_NUMBER: u32 = 200;
 pub const FCE_ABI_VERSION: u32 = 0;
 pub const FCE_WORKSPACE_ALIGNMENT: u32 = 16;
 pub const FCE_MAX_STRUCT_SIZE: u32 = 4096;
-pub const FCE_CE_RECORD_FIELDS_LOSS: u32 = 4;
-pub const FCE_CE_RECORD_FIELDS_ENTROPY: u32 = 5;
-pub const FCE_CE_RECORD_FIELDS_ALL: u32 = 7;
-pub const FCE_LSE_RECORD_FIELDS: u32 = 2;
+pub const FCE_CE_RECORD_FIELDS_LOSS: u32 = 6;
+pub const FCE_CE_RECORD_FIELDS_ENTROPY: u32 = 7;
+pub const FCE_CE_RECORD_FIELDS_ALL: u32 = 9;
+pub const FCE_LSE_RECORD_FIELDS: u32 = 6;
 pub const FCE_KD_TEMPERATURE_MIN: f64 = 0.0001;
 pub const FCE_KD_TEMPERATURE_MAX: f64 = 100.0;
-pub const FCE_KD_RECORD_FIELDS: u32 = 5;
+pub const FCE_KD_RECORD_FIELDS: u32 = 7;
 pub const FCE_KD_ROW_STATS_FIELDS: u32 = 5;
-pub const FCE_KD_TERMS_RECORD_FIELDS: u32 = 3;
+pub const FCE_KD_TERMS_RECORD_FIELDS: u32 = 5;
 pub const FCE_LINEAR_CE_ACCUMULATE: u32 = 1;
 pub const kDLCPU: DLDeviceType = 1;
 pub const kDLCUDA: DLDeviceType = 2;
@@ -963,7 +963,12 @@ pub struct fce_ce_outputs {
     pub struct_size: u32,
     #[doc = " Required. fp32: [N] for FCE_REDUCTION_NONE, a scalar otherwise. Nats."]
     pub loss: *mut DLTensor,
-    #[doc = " [N] fp32: logsumexp of the transformed logits z (save it for fce_cross_entropy_bwd)."]
+    #[doc = " The logsumexp of the transformed logits z, fp32, in one of two forms (save it for"]
+    #[doc = "  fce_cross_entropy_bwd): [N], the lse itself; or [N, 2] contiguous, its pair (m, l), m = max_j z_j and"]
+    #[doc = "  l = log sum_j exp(z_j - m), lse = m + l (since 0.3.0). The backward forms every probability from the"]
+    #[doc = "  pair as the forward does, p_j = exp((z_j - m) - l), so its gradient holds docs/numerics.md's bound"]
+    #[doc = "  whatever the logits' common offset and gives the fused gradient's bits; from the [N] form each p_j"]
+    #[doc = "  carries the lse's fp32 rounding, up to |lse| 2^-24 relative (6e-3 at |lse| = 1e5)."]
     pub lse: *mut DLTensor,
     #[doc = " The z-loss part of `loss` (q * lse^2 per non-ignored row), shaped and reduced like `loss`."]
     pub z_loss: *mut DLTensor,
@@ -1201,7 +1206,9 @@ extern "C" {
     #[doc = " being global indices; padding columns (global index >= vocab_total) get 0."]
     #[doc = " @param logits    [N,V] fp32, bf16 or fp16 (as given to the forward)."]
     #[doc = " @param targets   [N] int32 or int64."]
-    #[doc = " @param lse       [N] fp32 from fce_cross_entropy_fwd with the same options."]
+    #[doc = " @param lse       [N] fp32, or its pairs [N, 2] (fce_ce_outputs_t.lse), from fce_cross_entropy_fwd with the"]
+    #[doc = "                  same options (a shard: from fce_cross_entropy_combine). Probabilities are formed from it"]
+    #[doc = "                  as exp((z_j - m) - l), (m, l) = (lse, 0) for the [N] form."]
     #[doc = " @param grad_loss fp32 scalar (SUM/MEAN) or [N] or scalar (NONE); NULL = 1."]
     #[doc = " @param options   the forward's options (NULL = defaults)."]
     #[doc = " @param dlogits   [N,V] in the logits' dtype; may be the logits' memory (in-place)."]
@@ -1239,7 +1246,7 @@ extern "C" {
 pub struct fce_ce_bwd_inputs {
     #[doc = "< sizeof(fce_ce_bwd_inputs_t)"]
     pub struct_size: u32,
-    #[doc = "< required: [N] fp32, the forward's lse (same options)"]
+    #[doc = "< required: [N] or [N, 2] fp32, the forward's lse (same options)"]
     pub lse: *const DLTensor,
     #[doc = " Upstream gradient of the loss, as fce_cross_entropy_bwd's grad_loss; NULL = 1."]
     pub grad_loss: *const DLTensor,
@@ -1406,8 +1413,9 @@ extern "C" {
     #[doc = " The records of a vocabulary shard."]
     #[doc = " @param logits  [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, possibly padded past vocab_total)."]
     #[doc = " @param targets [N] int32 or int64, global indices (as for the unsharded call)."]
-    #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); class weights, if"]
-    #[doc = "                any, of the whole vocabulary."]
+    #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start <= vocab_total <= 2^31 - 1;"]
+    #[doc = "                vocab_start = vocab_total: a shard of padding alone); class weights, if any, of the whole"]
+    #[doc = "                vocabulary."]
     #[doc = " @param records [N,K] fp32, written; K one of the record widths (FCE_CE_RECORD_FIELDS_*)."]
     #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard in the options;"]
     #[doc = "         SHAPE_MISMATCH for another K), CUDA_ERROR."]
@@ -1427,8 +1435,11 @@ extern "C" {
     #[doc = " @param options the partial calls' options (vocab_total required; vocab_start is not read)."]
     #[doc = " @param outputs as for fce_cross_entropy_fwd, without dlogits and grad_loss (INVALID_ARGUMENT if set);"]
     #[doc = "                entropy needs K >= FCE_CE_RECORD_FIELDS_ENTROPY and argmax K = FCE_CE_RECORD_FIELDS_ALL"]
-    #[doc = "                (INVALID_ARGUMENT otherwise)."]
-    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR."]
+    #[doc = "                (INVALID_ARGUMENT otherwise). lse [N] or its pairs [N, 2] (m the rows' max z over every"]
+    #[doc = "                shard, l the log of the shifted sum): the pairs are what a shard's backward should take"]
+    #[doc = "                (fce_ce_outputs_t.lse)."]
+    #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR. Records whose ranges do not tile the"]
+    #[doc = "         vocabulary are not a status: those rows are NaN (see above)."]
     pub fn fce_cross_entropy_combine(
         handle: fce_handle_t,
         stream: fce_stream_t,
@@ -1667,8 +1678,9 @@ extern "C" {
 extern "C" {
     #[doc = " The records of a vocabulary shard of x."]
     #[doc = " @param x       [N,V] fp32, bf16 or fp16: the shard's columns (V >= 1, may be padded past vocab_total)."]
-    #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); scale as for"]
-    #[doc = "                fce_logsumexp."]
+    #[doc = " @param options vocab_start and vocab_total required (0 <= vocab_start <= vocab_total <= 2^31 - 1); scale"]
+    #[doc = "                as for fce_logsumexp (for a shard's softmax at T, the fp32 value 1.0f / T that"]
+    #[doc = "                fce_temp_softmax forms)."]
     #[doc = " @param records [N, FCE_LSE_RECORD_FIELDS] fp32, written."]
     #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses (INVALID_ARGUMENT without a shard), CUDA_ERROR."]
     pub fn fce_logsumexp_partial(
@@ -1682,7 +1694,7 @@ extern "C" {
 extern "C" {
     #[doc = " The logsumexp of whole rows from every shard's records."]
     #[doc = " @param records [W, N, FCE_LSE_RECORD_FIELDS] fp32, contiguous, in rank (vocabulary) order."]
-    #[doc = " @param lse     [N] fp32, written."]
+    #[doc = " @param lse     [N] fp32, or the pairs [N, 2] fp32 (since 0.3.0), written."]
     #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR."]
     pub fn fce_logsumexp_combine(
         handle: fce_handle_t,
@@ -1744,12 +1756,17 @@ pub struct fce_softmax_options {
     #[doc = " A shard of the vocabulary (since 0.2.0): the global index of its first column; default 0."]
     pub vocab_start: i64,
     #[doc = " The whole vocabulary's size, 0 (default) when the logits are not a shard. With a shard the call writes"]
-    #[doc = "  the shard's probabilities of the whole rows from `lse`: p_j = exp(x_j / T - lse), log p_j = x_j / T -"]
-    #[doc = "  lse (padding columns: 0 and -inf); T must be finite and > 0 and `temperatures` NULL (else"]
+    #[doc = "  the shard's probabilities of the whole rows from `lse`: log p_j = x_j / T - lse, p_j its exp (padding"]
+    #[doc = "  columns: 0 and -inf); T must be finite and > 0 and `temperatures` NULL (else"]
     #[doc = "  FCE_STATUS_NOT_IMPLEMENTED)."]
     pub vocab_total: i64,
-    #[doc = " With a shard: [N] fp32, the rows' logsumexp of logits / T over the whole vocabulary"]
-    #[doc = "  (fce_logsumexp_combine of every shard's fce_logsumexp_partial with scale 1/T); required then."]
+    #[doc = " With a shard, required: the rows' logsumexp of logits / T over the whole vocabulary"]
+    #[doc = "  (fce_logsumexp_combine of every shard's fce_logsumexp_partial with scale 1.0f / T), fp32, as its pairs"]
+    #[doc = "  [N, 2] (M, log D) or as [N]. From the pairs, log p_j = (x_j - M) / T - log D, formed as the unsharded"]
+    #[doc = "  call forms it: no NaN for finite logits at any T > 0, and no rounding of the size of x / T. From [N],"]
+    #[doc = "  ((x_j - u_hi) - u_lo) / T with u = lse T: finite wherever lse is, but every value carries the lse's"]
+    #[doc = "  rounding (|lse| 2^-24: at T = 1e-3 and logits of 65504 the probabilities are off by e^2), and an lse"]
+    #[doc = "  that overflowed fp32 gives probabilities 0."]
     pub lse: *const DLTensor,
 }
 #[test]
@@ -1927,9 +1944,10 @@ extern "C" {
     #[doc = "                 but vocab_start; temperatures and lse NULL (the call computes the lse)."]
     #[doc = " @param probs    optional [N,V], fp32 or the logits' dtype, as for fce_temp_softmax."]
     #[doc = " @param logprobs optional [N,V], as for fce_temp_softmax; at least one of the two."]
-    #[doc = " @param lse      optional [N] fp32: receives the whole rows' lse of logits / T."]
-    #[doc = " @param workspace as everywhere (fce_temp_softmax_vp_workspace_size): every rank's records and, without"]
-    #[doc = "                 `lse`, the lse."]
+    #[doc = " @param lse      optional [N] fp32, or [N, 2] for the pairs: receives the whole rows' lse of logits / T (the"]
+    #[doc = "                 call's own softmax reads the pairs it keeps in the workspace)."]
+    #[doc = " @param workspace as everywhere (fce_temp_softmax_vp_workspace_size): every rank's records and the rows'"]
+    #[doc = "                 pairs."]
     #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses (INVALID_ARGUMENT for NULL comm or options, without"]
     #[doc = "         vocab_total, or with options->lse; NOT_IMPLEMENTED for per-row, zero or infinite temperatures;"]
     #[doc = "         DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather failed), CUDA_ERROR."]
@@ -2678,7 +2696,8 @@ pub struct fce_linear_ce_outputs {
     pub struct_size: u32,
     #[doc = "< required; as fce_ce_outputs_t.loss"]
     pub loss: *mut DLTensor,
-    #[doc = "< optional [N] fp32 (save it for fce_linear_cross_entropy_bwd)"]
+    #[doc = "< optional [N] fp32, or its pairs [N, 2] (fce_ce_outputs_t.lse): save it for"]
+    #[doc = "fce_linear_cross_entropy_bwd"]
     pub lse: *mut DLTensor,
     #[doc = "< optional; as fce_ce_outputs_t.z_loss"]
     pub z_loss: *mut DLTensor,
@@ -3017,7 +3036,8 @@ extern "C" {
     #[doc = " below), weight and bias are the shard's rows, lse (and saved_entropy) the whole rows' from"]
     #[doc = " fce_cross_entropy_combine, dweight and dbias the shard's, and dhidden must be fp32: this shard's part of"]
     #[doc = " the sum over ranks."]
-    #[doc = " @param lse       [N] fp32 from the forward with the same options."]
+    #[doc = " @param lse       [N] fp32, or its pairs [N, 2] (the form whose gradient holds at any offset of the"]
+    #[doc = "                  logits: fce_ce_outputs_t.lse), from the forward with the same options."]
     #[doc = " `outputs->grad_loss` is the upstream gradient (NULL = 1); `outputs->grad_entropy`, with"]
     #[doc = " `outputs->saved_entropy` (the forward's entropy), adds the entropy's gradient."]
     pub fn fce_linear_cross_entropy_bwd(
