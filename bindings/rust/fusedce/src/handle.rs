@@ -381,11 +381,17 @@ impl Handle {
     ///
     /// With a vocabulary shard (`options.vocab_total > 0`, step 4 of [`Handle::cross_entropy_partial`]'s
     /// recipe): `logits` are the shard's `[N, V_local]` columns as given to the partial call, `targets`
-    /// global indices, `lse` the output of [`Handle::cross_entropy_combine`], and `dlogits` the shard's
-    /// columns of the unsharded gradient; padding columns (global index >= vocab_total) get 0.
+    /// global indices, `lse` the output of [`Handle::cross_entropy_combine`] (best its pairs `[N, 2]`),
+    /// and `dlogits` the shard's columns of the unsharded gradient; padding columns (global index >=
+    /// vocab_total) get 0.
     ///
-    /// * `logits` `[N, V]` and `targets` `[N]` as given to the forward; `lse` `[N]` fp32 from the
-    ///   forward with the same `options`.
+    /// * `logits` `[N, V]` and `targets` `[N]` as given to the forward; `lse` fp32 from the forward with
+    ///   the same `options`, in either of the forms [`CeOutputs::lse`] describes: `[N]` (the lse), or
+    ///   `[N, 2]` contiguous, its pairs (m, l) (e.g. [`TensorRef::lse_pairs`]). From the pairs every
+    ///   probability is formed as the forward forms it, `exp((z_j − m) − l)`: the gradient holds at any
+    ///   offset of the logits and has the fused gradient's bits. From `[N]` each p_j carries the fp32
+    ///   lse's rounding (up to |lse|·2⁻²⁴ relative). Another shape is `SHAPE_MISMATCH`, `[N, 2]` with a
+    ///   row stride other than 2 `UNSUPPORTED_LAYOUT`, another dtype `UNSUPPORTED_DTYPE`.
     /// * `grad_loss`: fp32 scalar (Sum/Mean) or `[N]`/scalar (None); None means 1.
     /// * `dlogits`: `[N, V]` in the logits' dtype.
     ///
@@ -491,12 +497,14 @@ impl Handle {
     /// entropy's derivative, e.g. Pereyra et al. 2017), chained through `logit_scale` and `softcap` as
     /// the loss gradient is; see [`CeOutputs::grad_entropy`]. Without `inputs.grad_entropy` it is
     /// [`Handle::cross_entropy_bwd`], the same bits. With a vocabulary shard, `inputs.lse` and
-    /// `inputs.entropy` are [`Handle::cross_entropy_combine`]'s outputs (the same on every rank).
+    /// `inputs.entropy` are [`Handle::cross_entropy_combine`]'s outputs (the same on every rank). From the
+    /// forward's lse pairs (`[N, 2]`) the result has the fused forward's bits; from an `[N]` lse each p_j
+    /// carries the lse's fp32 rounding (see [`Handle::cross_entropy_bwd`]).
     ///
     /// * `logits` `[N, V]` fp32, bf16 or fp16 and `targets` `[N]` i32/i64 as given to the forward.
-    /// * `inputs`: [`CeBwdInputs`]: `lse` `[N]` fp32 (required), `grad_loss` (fp32 scalar for Sum/Mean,
-    ///   `[N]`/scalar for None; None = 1), `entropy` `[N]` fp32 (the forward's, same options; required
-    ///   with `grad_entropy`), `grad_entropy` (`[N]` or scalar fp32; None = no entropy term).
+    /// * `inputs`: [`CeBwdInputs`]: `lse` `[N]` or `[N, 2]` fp32 (required), `grad_loss` (fp32 scalar for
+    ///   Sum/Mean, `[N]`/scalar for None; None = 1), `entropy` `[N]` fp32 (the forward's, same options;
+    ///   required with `grad_entropy`), `grad_entropy` (`[N]` or scalar fp32; None = no entropy term).
     /// * `options`: the forward's.
     /// * `dlogits`: `[N, V]` in the logits' dtype.
     ///
@@ -605,30 +613,35 @@ impl Handle {
     ///    all-gather; the library does no communication);
     /// 3. each rank: [`Handle::cross_entropy_combine`] → loss, lse, z-loss, argmax and entropy of the
     ///    whole rows, the same bits on every rank;
-    /// 4. each rank: [`Handle::cross_entropy_bwd`] with the combined lse and the same sharded options →
-    ///    its shard's dlogits (padding columns 0); [`Handle::cross_entropy_bwd_ex`] with the combined lse
-    ///    and entropy to add the entropy's gradient.
+    /// 4. each rank: [`Handle::cross_entropy_bwd`] with the combined lse (its pairs `[N, 2]`, so that the
+    ///    shard's probabilities are formed from max-shifted values) and the same sharded options → its
+    ///    shard's dlogits (padding columns 0); [`Handle::cross_entropy_bwd_ex`] with the combined lse and
+    ///    entropy to add the entropy's gradient.
     ///
     /// * `logits`: `[N, V_local]` fp32, bf16 or fp16, V_local >= 1: global columns
     ///   `[options.vocab_start, options.vocab_start + V_local)`; those at or past `options.vocab_total`
     ///   are padding and never read. Rows may be padded ([`TensorRef::strided`]).
     /// * `targets`: `[N]` i32 or i64, global class indices (as for the unsharded call).
     /// * `options`: [`CeOptions::vocab_start`] and [`CeOptions::vocab_total`] required
-    ///   (0 <= vocab_start < vocab_total <= 2³¹ − 1); the other options as for
+    ///   (0 <= vocab_start <= vocab_total <= 2³¹ − 1; vocab_start = vocab_total is a shard of padding
+    ///   alone, as padding a small vocabulary to a multiple of the ranks gives); the other options as for
     ///   [`Handle::cross_entropy_fwd`] (class weights of the whole vocabulary, `[vocab_total]`).
-    /// * `records`: `[N, K]` fp32, written; K from [`crate::cross_entropy_record_fields`] (7), or a
-    ///   narrower prefix: `sys::FCE_CE_RECORD_FIELDS_LOSS` (4: loss, lse, z-loss; the partial skips the
-    ///   entropy's sums) or `sys::FCE_CE_RECORD_FIELDS_ENTROPY` (5: and the entropy), the same on every
-    ///   rank; the combine then refuses the outputs the width does not hold. Per row, with z the
-    ///   transformed logits of the shard's real columns and m their max: 0 m, 1 Σ exp(z − m), 2 z at the
-    ///   target if the shard holds it (else 0), 3 Σ w_j·z_j (label smoothing; 0 without it), 4
-    ///   Σ exp(z − m)·(z − m) (entropy), 5 the largest raw logit, 6 its global index (int32 bits in the
-    ///   fp32 slot). A shard with no column below vocab_total gives a neutral record.
+    /// * `records`: `[N, K]` fp32, written; K from [`crate::cross_entropy_record_fields`]
+    ///   ([`crate::CE_RECORD_FIELDS_ALL`], 9), or a narrower prefix: [`crate::CE_RECORD_FIELDS_LOSS`] (6:
+    ///   loss, lse, z-loss; the partial skips the entropy's sums) or [`crate::CE_RECORD_FIELDS_ENTROPY`]
+    ///   (7: and the entropy), the same on every rank; the combine then refuses the outputs the width does
+    ///   not hold. Per row, with z the transformed logits of the shard's real columns and m their max: 0 m,
+    ///   1 Σ exp(z − m), 2 z at the target if the shard holds it (else 0), 3 Σ w_j·z_j (label smoothing; 0
+    ///   without it), 4 and 5 the shard's column range `[vocab_start, end)`, end one past its last real
+    ///   column (int32 bits in the fp32 slots), 6 Σ exp(z − m)·(z − m) (entropy), 7 the largest raw logit,
+    ///   8 its global index (int32 bits). A shard with no column below vocab_total (padding alone) gives a
+    ///   neutral record with the empty range `[vocab_total, vocab_total)`. (0.2.0's records were 4/5/7
+    ///   wide, without the range.)
     ///
     /// Math: [`CeOptions`] over the whole vocabulary; the records' sums are rounded to fp32 once per
     /// shard (`docs/numerics.md`, "Vocabulary shards").
     ///
-    /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total)`,
+    /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total]`,
     /// options out of domain), `SHAPE_MISMATCH` (records not `[N, K]`, class weights not
     /// `[vocab_total]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`,
     /// `OVERFLOW`, `CUDA_ERROR`.
@@ -656,16 +669,23 @@ impl Handle {
     /// rounding of the records' sums (`docs/numerics.md`). The records are merged in rank order (no float
     /// all-reduce), so the result is bitwise reproducible and the same on every rank.
     ///
+    /// The records' column ranges must tile `[0, vocab_total)` in rank order: the first shard beginning at
+    /// 0 and each where the one before ends (shards of padding alone, `[vocab_total, vocab_total)`, may
+    /// follow). Overlapping shards, a gap, shards out of vocabulary order or records of another
+    /// vocab_total are not an error status (the records may be on the device): every row's loss, lse,
+    /// z-loss and entropy are NaN and its argmax −1 (ignored rows included), never a plausible number.
+    ///
     /// * `records`: `[W, N, K]` fp32, contiguous (e.g. [`TensorRef::new`] with shape `[w, n, k]`): the
     ///   `[N, K]` records of ranks 0..W from [`Handle::cross_entropy_partial`] (or
-    ///   [`Handle::linear_cross_entropy_partial`]), in rank order, which must be vocabulary order (argmax
-    ///   ties go to the lower global index).
+    ///   [`Handle::linear_cross_entropy_partial`]), in rank order, which must be vocabulary order.
     /// * `targets`: `[N]` i32 or i64, global indices (those given to the partial calls).
     /// * `options`: the partial calls' options ([`CeOptions::vocab_total`] required;
     ///   [`CeOptions::vocab_start`] is not read).
-    /// * `outputs`: as for [`Handle::cross_entropy_fwd`] (loss per `options.reduction`; optional lse
-    ///   `[N]` to give each shard's [`Handle::cross_entropy_bwd`] or [`Handle::linear_cross_entropy_bwd`],
-    ///   z-loss, argmax `[N]` i32/i64 of global indices, entropy), but `dlogits`, `grad_loss` and
+    /// * `outputs`: as for [`Handle::cross_entropy_fwd`] (loss per `options.reduction`; optional lse,
+    ///   `[N]` or its pairs `[N, 2]` (m the rows' max z over every shard, l the log of the shifted sum):
+    ///   the pairs are what each shard's [`Handle::cross_entropy_bwd`] or
+    ///   [`Handle::linear_cross_entropy_bwd`] should take; z-loss, argmax `[N]` i32/i64 of global indices,
+    ///   entropy), but `dlogits`, `grad_loss` and
     ///   `grad_entropy` must be None (the entropy's gradient of a shard comes from
     ///   [`Handle::cross_entropy_bwd_ex`], or [`Handle::linear_cross_entropy_bwd`] with
     ///   [`LinearCeGrads::grad_entropy`], with the combined lse and entropy).
@@ -778,7 +798,8 @@ impl Handle {
     /// * `x`: `[N, V_local]` fp32, bf16 or fp16, this rank's global columns (padding past `vocab_total`).
     /// * `options`: [`LseOptions::vocab_start`] (this rank's first column, ranks in vocabulary order),
     ///   [`LseOptions::vocab_total`] and [`LseOptions::scale`] required, the last two the same on every rank.
-    /// * `lse`: `[N]` fp32, `log Σ_j exp(scale·x_ij)` over the whole rows, written on every rank.
+    /// * `lse`: `[N]` fp32, `log Σ_j exp(scale·x_ij)` over the whole rows, written on every rank; or `[N, 2]`
+    ///   for its pairs (M, log D), lse = scale·M + log D, as [`Handle::logsumexp_combine`] writes them.
     ///
     /// Errors: those of [`Handle::logsumexp_partial`] (`INVALID_ARGUMENT` also without `vocab_total`, on a
     /// CPU handle), `DEVICE_MISMATCH`, `WORKSPACE_TOO_SMALL`, `COMMUNICATOR_ERROR`, `CUDA_ERROR`.
@@ -850,27 +871,29 @@ impl Handle {
     /// The records of one vocabulary shard of x (`fce_logsumexp_partial`): step 1 of vocabulary-parallel
     /// logsumexp, whose steps are (the header's "Vocabulary-parallel logsumexp"):
     ///
-    /// 1. each rank: `logsumexp_partial` on its shard → records `[N, LSE_RECORD_FIELDS]` (2);
-    /// 2. the caller gathers every rank's records in rank (vocabulary) order into `[W, N, 2]` (an
+    /// 1. each rank: `logsumexp_partial` on its shard → records `[N, LSE_RECORD_FIELDS]` (6);
+    /// 2. the caller gathers every rank's records in rank (vocabulary) order into `[W, N, 6]` (an
     ///    all-gather; the library does no communication);
-    /// 3. each rank: [`Handle::logsumexp_combine`] → the lse of the whole rows, the same bits on every
-    ///    rank;
+    /// 3. each rank: [`Handle::logsumexp_combine`] → the lse of the whole rows (`[N]`, or its pairs
+    ///    `[N, 2]`), the same bits on every rank;
     /// 4. optionally, each rank: [`Handle::temp_softmax`] of its shard with that lse
-    ///    ([`SoftmaxOptions::lse`]; partials with [`LseOptions::scale`] 1/T) → its columns of the rows'
-    ///    probabilities and log-probabilities.
+    ///    ([`SoftmaxOptions::lse`], best the pairs; partials with [`LseOptions::scale`] the fp32 `1.0 / T`)
+    ///    → its columns of the rows' probabilities and log-probabilities.
     ///
     /// * `x`: `[N, V_local]` fp32, bf16 or fp16, V_local >= 1: global columns
     ///   `[options.vocab_start, options.vocab_start + V_local)`; those at or past `options.vocab_total`
     ///   are padding and never read.
     /// * `options`: [`LseOptions::vocab_start`] and [`LseOptions::vocab_total`] required
-    ///   (0 <= vocab_start < vocab_total); [`LseOptions::scale`] s as for [`Handle::logsumexp`], the same
-    ///   on every rank.
-    /// * `records`: `[N, LSE_RECORD_FIELDS]` fp32 ([`crate::LSE_RECORD_FIELDS`]), written. Per row, over
-    ///   the shard's real columns: 0 m = max s·x_j (NaN when one is NaN), 1 Σ exp(s·x_j − m) (1 when m is
-    ///   +inf, 0 when it is −inf).
+    ///   (0 <= vocab_start <= vocab_total <= 2³¹ − 1; vocab_start = vocab_total: a shard of padding
+    ///   alone); [`LseOptions::scale`] s as for [`Handle::logsumexp`], the same on every rank.
+    /// * `records`: `[N, LSE_RECORD_FIELDS]` fp32 ([`crate::LSE_RECORD_FIELDS`], 6), written. Per row,
+    ///   over the shard's real columns, in raw units (so that s·x never overflows): 0 m = max x_j, the raw
+    ///   maximum (NaN when one is NaN), 1 Σ exp((x_j − m)·s) (1 when m is +inf, 0 when it is −inf), 2 and
+    ///   3 the shard's column range `[vocab_start, end)` (int32 bits, as cross-entropy's records), 4 the
+    ///   scale s, 5 vocab_total (int32 bits). (0.2.0's records had 2 fields, m = max s·x.)
     ///
-    /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total)`, scale
-    /// not finite and > 0), `SHAPE_MISMATCH` (records not `[N, 2]`), `UNSUPPORTED_DTYPE`,
+    /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total]`, scale
+    /// not finite and > 0), `SHAPE_MISMATCH` (records not `[N, 6]`), `UNSUPPORTED_DTYPE`,
     /// `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `CUDA_ERROR`.
     pub fn logsumexp_partial(
         &self,
@@ -887,19 +910,25 @@ impl Handle {
     }
 
     /// The logsumexp of whole rows from the records of every shard (`fce_logsumexp_combine`): step 3 of
-    /// [`Handle::logsumexp_partial`]'s recipe. With M the largest of the records' maxima m_r and d_r
-    /// their sums, `lse = M + log Σ_r d_r·exp(m_r − M)`, merged in fp64 in rank order (no float
-    /// all-reduce), so the result is bitwise reproducible and the same on every rank. It is what
-    /// [`Handle::logsumexp`] gives for the unsharded rows: NaN when a record is NaN, +inf when a max is
-    /// +inf, −inf for rows of all −inf, otherwise the same value within the fp32 rounding of the records'
-    /// sums. No options (the partial calls applied the scale) and no workspace.
+    /// [`Handle::logsumexp_partial`]'s recipe. With M the largest of the records' raw maxima m_r, d_r
+    /// their sums and s the scale, `lse = s·M + log D`, `D = Σ_r d_r·exp((m_r − M)·s)`, merged in fp64 in
+    /// rank order (no float all-reduce), so the result is bitwise reproducible and the same on every
+    /// rank. It is what [`Handle::logsumexp`] gives for the unsharded rows: NaN when a record is NaN,
+    /// +inf when a max is +inf, −inf for rows of all −inf, otherwise the same value within the fp32
+    /// rounding of the records' sums. NaN too in every row when the records' scales or vocab_total differ
+    /// or their column ranges do not tile `[0, vocab_total)` in rank order (overlapping shards, a gap,
+    /// shards out of order; shards of padding alone may follow): never a plausible number, and no error
+    /// status. No options (the records carry the scale) and no workspace.
     ///
     /// * `records`: `[W, N, LSE_RECORD_FIELDS]` fp32, contiguous (e.g. [`TensorRef::new`] with shape
-    ///   `[w, n, 2]`): the records of ranks 0..W from [`Handle::logsumexp_partial`], in rank (vocabulary)
+    ///   `[w, n, 6]`): the records of ranks 0..W from [`Handle::logsumexp_partial`], in rank (vocabulary)
     ///   order.
-    /// * `lse`: `[N]` fp32, written.
+    /// * `lse`: fp32, written: `[N]`, the lse; or `[N, 2]` contiguous ([`TensorMut::lse_pairs`]), its
+    ///   pairs (M, log D), lse = s·M + log D ([`crate::lse_from_pairs`]): the form a shard's
+    ///   [`Handle::temp_softmax`] takes at any T without overflow or the rounding of a large lse.
     ///
-    /// Errors: `SHAPE_MISMATCH` (records not `[W >= 1, N, 2]`, lse not `[N]`), `UNSUPPORTED_DTYPE`,
+    /// Errors: `SHAPE_MISMATCH` (records not `[W >= 1, N, 6]`, lse neither `[N]` nor `[N, 2]`),
+    /// `UNSUPPORTED_DTYPE`,
     /// `UNSUPPORTED_LAYOUT` (records not contiguous), `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`,
     /// `CUDA_ERROR`.
     pub fn logsumexp_combine(&self, records: &TensorRef<'_>, lse: &mut TensorMut<'_>) -> Result<()> {
@@ -921,15 +950,19 @@ impl Handle {
     /// A vocabulary shard ([`SoftmaxOptions::vocab_total`] > 0): `logits` `[N, V_local]` are global
     /// columns `[vocab_start, vocab_start + V_local)` (those at or past `vocab_total` are padding, never
     /// read) and the call writes the shard's columns of the whole rows' distribution from
-    /// [`SoftmaxOptions::lse`] (`[N]` fp32, the rows' logsumexp of logits/T: [`Handle::logsumexp_combine`]
-    /// of every shard's [`Handle::logsumexp_partial`] with [`LseOptions::scale`] 1/T):
-    /// `p_j = exp(x_j/T − lse)`, `log p_j = x_j/T − lse`; padding columns get 0 and −inf. No workspace
-    /// is needed then.
+    /// [`SoftmaxOptions::lse`] (the rows' logsumexp of logits/T: [`Handle::logsumexp_combine`] of every
+    /// shard's [`Handle::logsumexp_partial`] with [`LseOptions::scale`] the fp32 `1.0 / T`), fp32, as its
+    /// pairs `[N, 2]` (M, log D) or as `[N]`: `log p_j = x_j/T − lse`, formed from the pairs as
+    /// `(x_j − M)/T − log D` (no NaN for finite logits at any T > 0, no rounding of the size of x/T),
+    /// `p_j` its exp; padding columns get 0 and −inf. From `[N]` every value carries the lse's fp32
+    /// rounding (|lse|·2⁻²⁴) and an lse that overflowed fp32 gives probabilities 0. No workspace is needed
+    /// then.
     ///
     /// Errors: `INVALID_ARGUMENT` (no output, a temperature negative or NaN, vocab_start outside
-    /// `[0, vocab_total)`, a shard without [`SoftmaxOptions::lse`]), `NOT_IMPLEMENTED` (a shard with
-    /// per-row temperatures, T = 0 or T = +inf), `SHAPE_MISMATCH` (also `temperatures` or `lse` not
-    /// `[N]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`,
+    /// `[0, vocab_total]`, a shard without [`SoftmaxOptions::lse`]), `NOT_IMPLEMENTED` (a shard with
+    /// per-row temperatures, T = 0 or T = +inf), `SHAPE_MISMATCH` (also `temperatures` not `[N]`, `lse`
+    /// neither `[N]` nor `[N, 2]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (also an `[N, 2]` lse with a
+    /// row stride other than 2), `DEVICE_MISMATCH`, `ALIASING`,
     /// `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     pub fn temp_softmax(
         &self,
@@ -956,15 +989,17 @@ impl Handle {
 
     /// NCCL mode's temperature softmax of a vocabulary shard (`fce_temp_softmax_vp`), one call per rank:
     /// the whole rows' lse of logits/T ([`Handle::logsumexp_vp`] at scale 1/T), then this shard's
-    /// probabilities and log-probabilities of the whole rows, `p_j = exp(x_j/T − lse)`, `log p_j = x_j/T −
-    /// lse` (padding columns 0 and −inf): the same bits as those steps on one device.
+    /// probabilities and log-probabilities of the whole rows, `log p_j = x_j/T − lse` formed from the rows'
+    /// pairs (which the call keeps in its workspace), `p_j` its exp (padding columns 0 and −inf): the same
+    /// bits as those steps on one device with the pairs.
     ///
     /// * `logits`: `[N, V_local]` fp32, bf16 or fp16, this rank's global columns.
     /// * `options`: [`SoftmaxOptions::vocab_start`], [`SoftmaxOptions::vocab_total`] and one finite
     ///   temperature > 0 ([`SoftmaxOptions::temperature`]), the same on every rank but vocab_start; no
     ///   per-row temperatures and no [`SoftmaxOptions::lse`] (the call computes it).
     /// * `probs` / `logprobs`: optional `[N, V_local]` (at least one), as for [`Handle::temp_softmax`].
-    /// * `lse`: optional `[N]` fp32, receives the whole rows' lse of logits/T.
+    /// * `lse`: optional, receives the whole rows' lse of logits/T: `[N]` fp32, or `[N, 2]` for its pairs
+    ///   (M, log D), lse = M/T + log D.
     ///
     /// Errors: `INVALID_ARGUMENT` (no output, without `vocab_total`, with `options.lse`, on a CPU handle),
     /// `NOT_IMPLEMENTED` (per-row, zero or infinite temperatures), `SHAPE_MISMATCH`, `UNSUPPORTED_DTYPE`,
@@ -982,8 +1017,8 @@ impl Handle {
         self.softmax_impl(logits, options, probs, logprobs, Some((comm, lse)), Call::Run)
     }
 
-    /// Workspace bytes [`Handle::temp_softmax_vp`] needs for these arguments (every rank's records and,
-    /// without `lse`, the lse).
+    /// Workspace bytes [`Handle::temp_softmax_vp`] needs for these arguments (every rank's records and the
+    /// rows' pairs).
     pub fn temp_softmax_vp_workspace_size(
         &self,
         comm: &Comm,
@@ -1234,8 +1269,8 @@ impl Handle {
     /// vocabulary-parallel distillation, whose steps are (the header's "Vocabulary-parallel knowledge
     /// distillation"):
     ///
-    /// 1. each rank: `kd_partial` on its shard → records `[N, KD_RECORD_FIELDS]` (5);
-    /// 2. the caller gathers every rank's records in rank (vocabulary) order into `[W, N, 5]` (one
+    /// 1. each rank: `kd_partial` on its shard → records `[N, KD_RECORD_FIELDS]` (7);
+    /// 2. the caller gathers every rank's records in rank (vocabulary) order into `[W, N, 7]` (one
     ///    all-gather; the library does no communication);
     /// 3. each rank: [`Handle::kd_combine`] → the loss of the whole rows (what [`Handle::kd_loss`]
     ///    returns) and the rows' statistics `[N, KD_ROW_STATS_FIELDS]` (5), the same bits on every rank;
@@ -1248,9 +1283,9 @@ impl Handle {
     ///
     /// 3. each rank: [`Handle::kd_combine_row_stats`] (no loss) → the rows' statistics, A (field 4) not yet
     ///    valid;
-    ///    * 3a. each rank: [`Handle::kd_terms_partial`] → records `[N, KD_TERMS_RECORD_FIELDS]` (3) of
+    ///    * 3a. each rank: [`Handle::kd_terms_partial`] → records `[N, KD_TERMS_RECORD_FIELDS]` (5) of
     ///      its shard;
-    ///    * 3b. the caller gathers those in rank order into `[W, N, 3]` (a second all-gather);
+    ///    * 3b. the caller gathers those in rank order into `[W, N, 5]` (a second all-gather);
     ///    * 3c. each rank: [`Handle::kd_terms_combine`] → the loss, and A written into the statistics.
     ///
     /// Steps 3a–3c work for every divergence (for KL with teacher logits they give its loss a second way).
@@ -1266,14 +1301,17 @@ impl Handle {
     ///   [`Teacher::TopK`] teacher: `[N, K]` global vocabulary ids (i32/i64, negative = unused slot) and
     ///   fp32 log-probabilities, the whole of it, the same on every rank.
     /// * `options`: [`KdOptions::vocab_start`] and [`KdOptions::vocab_total`] required
-    ///   (0 <= vocab_start < vocab_total); any divergence ([`Divergence::Jsd`]: the forward-KL record, P
+    ///   (0 <= vocab_start <= vocab_total; vocab_start = vocab_total: a shard of padding alone, whose
+    ///   record is neutral); any divergence ([`Divergence::Jsd`]: the forward-KL record, P
     ///   the teacher); temperature and [`KdOptions::topk_norm`] as for [`Handle::kd_loss`]; the same
     ///   options on every rank and call.
     /// * `records`: `[N, KD_RECORD_FIELDS]` fp32 ([`crate::KD_RECORD_FIELDS`]), written. With z = logits / T,
     ///   P the divergence's weighting distribution (the teacher for forward KL and JSD, the student for
     ///   reverse KL) and Q the other, a row's record holds, over the shard's real columns: 0 m_P = max z_P,
     ///   1 Σ exp(z_P − m_P), 2 m_Q, 3 Σ exp(z_Q − m_Q), 4 X = Σ exp(z_P − m_P)·((z_P − m_P) − (z_Q − m_Q)),
-    ///   terms of zero probability under P adding 0. A top-K teacher's record holds the student's max and
+    ///   terms of zero probability under P adding 0, and 5 and 6 the shard's column range
+    ///   `[vocab_start, end)` (int32 bits, as cross-entropy's records; 0.2.0's records had 5 fields,
+    ///   without it). A top-K teacher's record holds the student's max and
     ///   sum over the shard's real columns (Q's fields for forward KL and JSD, P's for reverse KL) and those
     ///   of the student's columns at the teacher's ids in the shard (the other pair: the normalizer of
     ///   [`TopkNorm::Renormalize`]), X NaN.
@@ -1282,9 +1320,9 @@ impl Handle {
     /// KL(P ‖ Q) = X / D_P − log D_P + log D_Q; the records' sums are rounded to fp32 once per shard
     /// (`docs/numerics.md`).
     ///
-    /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total)`,
+    /// Errors: `INVALID_ARGUMENT` (options without a shard, vocab_start outside `[0, vocab_total]`,
     /// options out of domain), `SHAPE_MISMATCH` (teacher logits not the student's shape, top-K ids or
-    /// log-probabilities not `[N, K]`, records not `[N, 5]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`,
+    /// log-probabilities not `[N, K]`, records not `[N, 7]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`,
     /// `DEVICE_MISMATCH`, `ALIASING`, `CUDA_ERROR`.
     ///
     /// [`Divergence::Jsd`]: crate::Divergence::Jsd
@@ -1314,7 +1352,10 @@ impl Handle {
     /// reproducible and the same on every rank.
     ///
     /// * `records`: `[W, N, KD_RECORD_FIELDS]` fp32, contiguous (e.g. [`TensorRef::new`] with shape
-    ///   `[w, n, 5]`): the records of ranks 0..W from [`Handle::kd_partial`], in rank (vocabulary) order.
+    ///   `[w, n, 7]`): the records of ranks 0..W from [`Handle::kd_partial`], in rank (vocabulary) order.
+    ///   Their column ranges must tile `[0, vocab_total)` in rank order (shards of padding alone may
+    ///   follow); otherwise every row's loss (masked rows included) and statistics are NaN, never a
+    ///   plausible number (no error status).
     /// * `targets`: optional `[N]` i32 or i64; rows whose target equals `options.ignore_index` are
     ///   masked (loss 0).
     /// * `options`: the partial calls' options ([`KdOptions::vocab_total`] required;
@@ -1337,7 +1378,7 @@ impl Handle {
     /// distribution gives NaN, as [`Handle::kd_loss`] does.
     ///
     /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain, JSD with
-    /// 0 < β < 1), `SHAPE_MISMATCH` (records not `[W >= 1, N, 5]`, targets not `[N]`, loss or row_stats
+    /// 0 < β < 1), `SHAPE_MISMATCH` (records not `[W >= 1, N, 7]`, targets not `[N]`, loss or row_stats
     /// of the wrong shape), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (records not contiguous),
     /// `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     ///
@@ -1384,7 +1425,7 @@ impl Handle {
     ///   NaN) not until [`Handle::kd_terms_combine`] writes it.
     ///
     /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain),
-    /// `SHAPE_MISMATCH` (records not `[W >= 1, N, 5]`, targets not `[N]`, row_stats not `[N, 5]`),
+    /// `SHAPE_MISMATCH` (records not `[W >= 1, N, 7]`, targets not `[N]`, row_stats not `[N, 5]`),
     /// `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`, `ALIASING`, `OVERFLOW`,
     /// `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     ///
@@ -1429,7 +1470,8 @@ impl Handle {
     ///   0 Σ_j L_j and 1 Σ_j a_j, L_j and a_j the element terms of [`Handle::kd_loss`] (the loss's, not
     ///   times T², and those of the gradient dL/dz_j = a_j − q_j·A) formed from the row's log-probabilities
     ///   (z − M) − log D of the statistics (+inf where a term is, NaN where a logit or a statistic is, or a
-    ///   top-K id is >= `vocab_total`), and 2 the number of those slots (−1 with teacher logits).
+    ///   top-K id is >= `vocab_total`), 2 the number of those slots (−1 with teacher logits), and 3 and 4
+    ///   the shard's column range `[vocab_start, end)` (int32 bits; 0.2.0's records had 3 fields).
     ///
     /// Math: with z = logits / T, p the teacher's and q the student's probabilities and
     /// m = β·p + (1 − β)·q (JSD): L_j = β·p_j·log(p_j / m_j) + (1 − β)·q_j·log(q_j / m_j),
@@ -1442,7 +1484,7 @@ impl Handle {
     ///
     /// Errors: `INVALID_ARGUMENT` (options without a shard or out of domain), `SHAPE_MISMATCH` (teacher
     /// logits not the student's shape, top-K ids or log-probabilities not `[N, K]`, row_stats not
-    /// `[N, 5]`, records not `[N, 3]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`,
+    /// `[N, 5]`, records not `[N, 5]`), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT`, `DEVICE_MISMATCH`,
     /// `ALIASING`, `CUDA_ERROR`.
     ///
     /// [`TopkNorm::FullVocab`]: crate::TopkNorm::FullVocab
@@ -1474,7 +1516,8 @@ impl Handle {
     /// Since 0.2.0.
     ///
     /// * `records`: `[W, N, KD_TERMS_RECORD_FIELDS]` fp32, contiguous (e.g. [`TensorRef::new`] with shape
-    ///   `[w, n, 3]`): the records of ranks 0..W from [`Handle::kd_terms_partial`], in rank order.
+    ///   `[w, n, 5]`): the records of ranks 0..W from [`Handle::kd_terms_partial`], in rank order. Their
+    ///   column ranges must tile `[0, vocab_total)` in rank order, else every row's loss and A are NaN.
     /// * `targets`: optional `[N]` i32 or i64, as for [`Handle::kd_combine`] (masked rows: loss 0; so are a
     ///   top-K teacher's rows without a used slot, known from the records' slot counts).
     /// * `options`: the partial calls' options.
@@ -1491,7 +1534,7 @@ impl Handle {
     /// S = Σ_k q_k·log(q_k / m_k) (the header's "Vocabulary-parallel knowledge distillation").
     ///
     /// Errors: `INVALID_ARGUMENT` (options without `vocab_total`, options out of domain),
-    /// `SHAPE_MISMATCH` (records not `[W >= 1, N, 3]`, targets not `[N]`, loss or row_stats of the wrong
+    /// `SHAPE_MISMATCH` (records not `[W >= 1, N, 5]`, targets not `[N]`, loss or row_stats of the wrong
     /// shape), `UNSUPPORTED_DTYPE`, `UNSUPPORTED_LAYOUT` (records not contiguous), `DEVICE_MISMATCH`,
     /// `ALIASING`, `OVERFLOW`, `WORKSPACE_TOO_SMALL`, `CUDA_ERROR`.
     ///
@@ -1761,13 +1804,15 @@ impl Handle {
     /// [`LinearCeGrads::accumulate`] they are added into the outputs given (each sum formed in fp32,
     /// rounded once) instead of written.
     ///
-    /// * `lse`: `[N]` fp32 from [`Handle::linear_cross_entropy_fwd`] with the same `options`.
+    /// * `lse`: fp32 from [`Handle::linear_cross_entropy_fwd`] with the same `options`, `[N]` or its pairs
+    ///   `[N, 2]` (see [`Handle::cross_entropy_bwd`]: from the pairs the probabilities hold at any offset of
+    ///   the logits).
     /// * Other arguments as the forward.
     ///
     /// With a vocabulary shard (`options.vocab_total > 0`, step 4 of
     /// [`Handle::linear_cross_entropy_partial`]'s recipe): `weight` `[V_local, H]` and `bias` `[V_local]` are
-    /// the shard's rows as given to the partial call, `targets` global indices, `lse` (and
-    /// `grads.saved_entropy`) the output of [`Handle::cross_entropy_combine`]; `grads.dweight`
+    /// the shard's rows as given to the partial call, `targets` global indices, `lse` (best its pairs
+    /// `[N, 2]`) and `grads.saved_entropy` the outputs of [`Handle::cross_entropy_combine`]; `grads.dweight`
     /// `[V_local, H]` and `grads.dbias` `[V_local]` are the shard's rows of the unsharded gradients
     /// (padding rows, at or past vocab_total, get 0; with `grads.accumulate` they are left as they are),
     /// and `grads.dhidden` `[N, H]` must be fp32: this shard's part of dhidden, to be summed over the

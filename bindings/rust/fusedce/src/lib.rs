@@ -9,6 +9,11 @@
 //! * [`TensorRef`] / [`TensorMut`]: views of Rust slices (or, behind `unsafe`, raw device memory)
 //!   that become DLPack tensors for the duration of a call. Shapes are `[]`, `[n]` or `[rows, cols]`
 //!   (and `[W, N, K]` for the records of vocabulary-parallel cross-entropy, logsumexp and distillation).
+//! * An lse (a saved logsumexp, output or input) is fp32 `[N]`, or its pairs `[N, 2]` (the row's max and
+//!   the log of the shifted sum, [`TensorRef::lse_pairs`] / [`TensorMut::lse_pairs`]): a backward or a
+//!   shard's softmax from the pairs forms its probabilities from max-shifted values, as the forward does,
+//!   so no rounding of the size of the logits enters them (a backward from the pairs has the fused
+//!   gradient's bits). [`lse_from_pairs`] gives the lse of the pairs.
 //! * Option structs ([`CeOptions`], [`KdOptions`], ...) whose `Default` is the loaded library's, from its
 //!   `fce_*_init` functions (the header's `*_INIT` values); every C struct handed to the library is
 //!   filled by those functions first, with `struct_size` = these bindings' `size_of`.
@@ -73,20 +78,33 @@ pub const MAX_STRUCT_SIZE: usize = sys::FCE_MAX_STRUCT_SIZE as usize;
 pub const KD_TEMPERATURE_MIN: f32 = sys::FCE_KD_TEMPERATURE_MIN as f32;
 /// `FCE_KD_TEMPERATURE_MAX` (100): upper end of [`KdOptions::temperature`]'s domain, inclusive.
 pub const KD_TEMPERATURE_MAX: f32 = sys::FCE_KD_TEMPERATURE_MAX as f32;
-/// `FCE_LSE_RECORD_FIELDS` (2): the fp32 fields per row of a vocabulary shard's logsumexp record
-/// ([`Handle::logsumexp_partial`] writes `[N, 2]`, [`Handle::logsumexp_combine`] reads `[W, N, 2]`).
+/// `FCE_CE_RECORD_FIELDS_LOSS` (6): the narrowest cross-entropy record, fields 0–5 (the loss, lse and
+/// z-loss; 4 and 5 the shard's column range), for [`Handle::cross_entropy_partial`] and
+/// [`Handle::linear_cross_entropy_partial`]. Was 4 before 0.3.0.
+pub const CE_RECORD_FIELDS_LOSS: usize = sys::FCE_CE_RECORD_FIELDS_LOSS as usize;
+/// `FCE_CE_RECORD_FIELDS_ENTROPY` (7): a cross-entropy record with the entropy as well (fields 0–6).
+/// Was 5 before 0.3.0.
+pub const CE_RECORD_FIELDS_ENTROPY: usize = sys::FCE_CE_RECORD_FIELDS_ENTROPY as usize;
+/// `FCE_CE_RECORD_FIELDS_ALL` (9): a cross-entropy record with every field (0–8, the argmax too), what
+/// [`cross_entropy_record_fields`] returns. Was 7 before 0.3.0.
+pub const CE_RECORD_FIELDS_ALL: usize = sys::FCE_CE_RECORD_FIELDS_ALL as usize;
+/// `FCE_LSE_RECORD_FIELDS` (6): the fp32 fields per row of a vocabulary shard's logsumexp record
+/// ([`Handle::logsumexp_partial`] writes `[N, 6]`, [`Handle::logsumexp_combine`] reads `[W, N, 6]`): the
+/// raw max, the shifted sum, the column range, the scale and vocab_total. Was 2 before 0.3.0.
 pub const LSE_RECORD_FIELDS: usize = sys::FCE_LSE_RECORD_FIELDS as usize;
-/// `FCE_KD_RECORD_FIELDS` (5): the fp32 fields per row of a vocabulary shard's distillation record
-/// ([`Handle::kd_partial`] writes `[N, 5]`, [`Handle::kd_combine`] reads `[W, N, 5]`).
+/// `FCE_KD_RECORD_FIELDS` (7): the fp32 fields per row of a vocabulary shard's distillation record
+/// ([`Handle::kd_partial`] writes `[N, 7]`, [`Handle::kd_combine`] reads `[W, N, 7]`; 5 and 6 the column
+/// range). Was 5 before 0.3.0.
 pub const KD_RECORD_FIELDS: usize = sys::FCE_KD_RECORD_FIELDS as usize;
 /// `FCE_KD_ROW_STATS_FIELDS` (5): the fp32 fields per row of the rows' distillation statistics
 /// ([`Handle::kd_combine`] or [`Handle::kd_combine_row_stats`] writes `[N, 5]`, [`Handle::kd_terms_combine`]
 /// writes field 4 for JSD and a top-K teacher, [`Handle::kd_bwd`] reads them).
 pub const KD_ROW_STATS_FIELDS: usize = sys::FCE_KD_ROW_STATS_FIELDS as usize;
-/// `FCE_KD_TERMS_RECORD_FIELDS` (3): the fp32 fields per row of a vocabulary shard's record of the
+/// `FCE_KD_TERMS_RECORD_FIELDS` (5): the fp32 fields per row of a vocabulary shard's record of the
 /// divergence's terms, the second exchange of JSD and of a top-K teacher ([`Handle::kd_terms_partial`]
-/// writes `[N, 3]`: 0 Σ L_j, 1 Σ a_j, 2 the top-K teacher's used slots whose ids fall in the shard, −1 with
-/// teacher logits; [`Handle::kd_terms_combine`] reads `[W, N, 3]`). Since 0.2.0.
+/// writes `[N, 5]`: 0 Σ L_j, 1 Σ a_j, 2 the top-K teacher's used slots whose ids fall in the shard, −1 with
+/// teacher logits, 3 and 4 the shard's column range; [`Handle::kd_terms_combine`] reads `[W, N, 5]`).
+/// Since 0.2.0; 3 fields before 0.3.0.
 pub const KD_TERMS_RECORD_FIELDS: usize = sys::FCE_KD_TERMS_RECORD_FIELDS as usize;
 
 /// `fce_version_number()`: MAJOR·10000 + MINOR·100 + PATCH of the loaded library.
@@ -128,7 +146,8 @@ pub fn check_version() -> std::result::Result<(), VersionMismatch> {
 }
 
 /// `fce_cross_entropy_record_fields`: K, the fp32 fields per row of a vocabulary shard's record, for
-/// these options (7 in this version: see [`Handle::cross_entropy_partial`] for what they hold). Size the
+/// these options ([`CE_RECORD_FIELDS_ALL`], 9 in this version, 7 before 0.3.0: see
+/// [`Handle::cross_entropy_partial`] for what they hold). Size the
 /// `[N, K]` records of [`Handle::cross_entropy_partial`] and [`Handle::linear_cross_entropy_partial`] and
 /// the `[W, N, K]` ones of [`Handle::cross_entropy_combine`] with it.
 ///
@@ -143,6 +162,25 @@ pub fn cross_entropy_record_fields(options: &CeOptions<'_>) -> Result<usize> {
     usize::try_from(k).map_err(|_| {
         Error::new(Status::INTERNAL_ERROR, format!("fce_cross_entropy_record_fields returned {} fields", k))
     })
+}
+
+/// The lse of each row from its pair (m, l), as written into an `[N, 2]` lse ([`CeOutputs::lse`],
+/// [`Handle::cross_entropy_combine`], [`Handle::logsumexp_combine`], ...): `scale·m + l`, formed in fp64
+/// and rounded once to fp32 (within an fp32 rounding of the `[N]` form the library writes). `scale` is
+/// 1 for the pairs of cross-entropy and linear cross-entropy (m the max of the transformed logits z),
+/// and the records' [`LseOptions::scale`] for those of logsumexp (m the raw max). A pair (±inf, 0) gives
+/// ±inf, a NaN gives NaN.
+///
+/// `pairs` is the `[N, 2]` buffer row by row, `[m_0, l_0, m_1, l_1, ...]`; an odd length is
+/// `SHAPE_MISMATCH`.
+pub fn lse_from_pairs(pairs: &[f32], scale: f32) -> Result<Vec<f32>> {
+    if pairs.len() % 2 != 0 {
+        return Err(Error::new(
+            Status::SHAPE_MISMATCH,
+            format!("fusedce (Rust): lse pairs [N, 2] need an even length; got {} values", pairs.len()),
+        ));
+    }
+    Ok(pairs.chunks_exact(2).map(|p| (scale as f64 * p[0] as f64 + p[1] as f64) as f32).collect())
 }
 
 /// What the loaded library was built with ([`build_info`], `fce_build_info_t`).

@@ -124,9 +124,9 @@ pub struct CeOptions<'a> {
     /// Optional class weights `[V]` fp32, finite and >= 0 (PyTorch `weight`); default None (all ones).
     /// With a vocabulary shard: the weights of the whole vocabulary, `[vocab_total]`.
     pub class_weights: Option<TensorRef<'a>>,
-    /// Vocabulary-parallel calls: the global index of the logits' first column, in `[0, vocab_total)`;
-    /// default 0 (and it must be 0 when `vocab_total` is 0). Not read by
-    /// [`crate::Handle::cross_entropy_combine`].
+    /// Vocabulary-parallel calls: the global index of the logits' first column, in `[0, vocab_total]`
+    /// (`vocab_total` itself: a shard of padding alone, whose record is neutral); default 0 (and it must
+    /// be 0 when `vocab_total` is 0). Not read by [`crate::Handle::cross_entropy_combine`].
     pub vocab_start: i64,
     /// Vocabulary-parallel calls: V of the whole vocabulary (columns of a shard at or past it are
     /// padding, never read, gradient 0); default 0 = not sharded. At most 2³¹ − 1 for the partial and
@@ -229,7 +229,14 @@ impl<'a> CeOptions<'a> {
 pub struct CeOutputs<'a> {
     /// Required. fp32: `[N]` for [`Reduction::None`], a scalar otherwise. Nats.
     pub loss: TensorMut<'a>,
-    /// `[N]` fp32: logsumexp of the transformed logits z (save it for the backward).
+    /// The logsumexp of the transformed logits z, fp32, in one of two forms (save it for the backward):
+    /// `[N]` ([`TensorMut::vector`]), the lse itself; or `[N, 2]` contiguous ([`TensorMut::lse_pairs`],
+    /// or [`TensorMut::matrix`] with 2 columns), each row's pair (m, l): m = max_j z_j and
+    /// l = log Σ_j exp(z_j − m), lse = m + l ([`crate::lse_from_pairs`]). A backward from the pairs
+    /// forms every probability as the forward does, p_j = exp((z_j − m) − l): its gradient holds at any
+    /// common offset of the logits and has the fused gradient's bits. From `[N]` each p_j carries the fp32
+    /// lse's rounding, up to |lse|·2⁻²⁴ relative (6e-3 at |lse| = 1e5). Pairs since 0.3.0. Another shape
+    /// is `SHAPE_MISMATCH`, an `[N, 2]` view with a row stride other than 2 `UNSUPPORTED_LAYOUT`.
     pub lse: Option<TensorMut<'a>>,
     /// The z-loss part of `loss` (q·lse² per non-ignored row), shaped and reduced like `loss`.
     pub z_loss: Option<TensorMut<'a>>,
@@ -308,7 +315,8 @@ impl<'a> CeOutputs<'a> {
 /// `fce_ce_bwd_inputs_init` does (none).
 #[derive(Copy, Clone, Debug)]
 pub struct CeBwdInputs<'a> {
-    /// Required: `[N]` fp32, the forward's lse (same options).
+    /// Required: the forward's lse (same options), fp32, `[N]` or its pairs `[N, 2]` as
+    /// [`CeOutputs::lse`] describes (the pairs give the fused gradient's bits).
     pub lse: TensorRef<'a>,
     /// Upstream gradient of the loss, as [`CeOutputs::grad_loss`] (fp32 scalar for Sum/Mean, `[N]` or
     /// scalar for None); default None = 1.
@@ -322,7 +330,7 @@ pub struct CeBwdInputs<'a> {
 }
 
 impl<'a> CeBwdInputs<'a> {
-    /// Inputs with only the saved lse (`[N]` fp32): the backward of [`crate::Handle::cross_entropy_bwd`]
+    /// Inputs with only the saved lse (`[N]` or `[N, 2]` fp32): the backward of [`crate::Handle::cross_entropy_bwd`]
     /// with an upstream gradient of 1.
     pub fn new(lse: TensorRef<'a>) -> Self {
         CeBwdInputs { lse, grad_loss: None, entropy: None, grad_entropy: None }
@@ -355,11 +363,14 @@ impl<'a> CeBwdInputs<'a> {
 /// (`INVALID_ARGUMENT`).
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct LseOptions {
-    /// s > 0, finite: lse_i = log Σ_j exp(s·x_ij); default 1. With scale 1/T the combined lse is the one
-    /// a shard's [`crate::Handle::temp_softmax`] takes ([`SoftmaxOptions::lse`]).
+    /// s > 0, finite: lse_i = log Σ_j exp(s·x_ij); default 1. With scale 1/T (the fp32 `1.0 / T` that
+    /// the softmax forms) the combined lse is the one a shard's [`crate::Handle::temp_softmax`] takes
+    /// ([`SoftmaxOptions::lse`]). Every shard's records carry it; records of different scales combine
+    /// to NaN.
     pub scale: f32,
-    /// Vocabulary-parallel calls: the global index of the shard's first column, in `[0, vocab_total)`;
-    /// default 0 (and it must be 0 when `vocab_total` is 0). Since 0.2.0.
+    /// Vocabulary-parallel calls: the global index of the shard's first column, in `[0, vocab_total]`
+    /// (`vocab_total`: a shard of padding alone); default 0 (and it must be 0 when `vocab_total` is 0).
+    /// Since 0.2.0.
     pub vocab_start: i64,
     /// Vocabulary-parallel calls: V of the whole vocabulary (columns of a shard at or past it are
     /// padding, never read); default 0 = not sharded. Required by [`crate::Handle::logsumexp_partial`],
@@ -411,7 +422,7 @@ impl LseOptions {
 /// `[vocab_start, vocab_start + V_local)` of a vocabulary of `vocab_total` (one rank's shard, possibly
 /// padded past `vocab_total`), set [`SoftmaxOptions::vocab_start`], [`SoftmaxOptions::vocab_total`] and
 /// [`SoftmaxOptions::lse`]; the call then writes the shard's columns of the whole rows' distribution from
-/// that lse: p_j = exp(x_j/T − lse), log p_j = x_j/T − lse, padding columns 0 and −inf. One finite
+/// that lse: log p_j = x_j/T − lse, p_j its exp, padding columns 0 and −inf. One finite
 /// temperature T > 0 only: per-row `temperatures`, T = 0 and T = +inf are `NOT_IMPLEMENTED` there.
 #[derive(Copy, Clone, Debug)]
 pub struct SoftmaxOptions<'a> {
@@ -422,15 +433,19 @@ pub struct SoftmaxOptions<'a> {
     /// Optional per-row temperatures `[N]` fp32; a negative or NaN one makes that row NaN. Not with a
     /// shard (`NOT_IMPLEMENTED`).
     pub temperatures: Option<TensorRef<'a>>,
-    /// A vocabulary shard: the global index of the logits' first column, in `[0, vocab_total)`; default 0
-    /// (and it must be 0 when `vocab_total` is 0). Since 0.2.0.
+    /// A vocabulary shard: the global index of the logits' first column, in `[0, vocab_total]`
+    /// (`vocab_total`: padding alone); default 0 (and it must be 0 when `vocab_total` is 0). Since 0.2.0.
     pub vocab_start: i64,
     /// A vocabulary shard: V of the whole vocabulary (columns at or past it are padding, never read:
     /// probability 0, log-probability −inf); default 0 = the logits are whole rows. Since 0.2.0.
     pub vocab_total: i64,
-    /// With a shard (required then, `INVALID_ARGUMENT` when None): `[N]` fp32, the rows' logsumexp of
-    /// logits/T over the whole vocabulary, i.e. [`crate::Handle::logsumexp_combine`] of every shard's
-    /// [`crate::Handle::logsumexp_partial`] with [`LseOptions::scale`] 1/T. Not read without a shard.
+    /// With a shard (required then, `INVALID_ARGUMENT` when None): the rows' logsumexp of logits/T over
+    /// the whole vocabulary, i.e. [`crate::Handle::logsumexp_combine`] of every shard's
+    /// [`crate::Handle::logsumexp_partial`] with [`LseOptions::scale`] the fp32 `1.0 / T`; fp32, as its
+    /// pairs `[N, 2]` (M, log D) ([`TensorRef::lse_pairs`]; since 0.3.0) or as `[N]`. From the pairs,
+    /// log p_j = (x_j − M)/T − log D, formed as the unsharded call forms it (no NaN for finite logits at
+    /// any T > 0, no rounding of the size of x/T); from `[N]` every value carries the lse's rounding
+    /// (|lse|·2⁻²⁴) and an lse that overflowed fp32 gives probabilities 0. Not read without a shard.
     /// Since 0.2.0 (`fce_softmax_options_t.lse`).
     pub lse: Option<TensorRef<'a>>,
 }
@@ -474,7 +489,7 @@ impl<'a> SoftmaxOptions<'a> {
         self.vocab_total = total;
         self
     }
-    /// Sets [`SoftmaxOptions::lse`] (`[N]` fp32, the whole rows' logsumexp of logits/T).
+    /// Sets [`SoftmaxOptions::lse`] (`[N]` or `[N, 2]` fp32, the whole rows' logsumexp of logits/T).
     pub fn lse(mut self, lse: TensorRef<'a>) -> Self {
         self.lse = Some(lse);
         self
@@ -531,8 +546,9 @@ pub struct KdOptions {
     pub reduction: Reduction,
     /// Rows whose target equals this are masked (when targets are given); default -100.
     pub ignore_index: i64,
-    /// Vocabulary-parallel calls: the global index of the shard's first column, in `[0, vocab_total)`;
-    /// default 0 (and it must be 0 when `vocab_total` is 0). Not read by [`crate::Handle::kd_combine`].
+    /// Vocabulary-parallel calls: the global index of the shard's first column, in `[0, vocab_total]`
+    /// (`vocab_total`: a shard of padding alone); default 0 (and it must be 0 when `vocab_total` is 0). Not
+    /// read by [`crate::Handle::kd_combine`].
     /// Since 0.2.0.
     pub vocab_start: i64,
     /// Vocabulary-parallel calls: V of the whole vocabulary (columns of a shard at or past it are
@@ -678,7 +694,8 @@ impl<'a> KdOutputs<'a> {
 pub struct LinearCeOutputs<'a> {
     /// Required; as [`CeOutputs::loss`].
     pub loss: TensorMut<'a>,
-    /// Optional `[N]` fp32 logsumexp (save it for the backward).
+    /// Optional fp32 logsumexp (save it for the backward): `[N]`, or its pairs `[N, 2]` as
+    /// [`CeOutputs::lse`] describes.
     pub lse: Option<TensorMut<'a>>,
     /// Optional; as [`CeOutputs::z_loss`].
     pub z_loss: Option<TensorMut<'a>>,

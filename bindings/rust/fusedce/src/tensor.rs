@@ -223,6 +223,17 @@ impl Layout {
     }
 }
 
+/// N of an `[N, 2]` lse of `len` values.
+fn pairs_rows(len: usize) -> Result<usize> {
+    if len % 2 != 0 {
+        return Err(Error::new(
+            Status::SHAPE_MISMATCH,
+            format!("fusedce (Rust): an lse of pairs [N, 2] needs an even length; got {} values", len),
+        ));
+    }
+    Ok(len / 2)
+}
+
 fn half_dtype(dtype: DType) -> Result<DType> {
     match dtype {
         DType::BF16 | DType::F16 => Ok(dtype),
@@ -284,6 +295,13 @@ impl<'a> TensorRef<'a> {
     /// A 0-D (scalar) view of one value.
     pub fn scalar<T: Element>(value: &'a T) -> Self {
         Self::new(std::slice::from_ref(value), &[]).expect("a scalar view always fits")
+    }
+
+    /// An lse in its pair form: the `[N, 2]` view of `data` = `[m_0, l_0, m_1, l_1, ...]`, N =
+    /// `data.len() / 2` (see [`crate::CeOutputs::lse`]); an odd length is `SHAPE_MISMATCH`. The same as
+    /// [`TensorRef::matrix`]`(data, data.len() / 2, 2)`.
+    pub fn lse_pairs(data: &'a [f32]) -> Result<Self> {
+        Self::new(data, &[pairs_rows(data.len())?, 2])
     }
 
     /// A contiguous view of bf16 or fp16 data given as `u16` bit patterns; `dtype` must be
@@ -374,6 +392,14 @@ impl<'a> TensorMut<'a> {
     /// A 0-D (scalar) view of one value (e.g. a reduced loss).
     pub fn scalar<T: Element>(value: &'a mut T) -> Self {
         Self::new(std::slice::from_mut(value), &[]).expect("a scalar view always fits")
+    }
+
+    /// An lse output in its pair form: the `[N, 2]` view of `data`, N = `data.len() / 2`, into which the
+    /// library writes each row's (m, l), lse = m + l (see [`crate::CeOutputs::lse`]); an odd length is
+    /// `SHAPE_MISMATCH`. The same as [`TensorMut::matrix`]`(data, data.len() / 2, 2)`.
+    pub fn lse_pairs(data: &'a mut [f32]) -> Result<Self> {
+        let rows = pairs_rows(data.len())?;
+        Self::new(data, &[rows, 2])
     }
 
     /// A contiguous view of bf16 or fp16 data as `u16` bit patterns (`dtype` BF16 or F16).
