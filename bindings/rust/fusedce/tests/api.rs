@@ -226,7 +226,8 @@ fn bad_inputs_return_the_right_status_and_a_message() {
 fn vocab_parallel_bad_inputs() {
     let h = cpu();
     let k = fusedce::cross_entropy_record_fields(&CeOptions::default()).unwrap();
-    assert_eq!(k, 7);
+    assert_eq!(k, 9);
+    assert_eq!(k, fusedce::sys::FCE_CE_RECORD_FIELDS_ALL as usize);
     let (n, v) = (2, 3);
     let x = [0.5f32; 6];
     let t = [0i64, 4];
@@ -253,12 +254,12 @@ fn vocab_parallel_bad_inputs() {
         Status::INVALID_ARGUMENT,
         "vocab_total",
     );
-    // ... with vocab_start inside [0, vocab_total),
+    // ... with vocab_start inside [0, vocab_total] (vocab_total itself: a shard of padding alone),
     expect_err(
         h.cross_entropy_partial(
             &xm,
             &TensorRef::vector(&t),
-            &CeOptions::new().vocab_start(6).vocab_total(6),
+            &CeOptions::new().vocab_start(7).vocab_total(6),
             &mut TensorMut::matrix(&mut rec, n, k).unwrap(),
         ),
         Status::INVALID_ARGUMENT,

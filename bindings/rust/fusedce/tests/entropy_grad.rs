@@ -17,10 +17,6 @@ fn cpu() -> Handle {
     Handle::cpu().expect("CPU handle")
 }
 
-fn bits_of(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|v| v.to_bits()).collect()
-}
-
 /// Every element within `rel`·max|want| of `want` (the fp32 bound of a gradient whose small entries
 /// are sums of cancelling terms); `max|want|` must be positive, so the check is never vacuous.
 fn assert_close_to_max(what: &str, got: &[f64], want: &[f64], rel: f64) {
@@ -287,27 +283,30 @@ fn fused_and_bwd_ex_entropy_gradient() {
         let xm = TensorRef::matrix(&c.x, n, v).unwrap();
         let tv = TensorRef::vector(&c.targets);
         let mut loss = vec![f32::NAN; if c.reduction == Reduction::None { n } else { 1 }];
+        // The fused forward saves the lse's pairs [N, 2] (the form whose backward has the fused bits);
+        // a second forward the [N] lse.
+        let mut pairs = vec![f32::NAN; 2 * n];
         let mut lse = vec![f32::NAN; n];
         let mut ent = vec![f32::NAN; n];
         let mut fused = vec![f32::NAN; n * v];
-        {
+        for with_pairs in [true, false] {
             let lv = if c.reduction == Reduction::None {
                 TensorMut::vector(&mut loss)
             } else {
                 TensorMut::scalar(&mut loss[0])
             };
-            h.cross_entropy_fwd(
-                &xm,
-                &tv,
-                &opts,
-                &mut CeOutputs::new(lv)
-                    .lse(TensorMut::vector(&mut lse))
+            let out = CeOutputs::new(lv);
+            let mut out = if with_pairs {
+                out.lse(TensorMut::lse_pairs(&mut pairs).unwrap())
                     .entropy(TensorMut::vector(&mut ent))
                     .dlogits(TensorMut::matrix(&mut fused, n, v).unwrap())
                     .grad_loss(c.gl_view())
-                    .grad_entropy(c.ge_view()),
-            )
-            .unwrap_or_else(|e| panic!("{}: fused forward: {}", c.name, e));
+                    .grad_entropy(c.ge_view())
+            } else {
+                out.lse(TensorMut::vector(&mut lse))
+            };
+            h.cross_entropy_fwd(&xm, &tv, &opts, &mut out)
+                .unwrap_or_else(|e| panic!("{}: forward (pairs {}): {}", c.name, with_pairs, e));
         }
         let xd = widen(&c.x);
         let rows = c.rows(&xd);
@@ -318,6 +317,13 @@ fn fused_and_bwd_ex_entropy_gradient() {
             &rows.iter().map(|r| r.lse).collect::<Vec<_>>(),
             1e-6,
             1e-6,
+        );
+        assert_close(
+            &format!("{} lse of the pairs", c.name),
+            &widen(&fusedce::lse_from_pairs(&pairs, 1.0).unwrap()),
+            &widen(&lse),
+            0.0,
+            3e-7,
         );
         assert_close(
             &format!("{} entropy", c.name),
@@ -343,14 +349,21 @@ fn fused_and_bwd_ex_entropy_gradient() {
             assert_eq!(fused[3], 0.0, "a -inf logit gets 0");
         }
 
-        // bwd_ex from the forward's lse and entropy: the fused bits.
-        let lse_v = TensorRef::vector(&lse);
+        // bwd_ex from the forward's lse pairs and entropy: the fused bits.
+        let lse_v = TensorRef::lse_pairs(&pairs).unwrap();
         let ent_v = TensorRef::vector(&ent);
         let inputs = CeBwdInputs::new(lse_v).grad_loss(c.gl_view()).entropy(ent_v).grad_entropy(c.ge_view());
         let mut dx = vec![f32::NAN; n * v];
         h.cross_entropy_bwd_ex(&xm, &tv, &inputs, &opts, &mut TensorMut::matrix(&mut dx, n, v).unwrap())
             .unwrap_or_else(|e| panic!("{}: bwd_ex: {}", c.name, e));
         assert_eq!(bits_of(&dx), bits_of(&fused), "{}: bwd_ex vs fused", c.name);
+        // From the [N] lse: each p_j carries the fp32 lse's rounding (small logits here: within fp32's
+        // bound of the fused gradient).
+        let plain_inputs = CeBwdInputs { lse: TensorRef::vector(&lse), ..inputs };
+        let mut dx_n = vec![f32::NAN; n * v];
+        h.cross_entropy_bwd_ex(&xm, &tv, &plain_inputs, &opts, &mut TensorMut::matrix(&mut dx_n, n, v).unwrap())
+            .unwrap_or_else(|e| panic!("{}: bwd_ex from [N]: {}", c.name, e));
+        assert_close_to_max(&format!("{} bwd_ex from [N]", c.name), &widen(&dx_n), &widen(&fused), 1e-5);
         let mut y = c.x.clone();
         h.cross_entropy_bwd_ex_in_place(&mut TensorMut::matrix(&mut y, n, v).unwrap(), &tv, &inputs, &opts).unwrap();
         assert_eq!(bits_of(&y), bits_of(&fused), "{}: bwd_ex in place", c.name);

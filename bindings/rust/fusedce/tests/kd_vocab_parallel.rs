@@ -73,7 +73,7 @@ fn sharded_kd_matches_the_unsharded_kd_loss() {
     let (n, v) = (7, 53);
     let k = KD_RECORD_FIELDS;
     let ks = KD_ROW_STATS_FIELDS;
-    assert_eq!((k, ks), (5, 5));
+    assert_eq!((k, ks), (7, 5));
     let mut rng = Rng::new(53);
     let mut s = rng.f32s(n * v, -4.0, 4.0);
     let mut te = rng.f32s(n * v, -5.0, 3.0);
@@ -140,7 +140,7 @@ fn sharded_kd_matches_the_unsharded_kd_loss() {
                 let ss: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_cols(&s, n, v, r)).collect();
                 let ts: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_cols(&te, n, v, r)).collect();
 
-                // 1. partial per rank, written straight into its slot of the stacked [W, N, 5] records.
+                // 1. partial per rank, written straight into its slot of the stacked [W, N, 7] records.
                 let mut records = vec![UNWRITTEN; w * n * k];
                 for (r, rec) in records.chunks_mut(n * k).enumerate() {
                     h.kd_partial(
@@ -153,6 +153,11 @@ fn sharded_kd_matches_the_unsharded_kd_loss() {
                 }
                 assert!(records.iter().all(|&x| x != UNWRITTEN), "{}", what("records left unwritten"));
                 assert!(records.iter().all(|x| !x.is_nan()), "{}", what("NaN in the records (padding read?)"));
+                // Fields 5-6: the shard's column range [vocab_start, end), padding excluded.
+                for (r, rec) in records.chunks(n * k).enumerate() {
+                    let want = (lay.starts[r] as i64, (lay.starts[r] + lay.widths[r]) as i64);
+                    assert!(rec.chunks(k).all(|f| range_of(f, 5) == want), "{}", what("records' ranges"));
+                }
 
                 // 3. combine, loss and row statistics; every rank's call (its own vocab_start, not read)
                 // gives the same bits.
@@ -392,9 +397,10 @@ fn sharded_kd_bad_inputs() {
         Status::INVALID_ARGUMENT,
         "vocab_total",
     );
-    // ... with vocab_start inside [0, vocab_total) (vocab_start reaches the library),
+    // ... with vocab_start inside [0, vocab_total] (vocab_start reaches the library; vocab_total itself is
+    // a shard of padding alone),
     expect_err(
-        h.kd_partial(&sm, &teacher, &shard.vocab_start(vt), &mut TensorMut::matrix(&mut rec, n, k).unwrap()),
+        h.kd_partial(&sm, &teacher, &shard.vocab_start(vt + 1), &mut TensorMut::matrix(&mut rec, n, k).unwrap()),
         Status::INVALID_ARGUMENT,
         "vocab_start",
     );
@@ -432,7 +438,7 @@ fn sharded_kd_bad_inputs() {
         Status::SHAPE_MISMATCH,
         "topk_ids",
     );
-    // ... and records [N, 5].
+    // ... and records [N, 7].
     expect_err(
         h.kd_partial(&sm, &teacher, &shard, &mut TensorMut::matrix(&mut rec[..n * (k - 1)], n, k - 1).unwrap()),
         Status::SHAPE_MISMATCH,
@@ -444,8 +450,12 @@ fn sharded_kd_bad_inputs() {
     assert!((0..n).all(|i| rec[i * k + 4].is_nan()), "top-K records {:?}", rec);
     h.kd_partial(&sm, &teacher, &shard, &mut TensorMut::matrix(&mut rec, n, k).unwrap()).unwrap();
     assert!(rec.iter().all(|&r| r != -1.0 && r.is_finite()), "records {:?}", rec);
+    // The same logits as the shard [0, 3) before it: the two tile [0, 6), as a combine's records must.
+    let mut rec0 = vec![-1f32; n * k];
+    h.kd_partial(&sm, &teacher, &shard.vocab_start(0), &mut TensorMut::matrix(&mut rec0, n, k).unwrap()).unwrap();
+    let tiled = [rec0, rec.clone()].concat();
 
-    // The combine takes [W, N, 5] records, 3-D ...
+    // The combine takes [W, N, 7] records, 3-D ...
     expect_err(
         h.kd_combine(&TensorRef::matrix(&rec, n, k).unwrap(), None, &shard, &mut TensorMut::scalar(&mut loss), None),
         Status::SHAPE_MISMATCH,
@@ -460,8 +470,20 @@ fn sharded_kd_bad_inputs() {
     );
     assert_eq!(loss, -1.0, "a failed call wrote the loss");
     let mut stats = vec![0f32; n * KD_ROW_STATS_FIELDS];
+    // One shard's records alone do not tile the vocabulary: a NaN loss and statistics (no error status;
+    // forward KL's A, field 4, is its constant -1 whatever the records).
     h.kd_combine(
         &rec3,
+        None,
+        &shard,
+        &mut TensorMut::scalar(&mut loss),
+        Some(&mut TensorMut::matrix(&mut stats, n, KD_ROW_STATS_FIELDS).unwrap()),
+    )
+    .unwrap();
+    let nan_stats = stats.chunks(KD_ROW_STATS_FIELDS).all(|r| r[..4].iter().all(|x| x.is_nan()));
+    assert!(loss.is_nan() && nan_stats, "loss {} row_stats {:?}", loss, stats);
+    h.kd_combine(
+        &TensorRef::new(&tiled, &[2, n, k]).unwrap(),
         None,
         &shard,
         &mut TensorMut::scalar(&mut loss),
@@ -549,7 +571,7 @@ fn jsd_dz(b: f64, s: &[f64], te: &[f64], t: f64) -> Vec<f64> {
 }
 
 /// Steps 1 and 2: each rank's `kd_partial` with teacher logits, written into its slot of the stacked
-/// `[W, N, 5]` records.
+/// `[W, N, 7]` records.
 fn gathered_partials(
     h: &Handle,
     lay: &Layout,
@@ -589,7 +611,7 @@ fn gathered_partials_with<'t>(
 }
 
 /// Steps 3a and 3b: each rank's `kd_terms_partial` with teacher logits from the rows' statistics `stats`
-/// `[N, 5]`, written into its slot of the stacked `[W, N, 3]` records of the terms.
+/// `[N, 5]`, written into its slot of the stacked `[W, N, 5]` records of the terms.
 fn gathered_terms(
     h: &Handle,
     lay: &Layout,
@@ -633,8 +655,8 @@ fn gathered_terms_with<'t>(
     records
 }
 
-/// Checks each shard's terms' records `[W, N, 3]` against the float64 sums of the element terms over the
-/// shard's real columns (every row: the partial call has no targets).
+/// Checks each shard's terms' records `[W, N, 5]` against the float64 sums of the element terms over the
+/// shard's real columns (every row: the partial call has no targets), and their column ranges.
 #[allow(clippy::too_many_arguments)]
 fn check_terms(what: &str, lay: &Layout, trec: &[f32], div: Div, sd: &[f64], td: &[f64], n: usize, v: usize, t: f64) {
     let kt = KD_TERMS_RECORD_FIELDS;
@@ -642,9 +664,11 @@ fn check_terms(what: &str, lay: &Layout, trec: &[f32], div: Div, sd: &[f64], td:
         let (l, a) = elem_terms(div, row(sd, v, i), row(td, v, i), t);
         for r in 0..lay.ranks() {
             let cols = lay.starts[r]..lay.starts[r] + lay.widths[r];
-            let want = [l[cols.clone()].iter().sum::<f64>(), a[cols].iter().sum::<f64>(), -1.0];
+            let want = [l[cols.clone()].iter().sum::<f64>(), a[cols.clone()].iter().sum::<f64>(), -1.0];
             let got = &trec[(r * n + i) * kt..(r * n + i + 1) * kt];
-            assert_close(&format!("{}: terms' record shard {} row {}", what, r, i), &widen(got), &want, 1e-6, 1e-5);
+            let what = format!("{}: terms' record shard {} row {}", what, r, i);
+            assert_close(&what, &widen(&got[..3]), &want, 1e-6, 1e-5);
+            assert_eq!(range_of(got, 3), (cols.start as i64, cols.end as i64), "{}: range", what);
         }
     }
 }
@@ -653,7 +677,7 @@ fn check_terms(what: &str, lay: &Layout, trec: &[f32], div: Div, sd: &[f64], td:
 fn sharded_jsd_matches_float64_and_the_unsharded_kd_loss() {
     let (n, v) = (7, 53);
     let (k, ks, kt) = (KD_RECORD_FIELDS, KD_ROW_STATS_FIELDS, KD_TERMS_RECORD_FIELDS);
-    assert_eq!(kt, 3);
+    assert_eq!(kt, 5);
     let mut rng = Rng::new(55);
     let mut s = rng.f32s(n * v, -4.0, 4.0);
     let mut te = rng.f32s(n * v, -5.0, 3.0);
@@ -759,7 +783,7 @@ fn sharded_jsd_matches_float64_and_the_unsharded_kd_loss() {
             let ss: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_cols(&s, n, v, r)).collect();
             let ts: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_cols(&te, n, v, r)).collect();
 
-            // 1-2. the records of every shard (JSD's: the forward-KL record), stacked [W, N, 5].
+            // 1-2. the records of every shard (JSD's: the forward-KL record), stacked [W, N, 7].
             let records = gathered_partials(&h, lay, &ss, &ts, n, &shard_opts);
             let rec = TensorRef::new(&records, &[w, n, k]).unwrap();
 
@@ -795,7 +819,7 @@ fn sharded_jsd_matches_float64_and_the_unsharded_kd_loss() {
                 );
             }
 
-            // 3a-3b. each shard's sums of the terms, stacked [W, N, 3].
+            // 3a-3b. each shard's sums of the terms, stacked [W, N, 5].
             let trecords = gathered_terms(&h, lay, &ss, &ts, stats0, n, &shard_opts);
             assert!(trecords.iter().all(|x| !x.is_nan()), "{}", what("NaN in the terms' records (padding read?)"));
             check_terms(&what("JSD"), lay, &trecords, Div::Jsd(b), &sd, &td, n, v, tt);
@@ -990,7 +1014,11 @@ fn sharded_jsd_bad_inputs() {
     h.kd_partial(&sm, &topk, &jsd, &mut TensorMut::matrix(&mut rec, n, k).unwrap()).unwrap();
     assert!(!poisoned(&rec), "kd_partial of a top-K teacher wrote no records");
     h.kd_partial(&sm, &teacher, &jsd, &mut TensorMut::matrix(&mut rec, n, k).unwrap()).unwrap();
-    let rec3 = TensorRef::new(&rec, &[1, n, k]).unwrap();
+    // With the same logits as the shard [0, 3) before it, the records tile [0, 6) as a combine needs.
+    let mut rec0 = vec![POISON; n * k];
+    h.kd_partial(&sm, &teacher, &jsd.vocab_start(0), &mut TensorMut::matrix(&mut rec0, n, k).unwrap()).unwrap();
+    let tiled = [rec0, rec.clone()].concat();
+    let rec3 = TensorRef::new(&tiled, &[2, n, k]).unwrap();
 
     // JSD's combine refuses a loss (it comes from the terms' combine), with or without the statistics.
     let mut loss = POISON;
@@ -1045,7 +1073,7 @@ fn sharded_jsd_bad_inputs() {
     }
     let rs = TensorRef::matrix(&stats, n, ks).unwrap();
 
-    // The terms' partial: records [N, 3], statistics [N, 5], a teacher of the right shape, a shard.
+    // The terms' partial: records [N, 5], statistics [N, 5], a teacher of the right shape, a shard.
     let mut trec = vec![POISON; n * kt];
     let mut wide = vec![POISON; n * k];
     expect_err(
@@ -1085,10 +1113,17 @@ fn sharded_jsd_bad_inputs() {
     // A top-K teacher's terms (no longer NOT_IMPLEMENTED): ids 0-2 are not in this shard [3, 6), so no slot.
     let mut topk_trec = vec![POISON; n * kt];
     h.kd_terms_partial(&sm, &topk, &rs, &jsd, &mut TensorMut::matrix(&mut topk_trec, n, kt).unwrap()).unwrap();
-    assert_eq!(topk_trec, vec![0.0; n * kt], "top-K terms' records of a shard without its ids");
-    let trec3 = TensorRef::new(&trec, &[1, n, kt]).unwrap();
+    // (Fields 3-4: the shard's column range [3, 6).)
+    let range = |r: &[f32]| [r[3].to_bits(), r[4].to_bits()];
+    assert!(topk_trec.chunks(kt).all(|r| r[..3] == [0.0; 3] && range(r) == [3, 6]), "{:?}", topk_trec);
+    assert!(trec.chunks(kt).all(|r| range(r) == [3, 6]), "terms' records' range {:?}", trec);
+    let mut trec0 = vec![POISON; n * kt];
+    h.kd_terms_partial(&sm, &teacher, &rs, &jsd.vocab_start(0), &mut TensorMut::matrix(&mut trec0, n, kt).unwrap())
+        .unwrap();
+    let ttiled = [trec0, trec.clone()].concat();
+    let trec3 = TensorRef::new(&ttiled, &[2, n, kt]).unwrap();
 
-    // The terms' combine: [W, N, 3] records, 3-D, a shard's options, the statistics [N, 5] ...
+    // The terms' combine: [W, N, 5] records, 3-D, a shard's options, the statistics [N, 5] ...
     let stats_before = stats.clone();
     expect_err(
         h.kd_terms_combine(
@@ -1422,7 +1457,7 @@ fn sharded_topk_teacher_matches_float64_and_the_unsharded_kd_loss() {
                         }
                     }
 
-                    // 3a-3b. each shard's sums of the terms over its slots, and their number, [W, N, 3].
+                    // 3a-3b. each shard's sums of the terms over its slots, and their number, [W, N, 5].
                     let trecords = gathered_terms_with(&h, lay, &ss, &|_| topk, stats0, n, &shard_opts);
                     for i in 0..n {
                         let refs = topk_log_probs(row(&sd, v, i), row_ids(i), row_lp(i), tt, renorm);

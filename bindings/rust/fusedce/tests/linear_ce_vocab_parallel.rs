@@ -167,7 +167,7 @@ fn sharded_linear_ce_matches_the_unsharded_call() {
             let ws: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_rows(&weight, hd, r, f32::NAN)).collect();
             let bs: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_rows(&bias, 1, r, f32::NAN)).collect();
             let k = fusedce::cross_entropy_record_fields(&shard_opts(0)).unwrap();
-            assert_eq!(k, 7);
+            assert_eq!(k, 9);
 
             // 1. partial per rank, written straight into its slot of the stacked [W, N, K] records.
             let mut records = vec![UNWRITTEN; w * n * k];
@@ -184,6 +184,10 @@ fn sharded_linear_ce_matches_the_unsharded_call() {
             }
             assert!(records.iter().all(|&x| x != UNWRITTEN), "{}", what("records left unwritten"));
             assert!(records.iter().all(|x| !x.is_nan()), "{}", what("NaN in the records (padding read?)"));
+            for (r, rec) in records.chunks(n * k).enumerate() {
+                let want = (lay.starts[r] as i64, (lay.starts[r] + lay.widths[r]) as i64);
+                assert!(rec.chunks(k).all(|f| range_of(f, 4) == want), "{}", what("records' column ranges"));
+            }
 
             // The same records through a caller workspace of the queried size (the last rank's).
             let last = w - 1;
@@ -242,8 +246,20 @@ fn sharded_linear_ce_matches_the_unsharded_call() {
             if per_row {
                 assert_eq!(closs[ignored], 0.0, "{}", what("ignored row's loss"));
             }
+            // The combined lse's pairs [N, 2], which the shards' backward takes.
+            let mut cpairs = vec![f32::NAN; 2 * n];
+            let mut closs2 = vec![0f32; loss_len];
+            h.cross_entropy_combine(
+                &TensorRef::new(&records, &[w, n, k]).unwrap(),
+                &tv,
+                &shard_opts(0),
+                &mut CeOutputs::new(loss_view(per_row, &mut closs2)).lse(TensorMut::lse_pairs(&mut cpairs).unwrap()),
+            )
+            .unwrap();
+            let pair_lse = fusedce::lse_from_pairs(&cpairs, 1.0).unwrap();
+            assert_close(&what("lse of the pairs"), &widen(&pair_lse), &widen(&clse), 0.0, 3e-7);
 
-            // 4. each shard's backward from the combined lse (and entropy): its dweight and dbias rows,
+            // 4. each shard's backward from the combined lse's pairs (and entropy): its dweight and dbias rows,
             // 0 in the padding (the outputs start at 7 so that unwritten elements show), and its fp32
             // part of dhidden, summed over the ranks.
             let mut dh_sum = vec![0f64; n * hd];
@@ -265,7 +281,7 @@ fn sharded_linear_ce_matches_the_unsharded_call() {
                     &TensorRef::matrix(&ws[r], rows, hd).unwrap(),
                     Some(&TensorRef::vector(&bs[r])),
                     &tv,
-                    &TensorRef::vector(&clse),
+                    &TensorRef::lse_pairs(&cpairs).unwrap(),
                     &shard_opts(r),
                     &mut grads,
                 )
@@ -377,14 +393,15 @@ fn sharded_linear_ce_bf16() {
         .unwrap();
     }
     let mut closs = 0f32;
-    let mut clse = vec![0f32; n];
+    let mut cpairs = vec![0f32; 2 * n];
     h.cross_entropy_combine(
         &TensorRef::new(&records, &[w, n, k]).unwrap(),
         &tv,
         &shard_opts(0),
-        &mut CeOutputs::new(TensorMut::scalar(&mut closs)).lse(TensorMut::vector(&mut clse)),
+        &mut CeOutputs::new(TensorMut::scalar(&mut closs)).lse(TensorMut::lse_pairs(&mut cpairs).unwrap()),
     )
     .unwrap();
+    let clse = fusedce::lse_from_pairs(&cpairs, 1.0).unwrap();
     assert_close("bf16 loss", &[closs as f64], &[loss as f64], 1e-6, 1e-4);
     assert_close("bf16 lse", &widen(&clse), &widen(&lse), 1e-6, 1e-4);
 
@@ -398,7 +415,7 @@ fn sharded_linear_ce_bf16() {
             &TensorRef::from_bits(wr, DType::BF16, &[rows, hd]).unwrap(),
             None,
             &tv,
-            &TensorRef::vector(&clse),
+            &TensorRef::lse_pairs(&cpairs).unwrap(),
             &shard_opts(r),
             &mut LinearCeGrads::new()
                 .dhidden(TensorMut::matrix(&mut dhp, n, hd).unwrap())
@@ -491,14 +508,14 @@ fn sharded_linear_ce_bad_inputs() {
         )
         .unwrap_err();
     assert_eq!(e.status(), Status::INVALID_ARGUMENT, "{}", e);
-    // ... with vocab_start inside [0, vocab_total) ...
+    // ... with vocab_start inside [0, vocab_total] (vocab_total itself: a shard of padding alone) ...
     expect_err(
         h.linear_cross_entropy_partial(
             &hm,
             &wm,
             None,
             &tv,
-            &shard.vocab_start(vt),
+            &shard.vocab_start(vt + 1),
             &mut TensorMut::matrix(&mut rec, n, k).unwrap(),
         ),
         Status::INVALID_ARGUMENT,

@@ -1,7 +1,8 @@
 //! Vocabulary-parallel logsumexp (`logsumexp_partial`, `logsumexp_combine`) and a shard's temperature
 //! softmax (`temp_softmax` with `SoftmaxOptions::vocab_start` / `vocab_total` / `lse`) on the CPU backend:
 //! logits split into shards (uneven, and equal-width with a NaN-padded last shard), records stacked in rank
-//! order, combined, and each shard's probabilities from the combined lse, against the unsharded
+//! order, combined (into the lse `[N]` and its pairs `[N, 2]`), and each shard's probabilities from the
+//! combined lse in both forms, against the unsharded
 //! `logsumexp` and `temp_softmax` (themselves checked here against float64 references); the special rows
 //! (NaN, +inf, all −inf); then the statuses of bad inputs.
 #[path = "support/reference.rs"]
@@ -32,7 +33,7 @@ const UNWRITTEN: f32 = -7.25e30;
 fn sharded_lse_and_softmax_match_the_unsharded_calls() {
     let (n, v) = (6, 47);
     let k = LSE_RECORD_FIELDS;
-    assert_eq!(k, 2);
+    assert_eq!(k, 6);
     let t = 0.8f32;
     let scale = 1.0 / t; // fp32, as the caller would pass it; the shard's softmax multiplies by 1/T in fp32
     let mut rng = Rng::new(47);
@@ -85,7 +86,7 @@ fn sharded_lse_and_softmax_match_the_unsharded_calls() {
             |r: usize| LseOptions::new().scale(scale).vocab_start(lay.starts[r] as i64).vocab_total(v as i64);
         let xs: Vec<Vec<f32>> = (0..w).map(|r| lay.shard_cols(&x, n, v, r)).collect();
 
-        // 1. partial per rank, written straight into its slot of the stacked [W, N, 2] records.
+        // 1. partial per rank, written straight into its slot of the stacked [W, N, 6] records.
         let mut records = vec![UNWRITTEN; w * n * k];
         for (r, rec) in records.chunks_mut(n * k).enumerate() {
             h.logsumexp_partial(
@@ -97,18 +98,23 @@ fn sharded_lse_and_softmax_match_the_unsharded_calls() {
         }
         assert!(records.iter().all(|&a| a != UNWRITTEN), "{}", what("records left unwritten"));
         assert!(records.iter().all(|a| !a.is_nan()), "{}", what("NaN in the records (padding read?)"));
-        // The records against float64 (the header's fields): 0 m = max s·x, 1 Σ exp(s·x − m); a shard of
-        // all -inf gives m = -inf, d = 0.
+        // The records against float64 (the header's fields): 0 m = the raw max of x, 1 Σ exp((x − m)·s),
+        // 2-3 the shard's column range, 4 the scale s, 5 vocab_total (int32 bits); a shard of all -inf
+        // gives m = -inf, d = 0.
         for r in 0..w {
             for i in 0..n {
-                let zs = &z[i * v + lay.starts[r]..i * v + lay.starts[r] + lay.widths[r]];
-                let m = zs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let d = if m == f64::NEG_INFINITY { 0.0 } else { zs.iter().map(|&a| (a - m).exp()).sum() };
-                let got = widen(&records[(r * n + i) * k..(r * n + i + 1) * k]);
-                assert_close(&what(&format!("record of rank {} row {}", r, i)), &got, &[m, d], 1e-6, 1e-6);
+                let xs = &xd[i * v + lay.starts[r]..i * v + lay.starts[r] + lay.widths[r]];
+                let m = xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let d =
+                    if m == f64::NEG_INFINITY { 0.0 } else { xs.iter().map(|&a| ((a - m) * scale as f64).exp()).sum() };
+                let f = &records[(r * n + i) * k..(r * n + i + 1) * k];
+                let rw = what(&format!("record of rank {} row {}", r, i));
+                assert_close(&rw, &widen(&f[..2]), &[m, d], 1e-6, 1e-6);
+                assert_eq!(range_of(f, 2), (lay.starts[r] as i64, (lay.starts[r] + lay.widths[r]) as i64), "{}", rw);
+                assert_eq!((f[4], f[5].to_bits()), (scale, v as u32), "{}: scale and vocab_total", rw);
             }
         }
-        assert_eq!(&records[neutral * k..(neutral + 1) * k], &[f32::NEG_INFINITY, 0.0], "{}", what("neutral record"));
+        assert_eq!(&records[neutral * k..neutral * k + 2], &[f32::NEG_INFINITY, 0.0], "{}", what("neutral record"));
 
         // 3. combine -> the lse of the whole rows, reproducible bit for bit.
         let rec = TensorRef::new(&records, &[w, n, k]).unwrap();
@@ -119,71 +125,88 @@ fn sharded_lse_and_softmax_match_the_unsharded_calls() {
         assert_eq!(bits(&again), bits(&lse), "{}", what("combine not reproducible"));
         assert_close(&what("lse vs unsharded logsumexp"), &widen(&lse), &widen(&lse_ref), 1e-6, 1e-6);
         assert_close(&what("lse vs float64"), &widen(&lse), &lse64, 1e-6, 1e-6);
-
-        // 4. each shard's softmax from that lse: its columns of the unsharded temp_softmax; padding exactly
-        // 0 / -inf (the outputs start at UNWRITTEN so that unwritten elements show).
-        let lse_t = TensorRef::vector(&lse);
-        let mut total = vec![0f64; n];
-        for (r, shard) in xs.iter().enumerate() {
-            let (st, wd, c) = (lay.starts[r], lay.widths[r], lay.cols(r));
-            let logits = TensorRef::matrix(shard, n, c).unwrap();
-            let opts = SoftmaxOptions::new().temperature(t).vocab_start(st as i64).vocab_total(v as i64).lse(lse_t);
-            let mut p = vec![UNWRITTEN; n * c];
-            let mut lp = vec![UNWRITTEN; n * c];
-            h.temp_softmax(
-                &logits,
-                &opts,
-                Some(&mut TensorMut::matrix(&mut p, n, c).unwrap()),
-                Some(&mut TensorMut::matrix(&mut lp, n, c).unwrap()),
-            )
-            .unwrap();
-            for i in 0..n {
-                let (pr, lpr) = (&p[i * c..(i + 1) * c], &lp[i * c..(i + 1) * c]);
-                let row = format!("shard {} row {}", r, i);
-                assert_close(
-                    &what(&format!("{} probs", row)),
-                    &widen(&pr[..wd]),
-                    &widen(&p_ref[i * v + st..i * v + st + wd]),
-                    1e-7,
-                    1e-5,
-                );
-                assert_close(
-                    &what(&format!("{} logprobs", row)),
-                    &widen(&lpr[..wd]),
-                    &widen(&lp_ref[i * v + st..i * v + st + wd]),
-                    1e-5,
-                    1e-5,
-                );
-                assert!(pr[wd..].iter().all(|&a| a == 0.0), "{}: padding probs {:?}", what(&row), &pr[wd..]);
-                assert!(
-                    lpr[wd..].iter().all(|&a| a == f32::NEG_INFINITY),
-                    "{}: padding logprobs {:?}",
-                    what(&row),
-                    &lpr[wd..]
-                );
-                total[i] += pr[..wd].iter().map(|&a| a as f64).sum::<f64>();
-            }
-            if r == 0 {
-                let row = &p[neutral * c..(neutral + 1) * c];
-                assert!(row.iter().all(|&a| a == 0.0), "{}", what("the -inf shard's probabilities"));
-            }
-
-            // One output at a time: the same bits.
-            let mut p1 = vec![UNWRITTEN; n * c];
-            h.temp_softmax(&logits, &opts, Some(&mut TensorMut::matrix(&mut p1, n, c).unwrap()), None).unwrap();
-            assert_eq!(bits(&p1), bits(&p), "{}", what(&format!("shard {} probs alone", r)));
-            let mut lp1 = vec![UNWRITTEN; n * c];
-            h.temp_softmax(&logits, &opts, None, Some(&mut TensorMut::matrix(&mut lp1, n, c).unwrap())).unwrap();
-            assert_eq!(bits(&lp1), bits(&lp), "{}", what(&format!("shard {} logprobs alone", r)));
-
-            // A shard's softmax is one elementwise pass: no workspace.
-            let ws = h
-                .temp_softmax_workspace_size(&logits, &opts, Some(&mut TensorMut::matrix(&mut p1, n, c).unwrap()), None)
-                .unwrap();
-            assert_eq!(ws, 0, "{}", what("shard softmax workspace"));
+        // ... and its pairs (M, log D), lse = s·M + log D, M the rows' raw max.
+        let mut pairs = vec![UNWRITTEN; 2 * n];
+        h.logsumexp_combine(&rec, &mut TensorMut::lse_pairs(&mut pairs).unwrap()).unwrap();
+        let pair_lse = fusedce::lse_from_pairs(&pairs, scale).unwrap();
+        assert_close(&what("lse of the pairs"), &widen(&pair_lse), &widen(&lse), 0.0, 3e-7);
+        for i in 0..n {
+            let m = xd[i * v..(i + 1) * v].iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            assert_eq!(pairs[2 * i] as f64, m, "{}", what(&format!("row {}'s pair: the raw max", i)));
         }
-        // The shards' probabilities make up whole distributions.
-        assert_close(&what("Σ probs over the shards"), &total, &vec![1.0; n], 1e-5, 0.0);
+
+        // 4. each shard's softmax from that lse, its pairs and its [N] form: its columns of the unsharded
+        // temp_softmax; padding exactly 0 / -inf (the outputs start at UNWRITTEN so that unwritten
+        // elements show).
+        for (from_pairs, lse_t) in [(true, TensorRef::lse_pairs(&pairs).unwrap()), (false, TensorRef::vector(&lse))] {
+            let what = |s: &str| format!("{} (lse pairs {}): {}", lay.name, from_pairs, s);
+            let mut total = vec![0f64; n];
+            for (r, shard) in xs.iter().enumerate() {
+                let (st, wd, c) = (lay.starts[r], lay.widths[r], lay.cols(r));
+                let logits = TensorRef::matrix(shard, n, c).unwrap();
+                let opts = SoftmaxOptions::new().temperature(t).vocab_start(st as i64).vocab_total(v as i64).lse(lse_t);
+                let mut p = vec![UNWRITTEN; n * c];
+                let mut lp = vec![UNWRITTEN; n * c];
+                h.temp_softmax(
+                    &logits,
+                    &opts,
+                    Some(&mut TensorMut::matrix(&mut p, n, c).unwrap()),
+                    Some(&mut TensorMut::matrix(&mut lp, n, c).unwrap()),
+                )
+                .unwrap();
+                for i in 0..n {
+                    let (pr, lpr) = (&p[i * c..(i + 1) * c], &lp[i * c..(i + 1) * c]);
+                    let row = format!("shard {} row {}", r, i);
+                    assert_close(
+                        &what(&format!("{} probs", row)),
+                        &widen(&pr[..wd]),
+                        &widen(&p_ref[i * v + st..i * v + st + wd]),
+                        1e-7,
+                        1e-5,
+                    );
+                    assert_close(
+                        &what(&format!("{} logprobs", row)),
+                        &widen(&lpr[..wd]),
+                        &widen(&lp_ref[i * v + st..i * v + st + wd]),
+                        1e-5,
+                        1e-5,
+                    );
+                    assert!(pr[wd..].iter().all(|&a| a == 0.0), "{}: padding probs {:?}", what(&row), &pr[wd..]);
+                    assert!(
+                        lpr[wd..].iter().all(|&a| a == f32::NEG_INFINITY),
+                        "{}: padding logprobs {:?}",
+                        what(&row),
+                        &lpr[wd..]
+                    );
+                    total[i] += pr[..wd].iter().map(|&a| a as f64).sum::<f64>();
+                }
+                if r == 0 {
+                    let row = &p[neutral * c..(neutral + 1) * c];
+                    assert!(row.iter().all(|&a| a == 0.0), "{}", what("the -inf shard's probabilities"));
+                }
+
+                // One output at a time: the same bits.
+                let mut p1 = vec![UNWRITTEN; n * c];
+                h.temp_softmax(&logits, &opts, Some(&mut TensorMut::matrix(&mut p1, n, c).unwrap()), None).unwrap();
+                assert_eq!(bits(&p1), bits(&p), "{}", what(&format!("shard {} probs alone", r)));
+                let mut lp1 = vec![UNWRITTEN; n * c];
+                h.temp_softmax(&logits, &opts, None, Some(&mut TensorMut::matrix(&mut lp1, n, c).unwrap())).unwrap();
+                assert_eq!(bits(&lp1), bits(&lp), "{}", what(&format!("shard {} logprobs alone", r)));
+
+                // A shard's softmax is one elementwise pass: no workspace.
+                let ws = h
+                    .temp_softmax_workspace_size(
+                        &logits,
+                        &opts,
+                        Some(&mut TensorMut::matrix(&mut p1, n, c).unwrap()),
+                        None,
+                    )
+                    .unwrap();
+                assert_eq!(ws, 0, "{}", what("shard softmax workspace"));
+            }
+            // The shards' probabilities make up whole distributions.
+            assert_close(&what("Σ probs over the shards"), &total, &vec![1.0; n], 1e-5, 0.0);
+        }
     }
 }
 
@@ -216,7 +239,7 @@ fn sharded_lse_special_rows() {
         .unwrap();
     }
     // Rank 0, row 1 (+inf): m = +inf, d = 1; rank 1, row 0: NaN.
-    assert_eq!(&records[k..2 * k], &[f32::INFINITY, 1.0]);
+    assert_eq!(&records[k..k + 2], &[f32::INFINITY, 1.0]);
     assert!(records[n * k].is_nan(), "NaN row's record {:?}", &records[n * k..n * k + k]);
     let mut lse = vec![UNWRITTEN; n];
     h.logsumexp_combine(&TensorRef::new(&records, &[lay.ranks(), n, k]).unwrap(), &mut TensorMut::vector(&mut lse))
@@ -225,6 +248,22 @@ fn sharded_lse_special_rows() {
     assert_eq!(lse[1], f32::INFINITY);
     assert_eq!(lse[2], f32::NEG_INFINITY);
     assert_close("finite row", &[lse[3] as f64], &[lse_ref[3] as f64], 1e-6, 1e-6);
+    // The pairs: (NaN, NaN), (+inf, 0), (-inf, 0), and the finite row's (M, log D).
+    let mut pairs = vec![UNWRITTEN; 2 * n];
+    h.logsumexp_combine(
+        &TensorRef::new(&records, &[lay.ranks(), n, k]).unwrap(),
+        &mut TensorMut::lse_pairs(&mut pairs).unwrap(),
+    )
+    .unwrap();
+    assert!(pairs[0].is_nan() && pairs[1].is_nan(), "NaN row's pair {:?}", &pairs[..2]);
+    assert_eq!(&pairs[2..6], &[f32::INFINITY, 0.0, f32::NEG_INFINITY, 0.0]);
+    assert_close(
+        "finite row's pair",
+        &widen(&fusedce::lse_from_pairs(&pairs[6..], 1.0).unwrap()),
+        &[lse[3] as f64],
+        0.0,
+        3e-7,
+    );
 }
 
 #[test]
@@ -250,9 +289,10 @@ fn sharded_lse_and_softmax_bad_inputs() {
         Status::INVALID_ARGUMENT,
         "vocab_total",
     );
-    // ... with vocab_start inside [0, vocab_total) (vocab_start reaches the library),
+    // ... with vocab_start inside [0, vocab_total] (vocab_start reaches the library; vocab_total itself is a
+    // shard of padding alone),
     expect_err(
-        h.logsumexp_partial(&xm, &shard.vocab_start(vt), &mut TensorMut::matrix(&mut rec, n, k).unwrap()),
+        h.logsumexp_partial(&xm, &shard.vocab_start(vt + 1), &mut TensorMut::matrix(&mut rec, n, k).unwrap()),
         Status::INVALID_ARGUMENT,
         "vocab_start",
     );
@@ -262,7 +302,7 @@ fn sharded_lse_and_softmax_bad_inputs() {
         Status::INVALID_ARGUMENT,
         "scale",
     );
-    // ... and records [N, 2].
+    // ... and records [N, 6].
     expect_err(
         h.logsumexp_partial(&xm, &shard, &mut TensorMut::matrix(&mut rec[..n], n, 1).unwrap()),
         Status::SHAPE_MISMATCH,
@@ -271,25 +311,55 @@ fn sharded_lse_and_softmax_bad_inputs() {
     assert!(rec.iter().all(|&a| a == -1.0), "a failed call wrote records");
     h.logsumexp_partial(&xm, &shard, &mut TensorMut::matrix(&mut rec, n, k).unwrap()).unwrap();
     assert!(rec.iter().all(|&a| a != -1.0), "records not written");
+    // With the same x as the shard [0, 3) before it, the records tile [0, 6) as a combine needs.
+    let mut rec0 = vec![-1f32; n * k];
+    h.logsumexp_partial(&xm, &shard.vocab_start(0), &mut TensorMut::matrix(&mut rec0, n, k).unwrap()).unwrap();
+    let tiled = [rec0, rec.clone()].concat();
 
-    // The combine takes [W, N, 2] records, 3-D ...
+    // The combine takes [W, N, 6] records, 3-D ...
     expect_err(
         h.logsumexp_combine(&TensorRef::matrix(&rec, n, k).unwrap(), &mut TensorMut::vector(&mut lse)),
         Status::SHAPE_MISMATCH,
         "3-D",
     );
-    // ... of width 2,
+    // ... of width 6,
     expect_err(
         h.logsumexp_combine(&TensorRef::new(&rec, &[1, 1, 2 * k]).unwrap(), &mut TensorMut::vector(&mut lse[..1])),
         Status::SHAPE_MISMATCH,
         "records",
     );
-    // ... and writes lse [N].
-    let rec3 = TensorRef::new(&rec, &[1, n, k]).unwrap();
+    // ... and writes lse [N] or [N, 2] (contiguous).
+    let rec3 = TensorRef::new(&tiled, &[2, n, k]).unwrap();
+    let mut pairs = vec![-1f32; 3 * n];
     expect_err(h.logsumexp_combine(&rec3, &mut TensorMut::vector(&mut lse[..1])), Status::SHAPE_MISMATCH, "lse");
-    assert!(lse.iter().all(|&a| a == -1.0), "a failed combine wrote lse");
+    expect_err(
+        h.logsumexp_combine(&rec3, &mut TensorMut::matrix(&mut pairs[..2 * n], 1, 2 * n).unwrap()),
+        Status::SHAPE_MISMATCH,
+        "lse",
+    );
+    expect_err(
+        h.logsumexp_combine(&rec3, &mut TensorMut::matrix(&mut pairs, n, 3).unwrap()),
+        Status::SHAPE_MISMATCH,
+        "lse",
+    );
+    expect_err(
+        h.logsumexp_combine(&rec3, &mut TensorMut::strided(&mut pairs[..2 * n + 1], n, 2, 3).unwrap()),
+        Status::UNSUPPORTED_LAYOUT,
+        "lse",
+    );
+    assert_eq!(
+        TensorMut::lse_pairs(&mut pairs[..2 * n + 1]).unwrap_err().status(),
+        Status::SHAPE_MISMATCH,
+        "odd length"
+    );
+    assert!(lse.iter().all(|&a| a == -1.0) && pairs.iter().all(|&a| a == -1.0), "a failed combine wrote lse");
     h.logsumexp_combine(&rec3, &mut TensorMut::vector(&mut lse)).unwrap();
     assert!(lse.iter().all(|a| a.is_finite() && *a != -1.0), "lse {:?}", lse);
+    // One shard's records alone do not tile the vocabulary: NaN rows, no error status.
+    let mut lse1 = vec![-1f32; n];
+    h.logsumexp_combine(&TensorRef::new(&rec, &[1, n, k]).unwrap(), &mut TensorMut::vector(&mut lse1)).unwrap();
+    assert!(lse1.iter().all(|a| a.is_nan()), "one shard's lse {:?}", lse1);
+    h.logsumexp_combine(&rec3, &mut TensorMut::lse_pairs(&mut pairs[..2 * n]).unwrap()).unwrap();
 
     // A shard's softmax.
     let lse_t = TensorRef::vector(&lse);
@@ -311,14 +381,32 @@ fn sharded_lse_and_softmax_bad_inputs() {
     let mut no_lse = sm;
     no_lse.lse = None;
     expect_err(run(&no_lse, &mut p), Status::INVALID_ARGUMENT, "lse");
-    // ... and [N],
+    // ... and [N] or [N, 2] contiguous,
     expect_err(run(&sm.lse(TensorRef::vector(&lse[..1])), &mut p), Status::SHAPE_MISMATCH, "lse");
-    // ... and vocab_start inside [0, vocab_total).
-    expect_err(run(&sm.vocab_start(vt), &mut p), Status::INVALID_ARGUMENT, "vocab_start");
+    expect_err(
+        run(&sm.lse(TensorRef::matrix(&pairs[..2 * n], 1, 2 * n).unwrap()), &mut p),
+        Status::SHAPE_MISMATCH,
+        "lse",
+    );
+    expect_err(
+        run(&sm.lse(TensorRef::strided(&pairs[..2 * n + 1], n, 2, 3).unwrap()), &mut p),
+        Status::UNSUPPORTED_LAYOUT,
+        "lse",
+    );
+    // ... and vocab_start inside [0, vocab_total].
+    expect_err(run(&sm.vocab_start(vt + 1), &mut p), Status::INVALID_ARGUMENT, "vocab_start");
     assert!(p.iter().all(|&a| a == -1.0), "a failed softmax wrote probs");
     run(&sm, &mut p).unwrap();
     let total: f32 = p.iter().sum();
-    assert!(p.iter().all(|&a| a > 0.0 && a < 1.0) && (total - 2.0).abs() < 1e-5, "probs {:?}", p);
+    assert!(p.iter().all(|&a| a > 0.0 && a < 1.0) && total > 0.5 && total < 1.5, "probs {:?}", p);
+    // From the pairs: the same distribution.
+    let mut pp = vec![-1f32; n * v];
+    run(&sm.lse(TensorRef::lse_pairs(&pairs[..2 * n]).unwrap()), &mut pp).unwrap();
+    assert_close("shard probs from the pairs", &widen(&pp), &widen(&p), 0.0, 1e-6);
+    // A shard of padding alone (vocab_start = vocab_total): probabilities 0.
+    let mut p0 = vec![-1f32; n * v];
+    run(&sm.vocab_start(vt), &mut p0).unwrap();
+    assert!(p0.iter().all(|&a| a == 0.0), "padding-alone shard's probs {:?}", p0);
 
     // Without a shard the lse is not read: the unsharded softmax, the same bits.
     let mut p_plain = vec![0f32; n * v];

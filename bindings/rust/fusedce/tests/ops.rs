@@ -299,7 +299,8 @@ fn loss_view(per_row: bool, l: &mut [f32]) -> TensorMut<'_> {
 
 /// Logits [N, V] split into two shards of widths 17 and 30, the second padded by 3 NaN columns (global
 /// indices 47..50, past vocab_total): partial per shard, records stacked in rank order, combine; then
-/// each shard's backward from the combined lse. Everything against the unsharded calls.
+/// each shard's backward from the combined lse, its pairs `[N, 2]` and its `[N]` form. Everything against
+/// the unsharded calls.
 #[test]
 fn vocab_parallel_uneven_padded_shards_match_the_unsharded_call() {
     let (n, v) = (9, 47);
@@ -360,7 +361,8 @@ fn vocab_parallel_uneven_padded_shards_match_the_unsharded_call() {
 
         // 1. partial per rank, written straight into its slot of the stacked [W, N, K] records.
         let k = fusedce::cross_entropy_record_fields(&shard_opts(0)).unwrap();
-        assert_eq!(k, 7);
+        assert_eq!(k, fusedce::CE_RECORD_FIELDS_ALL);
+        assert_eq!(k, 9);
         let mut records = vec![f32::NAN; widths.len() * n * k];
         for (r, rec) in records.chunks_mut(n * k).enumerate() {
             h.cross_entropy_partial(
@@ -371,7 +373,15 @@ fn vocab_parallel_uneven_padded_shards_match_the_unsharded_call() {
             )
             .unwrap();
         }
-        assert!(records.iter().enumerate().all(|(i, r)| !r.is_nan() || i % k == 6), "records left unwritten");
+        // (Field 8, the argmax's index, holds int32 bits: -1 reads as a NaN.)
+        assert!(records.iter().enumerate().all(|(i, r)| !r.is_nan() || i % k == 8), "records left unwritten");
+        // Fields 4 and 5: each shard's column range [vocab_start, end), end one past its last real column.
+        for (r, rec) in records.chunks(n * k).enumerate() {
+            for i in 0..n {
+                let range = [rec[i * k + 4].to_bits() as usize, rec[i * k + 5].to_bits() as usize];
+                assert_eq!(range, [starts[r], starts[r] + widths[r]], "case {}: shard {} row {}: range", case, r, i);
+            }
+        }
 
         // 3. combine (vocab_start is not read: any rank's options do).
         let mut closs = vec![0f32; loss_len];
@@ -379,8 +389,9 @@ fn vocab_parallel_uneven_padded_shards_match_the_unsharded_call() {
         let mut clse = vec![0f32; n];
         let mut cam = vec![0i64; n];
         let mut cent = vec![0f32; n];
+        let rec3 = TensorRef::new(&records, &[widths.len(), n, k]).unwrap();
         h.cross_entropy_combine(
-            &TensorRef::new(&records, &[widths.len(), n, k]).unwrap(),
+            &rec3,
             &TensorRef::vector(&targets),
             &shard_opts(1),
             &mut CeOutputs::new(loss_view(per_row, &mut closs))
@@ -388,6 +399,16 @@ fn vocab_parallel_uneven_padded_shards_match_the_unsharded_call() {
                 .lse(TensorMut::vector(&mut clse))
                 .argmax(TensorMut::vector(&mut cam))
                 .entropy(TensorMut::vector(&mut cent)),
+        )
+        .unwrap();
+        // The lse's pairs (m, l): m the rows' max z over every shard, lse = m + l.
+        let mut cpairs = vec![f32::NAN; 2 * n];
+        let mut closs2 = vec![0f32; loss_len];
+        h.cross_entropy_combine(
+            &rec3,
+            &TensorRef::vector(&targets),
+            &shard_opts(0),
+            &mut CeOutputs::new(loss_view(per_row, &mut closs2)).lse(TensorMut::lse_pairs(&mut cpairs).unwrap()),
         )
         .unwrap();
         let what = |s: &str| format!("case {}: {}", case, s);
@@ -399,16 +420,21 @@ fn vocab_parallel_uneven_padded_shards_match_the_unsharded_call() {
         if per_row {
             assert_eq!(closs[5], 0.0, "ignored row");
         }
+        assert_eq!(bits_of(&closs2), bits_of(&closs), "case {}: loss with the pairs", case);
+        let pair_lse = fusedce::lse_from_pairs(&cpairs, 1.0).unwrap();
+        assert_close(&what("lse of the pairs"), &widen(&pair_lse), &widen(&clse), 0.0, 3e-7);
 
-        // 4. each shard's gradient from the combined lse: its columns of the unsharded dlogits, 0 in
-        // the padding (the output starts at 7 everywhere so that unwritten elements show).
-        for r in 0..widths.len() {
+        // 4. each shard's gradient from the combined lse, its pairs and its [N] form: its columns of the
+        // unsharded dlogits, 0 in the padding (the output starts at 7 everywhere so that unwritten
+        // elements show).
+        for (r, lse_form) in (0..widths.len()).flat_map(|r| [(r, true), (r, false)]) {
             let (s, w, p) = (starts[r], widths[r], pads[r]);
             let mut dshard = vec![7f32; n * (w + p)];
+            let lse_in = if lse_form { TensorRef::lse_pairs(&cpairs).unwrap() } else { TensorRef::vector(&clse) };
             h.cross_entropy_bwd(
                 &TensorRef::matrix(&shards[r], n, w + p).unwrap(),
                 &TensorRef::vector(&targets),
-                &TensorRef::vector(&clse),
+                &lse_in,
                 None,
                 &shard_opts(r),
                 &mut TensorMut::matrix(&mut dshard, n, w + p).unwrap(),

@@ -33,6 +33,17 @@ pub fn widen(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| v as f64).collect()
 }
 
+/// The column range `[start, end)` that a vocabulary shard's record holds in its fields `at` and `at + 1`
+/// (int32 bits in fp32 slots: cross-entropy's 4-5, logsumexp's 2-3, distillation's 5-6, its terms' 3-4).
+pub fn range_of(record: &[f32], at: usize) -> (i64, i64) {
+    (record[at].to_bits() as i32 as i64, record[at + 1].to_bits() as i32 as i64)
+}
+
+/// The bit patterns of fp32 values (bitwise comparisons; NaN equal to itself).
+pub fn bits_of(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
 /// The logits of linear cross-entropy, `[n, v]`: hidden `[n, hd]` times weight `[v, hd]` transposed, plus
 /// bias `[v]`, in float64.
 pub fn linear_logits(n: usize, hd: usize, v: usize, hid: &[f64], w: &[f64], b: &[f64]) -> Vec<f64> {
