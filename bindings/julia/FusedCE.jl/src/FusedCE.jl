@@ -14,15 +14,35 @@ Layout convention (Julia is column-major, the library row-major): **a C tensor `
 | weight `[V, H]`       | `H×V` matrix (a Flux `Embedding` weight as is; a `Dense(H=>V)` weight needs `permutedims`) |
 | weight shard `[V_local, H]` | `H×V_local` matrix, columns `vocab_start+1 : vocab_start+V_local` of the `H×V` weight (`linear_cross_entropy_partial`) |
 | top-K ids `[N, K]`    | `K×N` matrix of 1-based ids; an id ≤ 0 marks an unused slot |
-| CE records `[N, K]`   | `K×N` Float32 matrix (one shard's, `cross_entropy_partial`) |
+| lse `[N]`             | length-N `Vector{Float32}`                        |
+| lse pairs `[N, 2]`    | `2×N` `Matrix{Float32}`, column n = (m, l), lse = m + l (`lse = :pair`; see below) |
+| CE records `[N, K]`   | `K×N` Float32 matrix (one shard's, `cross_entropy_partial`), K = 9 (`cross_entropy_record_fields()`), or 6 / 7 |
 | CE records `[W, N, K]`| `K×N×W` Float32 array, shards in rank order (`cross_entropy_combine`) |
-| KD records `[N, 5]`   | `5×N` Float32 matrix (one shard's, `kd_partial`) |
-| KD records `[W, N, 5]`| `5×N×W` Float32 array, shards in rank order (`kd_combine`) |
+| KD records `[N, 7]`   | `7×N` Float32 matrix (one shard's, `kd_partial`) |
+| KD records `[W, N, 7]`| `7×N×W` Float32 array, shards in rank order (`kd_combine`) |
 | KD row statistics `[N, 5]` | `5×N` Float32 matrix (`kd_combine` → `kd_bwd`; JSD and a top-K teacher: `kd_combine` → `kd_terms_partial`, `kd_terms_combine` → `kd_bwd`) |
-| KD terms' records `[N, 3]` | `3×N` Float32 matrix (one shard's, `kd_terms_partial`) |
-| KD terms' records `[W, N, 3]` | `3×N×W` Float32 array, shards in rank order (`kd_terms_combine`) |
-| LSE records `[N, 2]`  | `2×N` Float32 matrix (one shard's, `logsumexp_partial`) |
-| LSE records `[W, N, 2]`| `2×N×W` Float32 array, shards in rank order (`logsumexp_combine`) |
+| KD terms' records `[N, 5]` | `5×N` Float32 matrix (one shard's, `kd_terms_partial`) |
+| KD terms' records `[W, N, 5]` | `5×N×W` Float32 array, shards in rank order (`kd_terms_combine`) |
+| LSE records `[N, 6]`  | `6×N` Float32 matrix (one shard's, `logsumexp_partial`) |
+| LSE records `[W, N, 6]`| `6×N×W` Float32 array, shards in rank order (`logsumexp_combine`) |
+
+Record widths are `LibFusedCE.FCE_CE_RECORD_FIELDS_LOSS` / `_ENTROPY` / `_ALL` (6 / 7 / 9),
+`FCE_LSE_RECORD_FIELDS` (6), `FCE_KD_RECORD_FIELDS` (7) and `FCE_KD_TERMS_RECORD_FIELDS` (5) since 0.3.0
+(0.2.0: 4 / 5 / 7, 2, 5 and 3). Every record carries its shard's column range `[vocab_start, end)` (Int32
+bits in two Float32 rows: CE rows 5-6, LSE 3-4, KD 6-7, KD terms 4-5, 1-based); the combines check that the
+ranges tile `[0, vocab_total)` in rank order and give NaN columns (argmax -1) otherwise — overlapping shards,
+a gap, shards out of order or a missing one are never a plausible number, and not an error either. A shard
+of padding alone (`vocab_start = vocab_total`) is accepted: its records are neutral.
+
+An lse (the logsumexp a forward saves for its backward, or a combine's for each shard) comes in two forms,
+both Float32: a length-N vector, the lse itself, or a `2×N` matrix of its pairs (the C `[N, 2]`, contiguous),
+column n = (m, l) with m the column's max (of the transformed logits z for cross-entropy; of the raw x for
+logsumexp) and l the log of the shifted sum, lse = m + l (`scale * m + l` for logsumexp: `lse_from_pairs`).
+Every output keyword `lse` (and `logsumexp_combine`'s `out`) takes `:pair` to allocate the pairs, and every
+lse argument takes either form. A backward or a shard's softmax from the pairs forms each probability from
+max-shifted values as the forward does: its gradient has the fused gradient's bits and holds at any common
+offset of the logits; from the vector each probability carries the Float32 lse's rounding (`|lse| 2^-24`
+relative). Pass the pairs where an lse is saved for a backward or handed to a shard.
 
 Class indices are 1-based everywhere (targets, `argmax` outputs, top-K ids, `ignore_index`); the
 binding subtracts 1 before calling the library, so `ignore_index = 0` works as well as the default -100.
@@ -45,7 +65,7 @@ include("LibFusedCE.jl")
 using .LibFusedCE
 const L = LibFusedCE
 
-export Handle, FusedCEError, default_handle, library_path, version, abi_version, build_info,
+export Handle, FusedCEError, default_handle, library_path, version, abi_version, build_info, lse_from_pairs,
        cross_entropy, cross_entropy_fwd, cross_entropy_bwd, cross_entropy_record_fields, cross_entropy_partial,
        cross_entropy_combine, logsumexp, logsumexp_partial, logsumexp_combine, temp_softmax,
        kd_loss, kd_loss_topk, kd_partial, kd_combine, kd_bwd, kd_terms_partial, kd_terms_combine,
@@ -294,6 +314,32 @@ _out(::Nothing, make) = nothing
 _out(x::AbstractArray, make) = x
 
 _vecf32(n) = Vector{Float32}(undef, n)
+
+# An lse output: false/nothing = not requested, true = a length-N vector, :pair = its 2×N pairs (the C [N, 2]),
+# an array = use it (the library checks its shape: [N] or [N, 2] contiguous).
+_lse_out(x::Bool, n) = x ? _vecf32(n) : nothing
+_lse_out(::Nothing, n) = nothing
+_lse_out(x::AbstractArray, n) = x
+function _lse_out(x::Symbol, n)
+    x === :pair || throw(ArgumentError("an lse output is false, true, :pair or an array; got :$x"))
+    return Matrix{Float32}(undef, 2, n)
+end
+
+"""
+    lse_from_pairs(lse; scale = 1)
+
+The lse of every column from its pairs: for a `2×N` matrix (what `lse = :pair` returns, column n = (m, l))
+the Float32 vector `scale * m + l`, formed in Float64 and rounded once (within a Float32 rounding of the
+vector form the library writes); `scale` is 1 for cross-entropy's and linear cross-entropy's pairs (m the
+max of the transformed logits) and the partials' `scale` for logsumexp's (m the raw max). A vector (an lse
+already) is returned as a `Vector{Float32}`. Another first dimension than 2 is an `ArgumentError`.
+"""
+function lse_from_pairs(lse::AbstractMatrix; scale::Real = 1)
+    size(lse, 1) == 2 || throw(ArgumentError("lse pairs are a 2×N matrix; got $(join(size(lse), '×'))"))
+    s = Float64(scale)
+    return Float32[Float32(s * Float64(lse[1, n]) + Float64(lse[2, n])) for n in 1:size(lse, 2)]
+end
+lse_from_pairs(lse::AbstractVector; scale::Real = 1) = Vector{Float32}(lse)
 _loss_buffer(reduction::Symbol, n) = reduction === :none ? Vector{Float32}(undef, n) : fill(NaN32)
 _scalar_or_vec(x) = x isa AbstractArray && ndims(x) == 0 ? x[] : x
 
@@ -434,6 +480,12 @@ an array to write into (`dlogits = logits` computes the gradient in place). Retu
 `(loss, lse, z_loss, argmax, entropy, dlogits)`, `nothing` for outputs not asked for; `loss` and
 `z_loss` are `Float32` scalars for `:sum`/`:mean` and vectors for `:none`; `argmax` is 1-based.
 
+`lse` (Float32): `true` a length-N vector, the lse of each column's transformed logits z; `:pair` a `2×N`
+matrix of its pairs, column n = (m, l), m = max z and l = log Σ exp(z - m), lse = m + l (`lse_from_pairs`),
+the form to save for `cross_entropy_bwd` (its gradient then has the fused `dlogits`' bits, at any offset of
+the logits); or an array of either shape (a `2×N` one contiguous down its columns; another shape is
+`FusedCEError` SHAPE_MISMATCH, a strided one UNSUPPORTED_LAYOUT, another element type UNSUPPORTED_DTYPE).
+
 Upstream gradients (Float32, read by the library; `nothing` = none): `grad_loss` multiplies d(loss)/d(logits)
 (a number for `:sum`/`:mean`; a number or a length-N vector for `:none`). `grad_entropy` (a number, broadcast,
 or a length-N vector; only with `dlogits`, else `FusedCEError` INVALID_ARGUMENT) adds the gradient of
@@ -456,7 +508,7 @@ function cross_entropy_fwd(logits::AbstractMatrix, targets::AbstractVector{<:Int
                            argmax_type::Type{<:Union{Int32,Int64}} = Int64, handle::Handle = default_handle())
     N = size(logits, 2)
     loss_a = _loss_buffer(reduction, N)
-    lse_a = _out(lse, () -> _vecf32(N))
+    lse_a = _lse_out(lse, N)
     zl_a = _out(z_loss, () -> _loss_buffer(reduction, N))
     am_a = _out(argmax, () -> Vector{argmax_type}(undef, N))
     ent_a = _out(entropy, () -> _vecf32(N))
@@ -494,6 +546,13 @@ Gradient of the cross-entropy with respect to `logits`, from the `lse` saved by 
 with the same options, times `grad_loss` (a number, or a vector for `reduction = :none`). Returns dlogits
 (`V×N`, the logits' element type; `dlogits = logits` works in place).
 
+`lse` is Float32, the length-N vector or the `2×N` pairs (`cross_entropy_fwd(...; lse = :pair)`). From the
+pairs every probability is formed as the forward forms it, `exp((z_j - m) - l)`: the result has the fused
+gradient's bits and holds at any common offset of the logits. From the vector each probability carries the
+Float32 lse's rounding (`|lse| 2^-24` relative: at logits of 2^25 two equal maxima get p = 1 each instead of
+1/2). Another shape is `FusedCEError` SHAPE_MISMATCH, a `2×N` view whose columns are not contiguous
+UNSUPPORTED_LAYOUT, another element type UNSUPPORTED_DTYPE.
+
 With `grad_entropy` (Float32, a number or a length-N vector) the gradient of `sum(grad_entropy .* H)` is
 added as in `cross_entropy_fwd` (`∂H/∂z_j = p_j (μ - z_j)`, `μ = lse - H`, through `logit_scale`/`softcap`):
 `entropy` must then be the forward's `entropy` output (length-N Float32, same options), from which the
@@ -503,10 +562,10 @@ INVALID_ARGUMENT; `entropy` without `grad_entropy` is not read (`fce_cross_entro
 
 Vocabulary shard (`vocab_total > 0`): `logits` is the shard (`V_local×N`, global classes
 `vocab_start+1 : vocab_start+V_local`), `targets` are global, and `lse` is the one of
-`cross_entropy_combine` (same options); the result is the shard's columns of the whole gradient, 0 in
-padding rows (global class > `vocab_total`).
+`cross_entropy_combine` (same options; best its pairs, `lse = :pair` there); the result is the shard's
+columns of the whole gradient, 0 in padding rows (global class > `vocab_total`).
 """
-function cross_entropy_bwd(logits::AbstractMatrix, targets::AbstractVector{<:Integer}, lse::AbstractVector;
+function cross_entropy_bwd(logits::AbstractMatrix, targets::AbstractVector{<:Integer}, lse::AbstractVecOrMat;
                            reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
                            label_smoothing::Real = _CE[].label_smoothing, z_loss_scale::Real = _CE[].z_loss_scale,
                            softcap::Real = _CE[].softcap, logit_scale::Real = _CE[].logit_scale,
@@ -549,8 +608,10 @@ end
     cross_entropy_record_fields()
 
 K, the number of Float32 fields of one row's cross-entropy record for the default options
-(`fce_cross_entropy_record_fields`; 7 in this version). The header's "Vocabulary-parallel cross-entropy"
-lists the fields.
+(`fce_cross_entropy_record_fields`; 9 in this version, `LibFusedCE.FCE_CE_RECORD_FIELDS_ALL`; 7 before
+0.3.0). The header's "Vocabulary-parallel cross-entropy" lists the fields: 1 m, 2 Σ exp(z - m), 3 z at
+the target, 4 Σ w_j z_j, 5-6 the shard's column range `[vocab_start, end)` (Int32 bits), 7 the entropy's
+sum, 8 the largest raw logit, 9 its 0-based global index (Int32 bits) (1-based rows of the `K×N` matrix).
 """
 cross_entropy_record_fields() = _record_fields(Ptr{L.fce_ce_options_t}(C_NULL))
 
@@ -564,8 +625,8 @@ Step 1 of vocabulary-parallel cross-entropy (`fce_cross_entropy_partial`; the ma
 fields are in the header's "Vocabulary-parallel cross-entropy"): the records of one shard of the
 vocabulary, a `K×N` Float32 matrix (the C `[N, K]`, `K = cross_entropy_record_fields()`), written into
 `records` if given (contiguous) and returned. A given `records` may be narrower, a prefix of the fields:
-`K = LibFusedCE.FCE_CE_RECORD_FIELDS_LOSS` (4: loss, lse and z-loss; the partial then skips the entropy's
-sums) or `FCE_CE_RECORD_FIELDS_ENTROPY` (5: and the entropy); `cross_entropy_combine` then refuses the
+`K = LibFusedCE.FCE_CE_RECORD_FIELDS_LOSS` (6: loss, lse and z-loss; the partial then skips the entropy's
+sums) or `FCE_CE_RECORD_FIELDS_ENTROPY` (7: and the entropy); `cross_entropy_combine` then refuses the
 outputs that width does not hold. Use one width on every shard.
 
 - `logits_shard`: `V_local×N` (Float32, Float16 or BFloat16; a view with unit stride down columns is
@@ -573,11 +634,13 @@ outputs that width does not hold. Use one width on every shard.
   padded: rows past `vocab_total` are ignored (they may hold anything, NaN included).
 - `targets`: length N, Int32/Int64, **global** 1-based classes (`ignore_index` as usual).
 - `vocab_start` (required): the 0-based offset of the shard, the number of vocabulary rows before it
-  (so `0 ≤ vocab_start < vocab_total`); `vocab_total` (required): V of the whole vocabulary.
+  (so `0 ≤ vocab_start ≤ vocab_total`; `vocab_start = vocab_total` is a shard of padding alone, as padding
+  a small vocabulary to a multiple of the ranks gives: its records are neutral); `vocab_total` (required):
+  V of the whole vocabulary.
 - `class_weights`: of the whole vocabulary (length `vocab_total`).
 
 Use the same options on every shard and in `cross_entropy_combine`. Errors: `FusedCEError`
-INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`, options out of domain),
+INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total]`, options out of domain),
 SHAPE_MISMATCH (targets' or records' size, class weights' length), UNSUPPORTED_DTYPE,
 UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
 """
@@ -613,14 +676,18 @@ Step 3 of vocabulary-parallel cross-entropy (`fce_cross_entropy_combine`; the he
 logits returns, from the records of every shard.
 
 - `records`: `K×N×W` Float32, contiguous (the C `[W, N, K]`): the W shards' `cross_entropy_partial`
-  results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)` or an all-gather's buffer.
+  results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)` or an all-gather's buffer. Their
+  column ranges must tile `[0, vocab_total)` in rank order (the first shard at 0, each where the one before
+  ends; shards of padding alone may follow): otherwise every column's loss, lse, z_loss and entropy are NaN
+  and its argmax -1 (ignored columns included), never a plausible number, and no error is raised.
 - `targets`: length N, global 1-based classes.
 - `vocab_total` (required) and the other options: those of the partial calls.
 
 Returns `(loss, lse, z_loss, argmax, entropy, dlogits = nothing)` as `cross_entropy_fwd` does (outputs
-`false`/`true`/an array; `argmax` a 1-based global class); no gradient here: pass `lse` to
-`cross_entropy_bwd` with each shard and its `vocab_start`/`vocab_total`. Loss, lse and entropy agree
-with the unsharded call within the fp32 rounding of the records' sums; argmax and ignored/NaN rows
+`false`/`true`/an array; `lse = :pair` gives the `2×N` pairs, m the max of z over every shard; `argmax` a
+1-based global class); no gradient here: pass `lse` (best the pairs: `lse = :pair`) to `cross_entropy_bwd`
+(or `linear_cross_entropy_bwd`) with each shard and its `vocab_start`/`vocab_total`. Loss, lse and entropy
+agree with the unsharded call within the fp32 rounding of the records' sums; argmax and ignored/NaN rows
 exactly. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, options out of domain),
 SHAPE_MISMATCH (records not `K×N×W`, targets' length), UNSUPPORTED_LAYOUT (records not contiguous),
 UNSUPPORTED_DTYPE, DEVICE_MISMATCH.
@@ -635,7 +702,7 @@ function cross_entropy_combine(records::AbstractArray{<:Any,3}, targets::Abstrac
                                argmax_type::Type{<:Union{Int32,Int64}} = Int64, handle::Handle = default_handle())
     N = size(records, 2)
     loss_a = _loss_buffer(reduction, N)
-    lse_a = _out(lse, () -> _vecf32(N))
+    lse_a = _lse_out(lse, N)
     zl_a = _out(z_loss, () -> _loss_buffer(reduction, N))
     am_a = _out(argmax, () -> Vector{argmax_type}(undef, N))
     ent_a = _out(entropy, () -> _vecf32(N))
@@ -689,24 +756,29 @@ end
 
 """
     logsumexp_partial(x_shard; vocab_start, vocab_total, scale=1,
-                      records=Matrix{Float32}(undef, 2, N), handle=default_handle())
+                      records=Matrix{Float32}(undef, 6, N), handle=default_handle())
 
 Step 1 of the vocabulary-parallel logsumexp (`fce_logsumexp_partial`; the header's "Vocabulary-parallel
-logsumexp"): the records of one shard of the vocabulary, a `2×N` Float32 matrix (the C
-`[N, FCE_LSE_RECORD_FIELDS]`, `LibFusedCE.FCE_LSE_RECORD_FIELDS` = 2), written into `records` if given
-(contiguous) and returned. Per column `n`, over the shard's real rows: `m = max(scale .* x[:, n])` (NaN when
-one of them is NaN) and `d = sum(exp.(scale .* x[:, n] .- m))` (1 when `m` is +Inf, 0 when it is -Inf).
+logsumexp"): the records of one shard of the vocabulary, a `6×N` Float32 matrix (the C
+`[N, FCE_LSE_RECORD_FIELDS]`, `LibFusedCE.FCE_LSE_RECORD_FIELDS` = 6; 2 before 0.3.0), written into
+`records` if given (contiguous) and returned. Per column `n`, over the shard's real rows, in raw units (so
+that `scale .* x` never overflows): row 1 `m = maximum(x[:, n])`, the raw max (NaN when one of them is NaN),
+row 2 `d = sum(exp.((x[:, n] .- m) .* scale))` (1 when `m` is +Inf, 0 when it is -Inf), rows 3-4 the
+shard's column range `[vocab_start, end)` (Int32 bits, `reinterpret(Int32, r[3, n])`), row 5 `scale`, row 6
+`vocab_total` (Int32 bits).
 
 - `x_shard`: `V_local×N` (Float32, Float16 or BFloat16; a view with unit stride down columns is fine), the
   rows `vocab_start+1 : vocab_start+V_local` of the whole `V×N` matrix. The last shard may be padded: rows
   past `vocab_total` are ignored (they may hold anything, NaN included).
 - `vocab_start` (required): the 0-based offset of the shard, the number of vocabulary rows before it (so
-  `0 ≤ vocab_start < vocab_total`); `vocab_total` (required): V of the whole vocabulary.
-- `scale`: as for `logsumexp` (finite, > 0); `1 / T` gives the lse that `temp_softmax` takes for a shard's
-  probabilities at temperature `T`. Use the same `scale` on every shard.
+  `0 ≤ vocab_start ≤ vocab_total`; `vocab_total` itself: a shard of padding alone, whose record is neutral);
+  `vocab_total` (required): V of the whole vocabulary.
+- `scale`: as for `logsumexp` (finite, > 0); `1f0 / Float32(T)` (the Float32 value the softmax forms) gives
+  the lse that `temp_softmax` takes for a shard's probabilities at temperature `T`. Use the same `scale` on
+  every shard (records of different scales combine to NaN).
 
-Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`, `scale`
-not finite and > 0), SHAPE_MISMATCH (records not `2×N`), UNSUPPORTED_DTYPE (x not Float32/Float16/BFloat16,
+Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total]`, `scale`
+not finite and > 0), SHAPE_MISMATCH (records not `6×N`), UNSUPPORTED_DTYPE (x not Float32/Float16/BFloat16,
 records not Float32), UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
 """
 function logsumexp_partial(x::AbstractMatrix; vocab_start::Integer, vocab_total::Integer,
@@ -726,21 +798,30 @@ end
 
 Step 3 of the vocabulary-parallel logsumexp (`fce_logsumexp_combine`; the header's "Vocabulary-parallel
 logsumexp"): the logsumexp of the whole columns, what `logsumexp` of the unsharded matrix (with the partials'
-`scale`) returns, from the records of every shard: `M + log(sum_r d_r exp(m_r - M))`, `M = max_r m_r`, in
-Float64 in rank order, rounded once to Float32 (the same bits on every rank). NaN when a record is NaN, +Inf
-when a max is +Inf, -Inf for a column of all -Inf, as `logsumexp` gives them; otherwise it agrees with
-`logsumexp` within the Float32 rounding of the records' sums.
+`scale` s) returns, from the records of every shard: `s M + log D`, `D = sum_r d_r exp((m_r - M) s)`,
+`M = max_r m_r` the raw max, in Float64 in rank order, rounded once to Float32 (the same bits on every rank).
+NaN when a record is NaN, +Inf when a max is +Inf, -Inf for a column of all -Inf, as `logsumexp` gives them;
+otherwise it agrees with `logsumexp` within the Float32 rounding of the records' sums. NaN in every column
+too when the records' scales or `vocab_total` differ or their column ranges do not tile `[0, vocab_total)`
+in rank order (overlapping shards, a gap, shards out of order; shards of padding alone may follow): never a
+plausible number, and no error.
 
-- `records`: `2×N×W` Float32, contiguous (the C `[W, N, FCE_LSE_RECORD_FIELDS]`): the W shards'
+- `records`: `6×N×W` Float32, contiguous (the C `[W, N, FCE_LSE_RECORD_FIELDS]`): the W shards'
   `logsumexp_partial` results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)` or an
   all-gather's buffer.
-- `out`: a length-N Float32 vector, written and returned.
+- `out`: a length-N Float32 vector (the lse), `:pair` (a `2×N` Float32 matrix allocated for the pairs
+  `(M, log D)`, lse = `s M + log D`: `lse_from_pairs(out; scale = s)`), or a `2×N` Float32 matrix of yours;
+  written and returned. The pairs are the form a shard's `temp_softmax` should take: no overflow and no
+  rounding of the size of `x / T` at any temperature.
 
-Errors: `FusedCEError` SHAPE_MISMATCH (records not `2×N×W`, `out`'s length), UNSUPPORTED_LAYOUT (records
-not contiguous), UNSUPPORTED_DTYPE (not Float32), DEVICE_MISMATCH.
+Errors: `FusedCEError` SHAPE_MISMATCH (records not `6×N×W`, `out` neither length N nor `2×N`),
+UNSUPPORTED_LAYOUT (records or a `2×N` `out` not contiguous), UNSUPPORTED_DTYPE (not Float32),
+DEVICE_MISMATCH; `ArgumentError` for another symbol.
 """
-function logsumexp_combine(records::AbstractArray{<:Any,3}; out::AbstractVector = _vecf32(size(records, 2)),
+function logsumexp_combine(records::AbstractArray{<:Any,3};
+                           out::Union{Symbol,AbstractVecOrMat} = _vecf32(size(records, 2)),
                            handle::Handle = default_handle())
+    out isa Symbol && (out = _lse_out(out, size(records, 2)))
     trec, to = Tensor(records), Tensor(out)
     GC.@preserve trec to begin
         _check(L.fce_logsumexp_combine(_ptr(handle), C_NULL, _ptr(trec), _ptr(to)), :fce_logsumexp_combine)
@@ -759,14 +840,19 @@ works in place). Returns `(probs, logprobs)`.
 
 Vocabulary shard (`vocab_total > 0`, `fce_temp_softmax` with the header's shard options): `logits` is the
 shard (`V_local×N`, the rows `vocab_start+1 : vocab_start+V_local` of the whole logits; `vocab_start` the
-0-based offset, `0 ≤ vocab_start < vocab_total`) and the result is its rows of the whole columns'
-distribution, from `lse` (a length-N Float32 vector, the whole columns' logsumexp of `logits / temperature`:
-`logsumexp_combine` of every shard's `logsumexp_partial` with `scale = 1 / temperature`):
-`p_j = exp(x_j / temperature - lse)`, `log p_j = x_j / temperature - lse`; padding rows (global class >
-`vocab_total`) get exactly 0 and -Inf. Errors there: `FusedCEError` NOT_IMPLEMENTED (per-column
-`temperatures`, or `temperature` 0 or Inf: one finite temperature > 0 is required), INVALID_ARGUMENT (no
-`lse`; `vocab_start` outside `[0, vocab_total)`), SHAPE_MISMATCH (`lse`'s length), UNSUPPORTED_DTYPE (`lse`
-not Float32). Without a shard `lse` is not read.
+0-based offset, `0 ≤ vocab_start ≤ vocab_total`, `vocab_total` itself a shard of padding alone) and the
+result is its rows of the whole columns' distribution, from `lse`, the whole columns' logsumexp of
+`logits / temperature`: `logsumexp_combine` of every shard's `logsumexp_partial` with
+`scale = 1f0 / Float32(temperature)`, Float32, as its `2×N` pairs (`out = :pair` there; since 0.3.0) or as a
+length-N vector. `log p_j = x_j / temperature - lse`, `p_j` its exp; from the pairs `(M, log D)` formed as
+`(x_j - M) / temperature - log D`, as the unsharded call forms it (no NaN for finite logits at any
+temperature > 0, no rounding of the size of `x / temperature`); from the vector every value carries the
+lse's Float32 rounding (`|lse| 2^-24`) and an lse that overflowed Float32 gives probabilities 0. Padding rows
+(global class > `vocab_total`) get exactly 0 and -Inf. Errors there: `FusedCEError` NOT_IMPLEMENTED
+(per-column `temperatures`, or `temperature` 0 or Inf: one finite temperature > 0 is required),
+INVALID_ARGUMENT (no `lse`; `vocab_start` outside `[0, vocab_total]`), SHAPE_MISMATCH (`lse` neither length N
+nor `2×N`), UNSUPPORTED_LAYOUT (a `2×N` `lse` not contiguous), UNSUPPORTED_DTYPE (`lse` not Float32).
+Without a shard `lse` is not read.
 
 Errors in general: `FusedCEError` INVALID_ARGUMENT (`temperature` negative or NaN, neither `probs` nor
 `logprobs`), SHAPE_MISMATCH, UNSUPPORTED_DTYPE, UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
@@ -774,7 +860,7 @@ Errors in general: `FusedCEError` INVALID_ARGUMENT (`temperature` negative or Na
 function temp_softmax(logits::AbstractMatrix; temperature::Real = _SM[].temperature,
                       temperatures::Union{Nothing,AbstractVector} = nothing, probs = true, logprobs = false,
                       eltype::Type = Float32, vocab_start::Integer = _SM[].vocab_start,
-                      vocab_total::Integer = _SM[].vocab_total, lse::Union{Nothing,AbstractVector} = nothing,
+                      vocab_total::Integer = _SM[].vocab_total, lse::Union{Nothing,AbstractVecOrMat} = nothing,
                       handle::Handle = default_handle())
     p_a = _out(probs, () -> similar(logits, eltype))
     lp_a = _out(logprobs, () -> similar(logits, eltype))
@@ -888,16 +974,17 @@ _shard_teacher(topk_ids::AbstractMatrix{<:Integer}, topk_logprobs::AbstractMatri
 """
     kd_partial(student_shard, teacher_shard; vocab_start, vocab_total, divergence=:forward_kl, beta=0.5,
                temperature=1, scale_by_t2=false, topk_norm=:full_vocab, reduction=:mean, ignore_index=-100,
-               records=Matrix{Float32}(undef, 5, N), handle=default_handle())
+               records=Matrix{Float32}(undef, 7, N), handle=default_handle())
     kd_partial(student_shard, topk_ids, topk_logprobs; <the same keywords>)
 
 Step 1 of vocabulary-parallel knowledge distillation (`fce_kd_partial`; the math and the record fields are
 in the header's "Vocabulary-parallel knowledge distillation"): the records of one shard of the vocabulary,
-a `K×N` Float32 matrix (the C `[N, K]`, `K = LibFusedCE.FCE_KD_RECORD_FIELDS` = 5), written into `records`
-if given (contiguous) and returned. With `z = logits / temperature`, P the distribution that weights the
-divergence (the teacher for `:forward_kl`, the student for `:reverse_kl`) and Q the other, a record holds,
-over the shard's real columns: `m_P = max z_P`, `Σ exp(z_P - m_P)`, `m_Q`, `Σ exp(z_Q - m_Q)` and
-`X = Σ exp(z_P - m_P) ((z_P - m_P) - (z_Q - m_Q))`.
+a `K×N` Float32 matrix (the C `[N, K]`, `K = LibFusedCE.FCE_KD_RECORD_FIELDS` = 7; 5 before 0.3.0), written
+into `records` if given (contiguous) and returned. With `z = logits / temperature`, P the distribution that
+weights the divergence (the teacher for `:forward_kl`, the student for `:reverse_kl`) and Q the other, a
+record holds, over the shard's real columns: `m_P = max z_P`, `Σ exp(z_P - m_P)`, `m_Q`, `Σ exp(z_Q - m_Q)`,
+`X = Σ exp(z_P - m_P) ((z_P - m_P) - (z_Q - m_Q))` and in rows 6-7 the shard's column range
+`[vocab_start, end)` (Int32 bits).
 
 - `student_shard`: `V_local×N` (Float32, Float16 or BFloat16; a view with unit stride down columns is
   fine), the rows `vocab_start+1 : vocab_start+V_local` of the whole `V×N` logits. The last shard may be
@@ -918,7 +1005,8 @@ over the shard's real columns: `m_P = max z_P`, `Σ exp(z_P - m_P)`, `m_Q`, `Σ 
     used slot is masked (loss 0, not counted by `:mean`, gradient 0); an id > `vocab_total` makes the column's
     loss and gradient NaN.
 - `vocab_start` (required): the 0-based offset of the shard, the number of vocabulary rows before it (so
-  `0 ≤ vocab_start < vocab_total`); `vocab_total` (required): V of the whole vocabulary.
+  `0 ≤ vocab_start ≤ vocab_total`; `vocab_total` itself: a shard of padding alone, whose record is neutral);
+  `vocab_total` (required): V of the whole vocabulary.
 - `divergence`: `:forward_kl`, `:reverse_kl` or `:jsd` (`:jsd` with `0 < beta < 1` writes the
   forward-KL record, P the teacher, and takes a second exchange after `kd_combine`: `kd_terms_partial`
   and `kd_terms_combine`; at `beta` 0 or 1 it is exactly forward or reverse KL and, with teacher logits,
@@ -929,7 +1017,7 @@ over the shard's real columns: `m_P = max z_P`, `Σ exp(z_P - m_P)`, `m_Q`, `Σ 
 
 The sharded steps give what `kd_loss` (`kd_loss_topk` for a top-K teacher) of the whole rows gives, within
 the Float32 rounding of the records' sums. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0,
-`vocab_start` outside `[0, vocab_total)`, options out of domain), SHAPE_MISMATCH (teacher's or records'
+`vocab_start` outside `[0, vocab_total]`, options out of domain), SHAPE_MISMATCH (teacher's or records'
 size), UNSUPPORTED_DTYPE (e.g. `topk_logprobs` not Float32), UNSUPPORTED_LAYOUT, DEVICE_MISMATCH;
 `ArgumentError` for an unknown `divergence`, `topk_norm` or `reduction`.
 """
@@ -965,9 +1053,11 @@ knowledge distillation" has the math): the divergence of the whole rows, what `k
 logits returns, from the records of every shard. Each record is shifted to the row's maxima M and the
 records are merged in rank order in Float64: `KL(P‖Q) = X / D_P - log D_P + log D_Q`.
 
-- `records`: `5×N×W` Float32, contiguous (the C `[W, N, FCE_KD_RECORD_FIELDS]`): the W shards'
+- `records`: `7×N×W` Float32, contiguous (the C `[W, N, FCE_KD_RECORD_FIELDS]`): the W shards'
   `kd_partial` results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)` or an all-gather's
-  buffer.
+  buffer. Their column ranges must tile `[0, vocab_total)` in rank order (shards of padding alone may
+  follow); otherwise every column's loss (masked ones included) and statistics are NaN, never a plausible
+  number, and no error is raised.
 - `targets`: optional, length N (Int32/Int64, 1-based): columns whose target equals `ignore_index` are
   masked (loss 0; `:mean` is batchmean over the unmasked columns).
 - `vocab_total` (required) and the other options: those of the partial calls (`vocab_start` is not read).
@@ -990,7 +1080,7 @@ asked for. The loss agrees with `kd_loss` of the whole rows within the Float32 r
 sums; masked columns, all-masked means, NaN and +Inf losses and identical distributions (exactly 0) as
 `kd_loss` gives them. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, options out of domain;
 `loss = false` with `row_stats = false`; `:jsd` with `0 < beta < 1` and `loss = true` or
-`row_stats = false`), SHAPE_MISMATCH (records not `5×N×W`, targets' or row_stats' size), UNSUPPORTED_LAYOUT
+`row_stats = false`), SHAPE_MISMATCH (records not `7×N×W`, targets' or row_stats' size), UNSUPPORTED_LAYOUT
 (records not contiguous), UNSUPPORTED_DTYPE, DEVICE_MISMATCH; nothing is written on an error.
 """
 function kd_combine(records::AbstractArray{<:Any,3}; vocab_total::Integer,
@@ -1017,7 +1107,7 @@ end
 """
     kd_terms_partial(student_shard, teacher_shard, row_stats; vocab_start, vocab_total, divergence=:forward_kl,
                      beta=0.5, temperature=1, scale_by_t2=false, topk_norm=:full_vocab, reduction=:mean,
-                     ignore_index=-100, records=Matrix{Float32}(undef, 3, N), handle=default_handle())
+                     ignore_index=-100, records=Matrix{Float32}(undef, 5, N), handle=default_handle())
     kd_terms_partial(student_shard, topk_ids, topk_logprobs, row_stats; <the same keywords>)
 
 Step 3a of vocabulary-parallel knowledge distillation (`fce_kd_terms_partial`, since 0.2.0; the header's
@@ -1025,11 +1115,12 @@ Step 3a of vocabulary-parallel knowledge distillation (`fce_kd_terms_partial`, s
 teacher, which works for every divergence (for KL with teacher logits it gives `kd_combine`'s loss a second
 way). From the rows' statistics of `kd_combine` (fields 1-4 read: the row's log-probabilities are
 `(z - M) - log D`, `z = logits / temperature`), the shard's sums of the element terms of `kd_loss`: a `K×N`
-Float32 matrix (the C `[N, K]`, `K = LibFusedCE.FCE_KD_TERMS_RECORD_FIELDS` = 3), written into `records` if
+Float32 matrix (the C `[N, K]`, `K = LibFusedCE.FCE_KD_TERMS_RECORD_FIELDS` = 5; 3 before 0.3.0), written into `records` if
 given (contiguous) and returned, per column over the shard's real columns (a top-K teacher: over its used
 slots whose ids fall in the shard) `Σ_j L_j`, `Σ_j a_j` (unscaled: no `temperature^2`, no mean), Float32
 from a Float64 sum on the CPU, `+Inf` where a term is, NaN where a logit or a statistic is or a top-K id is
-past `vocab_total`; and the number of those slots (a Float32 count; -1 with teacher logits). With `p` the
+past `vocab_total`; the number of those slots (a Float32 count; -1 with teacher logits); and in rows 4-5 the
+shard's column range `[vocab_start, end)` (Int32 bits). With `p` the
 teacher's and `q` the student's probabilities (a top-K teacher: `p` its softmax over the used slots, `q`
 the student's over the whole vocabulary or renormalized over the ids, per `topk_norm`) and
 `m = beta*p + (1-beta)*q`:
@@ -1045,7 +1136,7 @@ the student's over the whole vocabulary or renormalized over the ids, per `topk_
 - `row_stats`: `5×N` Float32 from `kd_combine` (for `:jsd` and a top-K teacher its `loss = false` call),
   the same on every rank.
 
-Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total)`,
+Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0, `vocab_start` outside `[0, vocab_total]`,
 options out of domain), SHAPE_MISMATCH (teacher's, row_stats' or records' size), UNSUPPORTED_DTYPE,
 UNSUPPORTED_LAYOUT, DEVICE_MISMATCH; nothing is written on an error.
 """
@@ -1087,8 +1178,9 @@ written into `row_stats` for `kd_bwd`. Per row `loss = Σ L_j` (times `temperatu
 `∂loss/∂z_j = (1-beta) q_j (log(q_j/m_j) - Σ_k q_k log(q_k/m_k))` (divided by `temperature` for the
 logits, and scaled by the reduction).
 
-- `records`: `3×N×W` Float32, contiguous (the C `[W, N, FCE_KD_TERMS_RECORD_FIELDS]`): the W shards'
-  `kd_terms_partial` results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)`.
+- `records`: `5×N×W` Float32, contiguous (the C `[W, N, FCE_KD_TERMS_RECORD_FIELDS]`): the W shards'
+  `kd_terms_partial` results in rank (vocabulary) order, e.g. `cat(r1, r2, ...; dims = 3)`. Their column
+  ranges must tile `[0, vocab_total)` in rank order, else every column's loss and `A` are NaN.
 - `row_stats`: the `5×N` Float32 matrix of `kd_combine` (the one given to `kd_terms_partial`), updated in
   place: field 5 (`A`) written, fields 1-4 kept. Required: `nothing` is refused by the library
   (INVALID_ARGUMENT).
@@ -1100,7 +1192,7 @@ Returns `(loss, row_stats)`: `loss` a Float32 for `:sum`/`:mean`, a length-N vec
 what `kd_loss` (`kd_loss_topk` for a top-K teacher) of the whole rows returns within the Float32 rounding of
 the records' sums (masked columns, all-masked means, NaN and +Inf losses and identical distributions,
 exactly 0, as `kd_loss` gives them); `row_stats` the argument. Errors: `FusedCEError` INVALID_ARGUMENT
-(`vocab_total` 0, options out of domain, `row_stats` `nothing`), SHAPE_MISMATCH (records not `3×N×W`,
+(`vocab_total` 0, options out of domain, `row_stats` `nothing`), SHAPE_MISMATCH (records not `5×N×W`,
 targets' or row_stats' size), UNSUPPORTED_LAYOUT (records not contiguous), UNSUPPORTED_DTYPE,
 DEVICE_MISMATCH; nothing is written on an error.
 """
@@ -1150,7 +1242,7 @@ rows (global class > `vocab_total`).
 
 Agrees with `kd_loss(...; dstudent = true)` (`kd_loss_topk` for a top-K teacher) of the whole rows within
 the Float32 rounding of the records' sums. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0,
-`vocab_start` outside `[0, vocab_total)`, options out of domain), SHAPE_MISMATCH (teacher's, targets',
+`vocab_start` outside `[0, vocab_total]`, options out of domain), SHAPE_MISMATCH (teacher's, targets',
 row_stats', grad_loss' or dstudent's size), UNSUPPORTED_DTYPE (dstudent not the student's type),
 UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
 """
@@ -1196,7 +1288,9 @@ Cross-entropy of the logits `weight' * hidden (+ bias)` without materializing th
 (`true` or an array) are computed in the same call. Returns
 `(loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias)`. `vocab_start`/`vocab_total` must stay 0
 here (the library refuses a shard, `FusedCEError` INVALID_ARGUMENT): a shard of the LM head goes through
-`linear_cross_entropy_partial`, `cross_entropy_combine` and `linear_cross_entropy_bwd`.
+`linear_cross_entropy_partial`, `cross_entropy_combine` and `linear_cross_entropy_bwd`. `lse` as for
+`cross_entropy_fwd`: `true` a length-N vector, `:pair` the `2×N` pairs (the form to save for
+`linear_cross_entropy_bwd`), or an array of either shape.
 
 `grad_entropy` (Float32, a number or a length-N vector; only with a gradient output `dhidden`, `dweight`
 or `dbias`, else `FusedCEError` INVALID_ARGUMENT) adds the gradient of `sum(grad_entropy .* entropy)` to
@@ -1229,7 +1323,7 @@ function linear_cross_entropy_fwd(hidden::AbstractMatrix, weight::AbstractMatrix
     _accumulating(accumulate, dhidden, dweight, dbias)
     N = size(hidden, 2)
     loss_a = _loss_buffer(reduction, N)
-    lse_a = _out(lse, () -> _vecf32(N))
+    lse_a = _lse_out(lse, N)
     zl_a = _out(z_loss, () -> _loss_buffer(reduction, N))
     am_a = _out(argmax, () -> Vector{argmax_type}(undef, N))
     ent_a = _out(entropy, () -> _vecf32(N))
@@ -1265,15 +1359,16 @@ linear_cross_entropy(hidden::AbstractMatrix, weight::AbstractMatrix, targets::Ab
                              dbias=(bias !== nothing), grad_loss=nothing, grad_entropy=nothing,
                              saved_entropy=nothing, accumulate=false, handle=default_handle())
 
-Gradients of linear cross-entropy from the forward's `lse` (same options), recomputing the logits chunk
-by chunk. Each output is `false` (not computed), `true` (allocated: `dhidden` `H×N` in hidden's element
+Gradients of linear cross-entropy from the forward's `lse` (same options; Float32, the length-N vector or
+the `2×N` pairs of `lse = :pair`, from which the probabilities hold at any offset of the logits, as for
+`cross_entropy_bwd`), recomputing the logits chunk by chunk. Each output is `false` (not computed), `true` (allocated: `dhidden` `H×N` in hidden's element
 type, `dweight` `H×V` and `dbias` length V in weight's and bias') or an array to write into. Returns
 `(dhidden, dweight, dbias)`, `nothing` for those not asked for.
 
 Vocabulary shard (`vocab_total > 0`, step 4 of vocabulary-parallel linear cross-entropy; see
 `linear_cross_entropy_partial`): `weight` (`H×V_local`) and `bias` (length `V_local`) are the shard's, the
 LM head's columns `vocab_start+1 : vocab_start+V_local` (the last shard may be padded past `vocab_total`;
-padding is never read), `targets` are global, `lse` is the one of `cross_entropy_combine` (and
+padding is never read), `targets` are global, `lse` is the one of `cross_entropy_combine` (best its pairs; and
 `saved_entropy` its `entropy`), with the partial calls' options. `dweight` and `dbias` are then the shard's
 (complete: they depend on this shard's logits only), 0 in padding columns/entries. `dhidden` is this
 shard's part of the whole `dhidden` and must be Float32 (`FusedCEError` UNSUPPORTED_DTYPE otherwise;
@@ -1292,14 +1387,14 @@ be an array or `false`: one left at its default `true` (`dhidden`, `dweight`, an
 Float32 `dhidden` part is added into, and `dweight`'s padding columns and `dbias`' padding entries (past
 `vocab_total`) are left as they are instead of written 0.
 
-Errors: `FusedCEError` INVALID_ARGUMENT (options out of domain, `vocab_start` outside `[0, vocab_total)`, no
+Errors: `FusedCEError` INVALID_ARGUMENT (options out of domain, `vocab_start` outside `[0, vocab_total]`, no
 gradient output), SHAPE_MISMATCH (weight's, bias', targets', lse's or an output's size), UNSUPPORTED_DTYPE
 (weight or bias not hidden's element type, lse not Float32, a shard's dhidden not Float32), UNSUPPORTED_LAYOUT,
 DEVICE_MISMATCH; `ArgumentError` for `dbias` without a bias and for `accumulate = true` with a gradient
 output `true`.
 """
 function linear_cross_entropy_bwd(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector{<:Integer},
-                                  lse::AbstractVector; bias::Union{Nothing,AbstractVector} = nothing,
+                                  lse::AbstractVecOrMat; bias::Union{Nothing,AbstractVector} = nothing,
                                   reduction::Symbol = _def_reduction(), ignore_index::Integer = _CE[].ignore_index,
                                   label_smoothing::Real = _CE[].label_smoothing,
                                   z_loss_scale::Real = _CE[].z_loss_scale,
@@ -1366,8 +1461,8 @@ logits (rounded to the inputs' element type as in the unsharded call), so the st
 1. each shard: `linear_cross_entropy_partial` → `K×N` records;
 2. stack every shard's records in rank (vocabulary) order, `K×N×W` (`cat(r1, r2, ...; dims = 3)` or an
    all-gather's buffer);
-3. `cross_entropy_combine(records, targets; vocab_total, options...)` → loss, lse, z_loss, argmax, entropy
-   of the whole rows (what `linear_cross_entropy_fwd` of the whole LM head gives);
+3. `cross_entropy_combine(records, targets; vocab_total, lse = :pair, options...)` → loss, lse (its pairs),
+   z_loss, argmax, entropy of the whole rows (what `linear_cross_entropy_fwd` of the whole LM head gives);
 4. each shard: `linear_cross_entropy_bwd(hidden, weight_shard, targets, combined.lse; vocab_start,
    vocab_total, dhidden = true, ...)` → the shard's `dweight`/`dbias` and its Float32 part of `dhidden`;
    sum the parts of every shard in Float32, in shard order, and round once.
@@ -1379,7 +1474,8 @@ logits (rounded to the inputs' element type as in the unsharded call), so the st
 - `bias`: optional, length `V_local`, the shard's entries of the bias, hidden's element type.
 - `targets`: length N, Int32/Int64, **global** 1-based classes (`ignore_index` as usual).
 - `vocab_start` (required): the 0-based offset of the shard, the number of vocabulary columns before it (so
-  `0 ≤ vocab_start < vocab_total`); `vocab_total` (required): V of the whole vocabulary.
+  `0 ≤ vocab_start ≤ vocab_total`; `vocab_total` itself: a shard of padding alone, neutral records);
+  `vocab_total` (required): V of the whole vocabulary.
 - `class_weights`: of the whole vocabulary (length `vocab_total`).
 - `records`: as for `cross_entropy_partial` (a narrower `K` of `LibFusedCE.FCE_CE_RECORD_FIELDS_LOSS` or
   `FCE_CE_RECORD_FIELDS_ENTROPY` skips the entropy's sums; `cross_entropy_combine` then refuses the outputs
@@ -1388,7 +1484,7 @@ logits (rounded to the inputs' element type as in the unsharded call), so the st
 The workspace is the handle's cached one, as for `linear_cross_entropy_fwd` (its size:
 `LibFusedCE.fce_linear_cross_entropy_partial_workspace_size`). Use the same options on every shard, in
 `cross_entropy_combine` and in the backward. Errors: `FusedCEError` INVALID_ARGUMENT (`vocab_total` 0,
-`vocab_start` outside `[0, vocab_total)`, options out of domain), SHAPE_MISMATCH (weight's, bias',
+`vocab_start` outside `[0, vocab_total]`, options out of domain), SHAPE_MISMATCH (weight's, bias',
 targets', records' size, class weights' length), UNSUPPORTED_DTYPE (weight or bias not hidden's element
 type, records not Float32), UNSUPPORTED_LAYOUT, DEVICE_MISMATCH.
 """
