@@ -345,8 +345,8 @@ end
         reff = ce_entropy_grad_ref(Xf, te, gl, ge; kw...)
         @test maximum(abs.(fd .- reff)) <= 1e-6 * maximum(abs, reff)
     end
-    # the fused forward, outputs poisoned
-    D, E, Ls = fill(NaN32, Ve, Ne), fill(NaN32, Ne), fill(NaN32, Ne)
+    # the fused forward, outputs poisoned; it saves the lse's pairs (2×N: the form whose backward has its bits)
+    D, E, Ls = fill(NaN32, Ve, Ne), fill(NaN32, Ne), fill(NaN32, 2, Ne)
     r = FusedCE.cross_entropy_fwd(Xe, te; reduction = :none, kw..., lse = Ls, entropy = E, dlogits = D,
                                   grad_loss = gl, grad_entropy = ge)
     @test r.dlogits === D && r.entropy === E && r.lse === Ls
@@ -355,13 +355,18 @@ end
     neginf && @test D[4, 1] == 0
     # the statistics do not depend on grad_entropy; without it the gradient is the loss's alone
     r0 = FusedCE.cross_entropy_fwd(Xe, te; reduction = :none, kw..., entropy = true, dlogits = true, grad_loss = gl)
-    @test r0.loss == r.loss && r0.lse == Ls && r0.entropy == E
+    @test r0.loss == r.loss && r0.entropy == E
+    @test r0.lse isa Vector{Float32} && approx(lse_from_pairs(Ls), r0.lse; rtol = 3e-7, atol = 0)
     @test close_to_max(r0.dlogits, ref0)
-    # backward from the saved lse and entropy: the fused forward's bits (CPU)
+    # backward from the saved lse pairs and entropy: the fused forward's bits (CPU)
     D2 = fill(NaN32, Ve, Ne)
     @test FusedCE.cross_entropy_bwd(Xe, te, Ls; reduction = :none, kw..., grad_loss = gl, entropy = E,
                                     grad_entropy = ge, dlogits = D2) === D2
     @test D2 == D
+    # from the lse vector: each p_j carries the Float32 lse's rounding, within the bound here
+    D2v = FusedCE.cross_entropy_bwd(Xe, te, r0.lse; reduction = :none, kw..., grad_loss = gl, entropy = E,
+                                    grad_entropy = ge)
+    @test close_to_max(D2v, Float64.(D))
     # without grad_entropy the backward is the loss's (entropy not read)
     D3 = fill(NaN32, Ve, Ne)
     FusedCE.cross_entropy_bwd(Xe, te, Ls; reduction = :none, kw..., grad_loss = gl, entropy = fill(NaN32, Ne),
@@ -377,8 +382,9 @@ end
     FusedCE.cross_entropy_bwd(Xe, te, Ls; reduction = :none, kw..., entropy = E, grad_entropy = 0.75, dlogits = D4)
     @test D4 == rs.dlogits
     # a reduced loss: grad_loss a scalar (mean over the weighted non-ignored rows), grad_entropy per row
-    rm = FusedCE.cross_entropy_fwd(Xe, te; kw..., reduction = :sum, entropy = true, dlogits = fill(NaN32, Ve, Ne),
-                                   grad_loss = 0.5f0, grad_entropy = ge)
+    rm = FusedCE.cross_entropy_fwd(Xe, te; kw..., reduction = :sum, lse = :pair, entropy = true,
+                                   dlogits = fill(NaN32, Ve, Ne), grad_loss = 0.5f0, grad_entropy = ge)
+    @test size(rm.lse) == (2, Ne) && eltype(rm.lse) == Float32
     @test close_to_max(rm.dlogits, ce_entropy_grad_ref(Xe, te, fill(0.5, Ne), ge; kw...))
     D5 = fill(NaN32, Ve, Ne)
     FusedCE.cross_entropy_bwd(Xe, te, rm.lse; kw..., reduction = :sum, grad_loss = 0.5f0, entropy = rm.entropy,
@@ -439,7 +445,8 @@ end
 
 @testset "vocabulary-parallel cross-entropy" begin
     K = FusedCE.cross_entropy_record_fields()
-    @test K == 7
+    @test K == 9 == L.FCE_CE_RECORD_FIELDS_ALL
+    @test (L.FCE_CE_RECORD_FIELDS_LOSS, L.FCE_CE_RECORD_FIELDS_ENTROPY) == (6, 7)
     Nv, Vv = 9, 47
     Xv = randn(Float32, Vv, Nv) .* 3
     tv = rand(1:Vv, Nv)
@@ -454,24 +461,32 @@ end
         r1 = FusedCE.cross_entropy_partial(s1, tv; vocab_start = starts[1], vocab_total = Vv, kw...)
         r2 = FusedCE.cross_entropy_partial(s2, tv; vocab_start = starts[2], vocab_total = Vv, kw...)
         @test size(r1) == (K, Nv) && size(r2) == (K, Nv) && eltype(r1) == Float32
+        # rows 5-6: each shard's column range [vocab_start, end) as Int32 bits (the padding not counted)
+        @test all(reinterpret(Int32, r1[5:6, :]) .== Int32[0, 17]) && all(reinterpret(Int32, r2[5:6, :]) .== Int32[17, 47])
         recs = cat(r1, r2; dims = 3)               # K×N×W, rank order
         c = FusedCE.cross_entropy_combine(recs, tv; vocab_total = Vv, kw..., argmax = true, z_loss = true,
                                           entropy = true)
+        cp = FusedCE.cross_entropy_combine(recs, tv; vocab_total = Vv, kw..., lse = :pair)
+        @test size(cp.lse) == (2, Nv) && cp.loss == c.loss
+        @test approx(lse_from_pairs(cp.lse), c.lse; rtol = 3e-7, atol = 0)
         @test approx(c.loss, ref.loss; rtol = 0, atol = 2e-5)
         @test approx(c.lse, ref.lse; rtol = 0, atol = 2e-5)
         @test approx(c.z_loss, ref.z_loss; rtol = 0, atol = 2e-5)
         @test approx(c.entropy, ref.entropy; rtol = 0, atol = 2e-5)
         @test c.argmax == ref.argmax && c.dlogits === nothing
         @test all(isfinite, c.lse)
-        # each shard's gradient from the combined lse: its columns of the unsharded gradient, 0 in the padding
+        # each shard's gradient from the combined lse's pairs (and from its vector): its columns of the
+        # unsharded gradient, 0 in the padding
         g = get(kw, :reduction, :mean) === :none ? rand(Float32, Nv) : 0.37f0
         dref = FusedCE.cross_entropy_bwd(Xv, tv, ref.lse; kw..., grad_loss = g)
-        d1 = FusedCE.cross_entropy_bwd(s1, tv, c.lse; kw..., vocab_start = starts[1], vocab_total = Vv, grad_loss = g)
-        d2 = FusedCE.cross_entropy_bwd(s2, tv, c.lse; kw..., vocab_start = starts[2], vocab_total = Vv, grad_loss = g)
-        @test approx(d1, dref[1:17, :]; rtol = 1e-5, atol = 1e-6)
-        @test approx(d2[1:30, :], dref[18:47, :]; rtol = 1e-5, atol = 1e-6)
-        @test all(d2[31:33, :] .== 0)
-        @test all(d1[:, 4] .== 0) && all(d2[:, 4] .== 0)   # the ignored row
+        for l in (cp.lse, c.lse)
+            d1 = FusedCE.cross_entropy_bwd(s1, tv, l; kw..., vocab_start = starts[1], vocab_total = Vv, grad_loss = g)
+            d2 = FusedCE.cross_entropy_bwd(s2, tv, l; kw..., vocab_start = starts[2], vocab_total = Vv, grad_loss = g)
+            @test approx(d1, dref[1:17, :]; rtol = 1e-5, atol = 1e-6)
+            @test approx(d2[1:30, :], dref[18:47, :]; rtol = 1e-5, atol = 1e-6)
+            @test all(d2[31:33, :] .== 0)
+            @test all(d1[:, 4] .== 0) && all(d2[:, 4] .== 0)   # the ignored row
+        end
         # the records written into a caller's buffer
         buf = Matrix{Float32}(undef, K, Nv)
         @test FusedCE.cross_entropy_partial(s1, tv; vocab_start = 0, vocab_total = Vv, records = buf, kw...) === buf
@@ -497,7 +512,9 @@ end
         return "no error"
     end
     @test status_of(() -> FusedCE.cross_entropy_partial(s1, tv; vocab_start = 0, vocab_total = 0)) == "INVALID_ARGUMENT"
-    @test status_of(() -> FusedCE.cross_entropy_partial(s1, tv; vocab_start = Vv, vocab_total = Vv)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.cross_entropy_partial(s1, tv; vocab_start = Vv + 1, vocab_total = Vv)) == "INVALID_ARGUMENT"
+    # (vocab_start = vocab_total: a shard of padding alone, accepted; see "shard layouts")
+    @test status_of(() -> FusedCE.cross_entropy_partial(s1, tv; vocab_start = Vv, vocab_total = Vv)) == "no error"
     @test status_of(() -> FusedCE.cross_entropy_partial(s1, tv[1:end-1]; vocab_start = 0, vocab_total = Vv)) == "SHAPE_MISMATCH"
     @test status_of(() -> FusedCE.cross_entropy_fwd(s1, tv; vocab_start = 0, vocab_total = Vv)) == "INVALID_ARGUMENT"
     recs = cat(FusedCE.cross_entropy_partial(s1, tv; vocab_start = 0, vocab_total = Vv),
@@ -552,7 +569,7 @@ end
 
 @testset "vocabulary-parallel logsumexp and temperature softmax" begin
     KL = L.FCE_LSE_RECORD_FIELDS
-    @test KL == 2
+    @test KL == 6
     # the grown option structs: the new fields' defaults are 0/0/NULL, and the builders fill them
     dl, ds = FusedCE.defaults(L.fce_lse_options_t), FusedCE.defaults(L.fce_softmax_options_t)
     @test (dl.vocab_start, dl.vocab_total) == (0, 0)
@@ -589,9 +606,13 @@ end
         recs = [FusedCE.logsumexp_partial(xs[r]; vocab_start = starts[r], vocab_total = Vs, scale = 1 / Tm,
                                           records = fill(NaN32, KL, Ns)) for r in eachindex(shards)]
         @test all(r -> size(r) == (KL, Ns) && eltype(r) == Float32, recs)
-        for (r, (rows, _)) in enumerate(shards), n in 1:Ns     # m = max z, d = sum exp(z - m), z = x / T
-            z = Float64.(Xs[rows, n]) ./ Tm
-            @test approx(recs[r][:, n], [maximum(z), sum(exp.(z .- maximum(z)))]; rtol = 1e-5, atol = 1e-6)
+        # m = max x (raw), d = sum exp((x - m) s), s = 1 / T; the column range, s and vocab_total
+        sc = Float32(1 / Tm)
+        for (r, (rows, _)) in enumerate(shards), n in 1:Ns
+            x = Float64.(Xs[rows, n])
+            @test approx(recs[r][1:2, n], [maximum(x), sum(exp.((x .- maximum(x)) .* sc))]; rtol = 1e-5, atol = 1e-6)
+            @test reinterpret(Int32, recs[r][3:4, n]) == Int32[first(rows) - 1, last(rows)]
+            @test recs[r][5, n] === sc && reinterpret(Int32, recs[r][6, n]) == Vs
         end
         @test FusedCE.logsumexp_partial(xs[1]; vocab_start = starts[1], vocab_total = Vs, scale = 1 / Tm) == recs[1]
         stacked = cat(recs...; dims = 3)               # 2×N×W, rank order
@@ -603,9 +624,16 @@ end
         @test approx(c, lse_f64; rtol = 1e-6, atol = 1e-6)
         out = fill(NaN32, Ns)
         @test FusedCE.logsumexp_combine(stacked; out = out) === out && out == c
-        # each shard's softmax from that lse (poisoned buffers): its rows of the unsharded softmax, the
-        # padding exactly 0 / -Inf
-        for (r, (rows, p)) in enumerate(shards)
+        # its pairs (M, log D), M the raw max: lse = M / T + log D
+        cpair = FusedCE.logsumexp_combine(stacked; out = :pair)
+        @test cpair isa Matrix{Float32} && size(cpair) == (2, Ns)
+        @test cpair[1, :] == vec(maximum(Xs; dims = 1))
+        @test approx(lse_from_pairs(cpair; scale = sc), c; rtol = 3e-7, atol = 0)
+        outp = fill(NaN32, 2, Ns)
+        @test FusedCE.logsumexp_combine(stacked; out = outp) === outp && outp == cpair
+        # each shard's softmax from that lse, its pairs and its vector (poisoned buffers): its rows of the
+        # unsharded softmax, the padding exactly 0 / -Inf
+        for (r, (rows, p)) in enumerate(shards), c in (cpair, c)
             sm = FusedCE.temp_softmax(xs[r]; temperature = Tm, vocab_start = starts[r], vocab_total = Vs, lse = c,
                                       probs = fill(NaN32, size(xs[r])), logprobs = fill(NaN32, size(xs[r])))
             k = length(rows)
@@ -643,15 +671,25 @@ end
                                       dims = 3))
     shard_sm(; kw...) = FusedCE.temp_softmax(s2; temperature = Tm, vocab_start = 17, vocab_total = Vs, lse = c, kw...)
     @test status_of(() -> shard_sm()) == "no error"
+    cpair = FusedCE.logsumexp_combine(cat(FusedCE.logsumexp_partial(s1; vocab_start = 0, vocab_total = Vs, scale = 1 / Tm),
+                                          FusedCE.logsumexp_partial(s2; vocab_start = 17, vocab_total = Vs, scale = 1 / Tm);
+                                          dims = 3); out = :pair)
+    @test status_of(() -> shard_sm(lse = cpair)) == "no error"
+    @test isapprox(shard_sm(lse = cpair).probs, shard_sm().probs; rtol = 1e-5)
+    @test status_of(() -> shard_sm(lse = cpair[:, 1:end-1])) == "SHAPE_MISMATCH"
+    @test status_of(() -> shard_sm(lse = Float64.(cpair))) == "UNSUPPORTED_DTYPE"
+    @test status_of(() -> shard_sm(lse = view(vcat(cpair, cpair), 1:2, :))) == "UNSUPPORTED_LAYOUT"
     @test status_of(() -> shard_sm(temperature = 0)) == "NOT_IMPLEMENTED"
     @test status_of(() -> shard_sm(temperature = Inf)) == "NOT_IMPLEMENTED"
     @test status_of(() -> shard_sm(temperatures = fill(Float32(Tm), Ns))) == "NOT_IMPLEMENTED"
     @test status_of(() -> shard_sm(lse = nothing)) == "INVALID_ARGUMENT"
     @test status_of(() -> shard_sm(lse = c[1:end-1])) == "SHAPE_MISMATCH"
-    @test status_of(() -> shard_sm(vocab_start = Vs)) == "INVALID_ARGUMENT"
+    @test status_of(() -> shard_sm(vocab_start = Vs + 1)) == "INVALID_ARGUMENT"
+    # a shard of padding alone: probabilities 0
+    @test all(shard_sm(vocab_start = Vs).probs .=== 0.0f0)
     @test status_of(() -> FusedCE.temp_softmax(s1; vocab_start = 3)) == "INVALID_ARGUMENT"   # a start without a shard
     @test status_of(() -> FusedCE.logsumexp_partial(s1; vocab_start = 0, vocab_total = 0)) == "INVALID_ARGUMENT"
-    @test status_of(() -> FusedCE.logsumexp_partial(s1; vocab_start = Vs, vocab_total = Vs)) == "INVALID_ARGUMENT"
+    @test status_of(() -> FusedCE.logsumexp_partial(s1; vocab_start = Vs + 1, vocab_total = Vs)) == "INVALID_ARGUMENT"
     @test status_of(() -> FusedCE.logsumexp_partial(s1; vocab_start = 0, vocab_total = Vs, scale = 0)) == "INVALID_ARGUMENT"
     @test status_of(() -> FusedCE.logsumexp_partial(s1; vocab_start = 0, vocab_total = Vs,
                                                     records = zeros(Float32, KL + 1, Ns))) == "SHAPE_MISMATCH"
@@ -659,6 +697,10 @@ end
                FusedCE.logsumexp_partial(s2; vocab_start = 17, vocab_total = Vs); dims = 3)
     @test status_of(() -> FusedCE.logsumexp_combine(recs[1:1, :, :])) == "SHAPE_MISMATCH"
     @test status_of(() -> FusedCE.logsumexp_combine(recs; out = zeros(Float32, Ns + 1))) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.logsumexp_combine(recs; out = zeros(Float32, 3, Ns))) == "SHAPE_MISMATCH"
+    @test status_of(() -> FusedCE.logsumexp_combine(recs; out = view(zeros(Float32, 3, Ns), 1:2, :))) ==
+          "UNSUPPORTED_LAYOUT"
+    @test_throws ArgumentError FusedCE.logsumexp_combine(recs; out = :pairs)
     @test status_of(() -> FusedCE.logsumexp_combine(view(recs, :, 1:2:Ns, :))) == "UNSUPPORTED_LAYOUT"
     @test_throws UndefKeywordError FusedCE.logsumexp_partial(s1; vocab_total = Vs)
 end
@@ -720,7 +762,7 @@ end
 
 @testset "vocabulary-parallel knowledge distillation" begin
     KR, KS = L.FCE_KD_RECORD_FIELDS, L.FCE_KD_ROW_STATS_FIELDS
-    @test KR == 5 && KS == 5
+    @test KR == 7 && KS == 5
     Vk, Nk = 53, 7
     Sk = randn(Float32, Vk, Nk) .* 2
     Tk = randn(Float32, Vk, Nk) .* 2
@@ -744,7 +786,8 @@ end
         return "no error"
     end
     lse_cols(X, T) = [lse64(Float64.(X[:, n]) ./ T) for n in 1:size(X, 2)]
-    # a shard's record in Float64 (header: m_P, sum exp(z_P - m_P), m_Q, sum exp(z_Q - m_Q), X)
+    # a shard's record in Float64 (header: m_P, sum exp(z_P - m_P), m_Q, sum exp(z_Q - m_Q), X; then its
+    # column range, rows 6-7)
     function kd_record64(P, Q, T)
         zp, zq = Float64.(P) ./ T, Float64.(Q) ./ T
         mp, mq = maximum(zp), maximum(zq)
@@ -752,7 +795,7 @@ end
         return [mp, sum(ep), mq, sum(exp.(zq .- mq)), sum(ep .* ((zp .- mp) .- (zq .- mq)))]
     end
     KT = L.FCE_KD_TERMS_RECORD_FIELDS
-    @test KT == 3
+    @test KT == 5
     # JSD strictly between forward and reverse KL: two exchanges
     mixture(kw) = get(kw, :divergence, :forward_kl) === :jsd && 0 < get(kw, :beta, 0.5) < 1
     # a shard's terms' record in Float64 (header: sum L_j, sum a_j over its columns; the count of field 3 is
@@ -826,10 +869,11 @@ end
         @test all(r -> size(r) == (KR, Nk) && eltype(r) == Float32, recs)
         for (r, (rows, _)) in enumerate(shards), n in 1:Nk
             P, Q = rev ? (Sk[rows, n], Tk[rows, n]) : (Tk[rows, n], Sk[rows, n])
-            @test approx(recs[r][:, n], kd_record64(P, Q, T); rtol = 1e-5, atol = 1e-5)
+            @test approx(recs[r][1:5, n], kd_record64(P, Q, T); rtol = 1e-5, atol = 1e-5)
+            @test reinterpret(Int32, recs[r][6:7, n]) == Int32[first(rows) - 1, last(rows)]
         end
         @test FusedCE.kd_partial(ss[1], ts[1]; vocab_start = starts[1], vocab_total = Vk, kw...) == recs[1]
-        stacked = cat(recs...; dims = 3)               # 5×N×W, rank order
+        stacked = cat(recs...; dims = 3)               # 7×N×W, rank order
         @test size(stacked) == (KR, Nk, length(shards))
         for targets in (nothing, tk)
             g = kw.reduction === :none ? rand(Float32, Nk) .+ 0.5f0 : 1.7f0
@@ -849,6 +893,7 @@ end
                 lp = logsoftmax64(Float64.(Tk[:, n]) ./ T)[rows]
                 @test approx(trecs[r][1:2, n], kd_terms64(lp, lq, kw.divergence, get(kw, :beta, 0.5)))
                 @test trecs[r][3, n] == -1                     # no slots: teacher logits
+                @test reinterpret(Int32, trecs[r][4:5, n]) == Int32[first(rows) - 1, last(rows)]
             end
             # steps 3b-3c: the loss and A into a copy of the statistics, fields 1-4 kept; for KL the loss
             # and A of step 3 a second way
@@ -1115,7 +1160,7 @@ end
     tpart(; kw...) = FusedCE.kd_terms_partial(s1, t1, cj.row_stats; vocab_start = 0, vocab_total = Vk, jkw...,
                                               records = tpoison, kw...)
     @test kd_status(() -> tpart(vocab_total = 0), :fce_kd_terms_partial) == "INVALID_ARGUMENT"
-    @test kd_status(() -> tpart(vocab_start = Vk), :fce_kd_terms_partial) == "INVALID_ARGUMENT"
+    @test kd_status(() -> tpart(vocab_start = Vk + 1), :fce_kd_terms_partial) == "INVALID_ARGUMENT"
     @test kd_status(() -> tpart(temperature = 0), :fce_kd_terms_partial) == "INVALID_ARGUMENT"
     @test kd_status(() -> FusedCE.kd_terms_partial(s1, t2, cj.row_stats; vocab_start = 0, vocab_total = Vk, jkw...,
                                                    records = tpoison), :fce_kd_terms_partial) == "SHAPE_MISMATCH"
@@ -1195,14 +1240,16 @@ end
     @test_throws ArgumentError FusedCE.kd_partial(s1, idk, lpk; vocab_start = 0, vocab_total = Vk, topk_norm = :full)
     @test_throws UndefKeywordError FusedCE.kd_bwd(s1, idk, lpk, st; vocab_total = Vk)
     @test_throws MethodError FusedCE.kd_partial(s1, Float32.(idk), lpk; vocab_start = 0, vocab_total = Vk)
-    # no shard in the options, or a vocab_start outside [0, vocab_total)
+    # no shard in the options, or a vocab_start outside [0, vocab_total] (vocab_total: a shard of padding alone)
     @test kd_status(() -> FusedCE.kd_partial(s1, t1; vocab_start = 0, vocab_total = 0), :fce_kd_partial) ==
           "INVALID_ARGUMENT"
     @test kd_status(() -> FusedCE.kd_combine(recs; vocab_total = 0), :fce_kd_combine) == "INVALID_ARGUMENT"
     @test kd_status(() -> FusedCE.kd_bwd(s1, t1, st; vocab_start = 0, vocab_total = 0), :fce_kd_bwd) ==
           "INVALID_ARGUMENT"
-    @test kd_status(() -> FusedCE.kd_partial(s2, t2; vocab_start = Vk, vocab_total = Vk), :fce_kd_partial) ==
+    @test kd_status(() -> FusedCE.kd_partial(s2, t2; vocab_start = Vk + 1, vocab_total = Vk), :fce_kd_partial) ==
           "INVALID_ARGUMENT"
+    @test kd_status(() -> FusedCE.kd_partial(s2, t2; vocab_start = Vk, vocab_total = Vk), :fce_kd_partial) ==
+          "no error"
     @test kd_status(() -> FusedCE.kd_partial(s2, t2; vocab_start = -1, vocab_total = Vk), :fce_kd_partial) ==
           "INVALID_ARGUMENT"
     @test kd_status(() -> FusedCE.kd_partial(s2, t2; vocab_start = 20, vocab_total = Vk, temperature = 0),
@@ -1456,8 +1503,11 @@ end
     @test approx(c.z_loss, ref.z_loss; rtol = 1e-4, atol = 1e-5)
     @test approx(c.entropy, ref.entropy; rtol = 1e-4, atol = 1e-5)
     @test c.argmax == ref.argmax
-    # each shard's backward from the combined lse; the Float32 dhidden parts summed
-    grads = [FusedCE.linear_cross_entropy_bwd(hid, Ws[i], lt, c.lse; bias = bs[i], vocab_start = starts[i],
+    # the combined lse's pairs, for the shards' backward
+    cp = FusedCE.cross_entropy_combine(cat(recs...; dims = 3), lt; vocab_total = Vv, kw..., lse = :pair)
+    @test size(cp.lse) == (2, Nv) && approx(lse_from_pairs(cp.lse), c.lse; rtol = 3e-7, atol = 0)
+    # each shard's backward from the combined lse's pairs; the Float32 dhidden parts summed
+    grads = [FusedCE.linear_cross_entropy_bwd(hid, Ws[i], lt, cp.lse; bias = bs[i], vocab_start = starts[i],
                                               vocab_total = Vv, kw..., grad_loss = g) for i in eachindex(los)]
     @test all(d -> eltype(d.dhidden) == Float32 && size(d.dhidden) == (Hv, Nv), grads)
     dh = sum(d.dhidden for d in grads)
@@ -1473,7 +1523,7 @@ end
     @test all(grads[end].dbias[end-pad+1:end] .== 0)
     # given outputs are written and returned; without a bias
     dhb, dwb = fill(NaN32, Hv, Nv), fill(NaN32, size(Ws[1])...)
-    d0 = FusedCE.linear_cross_entropy_bwd(hid, Ws[1], lt, c.lse; bias = bs[1], vocab_start = starts[1],
+    d0 = FusedCE.linear_cross_entropy_bwd(hid, Ws[1], lt, cp.lse; bias = bs[1], vocab_start = starts[1],
                                           vocab_total = Vv, kw..., grad_loss = g, dhidden = dhb, dweight = dwb,
                                           dbias = false)
     @test d0.dhidden === dhb && d0.dweight === dwb && d0.dbias === nothing
@@ -1545,9 +1595,9 @@ end
     ref16 = FusedCE.linear_cross_entropy_fwd(h16, W16, lt; dhidden = true, dweight = true)
     rs = [FusedCE.linear_cross_entropy_partial(h16, Float16.(W1), lt; vocab_start = 0, vocab_total = Vv),
           FusedCE.linear_cross_entropy_partial(h16, Float16.(W2), lt; vocab_start = 20, vocab_total = Vv)]
-    c16 = FusedCE.cross_entropy_combine(cat(rs...; dims = 3), lt; vocab_total = Vv)
+    c16 = FusedCE.cross_entropy_combine(cat(rs...; dims = 3), lt; vocab_total = Vv, lse = :pair)
     @test approx(c16.loss, ref16.loss; rtol = 1e-4, atol = 1e-5)
-    @test approx(c16.lse, ref16.lse; rtol = 1e-4, atol = 1e-5)
+    @test approx(lse_from_pairs(c16.lse), ref16.lse; rtol = 1e-4, atol = 1e-5)
     d1 = FusedCE.linear_cross_entropy_bwd(h16, Float16.(W1), lt, c16.lse; vocab_start = 0, vocab_total = Vv)
     d2 = FusedCE.linear_cross_entropy_bwd(h16, Float16.(W2), lt, c16.lse; vocab_start = 20, vocab_total = Vv)
     @test eltype(d1.dhidden) == Float32 && eltype(d2.dhidden) == Float32
@@ -1561,8 +1611,8 @@ end
     # errors
     @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = 0, vocab_total = 0)) ==
           "INVALID_ARGUMENT"
-    @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = Vv, vocab_total = Vv)) ==
-          "INVALID_ARGUMENT"
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = Vv + 1,
+                                                                     vocab_total = Vv)) == "INVALID_ARGUMENT"
     @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, W1, lt[1:end-1]; vocab_start = 0,
                                                                      vocab_total = Vv)) == "SHAPE_MISMATCH"
     @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, Float16.(W1), lt; vocab_start = 0,
@@ -1570,7 +1620,7 @@ end
     @test fce_status_name(() -> FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = 0, vocab_total = Vv,
                                                                      records = zeros(Float32, K, Nv + 1))) ==
           "SHAPE_MISMATCH"
-    @test fce_status_name(() -> FusedCE.linear_cross_entropy_bwd(hid, W1, lt, zeros(Float32, Nv); vocab_start = Vv,
+    @test fce_status_name(() -> FusedCE.linear_cross_entropy_bwd(hid, W1, lt, zeros(Float32, Nv); vocab_start = Vv + 1,
                                                                  vocab_total = Vv)) == "INVALID_ARGUMENT"
     @test_throws UndefKeywordError FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_total = Vv)
     @test_throws UndefKeywordError FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = 0)
