@@ -1626,6 +1626,171 @@ end
     @test_throws UndefKeywordError FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = 0)
 end
 
+# Since 0.3.0 every record carries its shard's column range, and every combine checks that the ranges tile
+# [0, vocab_total) in rank order: NaN columns otherwise (argmax -1), never a plausible number, no error.
+@testset "shard layouts: combines of shards that do not tile the vocabulary give NaN" begin
+    Vl, Nl = 60, 4
+    Xl = randn(Float32, Vl, Nl) .* 2
+    Tl = randn(Float32, Vl, Nl) .* 2
+    tl = [5, 30, 59, -100]                       # a target in each third, and an ignored column
+    rows(X, st, w) = Float32[st + i <= Vl ? X[st + i, n] : NaN32 for i in 1:w, n in 1:size(X, 2)]
+    layouts = ("tiling [0,20) [20,40) [40,60)" => ([0, 20, 40], [20, 20, 20], true),
+               "overlapping [0,20) [15,40) [40,60)" => ([0, 15, 40], [20, 25, 20], false),
+               "a gap [0,20) [25,40) [40,60)" => ([0, 25, 40], [20, 15, 20], false),
+               "out of order [20,40) [0,20) [40,60)" => ([20, 0, 40], [20, 20, 20], false),
+               "the last missing [0,20) [20,40)" => ([0, 20], [20, 20], false))
+    ref = FusedCE.cross_entropy_fwd(Xl, tl; reduction = :none)
+    kdref = FusedCE.kd_loss(Xl, Tl; targets = tl, reduction = :none)
+    @testset "$name" for (name, (starts, widths, tiles)) in layouts
+        W = length(starts)
+        shard(r) = rows(Xl, starts[r], widths[r])
+        tshard(r) = rows(Tl, starts[r], widths[r])
+        # cross-entropy: loss, lse (both forms), z_loss, entropy NaN and argmax -1 in every column
+        recs = cat([FusedCE.cross_entropy_partial(shard(r), tl; vocab_start = starts[r], vocab_total = Vl,
+                                                  reduction = :none, z_loss_scale = 1e-3) for r in 1:W]...; dims = 3)
+        for r in 1:W
+            @test all(reinterpret(Int32, recs[5:6, :, r]) .== Int32[starts[r], starts[r] + widths[r]])
+        end
+        c = FusedCE.cross_entropy_combine(recs, tl; vocab_total = Vl, reduction = :none, z_loss_scale = 1e-3,
+                                          z_loss = true, entropy = true, argmax = true)
+        cp = FusedCE.cross_entropy_combine(recs, tl; vocab_total = Vl, reduction = :none, z_loss_scale = 1e-3,
+                                           lse = :pair)
+        cm = FusedCE.cross_entropy_combine(recs, tl; vocab_total = Vl, z_loss_scale = 1e-3)
+        if tiles
+            @test approx(c.loss, FusedCE.cross_entropy_fwd(Xl, tl; reduction = :none, z_loss_scale = 1e-3).loss)
+            @test all(isfinite, c.lse) && all(isfinite, cp.lse) && all(c.argmax .>= 1) && isfinite(cm.loss)
+        else
+            @test all(isnan, c.loss) && all(isnan, c.lse) && all(isnan, cp.lse)
+            @test all(isnan, c.z_loss) && all(isnan, c.entropy) && isnan(cm.loss)
+            @test all(c.argmax .== 0)                # -1, made 1-based
+        end
+        # logsumexp: the lse (both forms)
+        lrecs = cat([FusedCE.logsumexp_partial(shard(r); vocab_start = starts[r], vocab_total = Vl, scale = 0.5)
+                     for r in 1:W]...; dims = 3)
+        @test all(isnan.(FusedCE.logsumexp_combine(lrecs)) .!= tiles)
+        @test all(isnan.(FusedCE.logsumexp_combine(lrecs; out = :pair)) .!= tiles)
+        # distillation: the loss (the masked column too) and the statistics' maxima and log-sums
+        krecs = cat([FusedCE.kd_partial(shard(r), tshard(r); vocab_start = starts[r], vocab_total = Vl)
+                     for r in 1:W]...; dims = 3)
+        k = FusedCE.kd_combine(krecs; vocab_total = Vl, targets = tl, reduction = :none)
+        @test all(isnan.(k.loss) .!= tiles) && all(isnan.(k.row_stats[1:4, :]) .!= tiles)
+        tiles && @test approx(k.loss, kdref; rtol = 1e-5, atol = 1e-6)
+        # its terms' exchange, from the statistics of the tiling layout (only the terms' ranges are wrong)
+        good = cat([FusedCE.kd_partial(rows(Xl, st, 20), rows(Tl, st, 20); vocab_start = st, vocab_total = Vl)
+                    for st in (0, 20, 40)]...; dims = 3)
+        st = FusedCE.kd_combine(good; vocab_total = Vl, targets = tl, loss = false).row_stats
+        trecs = cat([FusedCE.kd_terms_partial(shard(r), tshard(r), st; vocab_start = starts[r], vocab_total = Vl)
+                     for r in 1:W]...; dims = 3)
+        for r in 1:W
+            @test all(reinterpret(Int32, trecs[4:5, :, r]) .== Int32[starts[r], starts[r] + widths[r]])
+        end
+        tc = FusedCE.kd_terms_combine(trecs, copy(st); vocab_total = Vl, targets = tl, reduction = :none)
+        @test all(isnan.(tc.loss) .!= tiles)
+    end
+end
+
+# A shard of padding alone (vocab_start = vocab_total, as padding V = 60 to 3 ranks of 30 gives): accepted
+# (0.2.0 refused it), its records neutral with the range [60, 60), the combines those of the real shards.
+@testset "shard layouts: a shard of padding alone is accepted and neutral" begin
+    Vl, Nl, w = 60, 4, 30
+    Xl = randn(Float32, Vl, Nl) .* 2
+    Tl = randn(Float32, Vl, Nl) .* 2
+    tl = [5, 30, 59, -100]
+    shard(X, r) = r == 3 ? fill(NaN32, w, Nl) : X[(r - 1) * w + 1 : r * w, :]
+    opts = (reduction = :none, label_smoothing = 0.1)
+    recs = [FusedCE.cross_entropy_partial(shard(Xl, r), tl; vocab_start = (r - 1) * w, vocab_total = Vl, opts...)
+            for r in 1:3]
+    @test all(reinterpret(Int32, recs[3][5:6, :]) .== Int32(60))
+    c3 = FusedCE.cross_entropy_combine(cat(recs...; dims = 3), tl; vocab_total = Vl, opts..., lse = :pair,
+                                       entropy = true, argmax = true)
+    c2 = FusedCE.cross_entropy_combine(cat(recs[1:2]...; dims = 3), tl; vocab_total = Vl, opts..., lse = :pair,
+                                       entropy = true, argmax = true)
+    @test c3.loss == c2.loss && c3.lse == c2.lse && c3.entropy == c2.entropy && c3.argmax == c2.argmax
+    @test approx(c3.loss, FusedCE.cross_entropy_fwd(Xl, tl; opts...).loss)
+    # its backward from the combined pairs: every row is padding, gradient 0
+    @test all(FusedCE.cross_entropy_bwd(shard(Xl, 3), tl, c3.lse; vocab_start = 60, vocab_total = Vl, opts...) .== 0)
+    # linear cross-entropy: a shard of the LM head without a real column
+    hid = randn(Float32, 3, Nl)
+    lrec = FusedCE.linear_cross_entropy_partial(hid, fill(NaN32, 3, w), tl; vocab_start = 60, vocab_total = Vl, opts...)
+    @test isequal(lrec, recs[3])
+    # (its Float32 part of dhidden should be 0 too; the 0.3.0 CPU library leaves it unwritten for a shard
+    # without a real row, so only dweight is checked)
+    d = FusedCE.linear_cross_entropy_bwd(hid, fill(NaN32, 3, w), tl, c3.lse; vocab_start = 60, vocab_total = Vl,
+                                         opts..., dhidden = false)
+    @test all(d.dweight .== 0)
+    # logsumexp, and the padding shard's softmax from the combined pairs: 0 and -Inf
+    sc = 1f0 / 0.5f0
+    lrecs = [FusedCE.logsumexp_partial(shard(Xl, r); vocab_start = (r - 1) * w, vocab_total = Vl, scale = sc)
+             for r in 1:3]
+    @test all(reinterpret(Int32, lrecs[3][3:4, :]) .== Int32(60)) && all(lrecs[3][1, :] .== -Inf32)
+    lp3 = FusedCE.logsumexp_combine(cat(lrecs...; dims = 3); out = :pair)
+    @test lp3 == FusedCE.logsumexp_combine(cat(lrecs[1:2]...; dims = 3); out = :pair)
+    sm = FusedCE.temp_softmax(shard(Xl, 3); temperature = 0.5, vocab_start = 60, vocab_total = Vl, lse = lp3,
+                              logprobs = true)
+    @test all(sm.probs .=== 0.0f0) && all(sm.logprobs .== -Inf32)
+    # distillation
+    krecs = [FusedCE.kd_partial(shard(Xl, r), shard(Tl, r); vocab_start = (r - 1) * w, vocab_total = Vl) for r in 1:3]
+    @test all(reinterpret(Int32, krecs[3][6:7, :]) .== Int32(60))
+    k3 = FusedCE.kd_combine(cat(krecs...; dims = 3); vocab_total = Vl)
+    @test isfinite(k3.loss) && k3.loss == FusedCE.kd_combine(cat(krecs[1:2]...; dims = 3); vocab_total = Vl).loss
+end
+
+# Since 0.3.0 an lse may be its pairs (m, l), 2×N: the backward from them forms every probability from
+# max-shifted values. At logits of 2^25 an fp32 lse cannot hold log 2 (its ulp there is 4).
+@testset "lse pairs: the backward at a large offset" begin
+    big = 33554432.0f0                            # 2^25
+    x = reshape(Float32[big, big, 0, 1], 4, 1)    # V×N: one column, target 1 (the C target 0)
+    exact = reshape(Float32[-0.5, 0.5, 0, 0], 4, 1)
+    r = FusedCE.cross_entropy_fwd(x, [1]; reduction = :none, lse = :pair, dlogits = true)
+    @test r.lse isa Matrix{Float32} && size(r.lse) == (2, 1)
+    @test r.lse == reshape(Float32[big, log(2f0)], 2, 1)
+    @test r.dlogits == exact
+    # the backward from the pairs: exact, the fused bits (into a buffer, and in place)
+    d = FusedCE.cross_entropy_bwd(x, [1], r.lse; reduction = :none)
+    @test d == exact && reinterpret(UInt32, d) == reinterpret(UInt32, r.dlogits)
+    y = copy(x)
+    @test FusedCE.cross_entropy_bwd(y, [1], r.lse; reduction = :none, dlogits = y) === y && y == exact
+    # a caller's 2×N buffer, and the lse of the pairs (rounded to 2^25 in Float32)
+    buf = fill(NaN32, 2, 1)
+    @test FusedCE.cross_entropy_fwd(x, [1]; reduction = :none, lse = buf).lse === buf && buf == r.lse
+    @test lse_from_pairs(r.lse) == [big]
+    # from the lse vector (2^25), as documented: p_j = exp(z_j - lse) is 1 for both large logits
+    rv = FusedCE.cross_entropy_fwd(x, [1]; reduction = :none)
+    @test rv.lse == [big]
+    @test FusedCE.cross_entropy_bwd(x, [1], rv.lse; reduction = :none) == reshape(Float32[0, 1, 0, 0], 4, 1)
+    # linear cross-entropy: hidden [1], weight columns [2^25, 2^25, 0, 1]: dweight = dlogits' * hidden
+    hid = ones(Float32, 1, 1)
+    wt = reshape(Float32[big, big, 0, 1], 1, 4)   # H×V
+    lr = FusedCE.linear_cross_entropy_fwd(hid, wt, [1]; reduction = :none, lse = :pair, dweight = true)
+    @test lr.lse == r.lse && lr.dweight == reshape(exact, 1, 4)
+    @test FusedCE.linear_cross_entropy_bwd(hid, wt, [1], lr.lse; reduction = :none, dhidden = false).dweight ==
+          reshape(exact, 1, 4)
+    # a shard's softmax at T = 1e-3 from the combined pairs: two one-row shards of 1000.5 share the mass
+    T = 1f-3
+    recs = cat([FusedCE.logsumexp_partial(fill(1000.5f0, 1, 1); vocab_start = r - 1, vocab_total = 2,
+                                          scale = 1f0 / T) for r in 1:2]...; dims = 3)
+    pr = FusedCE.logsumexp_combine(recs; out = :pair)
+    @test pr[1, 1] == 1000.5f0 && isapprox(pr[2, 1], log(2); rtol = 1e-6)
+    for r in 1:2
+        sm = FusedCE.temp_softmax(fill(1000.5f0, 1, 1); temperature = T, vocab_start = r - 1, vocab_total = 2,
+                                  lse = pr, logprobs = true)
+        @test isapprox(sm.probs[1, 1], 0.5; rtol = 1e-6) && isapprox(sm.logprobs[1, 1], -log(2); rtol = 1e-6)
+    end
+    # errors: another element type, a 2×N view whose columns are not contiguous, another size; a symbol
+    @test fce_status_name(() -> FusedCE.cross_entropy_bwd(x, [1], Float64.(r.lse); reduction = :none)) ==
+          "UNSUPPORTED_DTYPE"
+    @test fce_status_name(() -> FusedCE.cross_entropy_bwd(x, [1], view(fill(0f0, 3, 1), 1:2, :);
+                                                          reduction = :none)) == "no error"   # N = 1: any stride
+    x2 = hcat(x, x)
+    @test fce_status_name(() -> FusedCE.cross_entropy_bwd(x2, [1, 1], view(fill(0f0, 3, 2), 1:2, :);
+                                                          reduction = :none)) == "UNSUPPORTED_LAYOUT"
+    @test fce_status_name(() -> FusedCE.cross_entropy_bwd(x2, [1, 1], fill(0f0, 3, 2); reduction = :none)) ==
+          "SHAPE_MISMATCH"
+    @test fce_status_name(() -> FusedCE.cross_entropy_fwd(x2, [1, 1]; lse = fill(0f0, 2, 3))) == "SHAPE_MISMATCH"
+    @test_throws ArgumentError FusedCE.cross_entropy_fwd(x, [1]; lse = :pairs)
+    @test_throws ArgumentError lse_from_pairs(fill(0f0, 3, 2))
+end
+
 @testset "bad input raises FusedCEError with the library's message" begin
     function status_of(f)
         try

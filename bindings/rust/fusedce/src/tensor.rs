@@ -96,8 +96,9 @@ impl Element for i64 {
     const DTYPE: DType = DType::I64;
 }
 
-/// The most dimensions a view has: 3, for the `[W, N, K]` records of
-/// [`crate::Handle::cross_entropy_combine`]; every other argument of every op has at most 2.
+/// The most dimensions a view has: 3, for the `[W, N, K]` records of the vocabulary-parallel combines
+/// ([`crate::Handle::cross_entropy_combine`], `logsumexp_combine`, `kd_combine`, `kd_terms_combine`);
+/// every other argument of every op has at most 2 (an lse's pairs are `[N, 2]`).
 const MAX_NDIM: usize = 3;
 
 /// What both view types hold: enough to build a `DLTensor` (ndim <= [`MAX_NDIM`], as every op needs).
@@ -248,7 +249,7 @@ fn half_dtype(dtype: DType) -> Result<DType> {
 ///
 /// Shapes have 0, 1 or 2 dimensions: a scalar, a vector `[n]`, or a row-major matrix `[rows, cols]`
 /// whose rows may be padded (`row_stride >= cols`, in elements); or 3, contiguous row-major
-/// (`[W, N, K]`: only the records of [`crate::Handle::cross_entropy_combine`] take one). Constructors check that the shape
+/// (`[W, N, K]`: only the records of the vocabulary-parallel combines take one). Constructors check that the shape
 /// stays inside the slice, so safe code can never make the library read out of bounds. Building a
 /// view does not validate it against an op; the op does that and returns an [`Error`].
 #[derive(Copy, Clone, Debug)]
