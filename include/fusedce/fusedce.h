@@ -291,7 +291,7 @@ typedef struct fce_ce_outputs {
   DLTensor* loss;
   /** The logsumexp of the transformed logits z, fp32, in one of two forms (save it for
    *  fce_cross_entropy_bwd): [N], the lse itself; or [N, 2] contiguous, its pair (m, l), m = max_j z_j and
-   *  l = log sum_j exp(z_j - m), lse = m + l (since 0.3.0). The backward forms every probability from the
+   *  l = log sum_j exp(z_j - m), lse = m + l (since 0.2.0). The backward forms every probability from the
    *  pair as the forward does, p_j = exp((z_j - m) - l), so its gradient holds docs/numerics.md's bound
    *  whatever the logits' common offset and gives the fused gradient's bits; from the [N] form each p_j
    *  carries the lse's fp32 rounding, up to |lse| 2^-24 relative (6e-3 at |lse| = 1e5). */
@@ -443,7 +443,7 @@ FCE_API fce_status_t fce_cross_entropy_bwd_ex_workspace_size(fce_handle_t handle
  *   0 m, 1 sum exp(z - m), 2 z at the target if the shard holds it (else 0), 3 sum w_j z_j (label
  *   smoothing; 0 without it), 4 and 5 the shard's column range [vocab_start, end) with end one past its last
  *   real column (int32 bits), 6 sum exp(z - m) (z - m) (entropy), 7 the largest raw logit, 8 its global
- *   index (int32 bits). (0.3.0 added the range and renumbered the last three.)
+ *   index (int32 bits). (0.2.0 added the range and renumbered the last three: 0.1.0's widths were 4, 5, 7.)
  * A record may be narrower, a prefix of these fields: FCE_CE_RECORD_FIELDS_LOSS (6) for the loss, lse and
  * z-loss, FCE_CE_RECORD_FIELDS_ENTROPY (7) with the entropy as well, FCE_CE_RECORD_FIELDS_ALL (9) with the
  * argmax. The partial writes what the records' width holds and skips the sums it does not (the entropy's
@@ -623,7 +623,7 @@ FCE_API fce_status_t fce_logsumexp_workspace_size(fce_handle_t handle, const DLT
  * tile [0, vocab_total) in rank order, +inf when a max is +inf, -inf for rows of all -inf, as fce_logsumexp
  * gives them. Into an [N, 2] lse it writes the pairs (M, log D), lse = s M + log D: the form a shard's
  * softmax takes at any T without overflow or the rounding of a large lse. With scale 1/T this is the lse that
- * fce_temp_softmax takes for a shard's probabilities. (0.3.0: raw maxima, the range, scale and vocab_total;
+ * fce_temp_softmax takes for a shard's probabilities. (0.2.0: raw maxima, the range, scale and vocab_total;
  * 0.2.0's records had 2 fields.) */
 
 /** Fields of a logsumexp record (fce_logsumexp_partial). */
@@ -644,7 +644,7 @@ FCE_API fce_status_t fce_logsumexp_partial(fce_handle_t handle, fce_stream_t str
 /**
  * The logsumexp of whole rows from every shard's records.
  * @param records [W, N, FCE_LSE_RECORD_FIELDS] fp32, contiguous, in rank (vocabulary) order.
- * @param lse     [N] fp32, or the pairs [N, 2] fp32 (since 0.3.0), written.
+ * @param lse     [N] fp32, or the pairs [N, 2] fp32 (since 0.2.0), written.
  * @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
  */
 FCE_API fce_status_t fce_logsumexp_combine(fce_handle_t handle, fce_stream_t stream, const DLTensor* records,
@@ -660,7 +660,8 @@ FCE_API fce_status_t fce_logsumexp_combine(fce_handle_t handle, fce_stream_t str
  * @param x       [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total).
  * @param options required: vocab_start (this rank's first column), vocab_total and scale, the last two the
  *                same on every rank (ranks hold the shards in vocabulary order).
- * @param lse     [N] fp32: the whole rows' lse of scale * x, written on every rank.
+ * @param lse     [N] fp32, or its pairs [N, 2] (fce_logsumexp_combine): the whole rows' lse of scale * x,
+ *                written on every rank.
  * @param workspace as everywhere (fce_logsumexp_vp_workspace_size): every rank's records, N * 8 * (W + 1)
  *                bytes.
  * @return FCE_STATUS_SUCCESS, the validation statuses of fce_logsumexp_partial (INVALID_ARGUMENT for NULL
@@ -924,7 +925,7 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
  * for reverse KL) and Q the other, a record holds, over the shard's real columns: 0 m_P = max z_P,
  * 1 sum exp(z_P - m_P), 2 m_Q, 3 sum exp(z_Q - m_Q), 4 X = sum exp(z_P - m_P) ((z_P - m_P) - (z_Q - m_Q)),
  * terms of zero probability under P adding 0, and 5-6 the shard's column range [vocab_start, end) (int32
- * bits, as cross-entropy's records; since 0.3.0). Both combines check that the ranges tile [0, vocab_total)
+ * bits, as cross-entropy's records; since 0.2.0). Both combines check that the ranges tile [0, vocab_total)
  * in rank order: otherwise every row's loss (masked rows included) and statistics are NaN, never a plausible
  * number; a shard of padding alone (vocab_start = vocab_total) is neutral. The combine shifts each record to the row's maxima M and
  * merges them in rank order in fp64: KL(P || Q) = X / D_P - log D_P + log D_Q (identical distributions give
@@ -949,11 +950,11 @@ FCE_API fce_status_t fce_kd_loss_workspace_size(fce_handle_t handle, const DLTen
  * sums (docs/numerics.md).
  */
 
-/** Fields of a knowledge-distillation record (fce_kd_partial; 5 before 0.3.0). */
+/** Fields of a knowledge-distillation record (fce_kd_partial; 5 in 0.1.0). */
 #define FCE_KD_RECORD_FIELDS 7
 /** Fields of a row's knowledge-distillation statistics (fce_kd_combine, fce_kd_bwd). */
 #define FCE_KD_ROW_STATS_FIELDS 5
-/** Fields of a record of the divergence's terms (fce_kd_terms_partial; since 0.2.0; 3 before 0.3.0). */
+/** Fields of a record of the divergence's terms (fce_kd_terms_partial; since 0.2.0). */
 #define FCE_KD_TERMS_RECORD_FIELDS 5
 
 /**

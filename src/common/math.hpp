@@ -381,10 +381,11 @@ struct CeCombined {
   int32_t argmax;   // kNoRecordIndex when no shard has a column
   LsePair pair;     // (M, log D): lse = M + log D, M the rows' max z
   bool bad;         // the shards do not tile the vocabulary
+  double logd;      // log D in fp64, for the loss's lse - z_t = (M - z_t) + log D
 };
 FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride, int64_t K, int64_t total) {
   const CeRecordLayout L(K);
-  CeCombined c{0.f, 0.f, 0.0, 0.0, kNoRecordIndex, {0.f, 0.f}, false};
+  CeCombined c{0.f, 0.f, 0.0, 0.0, kNoRecordIndex, {0.f, 0.f}, false, 0.0};
   if (L.range >= 0 && !ranges_tile(rec, W, stride, L.range, total)) {
     c.lse = c.entropy = NAN;
     c.zt = c.swz = double(NAN);
@@ -433,9 +434,10 @@ FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride
     c.entropy = NAN;
     c.pair = {-INFINITY, 0.f};
   } else {
-    c.lse = float(double(M) + ::log(D));
-    c.entropy = L.s1 >= 0 ? float(::log(D) - SE / D) : NAN;
-    c.pair = {M, float(::log(D))};
+    c.logd = ::log(D);
+    c.lse = float(double(M) + c.logd);
+    c.entropy = L.s1 >= 0 ? float(c.logd - SE / D) : NAN;
+    c.pair = {M, float(c.logd)};
   }
   return c;
 }
@@ -444,8 +446,9 @@ FCE_HD CeCombined ce_combine_records(const float* rec, int64_t W, int64_t stride
 // wsum the sum of the class weights (V without weights), eps the label smoothing, zq the z-loss scale.
 FCE_HD void ce_combined_loss(const CeCombined& c, double w_t, double eps, double V, double wsum, double zq,
                              float* loss, float* z_loss) {
-  const double lse = c.lse;
-  double l = (1.0 - eps) * w_t * (lse - double(float(c.zt)));
+  const double lse = double(c.pair.hi) + c.logd;
+  // lse - z_t as (M - z_t) + log D: no rounding of lse's size enters the loss at a large offset.
+  double l = (1.0 - eps) * w_t * ((double(c.pair.hi) - double(float(c.zt))) + c.logd);
   if (eps > 0) l += eps / V * (lse * wsum - c.swz);
   const double z = zq * lse * lse;
   *loss = float(l + z);

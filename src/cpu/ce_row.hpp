@@ -78,11 +78,12 @@ inline CeRow ce_row_forward(const CeContext& c, const float* x, float* zbuf, int
   if (want_argmax) r.argmax = simd::find_first(x, V, mx.nan ? NAN : mx.max);
   const float* z = r.z = c.transformed(x, zbuf);
   const bool smooth = c.o.label_smoothing > 0.f;
-  double swz = 0;
+  double swz = 0, logs = 0;  // log of the shifted sum, in float64
   const float m = simd::transform1(c.tf, mx.max);
   if (mx.nan) {
     r.lse = r.entropy = NAN;
     r.pair = {NAN, NAN};
+    logs = NAN;
   } else if (m == -INFINITY) {  // every logit -inf: no distribution
     r.lse = -INFINITY;
     r.entropy = NAN;
@@ -92,8 +93,9 @@ inline CeRow ce_row_forward(const CeContext& c, const float* x, float* zbuf, int
     const simd::CeSums s = simd::ce_sums(z, V, m, c.weights(), smooth);
     swz = s.swz;
     if (m != -INFINITY) {
-      r.lse = float(double(m) + std::log(s.s));
-      r.pair = {m, float(std::log(s.s))};
+      logs = std::log(s.s);
+      r.lse = float(double(m) + logs);
+      r.pair = {m, float(logs)};
       // log s - sum p (z - m) in float64: lse - sum p z with lse rounded to fp32 would keep that rounding
       r.entropy = float(std::log(s.s) - (s.sz / s.s - double(m)));
     }
@@ -103,8 +105,9 @@ inline CeRow ce_row_forward(const CeContext& c, const float* x, float* zbuf, int
     r.loss = r.z_loss = NAN;
     return r;
   }
-  const double lse = r.lse, eps = c.o.label_smoothing;
-  double loss = (1.0 - eps) * c.weight(target) * (lse - z[target]);
+  // lse - z_t as (m - z_t) + log s: no rounding of lse's size enters the loss at a large offset.
+  const double lse = double(m) + logs, eps = c.o.label_smoothing;
+  double loss = (1.0 - eps) * c.weight(target) * ((double(m) - double(z[target])) + logs);
   if (smooth) loss += eps / double(V) * (lse * c.W - swz);
   const double zl = double(c.o.z_loss_scale) * lse * lse;
   r.loss = float(loss + zl);

@@ -194,7 +194,7 @@ void kd_combine(const KdCombineProblem& p) {
         s[2] = rev ? k.mq : k.mp;  // the teacher's
         s[3] = rev ? k.logdq : k.logdp;
         // A = sum_j a_j (KdTerm): KL + sum q, or -sum p; JSD's comes from the terms' combine.
-        s[4] = p.o.mixture() ? NAN : rev ? float(k.kl + 1.0) : -1.f;
+        s[4] = p.o.mixture() || k.bad ? NAN : rev ? float(k.kl + 1.0) : -1.f;
       }
     }
     if (!p.loss) continue;  // JSD's first combine

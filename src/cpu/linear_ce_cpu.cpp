@@ -104,8 +104,10 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       Hc = h32;
       ldh = H;
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(V), int(H), 1.f, Hc, int(ldh), W, int(ldw),
-                0.f, L, int(V));
+    // V = 0: a shard of padding alone (neutral records, zero gradients); BLAS refuses a leading dimension of 0.
+    if (V > 0)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(V), int(H), 1.f, Hc, int(ldh), W, int(ldw),
+                  0.f, L, int(V));
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r0 + r;
@@ -164,6 +166,8 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       const int64_t lddh = direct ? p.dhidden.ld : H;
       if (p.accumulate && !direct)
         for (int64_t r = 0; r < rows; ++r) load_row(p.dhidden, r0 + r, dH + size_t(r * H));
+      if (V == 0 && !p.accumulate)  // no column: this shard's part of dhidden is 0
+        for (int64_t r = 0; r < rows; ++r) std::fill(dH + size_t(r * lddh), dH + size_t(r * lddh + H), 0.f);
       // dhidden reduces over V. OpenBLAS blocks a long reduction differently with its thread count, so
       // the reduction is cut here into slices no longer than any OpenBLAS kernel's reduction block, added
       // in order: the result does not depend on the number of threads.
@@ -174,7 +178,7 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       if (!direct)
         for (int64_t r = 0; r < rows; ++r) store_row(p.dhidden, r0 + r, dH + size_t(r * H));
     }
-    if (dW)
+    if (dW && V > 0)
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(V), int(H), int(rows), 1.f, L, int(V), Hc, int(ldh),
                   r0 == 0 && !p.accumulate ? 0.f : 1.f, dW, int(lddw));
     if (db) {

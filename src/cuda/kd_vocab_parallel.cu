@@ -122,7 +122,7 @@ __global__ void kd_vp_combine_kernel(const CombineArgs a) {
       s[2] = a.rev ? k.mq : k.mp;  // the teacher's
       s[3] = a.rev ? k.logdq : k.logdp;
       // A = sum_j a_j (KdTerm): KL + sum q, or -sum p; JSD's comes from the terms' combine.
-      s[4] = a.mixture ? NAN : a.rev ? float(k.kl + 1.0) : -1.f;
+      s[4] = a.mixture || k.bad ? NAN : a.rev ? float(k.kl + 1.0) : -1.f;
     }
   }
   if (!a.has_loss) return;

@@ -348,11 +348,13 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
       check_launch("bias kernel");
       beta = 1.f;
     }
-    // logits (col-major V x rows) = W^T (V x H) * hidden^T (H x rows)
-    gemm(h, s,
-         {CUBLAS_OP_T, CUBLAS_OP_N, int(V), int(rows), int(H), p.weight.data, int(p.weight.ld), hid,
-          int(p.hidden.ld), ct, lay.logits, int(ldl), ct, beta},
-         GemmRole::Logits, "logits GEMM");
+    // logits (col-major V x rows) = W^T (V x H) * hidden^T (H x rows); V = 0: a shard of padding alone, whose
+    // records are neutral and gradients 0 (no GEMM of an empty extent: cuBLAS refuses a leading dimension of 0)
+    if (V > 0)
+      gemm(h, s,
+           {CUBLAS_OP_T, CUBLAS_OP_N, int(V), int(rows), int(H), p.weight.data, int(p.weight.ld), hid,
+            int(p.hidden.ld), ct, lay.logits, int(ldl), ct, beta},
+           GemmRole::Logits, "logits GEMM");
     Vec targets = p.targets;
     targets.data += size_t(r0) * ts;
     targets.n = rows;
@@ -420,17 +422,22 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
       r.grad_entropy =
           p.grad_entropy ? reinterpret_cast<const float*>(p.grad_entropy.data) + (r.ge_scalar ? 0 : r0) : nullptr;
     }
-    ce_rows(h, s, r, lay.rows);
+    if (V > 0) ce_rows(h, s, r, lay.rows);  // V = 0 (padding alone): no dlogits to form
     if (!grad) continue;
     if (dh_base) {
       // dhidden (col-major H x rows) = W (H x V, col-major view of [V,H]) * dl (V x rows)
       char* dh = dh_base + size_t(r0) * size_t(lddh) * dtype_size(dht);
+      if (V == 0) {  // no column: this shard's part of dhidden is 0 (unless accumulating into it)
+        if (!dh_add)
+          check(cudaMemset2DAsync(dh, size_t(lddh) * dtype_size(dht), 0, size_t(H) * dtype_size(dht), size_t(rows), s),
+                "cudaMemset2DAsync");
+      } else
       check_blas(api.gemm_ex(blas, CUBLAS_OP_N, CUBLAS_OP_N, int(H), int(rows), int(V), &one, p.weight.data, ct,
                              int(p.weight.ld), lay.logits, ct, int(ldl), dh_add ? &one : &zero, dh, cuda_type(dht),
                              int(lddh), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "dhidden GEMM");
     }
-    if (dw) {
+    if (dw && V > 0) {
       // dW (col-major H x V) += hidden^T (H x rows) * dl^T (rows x V)
       const float b = r0 == 0 && !p.accumulate ? 0.f : 1.f;
       gemm(h, s,
@@ -438,7 +445,7 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
             int(lddw), dwt, b},
            GemmRole::DWeight, "dweight GEMM");
     }
-    if (lay.db_acc) {
+    if (lay.db_acc && V > 0) {
       dispatch_float(dt, [&](auto tag) {
         using T = decltype(tag);
         column_sum_kernel<T><<<unsigned((V + 255) / 256), 256, 0, s>>>(reinterpret_cast<const T*>(lay.logits), ldl, rows, V,
@@ -447,7 +454,7 @@ void run(fce_handle* h, fce_stream_t stream, const LinearCeProblem& p, Workspace
       check_launch("dbias kernel");
     }
   }
-  if (lay.db_acc) convert(s, lay.db_acc, 1, V, V, p.dbias.data, p.dbias.dtype, V, p.accumulate);
+  if (lay.db_acc && V > 0) convert(s, lay.db_acc, 1, V, V, p.dbias.data, p.dbias.dtype, V, p.accumulate);
   // A shard's padding rows of dweight and dbias: 0 (left as they are when accumulating).
   const int64_t pad = p.weight.rows - V;
   if (grad && pad > 0 && !p.accumulate) {

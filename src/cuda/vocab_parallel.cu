@@ -124,13 +124,13 @@ __global__ void vp_combine_warp_kernel(VpArgs a) {
   if (i >= a.N) return;
   const int64_t w = a.W > lane ? (a.W - lane + 31) / 32 : 0;
   const CeCombined c = w ? ce_combine_records(a.rec + (int64_t(lane) * a.N + i) * a.K, w, 32 * a.N * a.K, a.K, 0)
-                         : CeCombined{-INFINITY, NAN, 0.0, 0.0, kNoRecordIndex, {-INFINITY, 0.f}, false};
-  // Each lane's (max, log of its sum) as a record of its own: (m, e^lo), merged by lane 0 in lane order.
-  float hi[32], lo[32];
-  double zt = 0, swz = 0;
+                         : CeCombined{-INFINITY, NAN, 0.0, 0.0, kNoRecordIndex, {-INFINITY, 0.f}, false, 0.0};
+  // Each lane's (max, log of its sum) as a record of its own: (m, e^logd), merged by lane 0 in lane order.
+  float hi[32];
+  double lo[32], zt = 0, swz = 0;
   for (int l = 0; l < 32; ++l) {
     hi[l] = __shfl_sync(0xffffffffu, c.pair.hi, l);
-    lo[l] = __shfl_sync(0xffffffffu, c.pair.lo, l);
+    lo[l] = __shfl_sync(0xffffffffu, c.pair.hi == c.pair.hi ? c.logd : double(NAN), l);
     zt += __shfl_sync(0xffffffffu, c.zt, l);
     swz += __shfl_sync(0xffffffffu, c.swz, l);
   }
@@ -143,16 +143,17 @@ __global__ void vp_combine_warp_kernel(VpArgs a) {
   }
   double D = 0;
   for (int l = 0; l < 32; ++l)
-    if (!nan && M != -INFINITY && hi[l] != -INFINITY) D += ::exp(double(hi[l]) - double(M) + double(lo[l]));
-  CeCombined m{0.f, NAN, zt, swz, kNoRecordIndex, {NAN, NAN}, false};
+    if (!nan && M != -INFINITY && hi[l] != -INFINITY) D += ::exp(double(hi[l]) - double(M) + lo[l]);
+  CeCombined m{0.f, NAN, zt, swz, kNoRecordIndex, {NAN, NAN}, false, 0.0};
   if (nan) {
     m.lse = NAN;
   } else if (M == -INFINITY) {
     m.lse = -INFINITY;
     m.pair = {-INFINITY, 0.f};
   } else {
-    m.lse = float(double(M) + ::log(D));
-    m.pair = {M, float(::log(D))};
+    m.logd = ::log(D);
+    m.lse = float(double(M) + m.logd);
+    m.pair = {M, float(m.logd)};
   }
   combine_finish(a, i, m);
 }

@@ -227,3 +227,39 @@ TEST(ShardLayout, KdPartitionMistakesGiveNaN) {
     for (double v : kd_of_pieces({{0, 25}}, div)) EXPECT_TRUE(std::isnan(v)) << "the last shard missing";
   }
 }
+
+// Linear CE's LM head split by rows with a shard of padding alone (no weight row below vocab_total): its
+// records are neutral, and its backward writes zero parts of dhidden (the ranks sum them) and zero dweight.
+TEST(ShardLayout, LinearCrossEntropyPaddingOnlyShard) {
+  const int64_t N = 3, H = 8, V = 40;
+  Tensor hid(DT::F32, {N, H}), wt(DT::F32, {6, H});
+  fill_logits(hid, 1.0, false);
+  fill_logits(wt, 1.0, false);
+  Tensor t = ints(DT::I64, {1, 39, -100});
+  Handle h;
+  fce_ce_options_t o = ce_none();
+  o.vocab_total = V;
+  o.vocab_start = V;
+  Tensor rec = poisoned(DT::F32, {N, FCE_CE_RECORD_FIELDS_ALL});
+  FCE_OK(fce_linear_cross_entropy_partial(h, test_stream(), hid.dl(), wt.dl(), nullptr, t.dl(), &o, rec.dl(), nullptr, 0));
+  rec.download();
+  for (int64_t i = 0; i < N; ++i) {
+    EXPECT_EQ(rec.get(i, 0), -INFINITY) << "row " << i;  // the max of no column
+    EXPECT_EQ(rec.get(i, 1), 0.0);
+  }
+  Tensor lse(DT::F32, {N, 2});
+  for (int64_t i = 0; i < N; ++i) {
+    lse.set(i, 0, 1.0);
+    lse.set(i, 1, 2.0);
+  }
+  lse.upload();
+  Tensor dh = poisoned(DT::F32, {N, H}), dw = poisoned(DT::F32, {6, H});
+  fce_linear_ce_outputs_t out = FCE_LINEAR_CE_OUTPUTS_INIT;
+  out.dhidden = dh.dl();
+  out.dweight = dw.dl();
+  FCE_OK(fce_linear_cross_entropy_bwd(h, test_stream(), hid.dl(), wt.dl(), nullptr, t.dl(), lse.dl(), &o, &out, nullptr, 0));
+  dh.download();
+  dw.download();
+  for (int64_t e = 0; e < N * H; ++e) EXPECT_EQ(dh.get(e / H, e % H), 0.0) << "dhidden " << e;
+  for (int64_t e = 0; e < 6 * H; ++e) EXPECT_EQ(dw.get(e / H, e % H), 0.0) << "dweight " << e;
+}
