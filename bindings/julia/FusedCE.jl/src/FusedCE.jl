@@ -27,7 +27,7 @@ Layout convention (Julia is column-major, the library row-major): **a C tensor `
 | LSE records `[W, N, 6]`| `6×N×W` Float32 array, shards in rank order (`logsumexp_combine`) |
 
 Record widths are `LibFusedCE.FCE_CE_RECORD_FIELDS_LOSS` / `_ENTROPY` / `_ALL` (6 / 7 / 9),
-`FCE_LSE_RECORD_FIELDS` (6), `FCE_KD_RECORD_FIELDS` (7) and `FCE_KD_TERMS_RECORD_FIELDS` (5) since 0.3.0
+`FCE_LSE_RECORD_FIELDS` (6), `FCE_KD_RECORD_FIELDS` (7) and `FCE_KD_TERMS_RECORD_FIELDS` (5) since 0.2.0
 (0.2.0: 4 / 5 / 7, 2, 5 and 3). Every record carries its shard's column range `[vocab_start, end)` (Int32
 bits in two Float32 rows: CE rows 5-6, LSE 3-4, KD 6-7, KD terms 4-5, 1-based); the combines check that the
 ranges tile `[0, vocab_total)` in rank order and give NaN columns (argmax -1) otherwise — overlapping shards,
@@ -608,8 +608,8 @@ end
     cross_entropy_record_fields()
 
 K, the number of Float32 fields of one row's cross-entropy record for the default options
-(`fce_cross_entropy_record_fields`; 9 in this version, `LibFusedCE.FCE_CE_RECORD_FIELDS_ALL`; 7 before
-0.3.0). The header's "Vocabulary-parallel cross-entropy" lists the fields: 1 m, 2 Σ exp(z - m), 3 z at
+(`fce_cross_entropy_record_fields`; 9 in this version, `LibFusedCE.FCE_CE_RECORD_FIELDS_ALL`; 7 in
+0.1.0). The header's "Vocabulary-parallel cross-entropy" lists the fields: 1 m, 2 Σ exp(z - m), 3 z at
 the target, 4 Σ w_j z_j, 5-6 the shard's column range `[vocab_start, end)` (Int32 bits), 7 the entropy's
 sum, 8 the largest raw logit, 9 its 0-based global index (Int32 bits) (1-based rows of the `K×N` matrix).
 """
@@ -760,7 +760,7 @@ end
 
 Step 1 of the vocabulary-parallel logsumexp (`fce_logsumexp_partial`; the header's "Vocabulary-parallel
 logsumexp"): the records of one shard of the vocabulary, a `6×N` Float32 matrix (the C
-`[N, FCE_LSE_RECORD_FIELDS]`, `LibFusedCE.FCE_LSE_RECORD_FIELDS` = 6; 2 before 0.3.0), written into
+`[N, FCE_LSE_RECORD_FIELDS]`, `LibFusedCE.FCE_LSE_RECORD_FIELDS` = 6; 2 in 0.1.0), written into
 `records` if given (contiguous) and returned. Per column `n`, over the shard's real rows, in raw units (so
 that `scale .* x` never overflows): row 1 `m = maximum(x[:, n])`, the raw max (NaN when one of them is NaN),
 row 2 `d = sum(exp.((x[:, n] .- m) .* scale))` (1 when `m` is +Inf, 0 when it is -Inf), rows 3-4 the
@@ -843,7 +843,7 @@ shard (`V_local×N`, the rows `vocab_start+1 : vocab_start+V_local` of the whole
 0-based offset, `0 ≤ vocab_start ≤ vocab_total`, `vocab_total` itself a shard of padding alone) and the
 result is its rows of the whole columns' distribution, from `lse`, the whole columns' logsumexp of
 `logits / temperature`: `logsumexp_combine` of every shard's `logsumexp_partial` with
-`scale = 1f0 / Float32(temperature)`, Float32, as its `2×N` pairs (`out = :pair` there; since 0.3.0) or as a
+`scale = 1f0 / Float32(temperature)`, Float32, as its `2×N` pairs (`out = :pair` there; since 0.2.0) or as a
 length-N vector. `log p_j = x_j / temperature - lse`, `p_j` its exp; from the pairs `(M, log D)` formed as
 `(x_j - M) / temperature - log D`, as the unsharded call forms it (no NaN for finite logits at any
 temperature > 0, no rounding of the size of `x / temperature`); from the vector every value carries the
@@ -979,7 +979,7 @@ _shard_teacher(topk_ids::AbstractMatrix{<:Integer}, topk_logprobs::AbstractMatri
 
 Step 1 of vocabulary-parallel knowledge distillation (`fce_kd_partial`; the math and the record fields are
 in the header's "Vocabulary-parallel knowledge distillation"): the records of one shard of the vocabulary,
-a `K×N` Float32 matrix (the C `[N, K]`, `K = LibFusedCE.FCE_KD_RECORD_FIELDS` = 7; 5 before 0.3.0), written
+a `K×N` Float32 matrix (the C `[N, K]`, `K = LibFusedCE.FCE_KD_RECORD_FIELDS` = 7; 5 in 0.1.0), written
 into `records` if given (contiguous) and returned. With `z = logits / temperature`, P the distribution that
 weights the divergence (the teacher for `:forward_kl`, the student for `:reverse_kl`) and Q the other, a
 record holds, over the shard's real columns: `m_P = max z_P`, `Σ exp(z_P - m_P)`, `m_Q`, `Σ exp(z_Q - m_Q)`,
@@ -1115,7 +1115,7 @@ Step 3a of vocabulary-parallel knowledge distillation (`fce_kd_terms_partial`, s
 teacher, which works for every divergence (for KL with teacher logits it gives `kd_combine`'s loss a second
 way). From the rows' statistics of `kd_combine` (fields 1-4 read: the row's log-probabilities are
 `(z - M) - log D`, `z = logits / temperature`), the shard's sums of the element terms of `kd_loss`: a `K×N`
-Float32 matrix (the C `[N, K]`, `K = LibFusedCE.FCE_KD_TERMS_RECORD_FIELDS` = 5; 3 before 0.3.0), written into `records` if
+Float32 matrix (the C `[N, K]`, `K = LibFusedCE.FCE_KD_TERMS_RECORD_FIELDS` = 5; 3 in 0.1.0), written into `records` if
 given (contiguous) and returned, per column over the shard's real columns (a top-K teacher: over its used
 slots whose ids fall in the shard) `Σ_j L_j`, `Σ_j a_j` (unscaled: no `temperature^2`, no mean), Float32
 from a Float64 sum on the CPU, `+Inf` where a term is, NaN where a logit or a statistic is or a top-K id is

@@ -1626,7 +1626,7 @@ end
     @test_throws UndefKeywordError FusedCE.linear_cross_entropy_partial(hid, W1, lt; vocab_start = 0)
 end
 
-# Since 0.3.0 every record carries its shard's column range, and every combine checks that the ranges tile
+# Since 0.2.0 every record carries its shard's column range, and every combine checks that the ranges tile
 # [0, vocab_total) in rank order: NaN columns otherwise (argmax -1), never a plausible number, no error.
 @testset "shard layouts: combines of shards that do not tile the vocabulary give NaN" begin
     Vl, Nl = 60, 4
@@ -1712,7 +1712,7 @@ end
     hid = randn(Float32, 3, Nl)
     lrec = FusedCE.linear_cross_entropy_partial(hid, fill(NaN32, 3, w), tl; vocab_start = 60, vocab_total = Vl, opts...)
     @test isequal(lrec, recs[3])
-    # (its Float32 part of dhidden should be 0 too; the 0.3.0 CPU library leaves it unwritten for a shard
+    # (its Float32 part of dhidden should be 0 too; the CPU library of 0.2.0 before this fix leaves it unwritten for a shard
     # without a real row, so only dweight is checked)
     d = FusedCE.linear_cross_entropy_bwd(hid, fill(NaN32, 3, w), tl, c3.lse; vocab_start = 60, vocab_total = Vl,
                                          opts..., dhidden = false)
@@ -1734,7 +1734,7 @@ end
     @test isfinite(k3.loss) && k3.loss == FusedCE.kd_combine(cat(krecs[1:2]...; dims = 3); vocab_total = Vl).loss
 end
 
-# Since 0.3.0 an lse may be its pairs (m, l), 2×N: the backward from them forms every probability from
+# Since 0.2.0 an lse may be its pairs (m, l), 2×N: the backward from them forms every probability from
 # max-shifted values. At logits of 2^25 an fp32 lse cannot hold log 2 (its ulp there is 4).
 @testset "lse pairs: the backward at a large offset" begin
     big = 33554432.0f0                            # 2^25

@@ -80,21 +80,21 @@ pub const KD_TEMPERATURE_MIN: f32 = sys::FCE_KD_TEMPERATURE_MIN as f32;
 pub const KD_TEMPERATURE_MAX: f32 = sys::FCE_KD_TEMPERATURE_MAX as f32;
 /// `FCE_CE_RECORD_FIELDS_LOSS` (6): the narrowest cross-entropy record, fields 0–5 (the loss, lse and
 /// z-loss; 4 and 5 the shard's column range), for [`Handle::cross_entropy_partial`] and
-/// [`Handle::linear_cross_entropy_partial`]. Was 4 before 0.3.0.
+/// [`Handle::linear_cross_entropy_partial`]. Was 4 in 0.1.0.
 pub const CE_RECORD_FIELDS_LOSS: usize = sys::FCE_CE_RECORD_FIELDS_LOSS as usize;
 /// `FCE_CE_RECORD_FIELDS_ENTROPY` (7): a cross-entropy record with the entropy as well (fields 0–6).
-/// Was 5 before 0.3.0.
+/// Was 5 in 0.1.0.
 pub const CE_RECORD_FIELDS_ENTROPY: usize = sys::FCE_CE_RECORD_FIELDS_ENTROPY as usize;
 /// `FCE_CE_RECORD_FIELDS_ALL` (9): a cross-entropy record with every field (0–8, the argmax too), what
-/// [`cross_entropy_record_fields`] returns. Was 7 before 0.3.0.
+/// [`cross_entropy_record_fields`] returns. Was 7 in 0.1.0.
 pub const CE_RECORD_FIELDS_ALL: usize = sys::FCE_CE_RECORD_FIELDS_ALL as usize;
 /// `FCE_LSE_RECORD_FIELDS` (6): the fp32 fields per row of a vocabulary shard's logsumexp record
 /// ([`Handle::logsumexp_partial`] writes `[N, 6]`, [`Handle::logsumexp_combine`] reads `[W, N, 6]`): the
-/// raw max, the shifted sum, the column range, the scale and vocab_total. Was 2 before 0.3.0.
+/// raw max, the shifted sum, the column range, the scale and vocab_total. Was 2 in 0.1.0.
 pub const LSE_RECORD_FIELDS: usize = sys::FCE_LSE_RECORD_FIELDS as usize;
 /// `FCE_KD_RECORD_FIELDS` (7): the fp32 fields per row of a vocabulary shard's distillation record
 /// ([`Handle::kd_partial`] writes `[N, 7]`, [`Handle::kd_combine`] reads `[W, N, 7]`; 5 and 6 the column
-/// range). Was 5 before 0.3.0.
+/// range). Was 5 in 0.1.0.
 pub const KD_RECORD_FIELDS: usize = sys::FCE_KD_RECORD_FIELDS as usize;
 /// `FCE_KD_ROW_STATS_FIELDS` (5): the fp32 fields per row of the rows' distillation statistics
 /// ([`Handle::kd_combine`] or [`Handle::kd_combine_row_stats`] writes `[N, 5]`, [`Handle::kd_terms_combine`]
@@ -104,7 +104,7 @@ pub const KD_ROW_STATS_FIELDS: usize = sys::FCE_KD_ROW_STATS_FIELDS as usize;
 /// divergence's terms, the second exchange of JSD and of a top-K teacher ([`Handle::kd_terms_partial`]
 /// writes `[N, 5]`: 0 Σ L_j, 1 Σ a_j, 2 the top-K teacher's used slots whose ids fall in the shard, −1 with
 /// teacher logits, 3 and 4 the shard's column range; [`Handle::kd_terms_combine`] reads `[W, N, 5]`).
-/// Since 0.2.0; 3 fields before 0.3.0.
+/// Since 0.2.0; 3 fields in 0.1.0.
 pub const KD_TERMS_RECORD_FIELDS: usize = sys::FCE_KD_TERMS_RECORD_FIELDS as usize;
 
 /// `fce_version_number()`: MAJOR·10000 + MINOR·100 + PATCH of the loaded library.
@@ -146,7 +146,7 @@ pub fn check_version() -> std::result::Result<(), VersionMismatch> {
 }
 
 /// `fce_cross_entropy_record_fields`: K, the fp32 fields per row of a vocabulary shard's record, for
-/// these options ([`CE_RECORD_FIELDS_ALL`], 9 in this version, 7 before 0.3.0: see
+/// these options ([`CE_RECORD_FIELDS_ALL`], 9 in this version, 7 in 0.1.0: see
 /// [`Handle::cross_entropy_partial`] for what they hold). Size the
 /// `[N, K]` records of [`Handle::cross_entropy_partial`] and [`Handle::linear_cross_entropy_partial`] and
 /// the `[W, N, K]` ones of [`Handle::cross_entropy_combine`] with it.

@@ -235,7 +235,7 @@ pub struct CeOutputs<'a> {
     /// l = log Σ_j exp(z_j − m), lse = m + l ([`crate::lse_from_pairs`]). A backward from the pairs
     /// forms every probability as the forward does, p_j = exp((z_j − m) − l): its gradient holds at any
     /// common offset of the logits and has the fused gradient's bits. From `[N]` each p_j carries the fp32
-    /// lse's rounding, up to |lse|·2⁻²⁴ relative (6e-3 at |lse| = 1e5). Pairs since 0.3.0. Another shape
+    /// lse's rounding, up to |lse|·2⁻²⁴ relative (6e-3 at |lse| = 1e5). Pairs since 0.2.0. Another shape
     /// is `SHAPE_MISMATCH`, an `[N, 2]` view with a row stride other than 2 `UNSUPPORTED_LAYOUT`.
     pub lse: Option<TensorMut<'a>>,
     /// The z-loss part of `loss` (q·lse² per non-ignored row), shaped and reduced like `loss`.
@@ -442,7 +442,7 @@ pub struct SoftmaxOptions<'a> {
     /// With a shard (required then, `INVALID_ARGUMENT` when None): the rows' logsumexp of logits/T over
     /// the whole vocabulary, i.e. [`crate::Handle::logsumexp_combine`] of every shard's
     /// [`crate::Handle::logsumexp_partial`] with [`LseOptions::scale`] the fp32 `1.0 / T`; fp32, as its
-    /// pairs `[N, 2]` (M, log D) ([`TensorRef::lse_pairs`]; since 0.3.0) or as `[N]`. From the pairs,
+    /// pairs `[N, 2]` (M, log D) ([`TensorRef::lse_pairs`]; since 0.2.0) or as `[N]`. From the pairs,
     /// log p_j = (x_j − M)/T − log D, formed as the unsharded call forms it (no NaN for finite logits at
     /// any T > 0, no rounding of the size of x/T); from `[N]` every value carries the lse's rounding
     /// (|lse|·2⁻²⁴) and an lse that overflowed fp32 gives probabilities 0. Not read without a shard.

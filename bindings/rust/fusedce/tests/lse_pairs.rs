@@ -1,4 +1,4 @@
-//! The lse in its pair form `[N, 2]` (m, l), lse = m + l (since 0.3.0): saved by a forward or written by a
+//! The lse in its pair form `[N, 2]` (m, l), lse = m + l (since 0.2.0): saved by a forward or written by a
 //! combine, it lets a backward or a shard's softmax form every probability from max-shifted values, so that
 //! no rounding of the size of the logits enters them. Rows whose logits sit at 2^25, where an fp32 lse
 //! cannot hold log 2 (its ulp there is 4): the gradient from the pairs is exact and has the fused

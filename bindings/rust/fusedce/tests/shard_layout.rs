@@ -1,4 +1,4 @@
-//! The shards' column ranges in their records (since 0.3.0): every combine (cross-entropy, logsumexp,
+//! The shards' column ranges in their records (since 0.2.0): every combine (cross-entropy, logsumexp,
 //! distillation and its terms) checks that the ranges tile `[0, vocab_total)` in rank order and gives NaN
 //! rows otherwise (overlapping shards, a gap, shards out of order, a missing last shard), never a plausible
 //! number and no error status; a shard of padding alone (vocab_start = vocab_total) is accepted and
@@ -344,7 +344,7 @@ fn a_shard_of_padding_alone_is_accepted_and_neutral() {
         &mut LinearCeGrads::new().dweight(TensorMut::matrix(&mut dw, 30, hd).unwrap()),
     )
     .unwrap();
-    // (Its fp32 part of dhidden should be 0 as well; the 0.3.0 CPU library leaves it unwritten for a
+    // (Its fp32 part of dhidden should be 0 as well; the CPU library left it unwritten before this fix for a
     // shard without a real row, so it is not checked here.)
     assert!(dw.iter().all(|&g| g == 0.0), "padding shard's dweight {:?}", dw);
 
