@@ -18,14 +18,15 @@ from ._lib import (ABI_VERSION, HEADER_VERSION, KD_TEMPERATURE_MAX, KD_TEMPERATU
                    FusedCEError, Handle, InvalidArgumentError, NoDeviceError, OutOfMemoryError, ShapeMismatchError,
                    UnsupportedDtypeError, UnsupportedLayoutError, build_info, default_handle, defaults, ffi, lib,
                    library_path, new_struct, version)
-from .ops import (CrossEntropyOutput, KDOutput, LinearCrossEntropyGrads, LinearCrossEntropyOutput, SoftmaxOutput,
+from .ops import (LSE_PAIR, CrossEntropyOutput, KDOutput, LinearCrossEntropyGrads, LinearCrossEntropyOutput,
+                  SoftmaxOutput,
                   cross_entropy, cross_entropy_bwd, cross_entropy_bwd_ex, cross_entropy_combine, cross_entropy_fwd,
                   cross_entropy_partial,
                   cross_entropy_record_fields, kd_bwd, kd_combine, kd_loss, kd_needs_terms, kd_partial,
                   kd_terms_combine, kd_terms_partial, linear_cross_entropy,
                   linear_cross_entropy_bwd, linear_cross_entropy_fwd, linear_cross_entropy_partial, logsumexp,
                   logsumexp_combine,
-                  logsumexp_partial, temp_softmax)
+                  logsumexp_partial, lse_value, softmax_scale, temp_softmax)
 
 __version__ = HEADER_VERSION
 VERSION_NUMBER = _MACROS["FCE_VERSION_NUMBER"]
@@ -40,7 +41,8 @@ def __getattr__(name):  # `fusedce.torch` without importing torch at `import fus
 
 
 __all__ = [
-    "ABI_VERSION", "HEADER_VERSION", "KD_TEMPERATURE_MAX", "KD_TEMPERATURE_MIN", "MAX_STRUCT_SIZE", "STATUS",
+    "ABI_VERSION", "HEADER_VERSION", "KD_TEMPERATURE_MAX", "KD_TEMPERATURE_MIN", "LSE_PAIR", "MAX_STRUCT_SIZE",
+    "STATUS",
     "VERSION_NUMBER", "WORKSPACE_ALIGNMENT", "AliasingError", "BackendNotImplementedError", "BuildInfo",
     "CommunicatorError",
     "CrossEntropyOutput", "DeviceMismatchError", "FusedCEError", "Handle", "InvalidArgumentError", "KDOutput",
@@ -51,5 +53,6 @@ __all__ = [
     "kd_needs_terms", "kd_partial", "kd_terms_combine", "kd_terms_partial",
     "lib", "library_path", "linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_fwd",
     "linear_cross_entropy_partial",
-    "logsumexp", "logsumexp_combine", "logsumexp_partial", "new_struct", "temp_softmax", "version",
+    "logsumexp", "logsumexp_combine", "logsumexp_partial", "lse_value", "new_struct", "softmax_scale", "temp_softmax",
+    "version",
 ]

@@ -35,6 +35,7 @@ _EAGER = _eager.available
 eager_cross_entropy = _eager.cross_entropy if _EAGER else None
 eager_cross_entropy_loss = _eager.cross_entropy_loss if _EAGER else None
 reraise = _eager.reraise
+PAIR = "pair"  # want_lse for the lse's pairs [N, 2] (fusedce.ops.LSE_PAIR)
 
 
 def _tables():
@@ -154,8 +155,11 @@ def _ce_options(weight, reduction, ignore_index, label_smoothing, z_loss_scale, 
 def cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
                       logit_scale, want_lse, want_z_loss, want_argmax, want_entropy, dlogits=None, grad_loss=None,
                       grad_entropy=None):
-    """fce_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy), None where not asked for."""
-    if (_EAGER and dlogits is None and grad_loss is None and type(logits) is torch.Tensor
+    """fce_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy), None where not asked for. want_lse: False,
+    True (lse [N] fp32) or "pair" (its pairs [N, 2] fp32, (max z, log sum exp(z - max)): the form a backward
+    should be given)."""
+    if (_EAGER and dlogits is None and grad_loss is None and want_lse.__class__ is bool
+            and type(logits) is torch.Tensor
             and not (logits.requires_grad and torch.is_grad_enabled())):
         try:
             return _eager.cross_entropy(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale,
@@ -170,7 +174,8 @@ def cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_sm
     empty = torch.empty
     f32 = torch.float32
     loss = empty(loss_shape, dtype=f32, device=logits.device)
-    lse = empty((n,), dtype=f32, device=logits.device) if want_lse else None
+    lse = (empty((n, 2) if want_lse == PAIR else (n,), dtype=f32, device=logits.device)
+           if want_lse else None)
     zl = empty(loss_shape, dtype=f32, device=logits.device) if want_z_loss else None
     am = empty((n,), dtype=torch.int64, device=logits.device) if want_argmax else None
     ent = empty((n,), dtype=f32, device=logits.device) if want_entropy else None
@@ -184,7 +189,7 @@ def cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_sm
 
 def cross_entropy_bwd(logits, targets, lse, grad_loss, weight, reduction, ignore_index, label_smoothing,
                       z_loss_scale, softcap, logit_scale, dlogits=None):
-    """fce_cross_entropy_bwd: dlogits (a new tensor unless given)."""
+    """fce_cross_entropy_bwd: dlogits (a new tensor unless given); lse [N] fp32 or its pairs [N, 2]."""
     _tables()
     dev = _device(logits)
     dt, di = dev[2], dev[3]
@@ -197,8 +202,8 @@ def cross_entropy_bwd(logits, targets, lse, grad_loss, weight, reduction, ignore
 
 def cross_entropy_bwd_ex(logits, targets, lse, entropy, grad_loss, grad_entropy, weight, reduction, ignore_index,
                          label_smoothing, z_loss_scale, softcap, logit_scale, dlogits=None):
-    """fce_cross_entropy_bwd_ex: dlogits from the saved lse and entropy with both upstream gradients (None:
-    grad_loss 1, no entropy term)."""
+    """fce_cross_entropy_bwd_ex: dlogits from the saved lse ([N] fp32 or its pairs [N, 2]) and entropy with both
+    upstream gradients (None: grad_loss 1, no entropy term)."""
     _tables()
     dev = _device(logits)
     dt, di = dev[2], dev[3]

@@ -76,6 +76,15 @@ def _enum(table, value, what):
 
 
 CrossEntropyOutput = namedtuple("CrossEntropyOutput", "loss lse z_loss argmax entropy dlogits")
+
+# The lse's two forms (fce_ce_outputs_t.lse; since 0.3.0 of the header): [N] fp32, the lse itself, or its
+# pairs [N, 2] fp32 contiguous, (m, l) = (max_j z_j, log sum_j exp(z_j - m)), lse = m + l (for logsumexp and
+# a shard's softmax: m the max of the raw x, lse = scale * m + l). A backward or a shard's softmax given the
+# pairs forms every probability as exp((z_j - m) - l), exact at any common offset of the logits; from the [N]
+# form each carries the lse's fp32 rounding (|lse| 2^-24 relative: 6e-3 at |lse| = 1e5). An lse output
+# keyword takes False (none), True ([N]), LSE_PAIR ("pair": the pairs [N, 2]) or an array of either shape to
+# write into; an lse input takes an array of either shape.
+LSE_PAIR = "pair"
 SoftmaxOutput = namedtuple("SoftmaxOutput", "probs logprobs")
 KDOutput = namedtuple("KDOutput", "loss dstudent")
 LinearCrossEntropyOutput = namedtuple("LinearCrossEntropyOutput",
@@ -106,7 +115,7 @@ def _ce_outputs(c, n, reduction, lse, z_loss, argmax, entropy, argmax_dtype, dlo
     """The fce_ce_outputs_t of a call with n rows (outputs allocated or taken as given), and a function that
     returns the CrossEntropyOutput once the call has run (scalar losses are read then)."""
     loss_a = _loss_buffer(c, reduction, n)
-    lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
+    lse_a = _lse_output(c, lse, n)
     zl_a = c.output(z_loss, lambda: _loss_buffer(c, reduction, n))
     am_a = c.output(argmax, lambda: c.empty((n,), argmax_dtype))
     ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
@@ -118,6 +127,26 @@ def _ce_outputs(c, n, reduction, lse, z_loss, argmax, entropy, argmax_dtype, dlo
     outs.entropy = c.dl(ent_a, True)
     outs.dlogits = c.dl(dlogits, True)
     return outs, lambda: CrossEntropyOutput(c.scalar_out(loss_a), lse_a, c.scalar_out(zl_a), am_a, ent_a, dlogits)
+
+
+def _lse_output(c, spec, n):
+    """An lse output of n rows: None (False/None), a new [n] fp32 (True), new pairs [n, 2] fp32 (LSE_PAIR),
+    or the array given. Raises ValueError for another string."""
+    if isinstance(spec, str):
+        if spec != LSE_PAIR:
+            raise ValueError("lse must be False, True, %r or an array, got %r" % (LSE_PAIR, spec))
+        return c.empty((n, 2), "float32")
+    return c.output(spec, lambda: c.empty((n,), "float32"))
+
+
+def lse_value(lse):
+    """The [N] lse of an lse in either form: an [N] array itself, pairs [N, 2] as m + l added in fp32: the
+    [N] lse of cross_entropy_fwd on CUDA (m + logf(d) in fp32) bit for bit; where the library rounds m + log s
+    once in float64 (the CPU backend, the combines, linear cross-entropy) its [N] output may differ from this
+    by 1 ulp. numpy arrays and torch tensors (of fp32 pairs: fp32 results)."""
+    if len(lse.shape) != 2:
+        return lse
+    return lse[:, 0] + lse[:, 1]
 
 
 def _grad(c, grad_loss):
@@ -144,9 +173,14 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
 
     Returns CrossEntropyOutput(loss, lse, z_loss, argmax, entropy, dlogits); outputs not asked for are
     None. loss/z_loss are [N] for reduction="none", scalars otherwise; dlogits (gradient times grad_loss)
-    has the logits' dtype. grad_entropy (a number or an [N] fp32 array; needs dlogits) adds
-    grad_entropy * dH/dlogits to dlogits, H the entropy (dH/dz_j = p_j (sum_k p_k z_k - z_j)). See the
-    header's fce_ce_options_t and fce_ce_outputs_t for the math."""
+    has the logits' dtype. lse: True gives the [N] fp32 lse, LSE_PAIR ("pair") its pairs [N, 2] fp32 (m, l),
+    lse = m + l: the form to save for cross_entropy_bwd, whose gradient from it holds at any offset of the
+    logits (lse_value turns them into the [N] values); an array of either shape is written. grad_entropy (a
+    number or an [N] fp32 array; needs dlogits) adds grad_entropy * dH/dlogits to dlogits, H the entropy
+    (dH/dz_j = p_j (sum_k p_k z_k - z_j)). See the header's fce_ce_options_t and fce_ce_outputs_t for the
+    math. Raises ValueError for an lse string other than "pair", and the library's errors (FusedCEError
+    subclasses: ShapeMismatchError for an lse array of another shape, UnsupportedLayoutError for pairs that
+    are not contiguous, ...)."""
     if (_fast is not None and _fast._EAGER and dlogits is False and grad_loss is None and class_weights is None
             and handle is None and stream is None and workspace is None and type(logits) is _fast.torch.Tensor
             and type(targets) is _fast.torch.Tensor and argmax_dtype == "int64" and lse.__class__ is bool
@@ -167,7 +201,8 @@ def cross_entropy_fwd(logits, targets, *, reduction=_NAME["reduction"][_CE["redu
         except (TypeError, KeyError):  # an argument of another type: the general path converts or refuses it
             pass
     if (_lean(logits, handle, stream, workspace) and is_torch(targets) and argmax_dtype == "int64"
-            and all(isinstance(o, bool) for o in (lse, z_loss, argmax, entropy))
+            and (isinstance(lse, bool) or (isinstance(lse, str) and lse == LSE_PAIR))
+            and all(isinstance(o, bool) for o in (z_loss, argmax, entropy))
             and (isinstance(dlogits, bool) or is_torch(dlogits)) and (class_weights is None or is_torch(class_weights))):
         # torch tensors, this thread's handle, the current stream, outputs allocated here: the lean path
         d = _fast.torch.empty_like(logits) if dlogits is True else (None if dlogits is False else dlogits)
@@ -199,10 +234,14 @@ def cross_entropy_bwd(logits, targets, lse, *, grad_loss=None, dlogits=None,
                       softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None,
                       vocab_start=0, vocab_total=0, handle=None, stream=None, workspace=None):
     """fce_cross_entropy_bwd: d(loss)/d(logits) * grad_loss from the forward's lse (same options).
-    grad_loss: None (= 1), a number, or an [N] array for reduction="none". dlogits: None to allocate, or
-    the array to write (it may be `logits` itself). Returns dlogits. With vocab_total > 0, `logits` is the
-    vocabulary shard starting at column vocab_start and `lse` the one cross_entropy_combine returned: the
-    shard's gradient."""
+    lse: [N] fp32, or its pairs [N, 2] fp32 contiguous (cross_entropy_fwd(lse="pair")): from the pairs every
+    probability is exp((z_j - m) - l), exact at any offset of the logits and the fused gradient's bits; from
+    [N] each carries the lse's fp32 rounding (|lse| 2^-24 relative). grad_loss: None (= 1), a number, or an
+    [N] array for reduction="none". dlogits: None to allocate, or the array to write (it may be `logits`
+    itself). Returns dlogits [N, V] in the logits' dtype. With vocab_total > 0, `logits` is the vocabulary
+    shard starting at column vocab_start and `lse` the one cross_entropy_combine returned (its pairs, for the
+    same exactness): the shard's gradient. Raises the library's errors (ShapeMismatchError for an lse that
+    is neither [N] nor [N, 2], UnsupportedLayoutError for non-contiguous pairs, ...)."""
     c = Call(logits, handle, stream)
     targets = c.native(targets)
     out = dlogits if dlogits is not None else c.empty_like(logits)
@@ -219,7 +258,8 @@ def cross_entropy_bwd_ex(logits, targets, lse, *, entropy=None, grad_loss=None, 
                          softcap=_CE["softcap"], logit_scale=_CE["logit_scale"], class_weights=None,
                          vocab_start=0, vocab_total=0, handle=None, stream=None, workspace=None):
     """fce_cross_entropy_bwd_ex: grad_loss * d(loss)/d(logits) + grad_entropy * dH/d(logits) from the
-    forward's lse and entropy ([N] fp32 each; same options). grad_loss as cross_entropy_bwd; grad_entropy
+    forward's lse ([N] fp32 or its pairs [N, 2], as cross_entropy_bwd) and entropy ([N] fp32; same
+    options). grad_loss as cross_entropy_bwd; grad_entropy
     None (no entropy term), a number or an [N] array, and then `entropy` is required (InvalidArgumentError
     otherwise). Returns dlogits (allocated unless given; may be `logits` itself)."""
     c = Call(logits, handle, stream)
@@ -256,11 +296,15 @@ def cross_entropy_partial(logits, targets, *, vocab_start, vocab_total, reductio
                           z_loss_scale=_CE["z_loss_scale"], softcap=_CE["softcap"], logit_scale=_CE["logit_scale"],
                           class_weights=None, fields=RECORD_FIELDS_ALL, records=None, handle=None, stream=None):
     """fce_cross_entropy_partial: the [N, K] fp32 records of a vocabulary shard. logits [N, V_local] are the
-    global columns [vocab_start, vocab_start + V_local) of a vocabulary of vocab_total (columns past it are
-    padding); targets [N] are global indices; class_weights cover the whole vocabulary. fields: K, one of
-    RECORD_FIELDS_LOSS / _ENTROPY / _ALL (the narrower the record, the less the partial computes; the combine
-    then gives no entropy / argmax); a given `records` array sets it by its shape. Gather every rank's records
-    in rank order ([W, N, K]) for cross_entropy_combine."""
+    global columns [vocab_start, vocab_start + V_local) of a vocabulary of vocab_total, 0 <= vocab_start <=
+    vocab_total (columns past it are padding; vocab_start = vocab_total: a shard of padding alone, whose
+    record is neutral); targets [N] are global indices; class_weights cover the whole vocabulary. fields: K,
+    one of RECORD_FIELDS_LOSS (6) / _ENTROPY (7) / _ALL (9) (the narrower the record, the less the partial
+    computes; the combine then gives no entropy / argmax); a given `records` array sets it by its shape.
+    Fields 4-5 hold the shard's column range (int32 bits), which the combine checks. Gather every rank's
+    records in rank order ([W, N, K]) for cross_entropy_combine. Raises InvalidArgumentError (no shard:
+    vocab_total 0, or vocab_start outside [0, vocab_total]), ShapeMismatchError (another K) and the
+    library's other errors."""
     c = Call(logits, handle, stream)
     targets = c.native(targets)
     out = records if records is not None else c.empty((_rows(logits), int(fields)), "float32")
@@ -276,9 +320,14 @@ def cross_entropy_combine(records, targets, *, vocab_total, reduction=_NAME["red
                           class_weights=None, lse=True, z_loss=False, argmax=False, entropy=False,
                           argmax_dtype="int64", handle=None, stream=None, workspace=None):
     """fce_cross_entropy_combine: the cross-entropy forward of whole rows from every shard's records
-    [W, N, K] (rank order), with the partial calls' options. Returns CrossEntropyOutput(loss, lse, z_loss,
-    argmax, entropy, None), as cross_entropy_fwd of the unsharded logits; pass lse to cross_entropy_bwd
-    with each shard for its gradient."""
+    [W, N, K] fp32 (rank order; K one of RECORD_FIELDS_*), with the partial calls' options. Returns
+    CrossEntropyOutput(loss, lse, z_loss, argmax, entropy, None), as cross_entropy_fwd of the unsharded
+    logits; lse as cross_entropy_fwd's (True: [N]; "pair": the pairs [N, 2], m the rows' max z over every
+    shard): pass the pairs to cross_entropy_bwd with each shard for its gradient. Records whose column ranges
+    do not tile [0, vocab_total) in rank order (overlapping, gappy or out-of-order shards) give NaN loss, lse,
+    z_loss and entropy and argmax -1 in every row, not an exception. Raises InvalidArgumentError (entropy
+    without K >= RECORD_FIELDS_ENTROPY, argmax without RECORD_FIELDS_ALL), ShapeMismatchError, and the
+    library's other errors."""
     c = Call(records, handle, stream)
     targets = c.native(targets)
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,
@@ -326,9 +375,10 @@ def cross_entropy_fwd_vp(logits, targets, comm, *, vocab_start, vocab_total,
     """fce_cross_entropy_fwd_vp: vocabulary-parallel cross-entropy over NCCL (a Communicator), one call per
     rank: this rank's shard logits [N, V_local] (global columns [vocab_start, vocab_start + V_local); past
     vocab_total is padding), targets [N] global indices. Returns CrossEntropyOutput of the whole rows, the
-    same bits on every rank; dlogits (True, or an array, may be the logits) is this shard's gradient times
-    grad_loss. The records' all-gather runs on `stream` inside the library. Raises CommunicatorError when
-    NCCL fails."""
+    same bits on every rank (lse as cross_entropy_fwd's: [N], or "pair" for the pairs [N, 2] a later
+    cross_entropy_bwd of the shard should take); dlogits (True, or an array, may be the logits) is this
+    shard's gradient times grad_loss. The records' all-gather runs on `stream` inside the library. Raises
+    CommunicatorError when NCCL fails."""
     c = Call(logits, None, stream)
     targets = c.native(targets)
     dl_a = c.output(dlogits, lambda: c.empty_like(logits))
@@ -360,10 +410,23 @@ def logsumexp(x, *, scale=_LSE["scale"], out=None, handle=None, stream=None, wor
 LSE_RECORD_FIELDS = MACROS["FCE_LSE_RECORD_FIELDS"]
 
 
+def softmax_scale(temperature):
+    """The logsumexp scale of a shard's softmax at `temperature`: the fp32 value 1.0f / T that fce_temp_softmax
+    forms (fp32 1 divided by T rounded to fp32, not 1 / T in float64 rounded), as a Python float. Give it to
+    logsumexp_partial for the lse that temp_softmax of the shard takes: at a small T another rounding of the
+    scale moves x / T by whole nats."""
+    return float(np.float32(1.0) / np.float32(temperature))
+
+
 def logsumexp_partial(x, *, vocab_start, vocab_total, scale=_LSE["scale"], records=None, handle=None, stream=None):
     """fce_logsumexp_partial: the [N, LSE_RECORD_FIELDS] fp32 records of a vocabulary shard x [N, V_local]
-    (global columns [vocab_start, vocab_start + V_local) of vocab_total; columns past it are padding). Gather
-    every rank's records in rank order ([W, N, K]) for logsumexp_combine."""
+    (global columns [vocab_start, vocab_start + V_local) of vocab_total, 0 <= vocab_start <= vocab_total:
+    vocab_start = vocab_total is a shard of padding alone, whose record is neutral; columns past vocab_total
+    are padding). Fields: 0 the max of the raw x over the shard's real columns, 1 sum exp((x - max) scale),
+    2-3 its column range (int32 bits), 4 the scale, 5 vocab_total (int32 bits). For a shard's softmax at T,
+    scale must be softmax_scale(T). Gather every rank's records in rank order ([W, N, K]) for
+    logsumexp_combine. Raises InvalidArgumentError (no shard, vocab_start outside [0, vocab_total]),
+    ShapeMismatchError (records not [N, LSE_RECORD_FIELDS]) and the library's other errors."""
     c = Call(x, handle, stream)
     out = records if records is not None else c.empty((_rows(x), LSE_RECORD_FIELDS), "float32")
     o = c.struct("fce_lse_options_t")
@@ -374,22 +437,30 @@ def logsumexp_partial(x, *, vocab_start, vocab_total, scale=_LSE["scale"], recor
     return out
 
 
-def logsumexp_combine(records, *, out=None, handle=None, stream=None):
-    """fce_logsumexp_combine: [N] fp32, the logsumexp of whole rows from every shard's records [W, N, K] (rank
-    order); the same bits on every rank."""
+def logsumexp_combine(records, *, pair=False, out=None, handle=None, stream=None):
+    """fce_logsumexp_combine: the logsumexp of whole rows from every shard's records [W, N, LSE_RECORD_FIELDS]
+    fp32 (rank order); the same bits on every rank. Returns [N] fp32, or with pair=True the pairs [N, 2] fp32
+    (M, log D), M the rows' max raw x, lse = scale * M + log D: the form a shard's temp_softmax takes at any T
+    without overflow or the rounding of a large lse. `out`: an [N] or [N, 2] fp32 array to write instead
+    (its shape decides). Rows whose records disagree (scale, vocab_total) or whose ranges do not tile
+    [0, vocab_total) in rank order are NaN, not an exception."""
     c = Call(records, handle, stream)
-    out = out if out is not None else c.empty((int(records.shape[1]),), "float32")
+    if out is None:
+        n = int(records.shape[1])
+        out = c.empty((n, 2) if pair else (n,), "float32")
     c.run_plain("fce_logsumexp_combine", c.dl(records), c.dl(out, True))
     return out
 
 
-def logsumexp_vp(x, comm, *, vocab_start, vocab_total, scale=_LSE["scale"], out=None, stream=None, workspace=None):
-    """fce_logsumexp_vp: [N] fp32, the whole rows' logsumexp of scale * x from this rank's shard x [N, V_local]
-    (global columns [vocab_start, vocab_start + V_local) of vocab_total) over NCCL (a Communicator): the
-    records' all-gather runs on `stream` inside the library; the same bits on every rank as logsumexp_combine
-    of every rank's logsumexp_partial. Raises CommunicatorError when NCCL fails."""
+def logsumexp_vp(x, comm, *, vocab_start, vocab_total, scale=_LSE["scale"], pair=False, out=None, stream=None,
+                 workspace=None):
+    """fce_logsumexp_vp: [N] fp32 (pair=True: the pairs [N, 2], as logsumexp_combine), the whole rows'
+    logsumexp of scale * x from this rank's shard x [N, V_local] (global columns [vocab_start, vocab_start +
+    V_local) of vocab_total) over NCCL (a Communicator): the records' all-gather runs on `stream` inside the
+    library; the same bits on every rank as logsumexp_combine of every rank's logsumexp_partial. `out`: an
+    [N] or [N, 2] fp32 array to write instead. Raises CommunicatorError when NCCL fails."""
     c = Call(x, None, stream)
-    out = out if out is not None else c.empty((_rows(x),), "float32")
+    out = out if out is not None else c.empty((_rows(x), 2) if pair else (_rows(x),), "float32")
     o = c.struct("fce_lse_options_t")
     o.scale = float(scale)
     o.vocab_start = int(vocab_start)
@@ -404,13 +475,15 @@ def temp_softmax_vp(logits, comm, *, vocab_start, vocab_total, temperature=_SM["
                     logprobs=False, lse=False, dtype="float32", stream=None, workspace=None):
     """fce_temp_softmax_vp: this rank's columns of softmax(logits / T) (and/or its log) over whole rows split
     across the ranks of a Communicator, in one call: the rows' lse of logits / T exchanged over NCCL, then the
-    shard's probabilities (padding columns 0 and -inf). probs/logprobs as for temp_softmax; lse: True (a new
-    [N] fp32) or an array receives the rows' lse. One finite temperature > 0 (BackendNotImplementedError
-    otherwise). Returns SoftmaxOutput, and the lse as a third value when asked for."""
+    shard's probabilities (padding columns 0 and -inf), formed from the rows' pairs the call keeps. probs/
+    logprobs as for temp_softmax; lse: True (a new [N] fp32), "pair" (the pairs [N, 2], as logsumexp_combine's)
+    or an array of either shape receives the rows' lse of logits / T. One finite temperature > 0
+    (BackendNotImplementedError otherwise). Returns SoftmaxOutput, and the lse as a third value when asked
+    for."""
     c = Call(logits, None, stream)
     p_a = c.output(probs, lambda: c.empty_like(logits, dtype))
     lp_a = c.output(logprobs, lambda: c.empty_like(logits, dtype))
-    lse_a = c.output(lse, lambda: c.empty((_rows(logits),), "float32"))
+    lse_a = _lse_output(c, lse, _rows(logits))
     o = c.struct("fce_softmax_options_t")
     o.temperature = float(temperature)
     o.vocab_start = int(vocab_start)
@@ -429,8 +502,13 @@ def temp_softmax(logits, *, temperature=_SM["temperature"], temperatures=None, p
     optional [N] fp32 per-row override. probs/logprobs: False, True (allocated with `dtype`, "float32"
     or None for the logits' dtype) or an array (probs=logits works in place). Returns SoftmaxOutput.
     A vocabulary shard (vocab_total > 0, logits [N, V_local] the columns from vocab_start): its part of the
-    whole rows' distribution from `lse` [N] fp32, the rows' logsumexp of logits / T (logsumexp_combine of
-    logsumexp_partial with scale 1 / T); one finite temperature > 0 (BackendNotImplementedError otherwise)."""
+    whole rows' distribution from `lse`, the rows' logsumexp of logits / T (logsumexp_combine of every
+    shard's logsumexp_partial with scale softmax_scale(T), the fp32 1.0f / T): its pairs [N, 2] fp32
+    (logsumexp_combine(pair=True); log p_j = (x_j - M) / T - log D, finite at any T > 0) or [N] fp32 (every
+    value then carries the lse's fp32 rounding: at T = 1e-3 and logits of 65504 the probabilities are off by
+    e^2, and an lse that overflowed fp32 gives probabilities 0); one finite temperature > 0
+    (BackendNotImplementedError otherwise). Raises InvalidArgumentError (a shard without lse),
+    ShapeMismatchError (an lse neither [N] nor [N, 2]) and the library's other errors."""
     if (not vocab_total and _lean(logits, handle, stream, workspace) and (temperatures is None or is_torch(temperatures))
             and all(isinstance(o, bool) or is_torch(o) for o in (probs, logprobs))):
         odt = None if dtype is None else getattr(_fast.torch, dtype)
@@ -574,9 +652,11 @@ def kd_partial(student, teacher_logits=None, *, vocab_start, vocab_total, topk_i
     columns, with z = logits / T, P the weighting distribution and Q the other: max z_P, sum exp(z_P - max),
     max z_Q, sum exp(z_Q - max), X = sum exp(z_P - m_P)((z_P - m_P) - (z_Q - m_Q)) (nats); a top-K teacher's
     record holds the student's max and sum over the shard and over its columns at the teacher's ids in the
-    shard, X NaN. Gather every rank's records in rank order ([W, N, KD_RECORD_FIELDS]) for kd_combine.
+    shard, X NaN; fields 5-6 the shard's column range (int32 bits), which the combines check (ranges that do
+    not tile [0, vocab_total) in rank order give NaN rows; vocab_start = vocab_total, a shard of padding
+    alone, is neutral). Gather every rank's records in rank order ([W, N, KD_RECORD_FIELDS]) for kd_combine.
     Raises ValueError (neither or both teachers given), InvalidArgumentError (no shard: vocab_total 0 or
-    vocab_start outside [0, vocab_total); beta outside [0, 1]; T outside [KD_TEMPERATURE_MIN,
+    vocab_start outside [0, vocab_total]; beta outside [0, 1]; T outside [KD_TEMPERATURE_MIN,
     KD_TEMPERATURE_MAX]), ShapeMismatchError (student, teacher and records disagree), UnsupportedDtypeError,
     UnsupportedLayoutError, DeviceMismatchError."""
     c = Call(student, handle, stream)
@@ -641,7 +721,7 @@ def kd_terms_partial(student, teacher_logits=None, row_stats=None, *, vocab_star
     M = beta*p + (1-beta)*q, p the teacher and q the student at temperature T:
     L_j = beta p_j log(p_j/m_j) + (1-beta) q_j log(q_j/m_j), nats; a_j = (1-beta) q_j log(q_j/m_j)); +inf where
     a term is, NaN where a logit or a statistic is, or a top-K id is >= vocab_total; 2 the number of those
-    slots (a float count; -1 with teacher logits). Gather every rank's in rank order
+    slots (a float count; -1 with teacher logits); 3-4 the shard's column range. Gather every rank's in rank order
     ([W, N, KD_TERMS_RECORD_FIELDS]) for kd_terms_combine.
     Raises ValueError (neither or both teachers given; row_stats None), InvalidArgumentError,
     ShapeMismatchError (row_stats not [N, KD_ROW_STATS_FIELDS], records not [N, KD_TERMS_RECORD_FIELDS]),
@@ -760,7 +840,8 @@ def linear_cross_entropy_fwd(hidden, weight, targets, *, bias=None,
     into the arrays given as dhidden/dweight/dbias (FCE_LINEAR_CE_ACCUMULATE: gradient accumulation, e.g. an
     fp32 main_grad) instead of overwriting them.
     grad_entropy (a number or [N] fp32; with a gradient asked for) adds the entropy's gradient, as
-    cross_entropy_fwd's.
+    cross_entropy_fwd's. lse as cross_entropy_fwd's: True ([N] fp32), "pair" (the pairs [N, 2] fp32, the form
+    to save for linear_cross_entropy_bwd) or an array of either shape.
     Returns LinearCrossEntropyOutput(loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias)."""
     c = Call(hidden, handle, stream)
     targets = c.native(targets)
@@ -779,7 +860,7 @@ def _lce_outputs(c, hidden, weight, bias, reduction, lse, z_loss, argmax, entrop
     _accumulating(accumulate, dhidden, dweight, dbias)
     n = _rows(hidden)
     loss_a = _loss_buffer(c, reduction, n)
-    lse_a = c.output(lse, lambda: c.empty((n,), "float32"))
+    lse_a = _lse_output(c, lse, n)
     zl_a = c.output(z_loss, lambda: _loss_buffer(c, reduction, n))
     am_a = c.output(argmax, lambda: c.empty((n,), argmax_dtype))
     ent_a = c.output(entropy, lambda: c.empty((n,), "float32"))
@@ -815,10 +896,13 @@ def linear_cross_entropy_bwd(hidden, weight, targets, lse, *, bias=None, dhidden
                              logit_scale=_CE["logit_scale"], class_weights=None, accumulate=False,
                              vocab_start=0, vocab_total=0, handle=None, stream=None, workspace=None):
     """fce_linear_cross_entropy_bwd: the gradients asked for (dbias defaults to "if there is a bias"),
-    recomputing the logits chunk by chunk from the forward's lse; accumulate=True adds them into the arrays
+    recomputing the logits chunk by chunk from the forward's lse ([N] fp32, or its pairs [N, 2] fp32
+    contiguous, as cross_entropy_bwd takes them: from the pairs the gradient holds at any offset of the
+    logits); accumulate=True adds them into the arrays
     given (as linear_cross_entropy_fwd). grad_entropy (a number or [N] fp32) with `entropy` (the forward's
     entropy output, [N] fp32) adds the entropy's gradient. With vocab_total (a shard, as
-    linear_cross_entropy_partial), weight and bias are the shard's rows, lse the combined one, dweight / dbias
+    linear_cross_entropy_partial), weight and bias are the shard's rows, lse the combined one (its pairs,
+    cross_entropy_combine(lse="pair")), dweight / dbias
     the shard's, and dhidden fp32 (allocated so for True): this shard's part, to be summed over the ranks in
     fp32. Returns LinearCrossEntropyGrads."""
     _accumulating(accumulate, dhidden, dweight, dbias)
@@ -878,7 +962,8 @@ def linear_cross_entropy_fwd_vp(hidden, weight, targets, comm, *, vocab_start, v
     (and bias [V_local]) this rank's rows [vocab_start, vocab_start + V_local). Each token chunk's records
     cross the ranks inside the call; dhidden (True or an array, any float dtype) is the sum over every rank,
     dweight / dbias this shard's. Returns LinearCrossEntropyOutput of the whole rows, the same bits on every
-    rank. Raises CommunicatorError when NCCL fails."""
+    rank (lse as linear_cross_entropy_fwd's: [N], or "pair" for the pairs [N, 2]). Raises CommunicatorError
+    when NCCL fails."""
     c = Call(hidden, None, stream)
     targets = c.native(targets)
     opts = _ce_options(c, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, class_weights,

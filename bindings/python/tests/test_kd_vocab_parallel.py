@@ -187,7 +187,7 @@ def test_bad_calls_raise():
     with pytest.raises(fusedce.InvalidArgumentError, match="row_stats"):
         fusedce.kd_terms_combine(terms, None, vocab_total=8, divergence="jsd")
     with pytest.raises(fusedce.ShapeMismatchError):
-        fusedce.kd_terms_combine(rec, stats, vocab_total=8, divergence="jsd")  # [W, N, 5], not [W, N, 2]
+        fusedce.kd_terms_combine(rec, stats, vocab_total=8, divergence="jsd")  # [W, N, 7], not [W, N, 5]
     with pytest.raises(fusedce.ShapeMismatchError):
         fusedce.kd_terms_partial(x, x, stats[:, :4].copy(), vocab_start=0, vocab_total=8, divergence="jsd")
     # the C contract: a loss in JSD's first combine is refused (the binding passes none)

@@ -87,12 +87,122 @@ def test_linear_ce_shards_match_the_whole_head(widths, pad, reduction):
 
 
 def test_bad_shards_raise():
+    """vocab_start past vocab_total, or no vocab_total, is refused (vocab_start = vocab_total is a shard of
+    padding alone since 0.3.0: test_padding_alone_and_bad_layouts)."""
     x = np.zeros((2, 4), np.float32)
     t = np.array([0, 1])
     with pytest.raises(fusedce.InvalidArgumentError, match="vocab_start"):
-        fusedce.cross_entropy_partial(x, t, vocab_start=8, vocab_total=8)
+        fusedce.cross_entropy_partial(x, t, vocab_start=9, vocab_total=8)
     with pytest.raises(fusedce.InvalidArgumentError, match="vocab_total"):
         fusedce.cross_entropy_partial(x, t, vocab_start=0, vocab_total=0)
+    with pytest.raises(fusedce.InvalidArgumentError, match="vocab_start"):
+        fusedce.logsumexp_partial(x, vocab_start=9, vocab_total=8)
+
+
+def test_record_widths_are_the_headers():
+    """The binding's record widths are the 0.3.0 header's (the CE records carry their column range)."""
+    o = fusedce.ops
+    assert (o.RECORD_FIELDS_LOSS, o.RECORD_FIELDS_ENTROPY, o.RECORD_FIELDS_ALL) == (6, 7, 9)
+    assert fusedce.cross_entropy_record_fields() == 9
+    assert (o.LSE_RECORD_FIELDS, o.KD_RECORD_FIELDS, o.KD_TERMS_RECORD_FIELDS) == (6, 7, 5)
+    x = np.zeros((3, 5), np.float32)
+    t = np.zeros(3, np.int64)
+    for k in (6, 7, 9):
+        assert fusedce.cross_entropy_partial(x, t, vocab_start=0, vocab_total=5, fields=k).shape == (3, k)
+    assert fusedce.logsumexp_partial(x, vocab_start=0, vocab_total=5).shape == (3, 6)
+    assert fusedce.kd_partial(x, x, vocab_start=0, vocab_total=5).shape == (3, 7)
+
+
+def test_padding_alone_and_bad_layouts():
+    """A rank holding padding alone (vocab_start = vocab_total, as padding a small vocabulary to a multiple of
+    the ranks gives) adds a neutral record: the combines give the whole rows' values. Shards whose ranges
+    overlap, leave a gap or come out of vocabulary order give NaN rows (argmax -1), not a plausible number."""
+    n, v = 5, 12
+    x = (rng.standard_normal((n, v)) * 2).astype(np.float32)
+    t = rng.integers(0, v, n)
+    pad = np.full((n, 4), np.nan, np.float32)
+    parts = [(0, x[:, :7].copy()), (7, x[:, 7:].copy()), (v, pad)]
+    rec = np.stack([fusedce.cross_entropy_partial(p, t, vocab_start=s, vocab_total=v) for s, p in parts])
+    got = fusedce.cross_entropy_combine(rec, t, vocab_total=v, argmax=True, entropy=True, reduction="none")
+    whole = fusedce.cross_entropy_fwd(x, t, argmax=True, entropy=True, reduction="none")
+    np.testing.assert_allclose(got.loss, whole.loss, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(got.argmax, whole.argmax)
+    d = fusedce.cross_entropy_bwd(pad, t, fusedce.cross_entropy_combine(rec, t, vocab_total=v, lse="pair").lse,
+                                  vocab_start=v, vocab_total=v)
+    assert (d == 0).all()  # padding columns
+    lrec = np.stack([fusedce.logsumexp_partial(p, vocab_start=s, vocab_total=v) for s, p in parts])
+    np.testing.assert_allclose(fusedce.logsumexp_combine(lrec), fusedce.logsumexp(x), rtol=1e-6, atol=1e-6)
+    for bad in ([(0, x[:, :7]), (6, x[:, 6:])],        # overlap
+                [(0, x[:, :7]), (8, x[:, 8:])],        # gap
+                [(7, x[:, 7:]), (0, x[:, :7])]):       # out of order
+        r = np.stack([fusedce.cross_entropy_partial(np.ascontiguousarray(p), t, vocab_start=s, vocab_total=v)
+                      for s, p in bad])
+        o = fusedce.cross_entropy_combine(r, t, vocab_total=v, argmax=True, reduction="none")
+        assert np.isnan(o.loss).all() and np.isnan(o.lse).all() and (o.argmax == -1).all()
+        lr = np.stack([fusedce.logsumexp_partial(np.ascontiguousarray(p), vocab_start=s, vocab_total=v)
+                       for s, p in bad])
+        assert np.isnan(fusedce.logsumexp_combine(lr)).all()
+        assert np.isnan(fusedce.logsumexp_combine(lr, pair=True)).all()
+
+
+def _max_shifted_ce(x, t):
+    """float64 cross-entropy rows' gradient p - onehot(t) and lse of x [N, V], from max-shifted values."""
+    x64 = x.astype(np.float64)
+    m = x64.max(axis=1, keepdims=True)
+    e = np.exp(x64 - m)
+    p = e / e.sum(axis=1, keepdims=True)
+    p[np.arange(len(t)), t] -= 1
+    return p, (m + np.log(e.sum(axis=1, keepdims=True)))[:, 0]
+
+
+def test_shard_backward_from_pairs_exact_at_large_offsets():
+    """The array API: a shard's cross_entropy_bwd from the combine's pairs (lse="pair") is the float64
+    gradient at logits + 1e5 and exactly [-0.5, 0.5, 0, 0] on the rows [2^25, 2^25, 0, 1]; from the [N] lse
+    it carries the lse's rounding (the documented difference, checked too). linear_cross_entropy_bwd
+    likewise, its logits offset by a bias."""
+    n, v = 6, 30
+    x = (rng.standard_normal((n, v)) * 2 + 1e5).astype(np.float32)
+    t = rng.integers(0, v, n)
+    big = np.float32(2 ** 25)
+    x[0, :4] = [big, big, 0, 1]
+    x[0, 4:] = 0
+    t[0] = 0
+    shards = [(0, x[:, :4].copy()), (4, x[:, 4:19].copy()), (19, x[:, 19:].copy())]
+    rec = np.stack([fusedce.cross_entropy_partial(p, t, vocab_start=s, vocab_total=v, reduction="none")
+                    for s, p in shards])
+    pairs = fusedce.cross_entropy_combine(rec, t, vocab_total=v, reduction="none", lse="pair").lse
+    plain = fusedce.cross_entropy_combine(rec, t, vocab_total=v, reduction="none").lse
+    assert pairs.shape == (n, 2) and plain.shape == (n,)
+    want, lse64 = _max_shifted_ce(x, t)
+    assert abs(fusedce.lse_value(pairs) - lse64).max() <= 2 ** -23 * abs(lse64).max()
+    got = np.concatenate([fusedce.cross_entropy_bwd(p, t, pairs, vocab_start=s, vocab_total=v, reduction="none")
+                          for s, p in shards], axis=1)
+    np.testing.assert_array_equal(got[0, :4], [-0.5, 0.5, 0, 0])
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    from_plain = fusedce.cross_entropy_bwd(shards[0][1], t, plain, vocab_start=0, vocab_total=v, reduction="none")
+    assert from_plain[0, 1] == 1.0  # the [N] lse rounds log 2 away beside 2^25: p = 1 at both maxima
+    # the unsharded forward's pairs, numpy and an [N, 2] given as the output array
+    out = np.full((n, 2), np.nan, np.float32)
+    r = fusedce.cross_entropy_fwd(x, t, reduction="none", lse=out, dlogits=True)
+    assert r.lse is out
+    np.testing.assert_array_equal(fusedce.cross_entropy_bwd(x, t, out, reduction="none"), r.dlogits)
+    with pytest.raises(ValueError, match="pair"):
+        fusedce.cross_entropy_fwd(x, t, lse="pairs")
+    # linear: bias 1e5 puts every logit near it; the shard's backward from the pairs
+    hdim = 8
+    h = rng.standard_normal((n, hdim)).astype(np.float32)
+    w = (rng.standard_normal((v, hdim)) * 0.5).astype(np.float32)
+    b = (rng.standard_normal(v) + 1e5).astype(np.float32)
+    z = ((h.astype(np.float64) @ w.T.astype(np.float64)) + b).astype(np.float32)
+    want, _ = _max_shifted_ce(z, t)
+    lrec = np.stack([fusedce.linear_cross_entropy_partial(h, w[s:e], t, bias=b[s:e], vocab_start=s, vocab_total=v,
+                                                          reduction="none")
+                     for s, e in ((0, 11), (11, v))])
+    lp = fusedce.cross_entropy_combine(lrec, t, vocab_total=v, reduction="none", lse="pair").lse
+    for s, e in ((0, 11), (11, v)):
+        g = fusedce.linear_cross_entropy_bwd(h, w[s:e], t, lp, bias=b[s:e], vocab_start=s, vocab_total=v,
+                                             reduction="none")
+        np.testing.assert_allclose(g.dbias, want[:, s:e].sum(0), rtol=0, atol=2e-5)
 
 
 def _rank(rank, world, port, shape, widths, results):
@@ -409,14 +519,51 @@ def test_logsumexp_and_softmax_shards(widths, pad):
         part = np.full((n, w + (pad if r == len(widths) - 1 else 0)), np.nan, np.float32)
         part[:, :w] = x[:, s:s + w]
         shards.append((int(s), w, part))
-    rec = np.stack([fusedce.logsumexp_partial(p, vocab_start=s, vocab_total=v, scale=1 / temp) for s, _, p in shards])
+    scale = fusedce.softmax_scale(temp)  # the fp32 1.0f / T fce_temp_softmax forms
+    rec = np.stack([fusedce.logsumexp_partial(p, vocab_start=s, vocab_total=v, scale=scale) for s, _, p in shards])
     lse = fusedce.logsumexp_combine(rec)
-    np.testing.assert_allclose(lse, fusedce.logsumexp(x, scale=1 / temp), rtol=1e-6, atol=1e-6)
+    pairs = fusedce.logsumexp_combine(rec, pair=True)
+    np.testing.assert_allclose(lse, fusedce.logsumexp(x, scale=scale), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(scale * pairs[:, 0].astype(np.float64) + pairs[:, 1], lse, rtol=1e-6, atol=1e-6)
     whole = fusedce.temp_softmax(x, temperature=temp, logprobs=True)
-    for s, w, part in shards:
-        got = fusedce.temp_softmax(part, temperature=temp, logprobs=True, vocab_start=s, vocab_total=v, lse=lse)
-        np.testing.assert_allclose(got.probs[:, :w], whole.probs[:, s:s + w], rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(got.logprobs[:, :w], whole.logprobs[:, s:s + w], rtol=1e-5, atol=1e-5)
-        assert (got.probs[:, w:] == 0).all() and (got.logprobs[:, w:] == -np.inf).all()
+    for form in (lse, pairs):
+        for s, w, part in shards:
+            got = fusedce.temp_softmax(part, temperature=temp, logprobs=True, vocab_start=s, vocab_total=v, lse=form)
+            np.testing.assert_allclose(got.probs[:, :w], whole.probs[:, s:s + w], rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(got.logprobs[:, :w], whole.logprobs[:, s:s + w], rtol=1e-5, atol=1e-5)
+            assert (got.probs[:, w:] == 0).all() and (got.logprobs[:, w:] == -np.inf).all()
     with pytest.raises(NotImplementedError):
         fusedce.temp_softmax(shards[0][2], temperature=0.0, vocab_start=0, vocab_total=v, lse=lse)
+
+
+def test_shard_softmax_from_pairs_at_a_small_temperature():
+    """A shard's softmax at T = 1e-3 of fp16 logits holding +-65504: from the combine's pairs (records at the
+    fp32 scale 1.0f / T, fusedce.softmax_scale) every row sums to 1 over the shards, no NaN, the float64
+    softmax's values; the [N] lse (6.6e7, rounded to a multiple of 4) gives rows off by up to e^2."""
+    n, v, temp = 4, 24, 1e-3
+    x = (rng.standard_normal((n, v)) * 3).astype(np.float16)
+    x[0, 3], x[0, 17] = 65504, -65504
+    x[1, 5] = x[1, 20] = 65504  # two maxima: 0.5 each
+    x[2, :] = -65504
+    x[2, 9] = np.float16(-65472)  # the max 32 below the rest: at T = 1e-3, probability 1 there
+    scale = fusedce.softmax_scale(temp)
+    assert scale == float(np.float32(1) / np.float32(temp)) and scale != float(np.float32(1 / temp))
+    shards = [(0, x[:, :10].copy()), (10, x[:, 10:].copy())]
+    rec = np.stack([fusedce.logsumexp_partial(p, vocab_start=s, vocab_total=v, scale=scale) for s, p in shards])
+    pairs = fusedce.logsumexp_combine(rec, pair=True)
+    assert pairs.shape == (n, 2)
+    np.testing.assert_array_equal(pairs[:, 0], x.astype(np.float32).max(axis=1))  # raw maxima
+    z = x.astype(np.float64) / np.float64(np.float32(temp))
+    ref = np.exp(z - z.max(axis=1, keepdims=True))
+    ref /= ref.sum(axis=1, keepdims=True)
+    got = np.concatenate([fusedce.temp_softmax(p, temperature=temp, vocab_start=s, vocab_total=v, lse=pairs).probs
+                          for s, p in shards], axis=1)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got.sum(axis=1), 1, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(got[1, [5, 20]], [0.5, 0.5])
+    plain = fusedce.logsumexp_combine(rec)
+    off = np.concatenate([fusedce.temp_softmax(p, temperature=temp, vocab_start=s, vocab_total=v, lse=plain).probs
+                          for s, p in shards], axis=1)
+    assert abs(off.sum(axis=1) - 1).max() > 0.1  # the [N] form's documented rounding
+
