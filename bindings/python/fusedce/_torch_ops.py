@@ -8,6 +8,14 @@ the dispatcher's per-call cost (~5-10 us for a Python custom op) stays out of th
 
 Every implementation enqueues on torch's current CUDA stream and never synchronizes the host. Enum
 arguments are the header's integer values (fce_reduction_t, fce_kd_divergence_t, fce_kd_topk_norm_t).
+
+An lse an op saves for its backward is the library's pairs [N, 2] fp32 (m, l) = (max z, log sum exp(z - m)),
+lse = m + l (fce_ce_outputs_t.lse): the backward forms every probability as exp((z_j - m) - l), exact at any
+common offset of the logits (fp32 logits + 1e5, fp16 rows of 65504) and the fused gradient's bits, where an
+[N] lse would carry its fp32 rounding (6e-3 relative at 1e5) into every p_j. The ops that return an lse
+therefore return the pairs (cross_entropy, linear_cross_entropy, logprobs_entropy, linear_logprobs_entropy:
+output 1, or 2 for the log-probability ops); `fusedce.ops.lse_value` (m + l in fp32) gives the [N] values.
+The backward ops take either form.
 """
 from typing import Optional, Tuple
 
@@ -84,15 +92,18 @@ def _filled(out, like):
 
 def _ce_eager(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
               want_z_loss, want_argmax, want_entropy):
+    # the lse as its pairs [N, 2]: what the backward reads
     return _fast.cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale,
-                                   softcap, logit_scale, True, want_z_loss, want_argmax, want_entropy)
+                                   softcap, logit_scale, _fast.PAIR, want_z_loss, want_argmax, want_entropy)
 
 
 def _cross_entropy_impl(logits: Tensor, targets: Tensor, weight: Optional[Tensor], reduction: int, ignore_index: int,
                         label_smoothing: float, z_loss_scale: float, softcap: float, logit_scale: float,
                         want_z_loss: bool, want_argmax: bool,
                         want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fce_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy); outputs not asked for are empty."""
+    """fce_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy): loss [N] (reduction none) or a scalar,
+    lse the pairs [N, 2] fp32 (saved for the backward; m + l is the lse), z_loss like the loss, argmax [N]
+    int64, entropy [N] fp32; outputs not asked for are empty."""
     return _filled(_ce_eager(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
                              logit_scale, want_z_loss, want_argmax, want_entropy), logits)
 
@@ -103,9 +114,13 @@ cross_entropy = torch.library.custom_op("fusedce::cross_entropy", _cross_entropy
 @cross_entropy.register_fake
 def _ce_fake(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
              want_z_loss, want_argmax, want_entropy):
+    return _ce_fake_outputs(logits, reduction, want_z_loss, want_argmax, want_entropy, (logits.shape[0], 2))
+
+
+def _ce_fake_outputs(logits, reduction, want_z_loss, want_argmax, want_entropy, lse_shape):
     n = logits.shape[0]
     f32 = dict(dtype=torch.float32, device=logits.device)
-    return (logits.new_empty(_loss_shape(reduction, n), **f32), logits.new_empty((n,), **f32),
+    return (logits.new_empty(_loss_shape(reduction, n), **f32), logits.new_empty(lse_shape, **f32),
             logits.new_empty(_loss_shape(reduction, n) if want_z_loss else (0,), **f32),
             logits.new_empty((n,) if want_argmax else (0,), dtype=torch.int64, device=logits.device),
             logits.new_empty((n,) if want_entropy else (0,), **f32))
@@ -114,7 +129,7 @@ def _ce_fake(logits, targets, weight, reduction, ignore_index, label_smoothing, 
 def _cross_entropy_bwd_impl(logits: Tensor, targets: Tensor, lse: Tensor, grad_loss: Tensor, weight: Optional[Tensor],
                             reduction: int, ignore_index: int, label_smoothing: float, z_loss_scale: float,
                             softcap: float, logit_scale: float) -> Tensor:
-    """fce_cross_entropy_bwd: d(loss)/d(logits) * grad_loss from the forward's lse."""
+    """fce_cross_entropy_bwd: d(loss)/d(logits) * grad_loss from the forward's lse ([N, 2] pairs, or [N])."""
     return _fast.cross_entropy_bwd(logits, targets, lse, grad_loss, weight, reduction, ignore_index, label_smoothing,
                                    z_loss_scale, softcap, logit_scale)
 
@@ -150,8 +165,9 @@ def _cross_entropy_fused_impl(logits: Tensor, targets: Tensor, weight: Optional[
                               logit_scale: float, want_z_loss: bool, want_argmax: bool,
                               want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fce_cross_entropy_fwd with the gradient fused (for an upstream gradient of 1): (loss, lse, z_loss,
-    argmax, entropy, dlogits). The in-place mode of fusedce.torch.cross_entropy in eager writes dlogits
-    into the logits themselves instead (`cross_entropy_inplace`)."""
+    argmax, entropy, dlogits), lse the library's [N] fp32 (no backward reads it). The in-place mode of
+    fusedce.torch.cross_entropy in eager writes dlogits into the logits themselves instead
+    (`cross_entropy_inplace`)."""
     d = torch.empty_like(logits)
     out = _fast.cross_entropy_fwd(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale,
                                   softcap, logit_scale, True, want_z_loss, want_argmax, want_entropy, dlogits=d)
@@ -165,8 +181,7 @@ cross_entropy_fused = torch.library.custom_op("fusedce::cross_entropy_fused", _c
 @cross_entropy_fused.register_fake
 def _(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
       want_z_loss, want_argmax, want_entropy):
-    fwd = _ce_fake(logits, targets, weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap,
-                   logit_scale, want_z_loss, want_argmax, want_entropy)
+    fwd = _ce_fake_outputs(logits, reduction, want_z_loss, want_argmax, want_entropy, (logits.shape[0],))
     return tuple(fwd) + (torch.empty_like(logits),)
 
 
@@ -334,11 +349,23 @@ def _linear_cross_entropy_impl(hidden: Tensor, weight: Tensor, bias: Optional[Te
                                fused_dw: bool,
                                fused_db: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fce_linear_cross_entropy_fwd: (loss, lse, z_loss, argmax, entropy, dhidden, dweight, dbias); the
-    fused_* gradients (for an upstream gradient of 1) are computed in the same pass, the others are empty."""
+    fused_* gradients (for an upstream gradient of 1) are computed in the same pass, the others are empty.
+    lse: the pairs [N, 2] fp32, which the backward reads, or with a gradient fused (no backward reading it)
+    the library's [N] lse."""
+    return _lce_forward(hidden, weight, bias, targets, class_weights, reduction, ignore_index, label_smoothing,
+                        z_loss_scale, softcap, logit_scale, want_z_loss, want_argmax, want_entropy, fused_dh,
+                        fused_dw, fused_db, lse=True if fused_dh or fused_dw or fused_db else ops.LSE_PAIR)
+
+
+def _lce_forward(hidden, weight, bias, targets, class_weights, reduction, ignore_index, label_smoothing, z_loss_scale,
+                 softcap, logit_scale, want_z_loss, want_argmax, want_entropy, fused_dh, fused_dw, fused_db,
+                 lse=ops.LSE_PAIR):
+    """The linear cross-entropy op's forward, lse as ops.linear_cross_entropy_fwd takes it (a call without a
+    backward: True, the library's [N] lse, or False)."""
     o = ops.linear_cross_entropy_fwd(hidden, weight, targets, bias=bias, reduction=reduction,
                                      ignore_index=ignore_index, label_smoothing=label_smoothing,
                                      z_loss_scale=z_loss_scale, softcap=softcap, logit_scale=logit_scale,
-                                     class_weights=class_weights, lse=True, z_loss=want_z_loss, argmax=want_argmax,
+                                     class_weights=class_weights, lse=lse, z_loss=want_z_loss, argmax=want_argmax,
                                      entropy=want_entropy, dhidden=fused_dh, dweight=fused_dw, dbias=fused_db)
     return (o.loss, o.lse, o.z_loss if want_z_loss else _nothing(hidden),
             o.argmax if want_argmax else _nothing(hidden, torch.int64), o.entropy if want_entropy else _nothing(hidden),
@@ -356,7 +383,8 @@ def _(hidden, weight, bias, targets, class_weights, reduction, ignore_index, lab
       logit_scale, want_z_loss, want_argmax, want_entropy, fused_dh, fused_dw, fused_db):
     n = hidden.shape[0]
     f32 = dict(dtype=torch.float32)
-    return (hidden.new_empty(_loss_shape(reduction, n), **f32), hidden.new_empty((n,), **f32),
+    lse_shape = (n,) if fused_dh or fused_dw or fused_db else (n, 2)
+    return (hidden.new_empty(_loss_shape(reduction, n), **f32), hidden.new_empty(lse_shape, **f32),
             hidden.new_empty(_loss_shape(reduction, n) if want_z_loss else (0,), **f32),
             hidden.new_empty((n,) if want_argmax else (0,), dtype=torch.int64),
             hidden.new_empty((n,) if want_entropy else (0,), **f32),
@@ -371,7 +399,7 @@ def _linear_cross_entropy_bwd_impl(hidden: Tensor, weight: Tensor, bias: Optiona
                                    logit_scale: float, want_dh: bool, want_dw: bool,
                                    want_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """fce_linear_cross_entropy_bwd: (dhidden, dweight, dbias) (empty where not asked for), recomputing the
-    logits chunk by chunk from the forward's lse."""
+    logits chunk by chunk from the forward's lse ([N, 2] pairs, or [N])."""
     g = ops.linear_cross_entropy_bwd(hidden, weight, targets, lse, bias=bias, dhidden=want_dh, dweight=want_dw,
                                      dbias=want_db, grad_loss=grad_loss, reduction=reduction,
                                      ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -430,11 +458,11 @@ torch.library.register_autograd("fusedce::linear_cross_entropy", _lce_backward, 
 # ---- log-probabilities and entropy (verl's fused log-prob + entropy) ---------------------------------
 
 def _lpe_impl(logits: Tensor, labels: Tensor, logit_scale: float, ignore_index: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """(logprobs, entropy, lse), [N] fp32 each: log softmax(s * logits) at the labels (0 where ignored), the
-    entropy of softmax(s * logits), and its lse (saved for the backward): fce_cross_entropy_fwd, reduction
-    none, negated."""
+    """(logprobs, entropy, lse): logprobs and entropy [N] fp32, log softmax(s * logits) at the labels (0 where
+    ignored) and the entropy of softmax(s * logits); lse its pairs [N, 2] fp32 (saved for the backward):
+    fce_cross_entropy_fwd, reduction none, negated."""
     loss, lse, _, _, ent = _fast.cross_entropy_fwd(logits, labels, None, _REDUCTION_NONE, ignore_index, 0.0, 0.0, 0.0,
-                                                   logit_scale, True, False, False, True)
+                                                   logit_scale, _fast.PAIR, False, False, True)
     return loss.neg_(), ent, lse
 
 
@@ -444,7 +472,7 @@ logprobs_entropy = torch.library.custom_op("fusedce::logprobs_entropy", _lpe_imp
 @logprobs_entropy.register_fake
 def _(logits, labels, logit_scale, ignore_index):
     n = logits.shape[0]
-    return tuple(logits.new_empty((n,), dtype=torch.float32) for _ in range(3))
+    return tuple(logits.new_empty(shape, dtype=torch.float32) for shape in ((n,), (n,), (n, 2)))
 
 
 def _lpe_grads(g_lp, g_ent, like):
@@ -456,7 +484,8 @@ def _lpe_grads(g_lp, g_ent, like):
 
 def _lpe_bwd_impl(logits: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor, grad_logprobs: Optional[Tensor],
                   grad_entropy: Optional[Tensor], logit_scale: float, ignore_index: int) -> Tensor:
-    """dlogits = dlogprobs * dlogprobs/dlogits + dentropy * dH/dlogits (fce_cross_entropy_bwd_ex)."""
+    """dlogits = dlogprobs * dlogprobs/dlogits + dentropy * dH/dlogits (fce_cross_entropy_bwd_ex), from the
+    forward's lse ([N, 2] pairs, or [N]) and entropy [N]."""
     gl, ge = _lpe_grads(grad_logprobs, grad_entropy, logits)
     return _fast.cross_entropy_bwd_ex(logits, labels, lse, entropy if ge is not None else None, gl, ge, None,
                                       _REDUCTION_NONE, ignore_index, 0.0, 0.0, 0.0, logit_scale)
@@ -489,9 +518,9 @@ torch.library.register_autograd("fusedce::logprobs_entropy", _lpe_backward, setu
 def _llpe_impl(hidden: Tensor, weight: Tensor, labels: Tensor, logit_scale: float,
                ignore_index: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(logprobs, entropy, lse) of logits = hidden @ weight^T without materializing them
-    (fce_linear_cross_entropy_fwd, reduction none)."""
+    (fce_linear_cross_entropy_fwd, reduction none): as logprobs_entropy, lse the pairs [N, 2]."""
     o = ops.linear_cross_entropy_fwd(hidden, weight, labels, reduction=_REDUCTION_NONE, ignore_index=ignore_index,
-                                     logit_scale=logit_scale, lse=True, entropy=True)
+                                     logit_scale=logit_scale, lse=ops.LSE_PAIR, entropy=True)
     return o.loss.neg_(), o.entropy, o.lse
 
 
@@ -501,14 +530,15 @@ linear_logprobs_entropy = torch.library.custom_op("fusedce::linear_logprobs_entr
 @linear_logprobs_entropy.register_fake
 def _(hidden, weight, labels, logit_scale, ignore_index):
     n = hidden.shape[0]
-    return tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(3))
+    return tuple(hidden.new_empty(shape, dtype=torch.float32) for shape in ((n,), (n,), (n, 2)))
 
 
 def _llpe_bwd_impl(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor,
                    grad_logprobs: Optional[Tensor], grad_entropy: Optional[Tensor], logit_scale: float,
                    ignore_index: int, want_dh: bool, want_dw: bool) -> Tuple[Tensor, Tensor]:
     """(dhidden, dweight) (empty where not asked for) from both upstream gradients, recomputing the logits
-    chunk by chunk (fce_linear_cross_entropy_bwd with grad_entropy and the saved entropy)."""
+    chunk by chunk (fce_linear_cross_entropy_bwd with grad_entropy and the saved lse, [N, 2] pairs or [N],
+    and entropy)."""
     gl, ge = _lpe_grads(grad_logprobs, grad_entropy, hidden)
     g = ops.linear_cross_entropy_bwd(hidden, weight, labels, lse, dhidden=want_dh, dweight=want_dw, dbias=False,
                                      grad_loss=gl, grad_entropy=ge, entropy=entropy if ge is not None else None,

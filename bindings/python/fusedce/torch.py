@@ -16,10 +16,11 @@ them without it) through the same implementations as the ops without the dispatc
 `torch.autograd.Function`s when a gradient is needed.
 
 Gradients, by op:
-  - cross_entropy: the backward reads the logits again (fce_cross_entropy_bwd, upstream gradient read on the
-    device); with inplace_backward=True the gradient is written over the logits in the forward (Liger's and
-    quack's in-place backward: no [N, V] buffer; the logits are gone after the call) and the backward only
-    applies the upstream gradient where it is not 1 (fce_scale_rows: no pass at all for the usual 1).
+  - cross_entropy: the backward reads the logits again (fce_cross_entropy_bwd from the lse's pairs (m, l)
+    kept by the forward: exact at any offset of the logits; upstream gradient read on the device); with
+    inplace_backward=True the gradient is written over the logits in the forward (Liger's and quack's
+    in-place backward: no [N, V] buffer; the logits are gone after the call) and the backward only applies
+    the upstream gradient where it is not 1 (fce_scale_rows: no pass at all for the usual 1).
   - kd_loss: dstudent is formed in the forward pass; the backward applies the upstream gradient likewise.
   - linear_cross_entropy: a reduced loss forms dhidden/dweight/dbias in the forward (6NHV flops in all, no
     recomputation) and the backward applies the upstream scalar on the device; per-row losses recompute in
@@ -61,7 +62,15 @@ class CrossEntropyOutput(NamedTuple):
     """What cross_entropy and linear_cross_entropy return when an extra result is asked for; the fields
     not asked for are None. loss and z_loss are shaped like the loss; lse, entropy and predicted_tokens are
     per token (shaped like the targets); token_accuracy is the float32 fraction of non-ignored tokens whose
-    argmax is the target."""
+    argmax is the target.
+
+    lse (float32): where the call keeps an lse for a backward (a gradient formed after the forward; and
+    under torch.compile every call whose gradient is not fused into the forward), that lse is the library's
+    pairs [N, 2] (m, l) = (max z, log sum exp(z - m)), whose gradient is exact at any offset of the logits,
+    and lse is m + l added in fp32 (fusedce.lse_value): cross_entropy's [N] lse on CUDA bit for bit; where
+    the library rounds m + log s once in float64 (the CPU backend, linear_cross_entropy) within 1 ulp of it.
+    Elsewhere (no gradient; inplace_backward; a reduced linear_cross_entropy's fused gradients) it is the
+    library's [N] lse itself."""
     loss: torch.Tensor
     z_loss: Optional[torch.Tensor] = None
     lse: Optional[torch.Tensor] = None
@@ -127,9 +136,13 @@ def _token_accuracy(argmax, target, ignore_index):
     return hits / valid.sum(dtype=torch.float32).clamp_min(1.0)
 
 
+_lse_value = _arrays.lse_value
+
+
 def _extras(out, tgt, shape, ignore_index, red, want):
     """CrossEntropyOutput from a (loss, lse, z_loss, argmax, entropy, ...) tuple, or the loss alone (want
-    None: no extra result asked for)."""
+    None: no extra result asked for). lse [N] or the pairs [N, 2] an op keeps for its backward (their m + l
+    in fp32 is returned)."""
     loss, lse, zl, am, ent = out[:5]
     if red == _REDUCTION_NONE:
         loss = loss.reshape(shape)
@@ -139,7 +152,7 @@ def _extras(out, tgt, shape, ignore_index, red, want):
         return loss
     per_token = lambda t: t.reshape(shape)  # noqa: E731
     return CrossEntropyOutput(
-        loss, zl if want["z_loss"] else None, per_token(lse) if want["lse"] else None,
+        loss, zl if want["z_loss"] else None, per_token(_lse_value(lse)) if want["lse"] else None,
         per_token(ent) if want["entropy"] else None,
         _token_accuracy(am, tgt, ignore_index) if want["token_accuracy"] else None,
         per_token(am) if want["predicted_tokens"] else None)
@@ -275,8 +288,10 @@ def linear_cross_entropy(e, c, targets, bias=None, ignore_index=-100, softcap=No
         out = torch.ops.fusedce.linear_cross_entropy(*args)
     elif any(need):
         out = LinearCrossEntropyFunction.run(*args)
-    else:
+    elif _ops._traced(h):
         out = _ops.call("linear_cross_entropy", *args)
+    else:  # no backward: the library's [N] lse
+        out = _ops._lce_forward(*args, lse=bool(return_lse))
     return _extras(out, tgt, shape, int(ignore_index), red, want)
 
 

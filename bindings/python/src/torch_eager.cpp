@@ -156,16 +156,24 @@ Tensor maybe_empty(bool want, at::IntArrayRef shape, const at::TensorOptions& op
   return want ? at::empty(shape, options) : Tensor();
 }
 
+// The lse output of a forward: none, the [N] lse, or its pairs [N, 2] (m, l) = (max z, log sum exp(z - m)),
+// lse = m + l (fce_ce_outputs_t.lse), from which the backward forms every p_j = exp((z_j - m) - l) exactly at
+// any offset of the logits.
+enum class LseForm { none, value, pair };
+
 // fce_cross_entropy_fwd: {loss, lse, z_loss, argmax, entropy} (undefined where not asked for); dlogits and
 // grad_loss optional.
-std::vector<Tensor> ce_forward(const Tensor& logits, const Tensor& targets, const CeArgs& a, bool want_lse,
+std::vector<Tensor> ce_forward(const Tensor& logits, const Tensor& targets, const CeArgs& a, LseForm lse_form,
                                bool want_z_loss, bool want_argmax, bool want_entropy, const Tensor& dlogits) {
   const Where w = locate(logits);
   const int64_t n = logits.dim() > 0 ? logits.size(0) : 0;
   const auto f32 = logits.options().dtype(at::kFloat);
   std::vector<int64_t> loss_shape;
   if (a.reduction == FCE_REDUCTION_NONE) loss_shape.push_back(n);
-  std::vector<Tensor> out = {at::empty(loss_shape, f32), maybe_empty(want_lse, {n}, f32),
+  Tensor lse;
+  if (lse_form == LseForm::value) lse = at::empty({n}, f32);
+  if (lse_form == LseForm::pair) lse = at::empty({n, 2}, f32);
+  std::vector<Tensor> out = {at::empty(loss_shape, f32), lse,
                              maybe_empty(want_z_loss, loss_shape, f32),
                              maybe_empty(want_argmax, {n}, logits.options().dtype(at::kLong)),
                              maybe_empty(want_entropy, {n}, f32)};
@@ -213,6 +221,7 @@ void scale_rows(const Tensor& d, const Tensor& factor) {
   if (st != FCE_STATUS_SUCCESS) fail(st, "fce_scale_rows");
 }
 
+// fce_cross_entropy_bwd from the forward's lse ([N] or its pairs [N, 2]).
 Tensor ce_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const Tensor& grad_loss,
                    const CeArgs& a) {
   const Where w = locate(logits);
@@ -235,7 +244,9 @@ Tensor ce_backward(const Tensor& logits, const Tensor& targets, const Tensor& ls
 // per call. Its inputs are the gradients of the float outputs (loss, then lse, z_loss, entropy where asked
 // for); only the loss's is used: lse, z_loss (a part of the loss, reported alone) and entropy are reported,
 // not differentiated, as in the Python path.
-//  - default mode: the logits are kept; the backward reads them again with the forward's lse;
+//  - default mode: the logits are kept; the backward reads them again with the forward's lse, kept as its
+//    pairs [N, 2] (exact probabilities at any offset of the logits; an [N] lse's fp32 rounding would enter
+//    every p_j: 6e-3 relative at 1e5);
 //  - in-place mode: the forward wrote the gradient (for an upstream gradient of 1) over the logits; the
 //    backward hands that memory on, scaled on the device where the upstream gradient is not 1. It is held
 //    here, not saved, so that autograd holds its only reference when it is handed on (AccumulateGrad then
@@ -282,12 +293,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cross_entropy(
     bool want_lse, bool want_z_loss, bool want_argmax, bool want_entropy, bool inplace) {
   const CeArgs a{weight, reduction, ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale};
   if (!c10::GradMode::is_enabled() || !logits.requires_grad()) {
-    std::vector<Tensor> out = ce_forward(logits, targets, a, want_lse, want_z_loss, want_argmax, want_entropy, Tensor());
+    std::vector<Tensor> out = ce_forward(logits, targets, a, want_lse ? LseForm::value : LseForm::none, want_z_loss,
+                                         want_argmax, want_entropy, Tensor());
     return {out[0], out[1], out[2], out[3], out[4]};
   }
-  // The default mode always forms the lse (its backward's).
-  std::vector<Tensor> out = ce_forward(logits, targets, a, want_lse || !inplace, want_z_loss, want_argmax,
-                                       want_entropy, inplace ? logits : Tensor());
+  // The default mode always forms the lse's pairs (its backward's); the in-place mode's backward reads none.
+  const LseForm form = !inplace ? LseForm::pair : want_lse ? LseForm::value : LseForm::none;
+  std::vector<Tensor> out = ce_forward(logits, targets, a, form, want_z_loss, want_argmax, want_entropy,
+                                       inplace ? logits : Tensor());
   auto node = std::shared_ptr<CrossEntropyBackward>(new CrossEntropyBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(logits));
   node->args = a;
@@ -300,8 +313,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cross_entropy(
     node->targets = torch::autograd::SavedVariable(targets, false);
     if (weight) node->weight = torch::autograd::SavedVariable(*weight, false);
     node->lse = torch::autograd::SavedVariable(out[1], false);
+    // The caller's [N] lse: m + l in fp32 (the CUDA backend's [N] lse bit for bit; the CPU's rounds m + log s
+    // once in float64, within 1 ulp of this). The backward keeps the pairs.
+    out[1] = want_lse ? out[1].select(1, 0) + out[1].select(1, 1) : Tensor();
   }
-  if (!want_lse) out[1] = Tensor();  // the backward's own (saved above), not returned
   for (int k : {0, 1, 2, 4})
     if (out[k].defined()) torch::autograd::set_history(out[k], node);
   return {out[0], out[1], out[2], out[3], out[4]};

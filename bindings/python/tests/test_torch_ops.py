@@ -497,3 +497,184 @@ def test_array_api_with_torch_tensors(device):
         fusedce.temp_softmax(x, temperature=float("nan"))
     with pytest.raises(fusedce.ShapeMismatchError):
         fusedce.logsumexp(x, out=torch.empty(3, device=device))
+
+
+# ---- the lse a backward reads: its pairs (m, l), exact at any offset of the logits -----------------
+#
+# From 0.3.0 the library takes an lse as [N] or as its pairs [N, 2] (m, l) = (max z, log sum exp(z - m)); a
+# backward given the pairs forms p_j = exp((z_j - m) - l) exactly whatever the logits' common offset, where
+# from an [N] lse each p_j carries the lse's fp32 rounding (|lse| 2^-24 relative: 6e-3 at 1e5; at 2^25 the
+# lse rounds log 2 away and p_j = 1 for both maxima). Every autograd path keeps the pairs; the references
+# are float64 from max-shifted values (float64 itself loses log s beside a max of 1e15).
+
+def _ce64(x, t):
+    """Per-row float64 cross-entropy of x [N, V] at targets t, its gradient and lse, from max-shifted values
+    (d = x - max is exact in float64 for fp32/bf16/fp16 inputs)."""
+    x64 = x.detach().double()
+    m = x64.max(-1, keepdim=True).values
+    d = x64 - m
+    s = d.exp().sum(-1, keepdim=True)
+    p = d.exp() / s
+    loss = s.log()[:, 0] - d.gather(-1, t[:, None])[:, 0]
+    grad = p - F.one_hot(t, x.shape[-1]).double()
+    return loss, grad, m[:, 0] + s.log()[:, 0]
+
+
+def _offset_cases(device):
+    """(logits, targets): fp32 logits around 1e5; rows [2^25, 2^25, 0, 1] (fp32), [65504, 65504, 0, 1]
+    (fp16) and [2^127, 2^127, 0, 1] (bf16), whose gradient at target 0 is exactly [-0.5, 0.5, 0, 0]."""
+    g = torch.Generator().manual_seed(21)
+    x = (torch.randn(6, 50, generator=g) * 2 + 1e5).to(device)
+    t = torch.randint(0, 50, (6,), generator=g).to(device)
+    out = [(x, t)]
+    for big, dt in ((2.0 ** 25, torch.float32), (65504.0, torch.float16), (2.0 ** 127, torch.bfloat16)):
+        rows = torch.tensor([[big, big, 0.0, 1.0], [0.0, 1.0, big, big]]).to(device=device, dtype=dt)
+        out.append((rows, torch.tensor([0, 3], device=device)))
+    return out
+
+
+def _ce_paths(monkeypatch):
+    """How fusedce.torch.cross_entropy may run: as called (libfusedce_torch's C++ autograd node where it is
+    loaded), the Python autograd.Function (the cffi path), and torch.compile(fullgraph=True) (the custom op
+    fusedce::cross_entropy and its registered backward)."""
+    def function(*a, **k):
+        with monkeypatch.context() as m:
+            m.setattr(ft, "_EAGER", False)
+            return ft.cross_entropy(*a, **k)
+
+    return {"eager": ft.cross_entropy, "function": function,
+            "compile": torch.compile(ft.cross_entropy, fullgraph=True, backend="aot_eager", dynamic=False)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["eager", "function", "compile"])
+def test_cross_entropy_gradient_exact_at_large_offsets(device, path, monkeypatch):
+    """fusedce.torch.cross_entropy forward and backward on logits with a large common offset: the gradient
+    (times an upstream gradient) within fp32 rounding of the float64 one, exactly [-0.5, 0.5, 0, 0] g on the
+    rows of two equal maxima; the lse it reports within an ulp of the float64 lse."""
+    fn = _ce_paths(monkeypatch)[path]
+    for x0, t in _offset_cases(device):
+        x = x0.clone().requires_grad_()
+        out = fn(x, t, reduction="none", return_lse=True)
+        up = torch.linspace(0.5, 1.5, t.shape[0], device=device)
+        (out.loss * up).sum().backward()
+        loss, grad, lse = _ce64(x0, t)
+        want = grad * up.double()[:, None]
+        if x0.shape[1] == 4:
+            assert torch.equal(want, torch.tensor([[-0.5, 0.5, 0, 0], [0, 0, 0.5, -0.5]], dtype=torch.float64,
+                                                  device=device) * up.double()[:, None])
+            assert torch.equal(x.grad.double(), want), (path, x0.dtype, x.grad)
+        else:
+            err = float((x.grad.double() - want).abs().max())
+            assert err < 2e-6, (path, "gradient off by %g (an [N] lse's rounding gives ~1e-3)" % err)
+        # the loss and lse: within an ulp of |lse| (the library forms the loss from the fp32 lse)
+        ulp = (torch.finfo(torch.float32).eps * lse.abs()).clamp_min(1e-6)
+        assert bool(((out.lse.double() - lse).abs() <= ulp).all()), (path, out.lse, lse)
+        assert bool(((out.loss.double() - loss).abs() <= ulp).all()), (path, out.loss, loss)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_mean_and_options_at_an_offset(device, monkeypatch):
+    """The reduced loss with label smoothing and the z-loss, at fp32 logits + 1e5, on every path: the gradient
+    against float64 autograd of max-shifted logits (the z-loss's term 2 q lse p_j included)."""
+    g = torch.Generator().manual_seed(4)
+    x0 = (torch.randn(5, 33, generator=g) + 1e5).to(device)
+    t = torch.randint(0, 33, (5,), generator=g).to(device)
+    x64 = x0.double().requires_grad_()
+    m = x64.detach().max(-1, keepdim=True).values
+    zq = 1e-12
+    lse64 = torch.logsumexp(x64 - m, -1) + m[:, 0]
+    ref = F.cross_entropy(x64 - m, t, label_smoothing=0.1) + zq * (lse64 ** 2).mean()
+    (ref * 0.75).backward()
+    for name, fn in _ce_paths(monkeypatch).items():
+        x = x0.clone().requires_grad_()
+        (fn(x, t, label_smoothing=0.1, lse_square_scale=zq) * 0.75).backward()
+        err = float((x.grad.double() - x64.grad).abs().max())
+        assert err < 1e-6, (name, err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reported_lse_and_the_library_lse(device, monkeypatch):
+    """return_lse: without a backward to feed, the library's [N] lse bit for bit; with one (and under
+    torch.compile, whose op fusedce::cross_entropy returns the pairs), m + l of the pairs the backward keeps,
+    added in fp32 (fusedce.lse_value): within 1 ulp of the [N] lse (the CPU backend rounds m + log s once in
+    float64, the CUDA one in fp32 as this does)."""
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(64, 40, generator=g) * 3).to(device)
+    t = torch.randint(0, 40, (64,), generator=g).to(device)
+    plain = fusedce.cross_entropy_fwd(x, t, reduction="none").lse
+    pairs = fusedce.cross_entropy_fwd(x, t, reduction="none", lse="pair").lse
+    assert pairs.shape == (64, 2) and pairs.dtype == torch.float32
+    assert torch.equal(fusedce.lse_value(pairs), pairs[:, 0] + pairs[:, 1])
+    assert torch.equal(pairs[:, 0], x.max(-1).values)
+    assert bool(((fusedce.lse_value(pairs) - plain).abs() <= torch.finfo(torch.float32).eps * plain.abs()).all())
+    for name, fn in _ce_paths(monkeypatch).items():
+        with torch.no_grad():
+            want = fusedce.lse_value(pairs) if name == "compile" else plain
+            assert torch.equal(fn(x, t, return_lse=True).lse, want), name
+        xg = x.clone().requires_grad_()
+        assert torch.equal(fn(xg, t, return_lse=True).lse.detach(), fusedce.lse_value(pairs)), name
+    out = torch.ops.fusedce.cross_entropy(x, t, None, 0, -100, 0.0, 0.0, 0.0, 1.0, False, False, False)
+    assert torch.equal(out[1], pairs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_cross_entropy_gradient_exact_at_large_offsets(device):
+    """linear_cross_entropy with per-row losses (the backward recomputes the logits from the saved lse) where
+    a bias puts every logit near 1e5, and where it makes the logits [2^25, 2^25, 0, 1]: dhidden, dweight and
+    dbias against float64, dbias exactly [-0.5, 0.5, 0, 0] g on the second."""
+    g = torch.Generator().manual_seed(2)
+    h0 = torch.randn(6, 8, generator=g).to(device)
+    w0 = (torch.randn(30, 8, generator=g) * 0.5).to(device)
+    b0 = (torch.randn(30, generator=g) + 1e5).to(device)
+    t = torch.randint(0, 30, (6,), generator=g).to(device)
+    up = torch.linspace(0.5, 1.5, 6, device=device)
+    h, w, b = (a.clone().requires_grad_() for a in (h0, w0, b0))
+    out = ft.linear_cross_entropy(h, w, t, bias=b, reduction="none", return_lse=True)
+    (out.loss * up).sum().backward()
+    # the library rounds the logits to fp32 (hidden's dtype) before the softmax: the reference too
+    z = (h0.double() @ w0.double().T + b0.double()).float()
+    _, grad, lse = _ce64(z, t)
+    dz = grad * up.double()[:, None]
+    for got, want, name in ((b.grad, dz.sum(0), "dbias"), (h.grad, dz @ w0.double(), "dhidden"),
+                            (w.grad, dz.T @ h0.double(), "dweight")):
+        err = float((got.double() - want).abs().max())
+        assert err < 1e-5, (name, err)
+    assert bool(((out.lse.double() - lse).abs() <= torch.finfo(torch.float32).eps * lse.abs()).all())
+    h = torch.zeros(2, 3, device=device, requires_grad=True)
+    w = torch.zeros(4, 3, device=device, requires_grad=True)
+    b = torch.tensor([2.0 ** 25, 2.0 ** 25, 0.0, 1.0], device=device, requires_grad=True)
+    loss = ft.linear_cross_entropy(h, w, torch.tensor([0, 1], device=device), bias=b, reduction="none")
+    (loss * torch.tensor([1.0, 3.0], device=device)).sum().backward()
+    assert torch.equal(b.grad, torch.tensor([-0.5 + 1.5, 0.5 - 1.5, 0.0, 0.0], device=device)), b.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_gradient_exact_at_large_offsets(device):
+    """logprobs_entropy's log-probabilities (fce_cross_entropy_bwd_ex from the saved pairs) and
+    linear_logprobs_entropy's (fce_linear_cross_entropy_bwd) at logits near 1e5: the gradient against float64
+    of max-shifted logits. (The entropy's gradient is left out here: the CPU library's entropy forward loses
+    ~1e-3 at this offset by itself, summing exp(z - m) z in fp32 before subtracting m: not the lse's form.)"""
+    g = torch.Generator().manual_seed(6)
+    x0 = (torch.randn(5, 40, generator=g) * 2 + 1e5).to(device)
+    t = torch.randint(0, 40, (5,), generator=g).to(device)
+    u = torch.randn(5, generator=g).to(device)
+
+    def ref(rows):
+        x64 = rows.double().requires_grad_()
+        lp64 = torch.log_softmax(x64 - x64.detach().max(-1, keepdim=True).values, -1)
+        (lp64.gather(1, t[:, None])[:, 0] * u.double()).sum().backward()
+        return x64.grad
+
+    x = x0.clone().requires_grad_()
+    lp, _ = ft.logprobs_entropy(x, t)
+    (lp * u).sum().backward()
+    err = float((x.grad.double() - ref(x0)).abs().max())
+    assert err < 2e-6, "logprobs_entropy: gradient off by %g" % err
+    # the LM head form: hidden [5, 1] of ones, weight [40, 1] the logits of row 0 (every row's logits)
+    h = torch.ones(5, 1, device=device, requires_grad=True)
+    w = x0[:1].T.clone().requires_grad_()
+    lp, _ = ft.linear_logprobs_entropy(h, w, t)
+    (lp * u).sum().backward()
+    err = float((w.grad[:, 0].double() - ref(x0[:1].expand(5, 40)).sum(0)).abs().max())
+    assert err < 1e-5, "linear_logprobs_entropy: dweight off by %g" % err
