@@ -39,6 +39,7 @@ never synchronizes the host.
 """
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -563,12 +564,15 @@ def _gather_records(records, group):
 
 
 class _VocabParallelCE(torch.autograd.Function):
+    """The shard's records, one all-gather, the combine (the rows' lse as its pairs [N, 2]); the backward is
+    the shard's fce_cross_entropy_bwd from those pairs."""
+
     @staticmethod
     def forward(ctx, logits, targets, group, kw):
         rec = _arrays.cross_entropy_partial(logits.detach(), targets, fields=_arrays.RECORD_FIELDS_LOSS, **kw)
         combine_kw = {k: v for k, v in kw.items() if k != "vocab_start"}
-        out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets, **combine_kw)
-        ctx.save_for_backward(logits, targets, out.lse)
+        out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets, lse=_arrays.LSE_PAIR, **combine_kw)
+        ctx.save_for_backward(logits, targets, out.lse)  # the pairs [N, 2]: the shard's exact gradient
         ctx.kw = kw
         return out.loss
 
@@ -585,7 +589,7 @@ class _VocabParallelCENccl(_VocabParallelCE):
 
     @staticmethod
     def forward(ctx, logits, targets, comm, kw):
-        out = _arrays.cross_entropy_fwd_vp(logits.detach(), targets, comm, lse=True, **kw)
+        out = _arrays.cross_entropy_fwd_vp(logits.detach(), targets, comm, lse=_arrays.LSE_PAIR, **kw)
         ctx.save_for_backward(logits, targets, out.lse)
         ctx.kw = kw
         return out.loss
@@ -594,14 +598,15 @@ class _VocabParallelCENccl(_VocabParallelCE):
 class _VocabParallelLPE(torch.autograd.Function):
     """Per-token log-probabilities and entropies of a vocabulary shard's rows: records, one all-gather,
     combine (logprobs = -loss with reduction none); the backward is the shard's fce_cross_entropy_bwd_ex
-    from the combined lse and entropy."""
+    from the combined lse (its pairs [N, 2]) and entropy."""
 
     @staticmethod
     def forward(ctx, logits, targets, group, kw):
         ctx.set_materialize_grads(False)
         rec = _arrays.cross_entropy_partial(logits.detach(), targets, fields=_arrays.RECORD_FIELDS_ENTROPY, **kw)
         combine_kw = {k: v for k, v in kw.items() if k != "vocab_start"}
-        out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets, entropy=True, **combine_kw)
+        out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets, lse=_arrays.LSE_PAIR, entropy=True,
+                                            **combine_kw)
         ctx.save_for_backward(logits, targets, out.lse, out.entropy)
         ctx.kw = kw
         return out.loss.neg_(), out.entropy
@@ -684,11 +689,11 @@ def vocab_parallel_kd_loss(student_logits, teacher_logits=None, target=None, *, 
     log-probabilities (cast to fp32), the whole top-K teacher, the same on every rank, as kd_loss_topk takes
     them (topk_norm "full_vocab" or "renormalize"; a row without a used slot is masked: loss 0, not counted
     by the mean, gradient 0). Per call, through torch.distributed: forward and reverse KL with teacher logits
-    (and JSD at beta 0 or 1) take one all-gather of [N, 5] fp32 records (fce_kd_partial on this rank's shard,
+    (and JSD at beta 0 or 1) take one all-gather of [N, 7] fp32 records (fce_kd_partial on this rank's shard,
     fce_kd_combine of every rank's records in rank order: the loss and the rows' statistics); JSD with
     0 < beta < 1 and every top-K teacher take two, since JSD's mixture and a top-K teacher's terms need the
     rows' normalizers before any term can be formed: the same first exchange (statistics only), then one of
-    [N, 3] fp32 records (fce_kd_terms_partial of the shard, fce_kd_terms_combine: the loss, and A into the
+    [N, 5] fp32 records (fce_kd_terms_partial of the shard, fce_kd_terms_combine: the loss, and A into the
     statistics). No float all-reduce, so NaN propagates and the result does not depend on the collective's
     algorithm. With nccl=True and an NCCL group on CUDA the forward is one library call over the group's own
     communicator (fce_kd_fwd_vp: the same steps and bits, the all-gathers on the current stream). The
@@ -736,9 +741,9 @@ def vocab_parallel_logprobs_entropy(logits, labels, temperature=1.0, reduction="
     (as vocab_parallel_cross_entropy: this rank holds global columns [vocab_start, vocab_start + V_local),
     equal shards in rank order by default, uneven or padded ones when given). Returns (logprobs, entropy) of
     the whole rows, the same bits on every rank, shaped like labels ("none") or reduced ("sum", "mean" over
-    every token); gradients through both flow to this rank's logits. One all-gather of [N, 5] fp32 records
+    every token); gradients through both flow to this rank's logits. One all-gather of [N, 7] fp32 records
     through torch.distributed per call; the backward is the shard's fce_cross_entropy_bwd_ex from the combined
-    lse and entropy, elementwise the bits of the unsharded call's backward. Not a torch.library op."""
+    lse's pairs and entropy, elementwise the bits of the unsharded call's backward. Not a torch.library op."""
     scale = _logit_scale(temperature)
     v_local = logits.shape[-1]
     vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
@@ -785,13 +790,15 @@ def vocab_parallel_cross_entropy(logits, target, *, vocab_start=None, vocab_tota
     class indices. vocab_start / vocab_total: default equal shards in rank order (rank * V_local,
     world_size * V_local); give them for uneven or padded shards (columns at or past vocab_total are padding).
     weight: class weights of the whole vocabulary. Without an initialized process group the call is the
-    one-shard case. Per call: one all-gather of [N, 4] fp32 records (fce_cross_entropy_partial on this
+    one-shard case. Per call: one all-gather of [N, 6] fp32 records (fce_cross_entropy_partial on this
     rank's shard, fce_cross_entropy_combine of all ranks' records in rank order; no float all-reduce, so NaN
-    propagates and the result does not depend on the collective's algorithm), and the backward is
-    fce_cross_entropy_bwd of the shard. On CUDA with an NCCL group (and nccl=True) the library runs the
-    forward over the group's own NCCL communicator in one call (fce_cross_entropy_fwd_vp); otherwise the
-    all-gather goes through torch.distributed. Both give the same bits. Not a
-    torch.library op: torch.compile graph-breaks around it.
+    propagates and the result does not depend on the collective's algorithm; the records carry the shards'
+    column ranges, and shards that do not tile [0, vocab_total) in rank order give NaN losses, not an
+    error), and the backward is fce_cross_entropy_bwd of the shard from the combined lse's pairs (m, l) (its
+    probabilities exp((z - m) - l): exact at any offset of the logits). On CUDA with an NCCL group (and
+    nccl=True) the library runs the forward over the group's own NCCL communicator in one call
+    (fce_cross_entropy_fwd_vp); otherwise the all-gather goes through torch.distributed. Both give the same
+    bits. Not a torch.library op: torch.compile graph-breaks around it.
     """
     v_local = logits.shape[-1]
     vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
@@ -814,8 +821,8 @@ def vocab_parallel_cross_entropy(logits, target, *, vocab_start=None, vocab_tota
 class _VocabParallelLinearCE(torch.autograd.Function):
     """NCCL mode with a reduced loss: one library call forms the loss and every gradient (upstream gradient 1;
     the backward scales them where it is not, as linear_cross_entropy does). Otherwise: the shard's records,
-    one all-gather, the combine; the backward is the shard's fce_linear_cross_entropy_bwd from the combined lse,
-    its fp32 part of dhidden summed over the group, then rounded once."""
+    one all-gather, the combine; the backward is the shard's fce_linear_cross_entropy_bwd from the combined
+    lse (its pairs [N, 2]), its fp32 part of dhidden summed over the group, then rounded once."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, group, comm, kw, need):
@@ -823,12 +830,12 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         b = None if bias is None else bias.detach()
         fused = comm is not None and any(need) and kw["reduction"] != _REDUCTION_NONE
         if comm is not None:
-            out = _arrays.linear_cross_entropy_fwd_vp(h, w, targets, comm, bias=b, lse=True,
+            out = _arrays.linear_cross_entropy_fwd_vp(h, w, targets, comm, bias=b, lse=_arrays.LSE_PAIR,
                                                       dhidden=fused and need[0], dweight=fused and need[1],
                                                       dbias=fused and need[2], **kw)
         else:
             rec = _arrays.linear_cross_entropy_partial(h, w, targets, bias=b, fields=_arrays.RECORD_FIELDS_LOSS, **kw)
-            out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets,
+            out = _arrays.cross_entropy_combine(_gather_records(rec, group), targets, lse=_arrays.LSE_PAIR,
                                                 **{k: v for k, v in kw.items() if k != "vocab_start"})
         ctx.grads = (out.dhidden, out.dweight, out.dbias) if fused else None
         ctx.save_for_backward(hidden, weight, bias, targets, out.lse)
@@ -896,7 +903,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, vo
     shards (rows at or past vocab_total are padding, never read). On CUDA with an NCCL group (and nccl=True)
     the library runs each token chunk's record exchange over the group's NCCL communicator inside one call
     (fce_linear_cross_entropy_fwd_vp: 6*N*H*V_local flops), and with a reduced loss forms every gradient in
-    that call. Otherwise one all-gather of [N, 4] fp32 records through torch.distributed
+    that call. Otherwise one all-gather of [N, 6] fp32 records through torch.distributed
     (fce_linear_cross_entropy_partial, fce_cross_entropy_combine); the backward recomputes the shard's logits
     (fce_linear_cross_entropy_bwd: 8*N*H*V_local flops in all) and sums dhidden's fp32 parts in rank order.
     Both paths give dhidden the same bits on every rank and under any NCCL setting. Not a
@@ -919,13 +926,36 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, vo
 
 # ---- vocabulary-parallel logsumexp and softmax -------------------------------------------------------
 
-def _whole_lse(x, group, vocab_start, vocab_total, scale, comm=None):
-    """[N] fp32: the whole rows' logsumexp of scale * x from this shard's records and every rank's (in one
-    library call over the group's NCCL communicator when `comm` is given; the same bits either way)."""
+def _whole_lse(x, group, vocab_start, vocab_total, scale, comm=None, pair=False):
+    """The whole rows' logsumexp of scale * x from this shard's records and every rank's (in one library call
+    over the group's NCCL communicator when `comm` is given; the same bits either way): [N] fp32, or with
+    pair=True its pairs [N, 2] fp32 (M the rows' max raw x, log D; lse = scale M + log D), the form a
+    shard's softmax takes exactly at any temperature."""
     if comm is not None:
-        return _arrays.logsumexp_vp(x, comm, vocab_start=vocab_start, vocab_total=vocab_total, scale=scale)
+        return _arrays.logsumexp_vp(x, comm, vocab_start=vocab_start, vocab_total=vocab_total, scale=scale,
+                                    pair=pair)
     rec = _arrays.logsumexp_partial(x, vocab_start=vocab_start, vocab_total=vocab_total, scale=scale)
-    return _arrays.logsumexp_combine(_gather_records(rec, group))
+    return _arrays.logsumexp_combine(_gather_records(rec, group), pair=pair)
+
+
+def _lse_of_pairs(pairs, scale):
+    """[N] fp32: the lse scale * M + log D of logsumexp pairs [N, 2], as the library's combine forms its [N]
+    output: in float64, rounded once, an infinite M the lse itself (within 1 ulp of that output, whose log D
+    is not rounded to fp32 first)."""
+    m = pairs[:, 0]
+    v = (m.double() * float(np.float32(scale)) + pairs[:, 1].double()).float()
+    return torch.where(m.isinf(), m, v)
+
+
+def _temperature_of(scale):
+    """A temperature T whose fp32 1.0f / T (what a shard's fce_temp_softmax multiplies by) is the fp32 `scale`
+    when one of the three fp32 values next to 1 / scale gives it (nearly always), else fp32(1 / scale)."""
+    s = np.float32(scale)
+    t = np.float32(1.0 / float(s)) if s != 0 else np.float32(np.inf)
+    for c in (t, np.nextafter(t, np.float32(np.inf)), np.nextafter(t, np.float32(0))):
+        if np.float32(1.0) / c == s:
+            return float(c)
+    return float(t)
 
 
 def _real_columns(x, vocab_start, vocab_total):
@@ -934,22 +964,27 @@ def _real_columns(x, vocab_start, vocab_total):
 
 
 class _VocabParallelLse(torch.autograd.Function):
-    """The whole rows' logsumexp: one all-gather of [N, 2] records. Backward: scale * the shard's part of
-    softmax(scale * x) (fce_temp_softmax of the shard at T = 1 / scale from the combined lse)."""
+    """The whole rows' logsumexp: one all-gather of [N, LSE_RECORD_FIELDS] records. With a gradient to form,
+    the combine gives the pairs [N, 2], kept for the backward (the lse returned is formed from them); the
+    backward is scale * the shard's part of softmax(scale * x) (fce_temp_softmax of the shard at T = 1 / scale
+    from the pairs: exact at any scale, where an [N] lse's rounding would enter every probability)."""
 
     @staticmethod
-    def forward(ctx, x, group, vocab_start, vocab_total, scale, comm):
-        lse = _whole_lse(x.detach(), group, vocab_start, vocab_total, scale, comm)
-        ctx.save_for_backward(x, lse)
+    def forward(ctx, x, group, vocab_start, vocab_total, scale, comm, grad):
+        if not grad:  # the library's [N] lse itself
+            return _whole_lse(x.detach(), group, vocab_start, vocab_total, scale, comm)
+        pairs = _whole_lse(x.detach(), group, vocab_start, vocab_total, scale, comm, pair=True)
+        ctx.save_for_backward(x, pairs)
         ctx.shard = (vocab_start, vocab_total, scale)
-        return lse
+        return _lse_of_pairs(pairs, scale)
 
     @staticmethod
     def backward(ctx, g):
-        x, lse = ctx.saved_tensors
+        x, pairs = ctx.saved_tensors
         vs, vt, scale = ctx.shard
-        p = _arrays.temp_softmax(x.detach(), temperature=1.0 / scale, vocab_start=vs, vocab_total=vt, lse=lse).probs
-        return (p * (g.float() * scale).unsqueeze(-1)).to(x.dtype), None, None, None, None, None
+        p = _arrays.temp_softmax(x.detach(), temperature=_temperature_of(scale), vocab_start=vs, vocab_total=vt,
+                                 lse=pairs).probs
+        return (p * (g.float() * scale).unsqueeze(-1)).to(x.dtype), None, None, None, None, None, None
 
 
 def _row_sum_over_ranks(v, group):
@@ -963,9 +998,10 @@ def _row_sum_over_ranks(v, group):
 
 
 class _VocabParallelSoftmax(torch.autograd.Function):
-    """A shard's part of softmax(x / T) (or its log) over the whole rows: the lse from one all-gather of
-    records, then fce_temp_softmax of the shard. Backward: the row sums it needs (sum g p, or sum g) summed over
-    the ranks in rank order."""
+    """A shard's part of softmax(x / T) (or its log) over the whole rows: the rows' lse pairs from one
+    all-gather of records made at the scale fce_temp_softmax forms (fp32 1.0f / T), then fce_temp_softmax of the
+    shard from the pairs (exact at any T; an [N] lse at T = 1e-3 and logits of 65504 would be off by e^2).
+    Backward: the row sums it needs (sum g p, or sum g) summed over the ranks in rank order."""
 
     @staticmethod
     def forward(ctx, x, group, vocab_start, vocab_total, temperature, log, comm):
@@ -973,9 +1009,10 @@ class _VocabParallelSoftmax(torch.autograd.Function):
             out = _arrays.temp_softmax_vp(x.detach(), comm, temperature=temperature, probs=not log, logprobs=log,
                                           vocab_start=vocab_start, vocab_total=vocab_total)
         else:
-            lse = _whole_lse(x.detach(), group, vocab_start, vocab_total, 1.0 / temperature)
+            pairs = _whole_lse(x.detach(), group, vocab_start, vocab_total, _arrays.softmax_scale(temperature),
+                               pair=True)
             out = _arrays.temp_softmax(x.detach(), temperature=temperature, probs=not log, logprobs=log,
-                                       vocab_start=vocab_start, vocab_total=vocab_total, lse=lse)
+                                       vocab_start=vocab_start, vocab_total=vocab_total, lse=pairs)
         y = out.logprobs if log else out.probs
         ctx.save_for_backward(x, y)
         ctx.shard = (group, vocab_start, vocab_total, temperature, log)
@@ -1000,15 +1037,20 @@ def vocab_parallel_logsumexp(x, *, scale=1.0, vocab_start=None, vocab_total=None
     """torch.logsumexp(scale * x, -1) of rows whose vocabulary is split across the ranks of a torch.distributed
     `group` (this rank holds global columns [vocab_start, vocab_start + V_local) of each row; equal shards in
     rank order by default, uneven or padded ones when given). x: [..., V_local] fp32/bf16/fp16, CPU or CUDA.
-    Returns [...] fp32, the same bits on every rank: one all-gather of [N, 2] fp32 records (fce_logsumexp_partial,
-    fce_logsumexp_combine in rank order); with nccl=True and an NCCL group on CUDA, in one library call over the
-    group's communicator (fce_logsumexp_vp), otherwise through torch.distributed. Its gradient flows to this
-    rank's x: scale * the shard's part of softmax(scale * x), which needs scale > 0 (NotImplementedError
-    otherwise, from fce_temp_softmax). Not a torch.library op."""
+    Returns [...] fp32, the same bits on every rank and in both modes: one all-gather of [N, LSE_RECORD_FIELDS]
+    fp32 records (fce_logsumexp_partial, fce_logsumexp_combine in rank order); with nccl=True and an NCCL
+    group on CUDA, in one library call over the group's communicator (fce_logsumexp_vp), otherwise through
+    torch.distributed. Without a gradient to record that is the library's [N] lse; with one, the combine
+    gives the rows' pairs (M, log D) for the backward and the lse is scale M + log D from them in float64,
+    rounded once (within 1 ulp of the [N] output, whose log D is not rounded to fp32 first). Its gradient
+    flows to this rank's x: scale * the shard's part of softmax(scale * x), formed from the pairs, which needs
+    scale > 0 (the backward raises fusedce.BackendNotImplementedError, a NotImplementedError, otherwise, from
+    fce_temp_softmax). Not a torch.library op."""
     v_local = x.shape[-1]
     vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
     comm = _nccl_comm(group, x.device) if nccl else None
-    lse = _VocabParallelLse.apply(x.reshape(-1, v_local), group, vocab_start, vocab_total, float(scale), comm)
+    lse = _VocabParallelLse.apply(x.reshape(-1, v_local), group, vocab_start, vocab_total, float(scale), comm,
+                                  _wants_grad(x))
     return lse.reshape(x.shape[:-1])
 
 
@@ -1017,11 +1059,13 @@ def vocab_parallel_softmax(logits, temperature=1.0, *, log=False, vocab_start=No
     """This rank's columns of softmax(logits / temperature) (log=True: of log_softmax) over rows whose
     vocabulary is split across the ranks of a torch.distributed `group` (as vocab_parallel_logsumexp). logits:
     [..., V_local] fp32/bf16/fp16; returns [..., V_local] fp32 (padding columns: probability 0, log-probability
-    -inf), the same distribution on every rank. One all-gather of [N, 2] records (the whole rows' lse), then
-    fce_temp_softmax of the shard (nccl=True with an NCCL group on CUDA: both in one library call,
-    fce_temp_softmax_vp); one finite temperature > 0 (NotImplementedError otherwise). Differentiable:
-    the backward all-gathers one [N] fp32 row sum and adds the ranks' parts in rank order. Not a torch.library
-    op."""
+    -inf), the same distribution on every rank. One all-gather of [N, LSE_RECORD_FIELDS] records at the scale
+    fp32 1.0f / temperature (fusedce.softmax_scale), the whole rows' lse as its pairs (M, log D), then
+    fce_temp_softmax of the shard from them: log p = (x - M) / T - log D, no overflow or NaN for finite logits
+    at any T > 0 (nccl=True with an NCCL group on CUDA: all in one library call, fce_temp_softmax_vp, the same
+    bits); one finite temperature > 0 (fusedce.BackendNotImplementedError, a NotImplementedError, otherwise).
+    Differentiable: the backward all-gathers one [N] fp32 row sum and adds the ranks' parts in rank order. Not a
+    torch.library op."""
     v_local = logits.shape[-1]
     vocab_start, vocab_total = _shard_of(v_local, vocab_start, vocab_total, group)
     comm = _nccl_comm(group, logits.device) if nccl else None

@@ -336,6 +336,32 @@ def _rank(rank, world, port, shape, widths, results):
             err = max(err, float((y.double() - ry.detach()[..., sl]).abs().max()))
             gerr = max(gerr, float((xs.grad.double() - x64.grad[..., sl]).abs().max()))
         results.put((rank, "lse_softmax", err, gerr, bits))
+        # large offsets: cross-entropy at logits + 1e5 (each shard's backward from the combine's pairs: the
+        # float64 gradient, where an [N] lse's rounding gives 1e-3), and the softmax at T = 1e-3 of fp16
+        # logits holding +-65504 (the records at the fp32 scale 1.0f / T; rows summing to 1 over the ranks)
+        xo = x.reshape(-1, v) + 1e5
+        to = t.reshape(-1).clamp_min(0)
+        mo = xo[:, sl].clone().requires_grad_()
+        lo = ft.vocab_parallel_cross_entropy(mo, to, reduction="none", **kw)
+        up = torch.linspace(0.5, 1.5, lo.shape[0])
+        (lo * up).sum().backward()
+        x64 = xo.double()
+        d = x64 - x64.max(-1, keepdim=True).values
+        pr = d.exp() / d.exp().sum(-1, keepdim=True)
+        ref = d.exp().sum(-1).log() - d.gather(-1, to[:, None])[:, 0]
+        want_grad = ((pr - F.one_hot(to, v).double()) * up.double()[:, None])[:, sl]
+        ulp = torch.finfo(torch.float32).eps * (x64.max(-1).values + d.exp().sum(-1).log())
+        loss_err = float(((lo.double() - ref).abs() - ulp).clamp_min(0).max())  # the loss is formed from the fp32 lse
+        gerr = float((mo.grad.double() - want_grad).abs().max())
+        xh = (x.reshape(-1, v) * 3).to(torch.float16)
+        xh[0, 0], xh[0, v - 1] = 65504, -65504
+        xh[1, 1] = xh[1, v - 2] = 65504  # maxima on the first and the last rank
+        ys = ft.vocab_parallel_softmax(xh[:, sl].clone(), 1e-3, **kw)
+        total = ys.sum(-1)
+        dist.all_reduce(total)
+        assert not torch.isnan(ys).any()
+        loss_err = max(loss_err, float((total - 1).abs().max()))
+        results.put((rank, "offsets", loss_err, gerr, lo.detach().numpy().tobytes() + total.numpy().tobytes()))
     finally:
         dist.destroy_process_group()
 
@@ -346,7 +372,8 @@ def test_torch_distributed_ranks(widths):
     log-probabilities and entropies, KD divergences (reverse KL, and JSD and a top-K teacher with their two
     all-gathers), linear cross-entropy with the LM head split by rows, and logsumexp and softmax with their
     gradients), the same bits on every rank (linear cross-entropy's dhidden too: a rank-order sum), and each
-    rank's gradient its part of PyTorch's float64 gradient."""
+    rank's gradient its part of PyTorch's float64 gradient; at large offsets too (cross-entropy at logits +
+    1e5, the softmax at T = 1e-3 of fp16 logits of +-65504: rows summing to 1 over the ranks)."""
     torch = pytest.importorskip("torch")
     import socket
 
@@ -361,7 +388,7 @@ def test_torch_distributed_ranks(widths):
              for r in range(world)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=120) for _ in range(8 * world)]
+    got = [results.get(timeout=120) for _ in range(9 * world)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
@@ -567,3 +594,137 @@ def test_shard_softmax_from_pairs_at_a_small_temperature():
                           for s, p in shards], axis=1)
     assert abs(off.sum(axis=1) - 1).max() > 0.1  # the [N] form's documented rounding
 
+
+# ---- fusedce.torch's vocabulary-parallel functions, one process (the one-shard case) --------------------
+
+def _torch_offset_cases():
+    """(logits, targets) for the torch functions: fp32 logits near 1e5 and the rows [2^25, 2^25, 0, 1]
+    (whose gradient at target 0 is exactly [-0.5, 0.5, 0, 0])."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(6, 37, generator=g) * 2 + 1e5
+    t = torch.randint(0, 37, (6,), generator=g)
+    big = 2.0 ** 25
+    rows = torch.tensor([[big, big, 0.0, 1.0], [0.0, 1.0, big, big]])
+    return [(x, t), (rows, torch.tensor([0, 3]))]
+
+
+def _torch_ce_grad64(x, t):
+    import torch
+    x64 = x.double()
+    d = x64 - x64.max(-1, keepdim=True).values
+    p = d.exp() / d.exp().sum(-1, keepdim=True)
+    return p - torch.nn.functional.one_hot(t, x.shape[-1]).double()
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_torch_vocab_parallel_cross_entropy_exact_at_large_offsets(pad):
+    """vocab_parallel_cross_entropy and vocab_parallel_logprobs_entropy without a process group (one shard,
+    padded by `pad` columns past vocab_total): the backward reads the combine's pairs, so the gradient is the
+    float64 one at logits + 1e5 and exactly [-0.5, 0.5, 0, 0] g on the rows of two equal maxima."""
+    torch = pytest.importorskip("torch")
+    import fusedce.torch as ft
+    for x0, t in _torch_offset_cases():
+        n, v = x0.shape
+        xs = torch.cat([x0, torch.full((n, pad), float("nan"))], 1) if pad else x0
+        up = torch.linspace(0.5, 1.5, n)
+        want = _torch_ce_grad64(x0, t) * up.double()[:, None]
+        x = xs.clone().requires_grad_()
+        loss = ft.vocab_parallel_cross_entropy(x, t, reduction="none", vocab_start=0, vocab_total=v)
+        (loss * up).sum().backward()
+        assert (x.grad[:, v:] == 0).all()
+        if v == 4:
+            assert torch.equal(x.grad[:, :v].double(), want), x.grad
+        else:
+            err = float((x.grad[:, :v].double() - want).abs().max())
+            assert err < 2e-6, "vocab_parallel_cross_entropy: gradient off by %g" % err
+        x = xs.clone().requires_grad_()
+        lp, _ = ft.vocab_parallel_logprobs_entropy(x, t, vocab_start=0, vocab_total=v)
+        (lp * up).sum().backward()
+        err = float((x.grad[:, :v].double() + want).abs().max())  # d logprob = -d loss
+        assert err < 2e-6, "vocab_parallel_logprobs_entropy: gradient off by %g" % err
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_torch_vocab_parallel_linear_cross_entropy_exact_at_large_offsets(reduction):
+    """vocab_parallel_linear_cross_entropy without a process group: the shard's backward from the combine's
+    pairs, a bias putting every logit near 1e5; dhidden, dweight and dbias against float64."""
+    torch = pytest.importorskip("torch")
+    import fusedce.torch as ft
+    g = torch.Generator().manual_seed(17)
+    h0, w0 = torch.randn(6, 8, generator=g), torch.randn(29, 8, generator=g) * 0.5
+    b0 = torch.randn(29, generator=g) + 1e5
+    t = torch.randint(0, 29, (6,), generator=g)
+    h, w, b = (a.clone().requires_grad_() for a in (h0, w0, b0))
+    loss = ft.vocab_parallel_linear_cross_entropy(h, w, t, bias=b, reduction=reduction)
+    up = torch.linspace(0.5, 1.5, 6) if reduction == "none" else torch.tensor(0.75)
+    (loss * up).sum().backward()
+    z = (h0.double() @ w0.double().T + b0.double()).float()
+    dz = _torch_ce_grad64(z, t) * (up.double()[:, None] if reduction == "none" else up.double() / 6)
+    for got, want, name in ((b.grad, dz.sum(0), "dbias"), (h.grad, dz @ w0.double(), "dhidden"),
+                            (w.grad, dz.T @ h0.double(), "dweight")):
+        err = float((got.double() - want).abs().max())
+        assert err < 1e-5, (name, err)
+
+
+def test_torch_vocab_parallel_logsumexp_exact_at_large_offsets():
+    """vocab_parallel_logsumexp at x + 1e5 (scale 0.8): its gradient scale * softmax(scale x) from the pairs
+    against float64; without a gradient the lse is the library's [N] output, with one it is formed from the
+    pairs (scale M + log D in float64), within 1 ulp of it and of the float64 lse."""
+    torch = pytest.importorskip("torch")
+    import fusedce.torch as ft
+    g = torch.Generator().manual_seed(19)
+    x0 = torch.randn(5, 31, generator=g) * 2 + 1e5
+    x = x0.clone().requires_grad_()
+    lse = ft.vocab_parallel_logsumexp(x, scale=0.8)
+    u = torch.randn(5, generator=g)
+    (lse * u).sum().backward()
+    x64 = x0.double().requires_grad_()
+    ref = torch.logsumexp(0.8 * x64 - 0.8 * x64.detach().max(-1, keepdim=True).values, -1)
+    (ref * u.double()).sum().backward()
+    err = float((x.grad.double() - x64.grad).abs().max())
+    assert err < 2e-6, "vocab_parallel_logsumexp: gradient off by %g" % err
+    lse64 = ref.detach() + 0.8 * x0.double().max(-1).values
+    ulp = torch.finfo(torch.float32).eps * lse64.abs()
+    assert bool(((lse.detach().double() - lse64).abs() <= ulp).all())
+    with torch.no_grad():
+        plain = ft.vocab_parallel_logsumexp(x0, scale=0.8)
+    rec = fusedce.logsumexp_partial(x0, vocab_start=0, vocab_total=31, scale=0.8)
+    assert torch.equal(plain, fusedce.logsumexp_combine(rec[None]))
+    assert bool(((lse.detach() - plain).abs() <= torch.finfo(torch.float32).eps * plain.abs()).all())
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_torch_vocab_parallel_softmax_at_a_small_temperature(log):
+    """vocab_parallel_softmax at T = 1e-3 of fp16 logits holding +-65504 (one shard): no NaN, rows summing to 1,
+    the float64 softmax's values and gradient (the records at the fp32 scale 1.0f / T, the softmax from the
+    combine's pairs)."""
+    torch = pytest.importorskip("torch")
+    import fusedce.torch as ft
+    g = torch.Generator().manual_seed(23)
+    x0 = (torch.randn(4, 26, generator=g) * 3).to(torch.float16)
+    x0[0, 3], x0[0, 17] = 65504, -65504
+    x0[1, 5] = x0[1, 20] = 65504
+    x0[2, :] = -65504
+    x0[2, 9] = -65472
+    x = x0.clone().requires_grad_()
+    y = ft.vocab_parallel_softmax(x, 1e-3, log=log)
+    assert not torch.isnan(y).any()
+    p = y.exp() if log else y
+    torch.testing.assert_close(p.sum(-1), torch.ones(4), rtol=0, atol=1e-5)
+    t32 = float(torch.tensor(1e-3, dtype=torch.float32))
+    x64 = x0.double().requires_grad_()
+    z = x64 / t32
+    ref = torch.log_softmax(z, -1) if log else torch.softmax(z, -1)
+    fin = torch.isfinite(ref)
+    # log-probabilities of -1e8 hold fp32's relative rounding
+    torch.testing.assert_close(y.double()[fin], ref.detach()[fin], rtol=1e-6 if log else 0, atol=1e-5)
+    if log:
+        assert torch.equal(torch.isfinite(y), fin)
+    else:
+        assert torch.equal(y[1, [5, 20]], torch.tensor([0.5, 0.5]))
+    gu = torch.randn(4, 26, generator=g)
+    (y.masked_fill(~torch.isfinite(y), 0) * gu).sum().backward()
+    (ref.masked_fill(~fin, 0) * gu.double()).sum().backward()
+    assert not torch.isnan(x.grad).any()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-3, atol=2e-2)  # fp16 gradients of up to 1e3
