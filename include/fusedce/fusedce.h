@@ -662,7 +662,7 @@ FCE_API fce_status_t fce_logsumexp_combine(fce_handle_t handle, fce_stream_t str
  *                same on every rank (ranks hold the shards in vocabulary order).
  * @param lse     [N] fp32, or its pairs [N, 2] (fce_logsumexp_combine): the whole rows' lse of scale * x,
  *                written on every rank.
- * @param workspace as everywhere (fce_logsumexp_vp_workspace_size): every rank's records, N * 8 * (W + 1)
+ * @param workspace as everywhere (fce_logsumexp_vp_workspace_size): every rank's records, N * 24 * (W + 1)
  *                bytes.
  * @return FCE_STATUS_SUCCESS, the validation statuses of fce_logsumexp_partial (INVALID_ARGUMENT for NULL
  *         comm or options, or without vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather

@@ -71,7 +71,7 @@ LseProblem lse_problem(fce_handle* h, const DLTensor* x, const fce_lse_options_t
   return p;
 }
 
-// NCCL mode: this rank's records, then every rank's ([W * N, 2]) in the workspace.
+// NCCL mode: this rank's records, then every rank's ([W * N, kLseRecordFields]) in the workspace.
 struct LseVp {
   LsePartialProblem part;
   LseCombineProblem comb;

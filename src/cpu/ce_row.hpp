@@ -96,8 +96,9 @@ inline CeRow ce_row_forward(const CeContext& c, const float* x, float* zbuf, int
       logs = std::log(s.s);
       r.lse = float(double(m) + logs);
       r.pair = {m, float(logs)};
-      // log s - sum p (z - m) in float64: lse - sum p z with lse rounded to fp32 would keep that rounding
-      r.entropy = float(std::log(s.s) - (s.sz / s.s - double(m)));
+      // log s - sum p (z - m) in float64 from the shifted sums: lse - sum p z would keep the rounding of
+      // values of the logits' size (7.7e-4 nats at an offset of 1e5)
+      r.entropy = float(logs - s.sz / s.s);
     }
   }
   if (c.ignored(target)) return r;

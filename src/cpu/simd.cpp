@@ -201,7 +201,8 @@ CeSums CeSumsImpl(const float* z, int64_t n, float m, const float* w, bool want_
     const V zj = Ld(d, z + j, n - j);
     const V e = hn::IfThenElseZero(in, ExpFull(d, hn::Sub(zj, mv)));
     s.add(e);
-    sz.add(hn::IfThenElseZero(hn::Gt(e, hn::Zero(d)), hn::Mul(e, zj)));
+    // e (z - m): shifted, so that the entropy keeps its precision at any offset of the logits
+    sz.add(hn::IfThenElseZero(hn::Gt(e, hn::Zero(d)), hn::Mul(e, hn::Sub(zj, mv))));
     if (want_swz) swz.add(hn::IfThenElseZero(in, hn::Mul(w ? Ld(d, w + j, n - j) : one, zj)));
   }
   return {s.sum(), sz.sum(), want_swz ? swz.sum() : 0.0};

@@ -40,7 +40,7 @@ void transform(const LogitTransform& tf, const float* x, int64_t n, float* z);
 float transform1(const LogitTransform& tf, float x);
 
 // Cross-entropy row sums over transformed logits z with shift m: s = sum e_j, e_j = exp(z_j - m);
-// sz = sum e_j z_j over e_j > 0 (entropy); swz = sum w_j z_j (label smoothing; w null = ones), in float64.
+// sz = sum e_j (z_j - m) over e_j > 0 (entropy); swz = sum w_j z_j (label smoothing; w null = ones), in float64.
 struct CeSums {
   double s, sz, swz;
 };

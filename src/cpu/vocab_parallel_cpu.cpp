@@ -58,7 +58,7 @@ void ce_partial(const CePartialProblem& p) {
           swz = float(s.swz);
           if (m != -INFINITY) {
             d = float(s.s);
-            se = float(s.sz - double(m) * s.s);  // shifted: sum e (z - m)
+            se = float(s.sz);  // shifted: sum e (z - m)
           }
         }
         const int64_t tl = local_target(p.o, t, n);

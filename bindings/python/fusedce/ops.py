@@ -77,7 +77,7 @@ def _enum(table, value, what):
 
 CrossEntropyOutput = namedtuple("CrossEntropyOutput", "loss lse z_loss argmax entropy dlogits")
 
-# The lse's two forms (fce_ce_outputs_t.lse; since 0.3.0 of the header): [N] fp32, the lse itself, or its
+# The lse's two forms (fce_ce_outputs_t.lse; since 0.2.0 of the header): [N] fp32, the lse itself, or its
 # pairs [N, 2] fp32 contiguous, (m, l) = (max_j z_j, log sum_j exp(z_j - m)), lse = m + l (for logsumexp and
 # a shard's softmax: m the max of the raw x, lse = scale * m + l). A backward or a shard's softmax given the
 # pairs forms every probability as exp((z_j - m) - l), exact at any common offset of the logits; from the [N]

@@ -501,7 +501,7 @@ def test_array_api_with_torch_tensors(device):
 
 # ---- the lse a backward reads: its pairs (m, l), exact at any offset of the logits -----------------
 #
-# From 0.3.0 the library takes an lse as [N] or as its pairs [N, 2] (m, l) = (max z, log sum exp(z - m)); a
+# From 0.2.0 the library takes an lse as [N] or as its pairs [N, 2] (m, l) = (max z, log sum exp(z - m)); a
 # backward given the pairs forms p_j = exp((z_j - m) - l) exactly whatever the logits' common offset, where
 # from an [N] lse each p_j carries the lse's fp32 rounding (|lse| 2^-24 relative: 6e-3 at 1e5; at 2^25 the
 # lse rounds log 2 away and p_j = 1 for both maxima). Every autograd path keeps the pairs; the references

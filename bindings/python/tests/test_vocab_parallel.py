@@ -88,7 +88,7 @@ def test_linear_ce_shards_match_the_whole_head(widths, pad, reduction):
 
 def test_bad_shards_raise():
     """vocab_start past vocab_total, or no vocab_total, is refused (vocab_start = vocab_total is a shard of
-    padding alone since 0.3.0: test_padding_alone_and_bad_layouts)."""
+    padding alone since 0.2.0: test_padding_alone_and_bad_layouts)."""
     x = np.zeros((2, 4), np.float32)
     t = np.array([0, 1])
     with pytest.raises(fusedce.InvalidArgumentError, match="vocab_start"):
@@ -100,7 +100,7 @@ def test_bad_shards_raise():
 
 
 def test_record_widths_are_the_headers():
-    """The binding's record widths are the 0.3.0 header's (the CE records carry their column range)."""
+    """The binding's record widths are the 0.2.0 header's (the CE records carry their column range)."""
     o = fusedce.ops
     assert (o.RECORD_FIELDS_LOSS, o.RECORD_FIELDS_ENTROPY, o.RECORD_FIELDS_ALL) == (6, 7, 9)
     assert fusedce.cross_entropy_record_fields() == 9

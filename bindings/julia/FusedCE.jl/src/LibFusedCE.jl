@@ -445,7 +445,7 @@ struct fce_ce_outputs
     loss::Ptr{DLTensor}
     # The logsumexp of the transformed logits z, fp32, in one of two forms (save it for
     #  fce_cross_entropy_bwd): [N], the lse itself; or [N, 2] contiguous, its pair (m, l), m = max_j z_j and
-    #  l = log sum_j exp(z_j - m), lse = m + l (since 0.3.0). The backward forms every probability from the
+    #  l = log sum_j exp(z_j - m), lse = m + l (since 0.2.0). The backward forms every probability from the
     #  pair as the forward does, p_j = exp((z_j - m) - l), so its gradient holds docs/numerics.md's bound
     #  whatever the logits' common offset and gives the fused gradient's bits; from the [N] form each p_j
     #  carries the lse's fp32 rounding, up to |lse| 2^-24 relative (6e-3 at |lse| = 1e5).
@@ -783,7 +783,7 @@ end
 """
 The logsumexp of whole rows from every shard's records.
 @param records [W, N, FCE_LSE_RECORD_FIELDS] fp32, contiguous, in rank (vocabulary) order.
-@param lse     [N] fp32, or the pairs [N, 2] fp32 (since 0.3.0), written.
+@param lse     [N] fp32, or the pairs [N, 2] fp32 (since 0.2.0), written.
 @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR.
 """
 function fce_logsumexp_combine(handle, stream, records, lse)
@@ -800,8 +800,9 @@ caller workspace, capturable in a CUDA graph. Since 0.2.0.
 @param x       [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total).
 @param options required: vocab_start (this rank's first column), vocab_total and scale, the last two the
                same on every rank (ranks hold the shards in vocabulary order).
-@param lse     [N] fp32: the whole rows' lse of scale * x, written on every rank.
-@param workspace as everywhere (fce_logsumexp_vp_workspace_size): every rank's records, N * 8 * (W + 1)
+@param lse     [N] fp32, or its pairs [N, 2] (fce_logsumexp_combine): the whole rows' lse of scale * x,
+               written on every rank.
+@param workspace as everywhere (fce_logsumexp_vp_workspace_size): every rank's records, N * 24 * (W + 1)
                bytes.
 @return FCE_STATUS_SUCCESS, the validation statuses of fce_logsumexp_partial (INVALID_ARGUMENT for NULL
         comm or options, or without vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather

@@ -965,7 +965,7 @@ pub struct fce_ce_outputs {
     pub loss: *mut DLTensor,
     #[doc = " The logsumexp of the transformed logits z, fp32, in one of two forms (save it for"]
     #[doc = "  fce_cross_entropy_bwd): [N], the lse itself; or [N, 2] contiguous, its pair (m, l), m = max_j z_j and"]
-    #[doc = "  l = log sum_j exp(z_j - m), lse = m + l (since 0.3.0). The backward forms every probability from the"]
+    #[doc = "  l = log sum_j exp(z_j - m), lse = m + l (since 0.2.0). The backward forms every probability from the"]
     #[doc = "  pair as the forward does, p_j = exp((z_j - m) - l), so its gradient holds docs/numerics.md's bound"]
     #[doc = "  whatever the logits' common offset and gives the fused gradient's bits; from the [N] form each p_j"]
     #[doc = "  carries the lse's fp32 rounding, up to |lse| 2^-24 relative (6e-3 at |lse| = 1e5)."]
@@ -1694,7 +1694,7 @@ extern "C" {
 extern "C" {
     #[doc = " The logsumexp of whole rows from every shard's records."]
     #[doc = " @param records [W, N, FCE_LSE_RECORD_FIELDS] fp32, contiguous, in rank (vocabulary) order."]
-    #[doc = " @param lse     [N] fp32, or the pairs [N, 2] fp32 (since 0.3.0), written."]
+    #[doc = " @param lse     [N] fp32, or the pairs [N, 2] fp32 (since 0.2.0), written."]
     #[doc = " @return FCE_STATUS_SUCCESS or the validation statuses, CUDA_ERROR."]
     pub fn fce_logsumexp_combine(
         handle: fce_handle_t,
@@ -1713,8 +1713,9 @@ extern "C" {
     #[doc = " @param x       [N,V] fp32, bf16 or fp16: this rank's columns (may be padded past vocab_total)."]
     #[doc = " @param options required: vocab_start (this rank's first column), vocab_total and scale, the last two the"]
     #[doc = "                same on every rank (ranks hold the shards in vocabulary order)."]
-    #[doc = " @param lse     [N] fp32: the whole rows' lse of scale * x, written on every rank."]
-    #[doc = " @param workspace as everywhere (fce_logsumexp_vp_workspace_size): every rank's records, N * 8 * (W + 1)"]
+    #[doc = " @param lse     [N] fp32, or its pairs [N, 2] (fce_logsumexp_combine): the whole rows' lse of scale * x,"]
+    #[doc = "                written on every rank."]
+    #[doc = " @param workspace as everywhere (fce_logsumexp_vp_workspace_size): every rank's records, N * 24 * (W + 1)"]
     #[doc = "                bytes."]
     #[doc = " @return FCE_STATUS_SUCCESS, the validation statuses of fce_logsumexp_partial (INVALID_ARGUMENT for NULL"]
     #[doc = "         comm or options, or without vocab_total; DEVICE_MISMATCH), COMMUNICATOR_ERROR (the all-gather"]
