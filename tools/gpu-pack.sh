@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packs what the GPU machine needs into .gpu/ (git-ignored), built here: the library, the gpu-suite
 # executables, the benchmarks, the demo and their non-CUDA runtime libraries. The GPU machine has the
-# CUDA runtime but not OpenBLAS; run tools/gpu-session.sh there with `.gpu` carried.
+# CUDA runtime but not OpenBLAS (the demo's; the library carries its BLIS, linked in, and needs only libgomp
+# and libhwy of these); run tools/gpu-session.sh there with `.gpu` carried.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}  # sm_90 only: small enough to carry

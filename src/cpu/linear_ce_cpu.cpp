@@ -1,5 +1,5 @@
-// Linear cross-entropy on the CPU: token chunks through OpenBLAS, cross-entropy rows in between.
-#include <cblas.h>
+// Linear cross-entropy on the CPU: token chunks through BLIS's GEMMs, cross-entropy rows in between.
+#include <blis.h>
 
 #include <algorithm>
 #include <climits>
@@ -14,13 +14,40 @@ namespace fce::cpu {
 namespace {
 
 constexpr int64_t kDefaultChunk = 256;
-// Reduction slice of the dhidden GEMM (see its call): below the smallest sgemm reduction block (GEMM_Q) of
-// OpenBLAS's x86-64 and arm64 kernels.
-constexpr int64_t kReductionSlice = 128;
+
+// The chunk's GEMMs are cut into tiles that the shapes alone decide, spread over OpenMP's threads, each
+// one BLIS call on one thread. Whichever thread runs a tile, and however many there are, a tile's bits are
+// those of BLIS's single-threaded GEMM of that tile's shape and data: no output depends on a thread count.
+// (OpenBLAS, before, was not invariant to its own thread count, nor are BLIS's threads safe on a busy
+// machine: their barriers spin.) The logits and dweight: kTile of the V columns / rows per tile, a multiple
+// of every BLIS microkernel's tile sides here (6, 8, 12, 16, 24, 32, 48). dhidden reduces over V: slices
+// of V (dh_slice), each its own GEMM into its own fp32 buffer, then added in slice order.
+constexpr int64_t kTile = 1536;
+constexpr int64_t kMinSlice = 2048, kMaxSlices = 16;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// dhidden's reduction slice: at least kMinSlice of V, at most kMaxSlices slices, a multiple of 256.
+int64_t dh_slice(int64_t V) { return std::max(kMinSlice, ceil_div(ceil_div(V, kMaxSlices), 256) * 256); }
+int64_t dh_slices(int64_t V) { return std::max<int64_t>(1, ceil_div(V, dh_slice(V))); }
+
+// C [m, n] = op(A) op(B) + beta C, row-major, op(X) = X^T where t* is set: BLIS on the calling thread alone
+// (its thread count given here, per call: no process-wide BLAS setting or BLIS_* variable is read or
+// changed). BLIS's small-matrix ("sup") code path is off: one path for every shape (its kernels are AVX2,
+// slower here on AVX-512).
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B,
+          int64_t ldb, float beta, float* C, int64_t ldc) {
+  rntm_t rntm;
+  bli_rntm_init(&rntm);
+  bli_rntm_set_num_threads(1, &rntm);
+  bli_rntm_disable_l3_sup(&rntm);
+  float one = 1.f;
+  bli_sgemm_ex(ta ? BLIS_TRANSPOSE : BLIS_NO_TRANSPOSE, tb ? BLIS_TRANSPOSE : BLIS_NO_TRANSPOSE, m, n, k, &one,
+               const_cast<float*>(A), lda, 1, const_cast<float*>(B), ldb, 1, &beta, C, ldc, 1, nullptr, &rntm);
+}
 
 // Byte layout of the workspace for a chunk of C rows; fp32 staging only where an operand is not fp32.
 struct LceLayout {
-  size_t logits = 0, hidden = 0, dhidden = 0, weight = 0, dweight = 0, dbias = 0, total = 0;
+  size_t logits = 0, hidden = 0, dhidden = 0, dh_part = 0, weight = 0, dweight = 0, dbias = 0, total = 0;
   LceLayout(const LinearCeProblem& p, int64_t C) {
     const int64_t H = p.hidden.cols, V = p.weight.rows;
     auto take = [&](size_t bytes) {
@@ -32,6 +59,9 @@ struct LceLayout {
     logits = take(checked_bytes(checked_mul(C, V, "chunk logits"), 4, "chunk logits"));
     hidden = f32 ? SIZE_MAX : take(checked_bytes(checked_mul(C, H, "chunk hidden"), 4, "chunk hidden"));
     dhidden = (!p.dhidden || p.dhidden.dtype == DType::F32) ? SIZE_MAX : take(size_t(C * H) * 4);
+    // dhidden's slices past the first (that one goes to dhidden itself)
+    const int64_t S = dh_slices(p.real_rows());
+    dh_part = (!p.dhidden || S == 1) ? SIZE_MAX : take(size_t((S - 1) * C * H) * 4);
     weight = f32 ? SIZE_MAX : take(checked_bytes(checked_mul(V, H, "weight"), 4, "weight"));
     dweight = (!p.dweight || p.dweight.dtype == DType::F32) ? SIZE_MAX : take(size_t(V * H) * 4);
     dbias = p.dbias ? take(size_t(V) * 4) : SIZE_MAX;
@@ -49,7 +79,7 @@ size_t linear_ce_workspace(const LinearCeProblem& p, bool minimum) {
 void linear_ce(const LinearCeProblem& p, Workspace ws) {
   // A vocabulary shard's padding rows of the weight are never read: V is the real rows from here on.
   const int64_t N = p.hidden.rows, H = p.hidden.cols, V = p.real_rows();
-  // BLAS takes 32-bit sizes and leading dimensions.
+  // The CUDA backend's limit (its BLAS takes 32-bit sizes and leading dimensions), kept here alike.
   for (int64_t d : {N, H, V, p.hidden.ld, p.weight.ld, p.dhidden ? p.dhidden.ld : 0, p.dweight ? p.dweight.ld : 0})
     FCE_CHECK(d <= INT32_MAX, FCE_STATUS_UNSUPPORTED_LAYOUT,
               "extents and row strides beyond 2^31 - 1 elements are not supported by the BLAS path");
@@ -104,10 +134,10 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       Hc = h32;
       ldh = H;
     }
-    // V = 0: a shard of padding alone (neutral records, zero gradients); BLAS refuses a leading dimension of 0.
-    if (V > 0)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(V), int(H), 1.f, Hc, int(ldh), W, int(ldw),
-                  0.f, L, int(V));
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t t = 0; t < ceil_div(V, kTile); ++t)
+      gemm(false, true, rows, std::min(kTile, V - t * kTile), H, Hc, ldh, W + size_t(t * kTile * ldw), ldw, 0.f,
+           L + t * kTile, V);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r0 + r;
@@ -166,21 +196,34 @@ void linear_ce(const LinearCeProblem& p, Workspace ws) {
       const int64_t lddh = direct ? p.dhidden.ld : H;
       if (p.accumulate && !direct)
         for (int64_t r = 0; r < rows; ++r) load_row(p.dhidden, r0 + r, dH + size_t(r * H));
-      if (V == 0 && !p.accumulate)  // no column: this shard's part of dhidden is 0
+      // Slice 0 into dH (onto its values when accumulating), the others into their buffers, then added in
+      // order: dH + S_0 + S_1 + ... for every element.
+      const int64_t ks = dh_slice(V), S = V == 0 ? 0 : dh_slices(V);
+      if (V == 0 && !p.accumulate)  // a shard of padding alone: its part of dhidden is 0
         for (int64_t r = 0; r < rows; ++r) std::fill(dH + size_t(r * lddh), dH + size_t(r * lddh + H), 0.f);
-      // dhidden reduces over V. OpenBLAS blocks a long reduction differently with its thread count, so
-      // the reduction is cut here into slices no longer than any OpenBLAS kernel's reduction block, added
-      // in order: the result does not depend on the number of threads.
-      for (int64_t v0 = 0; v0 < V; v0 += kReductionSlice)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(H), int(std::min(kReductionSlice, V - v0)),
-                    1.f, L + v0, int(V), W + size_t(v0 * ldw), int(ldw), v0 == 0 && !p.accumulate ? 0.f : 1.f, dH,
-                    int(lddh));
+      float* part = S > 1 ? at(ws, lay.dh_part) : nullptr;
+#pragma omp parallel for schedule(dynamic)
+      for (int64_t s = 0; s < S; ++s)
+        gemm(false, false, rows, H, std::min(ks, V - s * ks), L + s * ks, V, W + size_t(s * ks * ldw), ldw,
+             s == 0 && p.accumulate ? 1.f : 0.f, s == 0 ? dH : part + size_t((s - 1) * rows * H), s == 0 ? lddh : H);
+      if (S > 1) {
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+          float* d = dH + size_t(r * lddh);
+          for (int64_t s = 1; s < S; ++s) {
+            const float* q = part + size_t(((s - 1) * rows + r) * H);
+            for (int64_t j = 0; j < H; ++j) d[j] += q[j];
+          }
+        }
+      }
       if (!direct)
         for (int64_t r = 0; r < rows; ++r) store_row(p.dhidden, r0 + r, dH + size_t(r * H));
     }
-    if (dW && V > 0)
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(V), int(H), int(rows), 1.f, L, int(V), Hc, int(ldh),
-                  r0 == 0 && !p.accumulate ? 0.f : 1.f, dW, int(lddw));
+    if (dW)
+#pragma omp parallel for schedule(dynamic)
+      for (int64_t t = 0; t < ceil_div(V, kTile); ++t)
+        gemm(true, false, std::min(kTile, V - t * kTile), H, rows, L + t * kTile, V, Hc, ldh,
+             r0 == 0 && !p.accumulate ? 0.f : 1.f, dW + size_t(t * kTile * lddw), lddw);
     if (db) {
 #pragma omp parallel for schedule(static)
       for (int64_t v = 0; v < V; ++v)
