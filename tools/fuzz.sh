@@ -36,11 +36,11 @@ fi
 
 mkdir -p "$OUT/obj" "$OUT/corpus" "$OUT/artifacts"
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=all"
-# BLIS, the CPU GEMMs of linear CE: Debian's libblis-openmp-dev, where meson.build finds it (BLIS_INC, BLIS_LIB
-# name another build); its OpenMP runtime is libgomp.
+# BLIS, the CPU GEMMs of linear CE: Debian's libblis-serial-dev, where meson.build finds it (BLIS_INC, BLIS_LIB
+# name another build).
 MULTIARCH=$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
-BLIS_INC=${BLIS_INC:-/usr/include/$MULTIARCH/blis-openmp}
-BLIS_LIB=${BLIS_LIB:-/usr/lib/$MULTIARCH/blis-openmp/libblis.a}
+BLIS_INC=${BLIS_INC:-/usr/include/$MULTIARCH/blis-serial}
+BLIS_LIB=${BLIS_LIB:-/usr/lib/$MULTIARCH/blis-serial/libblis.a}
 CXXFLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer $SAN -DFCE_BUILDING_LIBRARY -Iinclude -Isrc -isystem $BLIS_INC"
 LIB_SRCS=(src/common/*.cpp src/cpu/*.cpp src/cuda/no_cuda.cpp)
 
@@ -61,7 +61,7 @@ if [ ! -x "$OUT/fuzz_api" ] || [ "$(cat "$OUT/stamp" 2>/dev/null)" != "$stamp" ]
     if [ ${#pids[@]} -ge "$(nproc)" ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
   done
   for p in "${pids[@]}"; do wait "$p"; done
-  $CXX $CXXFLAGS -fsanitize=fuzzer tests/fuzz/fuzz_api.cpp "${objs[@]}" "$BLIS_LIB" -lgomp -lhwy -lpthread -lm -o "$OUT/fuzz_api"
+  $CXX $CXXFLAGS -fsanitize=fuzzer tests/fuzz/fuzz_api.cpp "${objs[@]}" "$BLIS_LIB" -lhwy -lpthread -lm -o "$OUT/fuzz_api"
   echo "$stamp" > "$OUT/stamp"
 fi
 [ "$mode" = build ] && exit 0

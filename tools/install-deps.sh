@@ -4,8 +4,8 @@
 # everything is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# libblis-openmp-dev: BLIS, linked into the library (linear CE's CPU GEMMs); libopenblas-dev: the examples' demo.
-APT_PKGS=(meson ninja-build pkg-config g++ libdlpack-dev libblis-openmp-dev libopenblas-dev libhwy-dev libgtest-dev
+# libblis-serial-dev: BLIS, linked into the library (linear CE's CPU GEMMs); libopenblas-dev: the examples' demo.
+APT_PKGS=(meson ninja-build pkg-config g++ libdlpack-dev libblis-serial-dev libopenblas-dev libhwy-dev libgtest-dev
           libcjson-dev python3 python3-pip)
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 apt_install() {  # installs the named Debian packages that are missing
