@@ -51,8 +51,9 @@ cntx_t* blis_context() {
 
 // C [m, n] = op(A) op(B) + beta C, row-major, op(X) = X^T where t* is set: BLIS on the calling thread alone
 // (its serial build by default, meson.build; a threaded one given by -Dblis_dir is held to one thread here,
-// per call: no process-wide BLAS setting or BLIS_*_THREADS variable is read or changed). BLIS's small-matrix ("sup") code path is off: one path for every shape (its kernels are AVX2,
-// slower here on AVX-512).
+// per call: no process-wide BLAS setting or BLIS_*_THREADS variable is read or changed). BLIS's
+// small-matrix ("sup") code path is off: one path for every shape (its kernels are AVX2, slower here on
+// AVX-512).
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B,
           int64_t ldb, float beta, float* C, int64_t ldc) {
   rntm_t rntm;
