@@ -80,7 +80,9 @@ struct LceLayout {
     const size_t es = dtype_size(p.hidden.dtype);
     // The width the chunks are planned for: this shard's, or in NCCL mode the even split (every rank's).
     const int64_t Vp = vp ? (p.o.vocab_total + ranks - 1) / ranks : V;
-    const size_t per_row = size_t(padded(Vp)) * es + (vp ? size_t(K) * 4 * size_t(ranks + 1) : 0);
+    // At least 1: a shard of padding alone (V = 0) has no logits per row (one chunk of every row).
+    const size_t per_row =
+        std::max<size_t>(1, size_t(padded(Vp)) * es + (vp ? size_t(K) * 4 * size_t(ranks + 1) : 0));
     const bool sum = vp && p.dhidden;
     auto carve = [&](void* at, int64_t C_, int64_t Vc) {
       Carver c(at);

@@ -542,6 +542,10 @@ def _ce_paths(monkeypatch):
             m.setattr(ft, "_EAGER", False)
             return ft.cross_entropy(*a, **k)
 
+    # Dynamo's recompile limit (8) counts the variants of ft.cross_entropy's code object across every
+    # torch.compile wrapper of it: a fresh start per test, or the shapes and options of the tests before (and
+    # their cuda runs, on a GPU machine) exhaust it under fullgraph=True.
+    torch._dynamo.reset()
     return {"eager": ft.cross_entropy, "function": function,
             "compile": torch.compile(ft.cross_entropy, fullgraph=True, backend="aot_eager", dynamic=False)}
 
