@@ -1312,8 +1312,9 @@ The logits are accumulated in fp32 and rounded once to the inputs' dtype, as tor
 returns them; the cross-entropy statistics are then fp32, and the logits' gradient is likewise rounded to
 the inputs' dtype before the gradient GEMMs (fp32 accumulation). fp32 inputs stay fp32 throughout.
 Gradients requested in `outputs` are computed in the same call (6*N*H*V flops); forward only is
-2*N*H*V. GEMMs go through cuBLAS and cuBLASLt on the GPU (fp32 accumulation, no split-K) and BLAS
-(OpenBLAS) on the CPU. One exception (since 0.2.0): the forward alone on a compute capability 9.0 GPU
+2*N*H*V. GEMMs go through cuBLAS and cuBLASLt on the GPU (fp32 accumulation, no split-K) and BLIS
+(linked into the library) on the CPU, each cut into tiles fixed by the shapes, one single-threaded BLIS
+call per tile: no result depends on a thread count or on another BLAS in the process. One exception (since 0.2.0): the forward alone on a compute capability 9.0 GPU
 (H100, H200) with bf16 inputs and no bias, asking for loss, lse and z_loss only (no argmax, entropy or
 gradient; softcap 0, logit_scale 1; label smoothing only without class weights), runs one fused GEMM of
 the library's own (CUTLASS, where the build had its headers: fce_build_info's cuda_architectures then lists
@@ -1333,8 +1334,8 @@ end
 
 """
 Workspace bytes fce_linear_cross_entropy_fwd uses by default: on CUDA at most about 448 MiB (token
- chunks as long as fit, in equal parts), on the CPU a 256-token chunk in fp32 plus fp32 copies of a
- bf16/fp16 weight and dweight. A caller's workspace may be smaller, down to that of one-token chunks for the same
+ chunks as long as fit, in equal parts), on the CPU a 256-token chunk in fp32, dhidden's slice buffers
+ (up to 15 x 256 x H fp32 with gradients) and fp32 copies of a bf16/fp16 weight and dweight. A caller's workspace may be smaller, down to that of one-token chunks for the same
  N (not this query at N = 1: a reduced loss also keeps two fp32 values per row);
  FCE_STATUS_WORKSPACE_TOO_SMALL's message states the bytes needed. A larger workspace changes nothing:
  the chunks (which decide the bits of dweight's sum over them) are the default plan's whatever the

@@ -2984,8 +2984,9 @@ extern "C" {
     #[doc = " returns them; the cross-entropy statistics are then fp32, and the logits' gradient is likewise rounded to"]
     #[doc = " the inputs' dtype before the gradient GEMMs (fp32 accumulation). fp32 inputs stay fp32 throughout."]
     #[doc = " Gradients requested in `outputs` are computed in the same call (6*N*H*V flops); forward only is"]
-    #[doc = " 2*N*H*V. GEMMs go through cuBLAS and cuBLASLt on the GPU (fp32 accumulation, no split-K) and BLAS"]
-    #[doc = " (OpenBLAS) on the CPU. One exception (since 0.2.0): the forward alone on a compute capability 9.0 GPU"]
+    #[doc = " 2*N*H*V. GEMMs go through cuBLAS and cuBLASLt on the GPU (fp32 accumulation, no split-K) and BLIS"]
+    #[doc = " (linked into the library) on the CPU, each cut into tiles fixed by the shapes, one single-threaded BLIS"]
+    #[doc = " call per tile: no result depends on a thread count or on another BLAS in the process. One exception (since 0.2.0): the forward alone on a compute capability 9.0 GPU"]
     #[doc = " (H100, H200) with bf16 inputs and no bias, asking for loss, lse and z_loss only (no argmax, entropy or"]
     #[doc = " gradient; softcap 0, logit_scale 1; label smoothing only without class weights), runs one fused GEMM of"]
     #[doc = " the library's own (CUTLASS, where the build had its headers: fce_build_info's cuda_architectures then lists"]
@@ -3013,8 +3014,8 @@ extern "C" {
 }
 extern "C" {
     #[doc = " Workspace bytes fce_linear_cross_entropy_fwd uses by default: on CUDA at most about 448 MiB (token"]
-    #[doc = "  chunks as long as fit, in equal parts), on the CPU a 256-token chunk in fp32 plus fp32 copies of a"]
-    #[doc = "  bf16/fp16 weight and dweight. A caller's workspace may be smaller, down to that of one-token chunks for the same"]
+    #[doc = "  chunks as long as fit, in equal parts), on the CPU a 256-token chunk in fp32, dhidden's slice buffers"]
+    #[doc = "  (up to 15 x 256 x H fp32 with gradients) and fp32 copies of a bf16/fp16 weight and dweight. A caller's workspace may be smaller, down to that of one-token chunks for the same"]
     #[doc = "  N (not this query at N = 1: a reduced loss also keeps two fp32 values per row);"]
     #[doc = "  FCE_STATUS_WORKSPACE_TOO_SMALL's message states the bytes needed. A larger workspace changes nothing:"]
     #[doc = "  the chunks (which decide the bits of dweight's sum over them) are the default plan's whatever the"]
