@@ -936,7 +936,8 @@ void fuzz_shard(Env& e, const Dims& d, int64_t* start, int64_t* total, bool* ok)
   *total = e.coin(90) ? d.V + e.fdp.ConsumeIntegralInRange<int64_t>(-d.V + 1, 3 * d.V) : e.fdp.ConsumeIntegral<int64_t>();
   *start = e.coin(90) ? e.fdp.ConsumeIntegralInRange<int64_t>(0, std::max<int64_t>(*total, 1) - 1)
                       : e.fdp.ConsumeIntegral<int64_t>();
-  if (!(*total > 0 && *start >= 0 && *start < *total)) *ok = false;
+  // The header: 0 <= vocab_start <= vocab_total <= 2^31 - 1 (start == total: a shard of padding alone).
+  if (!(*total > 0 && *start >= 0 && *start <= *total && *total <= INT32_MAX)) *ok = false;
 }
 
 // Logsumexp: whole rows, or a shard's records (fce_logsumexp_partial), or their combine.
@@ -1248,7 +1249,6 @@ void fuzz_linear_partial(Env& e, fce_handle_t h0) {
   fce_handle_t h = pick_handle(e, h0, &ok);
   fce_ce_options_t o = fuzz_ce_options(e, &ok);
   fuzz_shard(e, d, &o.vocab_start, &o.vocab_total, &ok);
-  if (o.vocab_total > INT32_MAX) ok = false;  // records hold int32 indices
   const Kind k = fkind(e);
   const int hidden = e.add("hidden", Role::In, k, {d.N, d.H});
   const int weight = e.add("weight", Role::In, k, {d.V, d.H});

@@ -1100,7 +1100,8 @@ The records of a vocabulary shard of student and teacher.
 @param teacher full logits [N,V] (any float dtype), the shard's columns; or a top-K teacher: [N,K] ids
                (global vocabulary indices, negative = unused slot) and log-probabilities, the same on
                every rank (its loss then comes from the terms: see above).
-@param options vocab_start and vocab_total required (0 <= vocab_start < vocab_total); any divergence (JSD:
+@param options vocab_start and vocab_total required (0 <= vocab_start <= vocab_total <= 2^31 - 1;
+               vocab_start = vocab_total: a shard of padding alone); any divergence (JSD:
                the forward-KL record, P the teacher); temperature and topk_norm as for fce_kd_loss; the
                same options on every rank and call.
 @param records [N, FCE_KD_RECORD_FIELDS] fp32, written.

@@ -2052,7 +2052,8 @@ impl Handle {
     /// * `bias`: optional `[V_local]`, the hidden's dtype: the shard's part of the bias.
     /// * `targets`: `[N]` i32 or i64, global class indices.
     /// * `options`: [`CeOptions::vocab_start`] and [`CeOptions::vocab_total`] required
-    ///   (0 <= vocab_start < vocab_total <= 2³¹ − 1); the other options as for
+    ///   (0 <= vocab_start <= vocab_total <= 2³¹ − 1; vocab_start = vocab_total: a shard of padding
+    ///   alone); the other options as for
     ///   [`Handle::linear_cross_entropy_fwd`] (class weights of the whole vocabulary, `[vocab_total]`).
     /// * `records`: `[N, K]` fp32, written: the records [`Handle::cross_entropy_partial`] writes for the
     ///   shard's logits, `hidden · weightᵀ (+ bias)` rounded to the inputs' dtype as in
