@@ -31,7 +31,13 @@
 //   F2  fce_handle_create(kDLCUDA, negative ordinal) leaks the handle: by default ordinals are >= 0;
 //   F3  overlapping outputs accepted (oracle 4): by default reported as "KNOWN" (3 times) and tolerated.
 // By default (the bugs fixed) all three are reachable and fatal.
+#ifdef FCE_FDP_HEADER
+// The replay build (tests/fuzz/replay.cpp) by another compiler than clang, which names clang's header by its
+// path: clang's include folder would shadow the compiler's own headers.
+#include FCE_FDP_HEADER
+#else
 #include <fuzzer/FuzzedDataProvider.h>
+#endif
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -1345,6 +1351,16 @@ void fuzz_misc(Env& e) {
           FCE_STATUS_INVALID_ARGUMENT ||
       bytes != 77)
     die("fce_logsumexp_vp / fce_temp_softmax_vp without a communicator were not refused cleanly");
+  if (fce_kd_fwd_vp(cpu, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0) !=
+          FCE_STATUS_INVALID_ARGUMENT ||
+      fce_kd_fwd_vp_workspace_size(cpu, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &bytes) !=
+          FCE_STATUS_INVALID_ARGUMENT ||
+      fce_linear_cross_entropy_fwd_vp(cpu, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                      nullptr, 0) != FCE_STATUS_INVALID_ARGUMENT ||
+      fce_linear_cross_entropy_fwd_vp_workspace_size(cpu, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                     nullptr, &bytes) != FCE_STATUS_INVALID_ARGUMENT ||
+      bytes != 77)
+    die("fce_kd_fwd_vp / fce_linear_cross_entropy_fwd_vp without a communicator were not refused cleanly");
   fce_handle_destroy(cpu);
 }
 
