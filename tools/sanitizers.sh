@@ -5,8 +5,10 @@
 #   tools/sanitizers.sh            both
 #   tools/sanitizers.sh asan       meson build dir $ASAN_BUILD (default build-asan): -Db_sanitize=address,undefined,
 #                                  CUDA off; `meson test --suite unit --suite abi` there
-#   tools/sanitizers.sh valgrind   the unit-test executables of the normal build $BUILD (default build) under
-#                                  memcheck, with the gtest filter below (valgrind runs ~50x slower)
+#   tools/sanitizers.sh valgrind   the reliability suite's memcheck runs of the normal build $BUILD (default
+#                                  build), one after another: tests/reliability/memcheck.py (each unit
+#                                  executable without its slowest tests, the fuzz seed corpus), then its check
+#                                  that they call every exported function
 #
 # Exit status 0 only when every run is clean; 1 when a tool (valgrind, meson, ninja) is missing, so a
 # machine without them fails instead of passing silently.
@@ -55,49 +57,20 @@ run_asan() {
     meson test -C "$ASAN_BUILD" --print-errorlogs --num-processes "$(nproc)" $tests
 }
 
-# Tests that take >2 s natively (the float64 references of 50k-150k-column rows): minutes under memcheck. The
-# same code paths run under memcheck in the other tests of each file (every op, dtype, option, in-place and
-# padded layouts, top-K, chunked linear CE); ASan runs everything. The contract's numerics tests (offsets to
-# 1e4, huge logits, subnormal caps, OpenBLAS thread counts) are covered there too: 10+ minutes under memcheck.
-VALGRIND_FILTER=${VALGRIND_FILTER:--CrossEntropy.ShapesDtypesReductions:CrossEntropy.ManyRowsFusedGradient:Logsumexp.ShapesAndDtypes:KdLoss.LargeVocabularies:KdLoss.ForwardOnlyManyRows:KdLoss.GradientManyRows:Logsumexp.FewAlignedRowsWithPartialLastVector:TempSoftmax.FewAlignedRowsWithPartialLastVector:TempSoftmax.ManyLongAlignedRows:TempSoftmax.FewRowsProbabilitiesOnly:TempSoftmax.ManyRowsProbabilitiesOnly:LinearCrossEntropy.QueriedWorkspace:Contract.KdInvariantToACommonLogitOffset:Contract.SoftmaxHugeLogitsAtInfiniteAndHugeTemperatures:Contract.CrossEntropySubnormalSoftcap:Contract.LinearCrossEntropyIndependentOfThreadCounts:KdVocabParallel.ManyRowsLongShards:VocabParallel.ManyRanksMegatronSplit:KdVocabParallel.ManyRanksMegatronSplit}
-
 run_valgrind() {
   need valgrind ninja meson python3
-  # Inside `meson test` (tests/reliability/meson.build) the build is already up to date: no nested ninja.
-  [ -n "${SANITIZERS_NO_BUILD:-}" ] || ninja -C "$BUILD"
-  local rc=0 t exe
-  # Every executable of the unit suite, from meson's introspection (new unit tests are picked up), once: the
-  # suite's reruns of an executable on other CPU instruction sets (FCE_TEST_SIMD_TARGET) are skipped here.
-  local list
-  list=$(meson introspect --tests "$BUILD" | python3 -c '
+  ninja -C "$BUILD"
+  # The memcheck runs of the reliability suite (tests/reliability/meson.build), one after another.
+  local names rc=0 n
+  names=$(meson introspect --tests "$BUILD" | python3 -c '
 import json, sys
-seen = set()
-for t in json.load(sys.stdin):
-    if any(s.endswith(":unit") or s == "unit" for s in t["suite"]) and t["cmd"][0] not in seen:
-        seen.add(t["cmd"][0])
-        print(t["name"], t["cmd"][0])')
-  [ -n "$list" ] || { echo "sanitizers.sh: no unit tests in $BUILD" >&2; exit 1; }
-  while read -r t exe; do
-    [ -x "$exe" ] || { echo "sanitizers.sh: $exe missing" >&2; exit 1; }
-    echo "== valgrind memcheck: test_$t (gtest filter $VALGRIND_FILTER)"
-    local start=$SECONDS st=0
-    # Exit 99 = a memcheck error (invalid access, uninitialised value used, definite/indirect leak).
-    # OMP_NUM_THREADS=2: the threaded paths run, without serialising one worker per core of a big machine.
-    OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=1 valgrind --tool=memcheck --error-exitcode=99 --leak-check=full \
-        --show-leak-kinds=definite,indirect --errors-for-leak-kinds=definite,indirect --track-origins=yes \
-        --suppressions=tests/valgrind.supp --gen-suppressions=all --quiet \
-        "$exe" --gtest_filter="$VALGRIND_FILTER" --gtest_brief=1 || st=$?
-    case $st in
-      0) ;;
-      99) echo "sanitizers.sh: memcheck errors in test_$t" >&2; rc=1 ;;
-      # gtest's own failure status: an assertion, not a memory error. The unit suite runs the same tests
-      # natively and owns them (several tests draw random inputs from std::random_device, and one is flaky,
-      # see docs/reliability.md); here it is reported, not counted.
-      1) echo "sanitizers.sh: WARNING: test_$t had gtest assertion failures under memcheck (no memcheck error)" >&2 ;;
-      *) echo "sanitizers.sh: test_$t died under memcheck (status $st)" >&2; rc=1 ;;
-    esac
-    echo "   $((SECONDS - start)) s"
-  done <<< "$list"
+print(" ".join(t["name"][len("memcheck "):] for t in json.load(sys.stdin) if t["name"].startswith("memcheck ")))')
+  [ -n "$names" ] || { echo "sanitizers.sh: no memcheck tests in $BUILD" >&2; exit 1; }
+  for n in $names; do
+    python3 tests/reliability/memcheck.py run "$BUILD" "$n" || rc=1
+  done
+  # shellcheck disable=SC2086
+  python3 tests/reliability/memcheck.py entry-points "$BUILD" $names || rc=1
   return $rc
 }
 
