@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """The Python package as a user installs it (meson test python-pip-install, suite python).
 
-    pip_install.py SOURCE_ROOT EXPECTED_VERSION BUILD_TREE_LIBRARY
+    pip_install.py SOURCE_ROOT EXPECTED_VERSION BUILD_TREE_LIBRARY [MESON_SETUP_ARG...]
+
+MESON_SETUP_ARG: passed to the package's meson setup (pip's --config-settings=setup-args=...); meson test
+passes its build's -Dgencode, so that the test compiles the GPU architectures the build does.
 
 1. A fresh venv in a temporary folder; `pip install SOURCE_ROOT` in it (pyproject.toml: meson-python builds
    libfusedce again with -Dpython_package=true, its build folder inside the temporary folder, so nothing is
@@ -101,9 +104,10 @@ def fail(msg, output=None, tail=80):
 
 
 def main():
-    if len(sys.argv) != 4:
+    if len(sys.argv) < 4:
         sys.exit(__doc__)
     source, version, tree_lib = Path(sys.argv[1]).resolve(), sys.argv[2], sys.argv[3]
+    setup_args = ["--config-settings=setup-args=%s" % a for a in sys.argv[4:]]
     expect_cuda = bool(shutil.which("nvcc")) or os.access("/usr/local/cuda/bin/nvcc", os.X_OK)
     try:
         import torch  # noqa: F401
@@ -111,8 +115,8 @@ def main():
     except ImportError:
         expect_torch = False
     expect = {"version": version, "cuda": expect_cuda, "torch": expect_torch}
-    print("source %s, version %s, nvcc found: %s, torch importable: %s" % (source, version, expect_cuda,
-                                                                          expect_torch))
+    print("source %s, version %s, nvcc found: %s, torch importable: %s, setup args %s"
+          % (source, version, expect_cuda, expect_torch, sys.argv[4:]))
 
     tmp = Path(tempfile.mkdtemp(prefix="fusedce-pip-"))
     try:
@@ -129,7 +133,7 @@ def main():
             fail("python3 -m venv failed (Debian: python3-venv, tools/deps.d/python.sh)", r.stdout)
         py = str(tmp / "venv" / "bin" / "python")
         r, secs = run([py, "-m", "pip", "install", "--disable-pip-version-check", "-v",
-                       "--config-settings=build-dir=%s" % (tmp / "build"), str(source)],
+                       "--config-settings=build-dir=%s" % (tmp / "build")] + setup_args + [str(source)],
                       log=tmp / "pip.log", env=env, cwd=str(tmp))
         print("pip install %s: %.0f s (exit %d)" % (source, secs, r.returncode))
         if r.returncode:
