@@ -3,6 +3,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -72,6 +73,12 @@ struct Target {
   bool cuda() const { return device_type == kDLCUDA; }
 };
 Target& target();
+
+// Rows of a "many rows" test: the GPU's multi-block and persistent kernels take their paths only with
+// hundreds of rows; the CPU backend's rows are independent iterations of one loop, statically split across
+// its threads, and 48 rows take every one of its paths. The CPU executables run four times (the SIMD targets)
+// and under ASan: their rows are what the suite's time goes to (docs/testing.md).
+inline int64_t many_rows(int64_t gpu_rows) { return target().cuda() ? gpu_rows : std::min<int64_t>(gpu_rows, 48); }
 
 // Device memory hooks: no-ops for the CPU build, cudaMemcpy for the GPU build (tests/common/device_*.cpp).
 void* dev_alloc(size_t bytes);

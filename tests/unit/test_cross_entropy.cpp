@@ -292,25 +292,25 @@ TEST(CrossEntropy, FiniteDifferenceSpotCheck) {
 // in shared memory between its passes, with rows longer than shared memory holds.
 TEST(CrossEntropy, ManyRowsFusedGradient) {
   for (DT dt : {DT::BF16, DT::F32}) {
-    CeCase c{300, 129920, dt};
+    CeCase c{many_rows(300), 129920, dt};
     c.peaked = true;
     c.reduction = FCE_REDUCTION_MEAN;
     run_case(c);
   }
   {  // in place, as linear cross-entropy does with its chunk buffer
-    CeCase c{300, 128256, DT::BF16};
+    CeCase c{many_rows(300), 128256, DT::BF16};
     c.inplace = true;
     c.logit_std = 1.3;
     c.ignore_frac = 0.0;
     run_case(c);
   }
-  CeCase c{600, 5003, DT::F16};
+  CeCase c{many_rows(600), 5003, DT::F16};
   c.eps = 0.1;
   c.grad_mode = 2;
   run_case(c);
   // Aligned rows of >= 16 KiB, several per block of the GPU's persistent pipelined kernel, every option, a
   // partial last vector (V = 8195, stride 8200), explicit upstream gradients, NONE reduction.
-  CeCase o{400, 8195, DT::BF16};
+  CeCase o{many_rows(400), 8195, DT::BF16};
   o.pad = 5;
   o.dpad = 13;
   o.eps = 0.1;
@@ -320,7 +320,7 @@ TEST(CrossEntropy, ManyRowsFusedGradient) {
   o.grad_mode = 2;
   o.reduction = FCE_REDUCTION_NONE;
   run_case(o);
-  CeCase q{350, 4100, DT::F32};
+  CeCase q{many_rows(350), 4100, DT::F32};
   q.pad = 4;
   q.dpad = 0;
   q.scale = 0.7;
@@ -329,7 +329,7 @@ TEST(CrossEntropy, ManyRowsFusedGradient) {
   // The usual training call (loss, lse, dlogits only): the GPU's lean pipelined path. Peaked and flat rows,
   // z-loss and a logit scale, an explicit upstream gradient per row, in place, a partial last vector.
   for (DT dt : {DT::BF16, DT::F16, DT::F32}) {
-    CeCase l{300, dt == DT::F32 ? 65539 : 129920, dt};
+    CeCase l{many_rows(300), dt == DT::F32 ? 65539 : 129920, dt};
     l.lean = true;
     l.peaked = dt != DT::F16;
     l.pad = dt == DT::F32 ? 1 : 0;

@@ -250,36 +250,36 @@ TEST(KdLoss, LargeVocabularies) {
 TEST(KdLoss, ForwardOnlyManyRows) {
   for (DT dt : {DT::F32, DT::BF16, DT::F16})
     for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL, FCE_KD_JSD}) {
-      KdCase c{300, 1009, dt, div, div == FCE_KD_JSD ? 1.0 : 0.5, dt == DT::F16 ? 0.5 : dt == DT::BF16 ? 4.0 : 1.0};
+      KdCase c{many_rows(300), 1009, dt, div, div == FCE_KD_JSD ? 1.0 : 0.5, dt == DT::F16 ? 0.5 : dt == DT::BF16 ? 4.0 : 1.0};
       c.fwd_only = true;
       c.t2 = dt == DT::BF16;
       c.reduction = dt == DT::F32 ? FCE_REDUCTION_NONE : dt == DT::BF16 ? FCE_REDUCTION_SUM : FCE_REDUCTION_MEAN;
       run_case(c);
     }
   for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) {
-    KdCase c{300, 640, DT::F32, div};  // -inf logits, and identical rows (exactly 0)
+    KdCase c{many_rows(300), 640, DT::F32, div};  // -inf logits, and identical rows (exactly 0)
     c.fwd_only = true;
     c.neg_inf = true;
     c.reduction = FCE_REDUCTION_NONE;
     run_case(c);
-    KdCase z{300, 4096, DT::BF16, div};
+    KdCase z{many_rows(300), 4096, DT::BF16, div};
     z.fwd_only = true;
     z.identical = true;
     z.mask = false;
     run_case(z);
   }
-  KdCase j{300, 333, DT::BF16, FCE_KD_JSD, 0.5, 2.0};
+  KdCase j{many_rows(300), 333, DT::BF16, FCE_KD_JSD, 0.5, 2.0};
   j.fwd_only = true;
   run_case(j);
   for (bool renorm : {false, true})
     for (int div : {FCE_KD_FORWARD_KL, FCE_KD_JSD}) {
-      KdCase t{300, 2053, DT::BF16, div, 0.5, 2.0};
+      KdCase t{many_rows(300), 2053, DT::BF16, div, 0.5, 2.0};
       t.K = 16;
       t.renorm = renorm;
       t.fwd_only = true;
       run_case(t);
     }
-  KdCase big{270, 129920, DT::BF16, FCE_KD_FORWARD_KL};
+  KdCase big{many_rows(270), 129920, DT::BF16, FCE_KD_FORWARD_KL};
   big.fwd_only = true;
   run_case(big);
 }
@@ -290,7 +290,7 @@ TEST(KdLoss, ForwardOnlyManyRows) {
 TEST(KdLoss, GradientManyRows) {
   for (DT dt : {DT::BF16, DT::F32})
     for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) {
-      KdCase c{150, dt == DT::BF16 ? 8200 : 4100, dt, div, 0.5, div == FCE_KD_FORWARD_KL ? 2.0 : 0.7};
+      KdCase c{many_rows(150), dt == DT::BF16 ? 8200 : 4100, dt, div, 0.5, div == FCE_KD_FORWARD_KL ? 2.0 : 0.7};
       c.same_dtype = true;
       c.t2 = dt == DT::BF16;
       c.reduction = div == FCE_KD_FORWARD_KL ? FCE_REDUCTION_MEAN : dt == DT::BF16 ? FCE_REDUCTION_SUM : FCE_REDUCTION_NONE;
@@ -298,13 +298,13 @@ TEST(KdLoss, GradientManyRows) {
       run_case(c);
     }
   for (int div : {FCE_KD_FORWARD_KL, FCE_KD_REVERSE_KL}) {
-    KdCase n{140, 8197, DT::BF16, div};
+    KdCase n{many_rows(140), 8197, DT::BF16, div};
     n.same_dtype = true;
     n.pad = 3;
     n.neg_inf = true;
     n.grad_checks = 6;
     run_case(n);
-    KdCase z{140, 8192, DT::F16, div};
+    KdCase z{many_rows(140), 8192, DT::F16, div};
     z.identical = true;
     z.mask = false;
     z.grad_checks = 4;
